@@ -1,0 +1,453 @@
+//! Ductor's configuration: one typed struct, layered
+//! built-in defaults (`config/default.toml`) → an optional file → environment.
+//!
+//! Environment variables are `DUCTOR__SECTION__KEY` (double underscores
+//! separate the path). `DATABASE_URL` and `KAFKA_BOOTSTRAP_SERVERS` are also
+//! honoured, because the local stack and docker-compose export those names;
+//! `DUCTOR__DATABASE__URL` and `DUCTOR__KAFKA__BOOTSTRAP_SERVERS` win over them.
+//!
+//! Every struct denies unknown fields, so a misspelt key is an error that names
+//! it, and [`Config::validate`] rejects values that parse but make no sense.
+//! Secrets (the database password, Kafka SASL/TLS credentials) are redacted in
+//! `Debug` output and therefore in logs.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use figment::Figment;
+use figment::providers::{Format, Serialized, Toml};
+use serde::{Deserialize, Serialize};
+
+/// The defaults, compiled in so the binary runs from any directory.
+pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
+
+/// Every error loading or validating the configuration. The message names the
+/// offending key.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("configuration file {0} does not exist")]
+    MissingFile(PathBuf),
+    #[error("invalid configuration: {0}")]
+    Parse(String),
+    #[error("invalid configuration: {key}: {message}")]
+    Invalid { key: &'static str, message: String },
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub database: DatabaseConfig,
+    pub kafka: KafkaConfig,
+    pub server: ServerConfig,
+    pub log: LogConfig,
+    pub coordinator: CoordinatorConfig,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatabaseConfig {
+    /// Postgres connection URL, `postgres://user:password@host:port/db`.
+    /// The password is redacted wherever the configuration is printed.
+    pub url: DatabaseUrl,
+    /// Upper bound on pooled connections per process.
+    pub max_connections: u32,
+    /// Connections kept open while idle.
+    pub min_connections: u32,
+    /// How long a task waits for a pooled connection before failing.
+    pub acquire_timeout_ms: u64,
+    /// `statement_timeout` set on every connection, so a stuck statement
+    /// cannot hold a batch (and its partition) forever.
+    pub statement_timeout_ms: u64,
+    /// Apply pending migrations when `serve` starts.
+    pub migrate_on_start: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaConfig {
+    /// `bootstrap.servers` for every client.
+    pub bootstrap_servers: String,
+    /// Prefix of every topic Ductor owns: `<prefix>requests`,
+    /// `<prefix>wakeups`, `<prefix>attempt-results`, `<prefix>steps.<pool>`,
+    /// `<prefix>events`, `<prefix>dlq`.
+    pub topic_prefix: String,
+    /// `client.id` prefix; each client appends its role.
+    pub client_id: String,
+    /// Consumer group of the coordinator's ingress. Every `serve` process with
+    /// the same group shares the input partitions.
+    pub group_id: String,
+    /// Partition count used by `ductor topics create`.
+    pub partitions: i32,
+    /// Replication factor used by `ductor topics create`.
+    pub replication_factor: i32,
+    /// Step pools whose `<prefix>steps.<pool>` topics `topics create` makes.
+    pub step_pools: Vec<String>,
+    /// Further topics `topics create` makes (workflow output topics).
+    pub extra_topics: Vec<String>,
+    /// `session.timeout.ms` of the consumers.
+    pub session_timeout_ms: u64,
+    /// `max.poll.interval.ms` of the consumers.
+    pub max_poll_interval_ms: u64,
+    /// `fetch.wait.max.ms` of the consumers: how long the broker may hold a
+    /// fetch open waiting for data, i.e. the idle latency floor.
+    pub fetch_max_wait_ms: u64,
+    /// `linger.ms` of the producers.
+    pub linger_ms: u64,
+    /// `message.max.bytes` of the producers.
+    pub message_max_bytes: u64,
+    /// `request.timeout.ms` of the producers.
+    pub request_timeout_ms: u64,
+    /// `delivery.timeout.ms` (`message.timeout.ms`) of the producers: how long
+    /// a publish may be retried before it is reported failed.
+    pub delivery_timeout_ms: u64,
+    /// Timeout of admin and metadata requests.
+    pub admin_timeout_ms: u64,
+    /// librdkafka properties applied to every client after Ductor's own
+    /// settings, e.g. `"security.protocol" = "SASL_SSL"`. Values of keys that
+    /// look secret are redacted in logs.
+    pub properties: KafkaProperties,
+    /// librdkafka properties for consumers only.
+    pub consumer_properties: KafkaProperties,
+    /// librdkafka properties for producers only.
+    pub producer_properties: KafkaProperties,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Address of the HTTP listener (`/healthz`, `/readyz`, `/metrics`).
+    pub listen: SocketAddr,
+    /// After SIGINT/SIGTERM, how long in-flight work may take to finish
+    /// before the process exits anyway.
+    pub shutdown_grace_ms: u64,
+    /// Bound on each dependency check of `/readyz`.
+    pub readiness_timeout_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    /// `text` (readable) or `json` (one object per line).
+    pub format: LogFormat,
+    /// A `tracing` filter, e.g. `info` or `ductor=debug,rdkafka=warn`.
+    /// `RUST_LOG` overrides it when set.
+    pub filter: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CoordinatorConfig {
+    /// Directory of workflow definitions (`*.toml`, one workflow each).
+    pub workflows_dir: PathBuf,
+    /// Most inputs applied in one Postgres transaction.
+    pub batch_max_inputs: usize,
+    /// How long the ingress waits to fill a batch once it has one input.
+    pub batch_linger_ms: u64,
+    /// Inputs larger than this go to the dead-letter topic.
+    pub max_input_bytes: usize,
+    /// Times a batch is recomputed after losing an optimistic-lock race
+    /// before the batch fails (and is retried from Kafka).
+    pub conflict_retries: u32,
+    /// Bound on error messages written to dead-letter headers.
+    pub max_error_message_bytes: usize,
+}
+
+impl Config {
+    /// Loads defaults, then `file` if given, then the environment.
+    pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
+        Self::load_from(file, std::env::vars())
+    }
+
+    /// [`Config::load`] with an explicit environment, for tests.
+    pub fn load_from(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigError> {
+        let mut figment = Figment::new().merge(Toml::string(DEFAULT_TOML));
+        if let Some(path) = file {
+            if !path.exists() {
+                return Err(ConfigError::MissingFile(path.to_path_buf()));
+            }
+            figment = figment.merge(Toml::file_exact(path));
+        }
+        let env: Vec<(String, String)> = env.into_iter().collect();
+        let plain = |name: &str| {
+            env.iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+                .filter(|v| !v.is_empty())
+        };
+        if let Some(url) = plain("DATABASE_URL") {
+            figment = figment.merge(Serialized::default("database.url", url));
+        }
+        if let Some(servers) = plain("KAFKA_BOOTSTRAP_SERVERS") {
+            figment = figment.merge(Serialized::default("kafka.bootstrap_servers", servers));
+        }
+        for (name, value) in &env {
+            let Some(path) = name.strip_prefix("DUCTOR__") else {
+                continue;
+            };
+            let key = path
+                .split("__")
+                .map(str::to_ascii_lowercase)
+                .collect::<Vec<_>>()
+                .join(".");
+            figment = figment.merge(Serialized::default(&key, env_value(value)));
+        }
+        let config: Config = figment
+            .extract()
+            .map_err(|e| ConfigError::Parse(flatten_figment_error(e)))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Rejects values that deserialize but cannot work.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        fn invalid(key: &'static str, message: impl Into<String>) -> ConfigError {
+            ConfigError::Invalid {
+                key,
+                message: message.into(),
+            }
+        }
+        url::Url::parse(self.database.url.expose())
+            .ok()
+            .filter(|u| matches!(u.scheme(), "postgres" | "postgresql"))
+            .ok_or_else(|| invalid("database.url", "must be a postgres:// URL"))?;
+        if self.database.max_connections == 0 {
+            return Err(invalid("database.max_connections", "must be at least 1"));
+        }
+        if self.database.min_connections > self.database.max_connections {
+            return Err(invalid(
+                "database.min_connections",
+                "must not exceed database.max_connections",
+            ));
+        }
+        if self.kafka.bootstrap_servers.trim().is_empty() {
+            return Err(invalid("kafka.bootstrap_servers", "must not be empty"));
+        }
+        if !valid_topic_chars(&self.kafka.topic_prefix) {
+            return Err(invalid(
+                "kafka.topic_prefix",
+                "may contain only ASCII letters, digits, '.', '_' and '-'",
+            ));
+        }
+        if self.kafka.group_id.trim().is_empty() {
+            return Err(invalid("kafka.group_id", "must not be empty"));
+        }
+        if self.kafka.partitions < 1 {
+            return Err(invalid("kafka.partitions", "must be at least 1"));
+        }
+        if self.kafka.replication_factor < 1 {
+            return Err(invalid("kafka.replication_factor", "must be at least 1"));
+        }
+        if let Some(pool) = self
+            .kafka
+            .step_pools
+            .iter()
+            .find(|p| p.is_empty() || !valid_topic_chars(p))
+        {
+            return Err(invalid(
+                "kafka.step_pools",
+                format!("pool name {pool:?} is not a valid topic suffix"),
+            ));
+        }
+        if let Some(topic) = self
+            .kafka
+            .extra_topics
+            .iter()
+            .find(|t| t.is_empty() || !valid_topic_chars(t))
+        {
+            return Err(invalid(
+                "kafka.extra_topics",
+                format!("{topic:?} is not a valid topic name"),
+            ));
+        }
+        if self.coordinator.batch_max_inputs == 0 || self.coordinator.batch_max_inputs > 10_000 {
+            return Err(invalid(
+                "coordinator.batch_max_inputs",
+                "must be between 1 and 10000",
+            ));
+        }
+        if self.coordinator.max_input_bytes == 0 {
+            return Err(invalid("coordinator.max_input_bytes", "must be at least 1"));
+        }
+        if self.coordinator.max_error_message_bytes < 32 {
+            return Err(invalid(
+                "coordinator.max_error_message_bytes",
+                "must be at least 32",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Full name of one of Ductor's own topics.
+    pub fn topic(&self, suffix: &str) -> String {
+        format!("{}{}", self.kafka.topic_prefix, suffix)
+    }
+
+    pub fn requests_topic(&self) -> String {
+        self.topic("requests")
+    }
+
+    pub fn wakeups_topic(&self) -> String {
+        self.topic("wakeups")
+    }
+
+    pub fn attempt_results_topic(&self) -> String {
+        self.topic("attempt-results")
+    }
+
+    pub fn events_topic(&self) -> String {
+        self.topic("events")
+    }
+
+    pub fn dlq_topic(&self) -> String {
+        self.topic("dlq")
+    }
+
+    pub fn steps_topic(&self, pool: &str) -> String {
+        self.topic(&format!("steps.{pool}"))
+    }
+
+    /// Every topic `ductor topics create` makes.
+    pub fn all_topics(&self) -> Vec<String> {
+        let mut topics = vec![
+            self.requests_topic(),
+            self.wakeups_topic(),
+            self.attempt_results_topic(),
+            self.events_topic(),
+            self.dlq_topic(),
+        ];
+        topics.extend(self.kafka.step_pools.iter().map(|p| self.steps_topic(p)));
+        topics.extend(self.kafka.extra_topics.iter().cloned());
+        topics.sort();
+        topics.dedup();
+        topics
+    }
+}
+
+/// Reads an environment value as a TOML value where it parses as one
+/// (`5000`, `true`, `["a", "b"]`), otherwise as a plain string, so that
+/// `DUCTOR__LOG__FILTER=info` needs no quotes.
+fn env_value(raw: &str) -> toml::Value {
+    toml::from_str::<toml::Table>(&format!("v = {raw}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.to_string()))
+}
+
+fn valid_topic_chars(s: &str) -> bool {
+    s.len() <= 200
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+fn flatten_figment_error(error: figment::Error) -> String {
+    error
+        .into_iter()
+        .map(|e| {
+            let key = if e.path.is_empty() {
+                String::new()
+            } else {
+                format!("{}: ", e.path.join("."))
+            };
+            let source = e
+                .metadata
+                .as_ref()
+                .map(|m| format!(" (from {})", m.name))
+                .unwrap_or_default();
+            format!("{key}{}{source}", e.kind)
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// A Postgres URL whose password never reaches `Debug` or `Display`.
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct DatabaseUrl(String);
+
+impl DatabaseUrl {
+    pub fn new(url: impl Into<String>) -> Self {
+        Self(url.into())
+    }
+
+    /// The URL with its password, for connecting. Never log this.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// The URL with the password replaced, safe to log.
+    pub fn redacted(&self) -> String {
+        match url::Url::parse(&self.0) {
+            Ok(mut u) => {
+                if u.password().is_some() {
+                    let _ = u.set_password(Some("[redacted]"));
+                }
+                u.to_string()
+            }
+            Err(_) => "[unparseable url redacted]".to_string(),
+        }
+    }
+}
+
+impl fmt::Debug for DatabaseUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.redacted())
+    }
+}
+
+impl fmt::Display for DatabaseUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.redacted())
+    }
+}
+
+/// librdkafka properties passed through verbatim. `Debug` redacts values of
+/// keys that carry credentials.
+#[derive(Clone, Default, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct KafkaProperties(pub BTreeMap<String, String>);
+
+impl KafkaProperties {
+    pub fn is_secret_key(key: &str) -> bool {
+        let key = key.to_ascii_lowercase();
+        [
+            "password",
+            "secret",
+            "jaas",
+            "token",
+            "ssl.key.pem",
+            "private",
+        ]
+        .iter()
+        .any(|needle| key.contains(needle))
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &String)> {
+        self.0.iter()
+    }
+}
+
+impl fmt::Debug for KafkaProperties {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut map = f.debug_map();
+        for (k, v) in &self.0 {
+            if Self::is_secret_key(k) {
+                map.entry(k, &"[redacted]");
+            } else {
+                map.entry(k, v);
+            }
+        }
+        map.finish()
+    }
+}

@@ -1,0 +1,279 @@
+//! Workflow definitions: the typed, validated form of `config/workflows/*.toml`.
+//!
+//! Everything here is pure: parsing files is the job of `crate::workflows`.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Longest workflow, step or pool name.
+pub const MAX_NAME_LEN: usize = 100;
+/// Most steps one workflow may declare.
+pub const MAX_STEPS: usize = 64;
+/// Longest step timeout (one day).
+pub const MAX_TIMEOUT_MS: u64 = 86_400_000;
+/// Most attempts one step may be given.
+pub const MAX_ATTEMPTS_LIMIT: u32 = 100;
+/// Longest retry backoff (one day).
+pub const MAX_BACKOFF_LIMIT_MS: u64 = 86_400_000;
+/// Longest Kafka topic name the broker accepts.
+pub const MAX_TOPIC_LEN: usize = 249;
+
+/// One versioned workflow: an ordered list of steps.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkflowDefinition {
+    /// Workflow name, `[A-Za-z0-9_.-]{1,100}`; start requests refer to it.
+    pub name: String,
+    /// Version, >= 1; a start request without a version gets the latest.
+    pub version: u32,
+    /// Steps, run in order; the output of one is the input of the next.
+    pub steps: Vec<StepDefinition>,
+    /// Topic that receives the run's final output, if any.
+    #[serde(default)]
+    pub output_topic: Option<String>,
+}
+
+/// One step of a workflow.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StepDefinition {
+    /// Step name, unique within the workflow.
+    pub name: String,
+    /// Worker pool; attempts are published to `ductor.steps.<pool>`.
+    pub pool: String,
+    /// How long one attempt may take before it is abandoned (timed out).
+    pub timeout_ms: u64,
+    /// Retry policy for failed and timed-out attempts.
+    #[serde(default)]
+    pub retry: RetryPolicy,
+}
+
+/// Retry policy of one step: bounded attempts, exponential backoff with jitter.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryPolicy {
+    /// Attempts in total, including the first (1 = never retry).
+    pub max_attempts: u32,
+    /// Backoff after the first failed attempt.
+    pub initial_backoff_ms: u64,
+    /// Upper bound of any backoff.
+    pub max_backoff_ms: u64,
+    /// Growth factor of the backoff per failed attempt, >= 1.0.
+    pub multiplier: f64,
+    /// Fraction in [0, 1] by which a backoff may be shortened at random.
+    pub jitter: f64,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            max_attempts: 3,
+            initial_backoff_ms: 200,
+            max_backoff_ms: 10_000,
+            multiplier: 2.0,
+            jitter: 0.2,
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// Backoff before the attempt after `failed_attempt` (1-based).
+    ///
+    /// `base = min(max, initial * multiplier^(failed_attempt - 1))`, then shortened by
+    /// `jitter * jitter_unit` (`jitter_unit` in `[0, 1)`, supplied by the caller). The
+    /// result never exceeds `max_backoff_ms` and is never below `base * (1 - jitter)`.
+    /// Total: out-of-range or NaN arguments are clamped, never panic.
+    pub fn backoff_ms(&self, failed_attempt: u32, jitter_unit: f64) -> u64 {
+        let max = self.max_backoff_ms as f64;
+        // powi takes i32; anything past 1024 doublings is already infinite.
+        let exponent = failed_attempt.saturating_sub(1).min(1024) as i32;
+        let raw = self.initial_backoff_ms as f64 * self.multiplier.powi(exponent);
+        // f64::min returns the non-NaN operand, so NaN and +inf both become `max`.
+        let base = raw.min(max).max(0.0);
+        let jitter = clamp_unit(self.jitter);
+        let unit = clamp_unit(jitter_unit);
+        let lowest = (base * (1.0 - jitter)).ceil().min(max);
+        let value = (base * (1.0 - jitter * unit)).round();
+        value.clamp(lowest, max) as u64
+    }
+}
+
+fn clamp_unit(x: f64) -> f64 {
+    if x.is_nan() { 0.0 } else { x.clamp(0.0, 1.0) }
+}
+
+/// A definition that does not validate: `field` is a path such as
+/// `steps[1].retry.multiplier`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct DefinitionError {
+    pub field: String,
+    pub message: String,
+}
+
+impl DefinitionError {
+    fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// `[A-Za-z0-9_.-]{1,max}`: the characters Kafka allows in a topic name.
+pub(crate) fn is_name(s: &str, max: usize) -> bool {
+    !s.is_empty()
+        && s.len() <= max
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+}
+
+/// A legal Kafka topic name (`.` and `..` are reserved by the broker).
+pub(crate) fn is_topic(s: &str) -> bool {
+    is_name(s, MAX_TOPIC_LEN) && s != "." && s != ".."
+}
+
+impl WorkflowDefinition {
+    /// Checks every bound; the first violation names its field.
+    pub fn validate(&self) -> Result<(), DefinitionError> {
+        if !is_name(&self.name, MAX_NAME_LEN) {
+            return Err(DefinitionError::new(
+                "name",
+                "must be 1 to 100 characters of [A-Za-z0-9_.-]",
+            ));
+        }
+        if self.version < 1 {
+            return Err(DefinitionError::new("version", "must be >= 1"));
+        }
+        if self.steps.is_empty() || self.steps.len() > MAX_STEPS {
+            return Err(DefinitionError::new(
+                "steps",
+                format!("must declare 1 to {MAX_STEPS} steps"),
+            ));
+        }
+        for (i, step) in self.steps.iter().enumerate() {
+            step.validate(&format!("steps[{i}]"))?;
+            if self.steps[..i].iter().any(|s| s.name == step.name) {
+                return Err(DefinitionError::new(
+                    format!("steps[{i}].name"),
+                    format!("duplicate step name \"{}\"", step.name),
+                ));
+            }
+        }
+        if let Some(topic) = &self.output_topic
+            && !is_topic(topic)
+        {
+            return Err(DefinitionError::new(
+                "output_topic",
+                "must be a Kafka topic name: 1 to 249 characters of [A-Za-z0-9._-]",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl StepDefinition {
+    fn validate(&self, at: &str) -> Result<(), DefinitionError> {
+        if !is_name(&self.name, MAX_NAME_LEN) {
+            return Err(DefinitionError::new(
+                format!("{at}.name"),
+                "must be 1 to 100 characters of [A-Za-z0-9_.-]",
+            ));
+        }
+        if !is_name(&self.pool, MAX_NAME_LEN) {
+            return Err(DefinitionError::new(
+                format!("{at}.pool"),
+                "must be 1 to 100 characters of [A-Za-z0-9._-]",
+            ));
+        }
+        if !(1..=MAX_TIMEOUT_MS).contains(&self.timeout_ms) {
+            return Err(DefinitionError::new(
+                format!("{at}.timeout_ms"),
+                format!("must be in 1..={MAX_TIMEOUT_MS}"),
+            ));
+        }
+        self.retry.validate(&format!("{at}.retry"))
+    }
+}
+
+impl RetryPolicy {
+    fn validate(&self, at: &str) -> Result<(), DefinitionError> {
+        let err = |field: &str, message: String| {
+            Err(DefinitionError::new(format!("{at}.{field}"), message))
+        };
+        if !(1..=MAX_ATTEMPTS_LIMIT).contains(&self.max_attempts) {
+            return err(
+                "max_attempts",
+                format!("must be in 1..={MAX_ATTEMPTS_LIMIT}"),
+            );
+        }
+        if self.max_backoff_ms > MAX_BACKOFF_LIMIT_MS {
+            return err(
+                "max_backoff_ms",
+                format!("must be <= {MAX_BACKOFF_LIMIT_MS}"),
+            );
+        }
+        if self.initial_backoff_ms > self.max_backoff_ms {
+            return err("initial_backoff_ms", "must be <= max_backoff_ms".to_owned());
+        }
+        if !self.multiplier.is_finite() || self.multiplier < 1.0 {
+            return err("multiplier", "must be >= 1.0".to_owned());
+        }
+        if !(0.0..=1.0).contains(&self.jitter) {
+            return err("jitter", "must be in [0, 1]".to_owned());
+        }
+        Ok(())
+    }
+}
+
+/// The validated workflow definitions a coordinator knows, by name and version.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Workflows {
+    by_name: BTreeMap<String, BTreeMap<u32, WorkflowDefinition>>,
+}
+
+impl Workflows {
+    /// Validates every definition; a repeated `(name, version)` is an error.
+    pub fn new(definitions: Vec<WorkflowDefinition>) -> Result<Self, DefinitionError> {
+        let mut by_name: BTreeMap<String, BTreeMap<u32, WorkflowDefinition>> = BTreeMap::new();
+        for def in definitions {
+            def.validate()?;
+            let versions = by_name.entry(def.name.clone()).or_default();
+            if versions.contains_key(&def.version) {
+                return Err(DefinitionError::new(
+                    "version",
+                    format!(
+                        "workflow \"{}\" version {} is defined twice",
+                        def.name, def.version
+                    ),
+                ));
+            }
+            versions.insert(def.version, def);
+        }
+        Ok(Self { by_name })
+    }
+
+    /// The definition of exactly this version.
+    pub fn get(&self, name: &str, version: u32) -> Option<&WorkflowDefinition> {
+        self.by_name.get(name)?.get(&version)
+    }
+
+    /// The highest version of `name`.
+    pub fn latest(&self, name: &str) -> Option<&WorkflowDefinition> {
+        self.by_name.get(name)?.values().next_back()
+    }
+
+    /// Every definition, ordered by name then version.
+    pub fn iter(&self) -> impl Iterator<Item = &WorkflowDefinition> {
+        self.by_name.values().flat_map(BTreeMap::values)
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_name.values().map(BTreeMap::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_name.is_empty()
+    }
+}

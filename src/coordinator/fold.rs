@@ -1,0 +1,749 @@
+//! The fold: `(run state, input, definitions, now, entropy) -> Decision`.
+//!
+//! Pure and total: no I/O, no clock, no randomness of its own (the caller supplies
+//! `now` and one [`Entropy`] per call), never panics. A NoOp or Rejection leaves the
+//! state untouched (the fold only borrows it); a Transition carries the whole new
+//! state plus the rows and effects the store commits with it in one transaction.
+
+use chrono::{DateTime, SecondsFormat, TimeDelta, Utc};
+use serde_json::{Map, Value, json};
+use uuid::Uuid;
+
+use super::definition::{StepDefinition, WorkflowDefinition, Workflows};
+use super::input::{
+    AttemptOutcome, AttemptResult, CancelWakeup, Input, RunStart, SCHEMA_VERSION, SignalWakeup,
+    TimerKind, TimerWakeup, truncate,
+};
+use super::state::{
+    AttemptRecord, AttemptStatus, MAX_SIGNALS_PER_RUN, Outstanding, PendingRetry, RunState,
+    RunStatus, SignalRecord,
+};
+
+/// CloudEvents type of the lifecycle event every transition publishes to `ductor.events`.
+pub const CE_RUN_EVENT: &str = "ductor.run.event";
+/// CloudEvents type of an attempt published to `ductor.steps.<pool>`.
+pub const CE_STEP_DISPATCH: &str = "ductor.step.dispatch";
+/// CloudEvents type of a durable timer published to the wakeups topic at `not_before`.
+pub const CE_WAKEUP_TIMER: &str = "ductor.wakeup.timer";
+/// CloudEvents type of a run's final output published to the workflow's output topic.
+pub const CE_RUN_OUTPUT: &str = "ductor.run.output";
+/// Longest error text copied into a transition's `detail`.
+pub const MAX_DETAIL_ERROR_LEN: usize = 256;
+
+/// Fresh randomness supplied by the caller: at most one stamp and one jitter are used
+/// per transition. `stamp` must be new to the run; `jitter_unit` is in `[0, 1)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Entropy {
+    pub stamp: Uuid,
+    pub jitter_unit: f64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Decision {
+    /// Nothing to write: a duplicate, stale or late input.
+    NoOp(NoOpReason),
+    /// One state change with everything to commit alongside it.
+    Transition(Box<Transition>),
+    /// The input cannot apply to this run; nothing to write (dead-letter or log it).
+    Rejection(Rejection),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NoOpReason {
+    DuplicateStart,
+    DuplicateResult,
+    /// A late result of an abandoned (timed-out or cancelled) attempt.
+    StaleResult,
+    /// A timer for something no longer pending.
+    DuplicateTimer,
+    DuplicateSignal,
+    /// Any non-duplicate input to a finished run, including a second cancel.
+    RunTerminal,
+}
+
+impl NoOpReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NoOpReason::DuplicateStart => "duplicate_start",
+            NoOpReason::DuplicateResult => "duplicate_result",
+            NoOpReason::StaleResult => "stale_result",
+            NoOpReason::DuplicateTimer => "duplicate_timer",
+            NoOpReason::DuplicateSignal => "duplicate_signal",
+            NoOpReason::RunTerminal => "run_terminal",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection {
+    pub class: RejectionClass,
+    /// Bounded; names the offending field, never echoes payloads.
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RejectionClass {
+    UnknownRun,
+    TenantMismatch,
+    UnknownStamp,
+    UnknownWorkflow,
+    TooManySignals,
+}
+
+impl RejectionClass {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectionClass::UnknownRun => "unknown_run",
+            RejectionClass::TenantMismatch => "tenant_mismatch",
+            RejectionClass::UnknownStamp => "unknown_stamp",
+            RejectionClass::UnknownWorkflow => "unknown_workflow",
+            RejectionClass::TooManySignals => "too_many_signals",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Transition {
+    /// The new state: `last_transition_seq = old + 1` (1 for a start), `updated_at = now`.
+    pub state: RunState,
+    pub record: TransitionRecord,
+    pub attempt_writes: Vec<AttemptWrite>,
+    /// In publication order: the `ductor.events` lifecycle event is always first.
+    pub effects: Vec<Effect>,
+}
+
+/// The append-only history row of one transition.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TransitionRecord {
+    pub seq: i64,
+    /// [`Input::dedup_ref`] of the input that caused it.
+    pub input_ref: String,
+    /// One of the `KIND_*` constants.
+    pub kind: String,
+    /// `None` for the transition that created the run.
+    pub from_status: Option<RunStatus>,
+    pub to_status: RunStatus,
+    /// The run's step index after the transition.
+    pub step_index: u32,
+    pub at: DateTime<Utc>,
+    /// Small JSON with the specifics (stamps, bounded error text, retry due time).
+    pub detail: Value,
+}
+
+pub const KIND_RUN_STARTED: &str = "run.started";
+pub const KIND_STEP_SUCCEEDED: &str = "step.succeeded";
+pub const KIND_STEP_RETRY_SCHEDULED: &str = "step.retry_scheduled";
+pub const KIND_STEP_TIMED_OUT: &str = "step.timed_out";
+pub const KIND_STEP_RETRIED: &str = "step.retried";
+pub const KIND_RUN_SUCCEEDED: &str = "run.succeeded";
+pub const KIND_RUN_FAILED: &str = "run.failed";
+pub const KIND_RUN_SIGNALLED: &str = "run.signalled";
+pub const KIND_RUN_CANCELLED: &str = "run.cancelled";
+
+/// A row change in the attempts table, mirroring `RunState::attempts`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AttemptWrite {
+    Insert(AttemptRecord),
+    Finish {
+        stamp: Uuid,
+        status: AttemptStatus,
+        finished_at: DateTime<Utc>,
+        error: Option<String>,
+    },
+}
+
+/// A side effect as data; the store writes it as an outbox intent.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Effect {
+    pub target: EffectTarget,
+    /// One of the `CE_*` constants.
+    pub ce_type: String,
+    pub payload: Value,
+    /// Publish no earlier than this (durable timers); `None` = as soon as committed.
+    pub not_before: Option<DateTime<Utc>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum EffectTarget {
+    /// `ductor.steps.<pool>`.
+    StepQueue { pool: String },
+    /// `ductor.events`.
+    Events,
+    /// The wakeups input topic (timers).
+    Wakeups,
+    /// A workflow's `output_topic`, used verbatim.
+    Output { topic: String },
+}
+
+/// Folds one input into a run. See the module docs of `crate::coordinator`.
+pub fn fold(
+    state: Option<&RunState>,
+    input: &Input,
+    workflows: &Workflows,
+    now: DateTime<Utc>,
+    entropy: &Entropy,
+) -> Decision {
+    let Some(state) = state else {
+        return match input {
+            Input::Start(start) => on_start(start, workflows, now, entropy),
+            _ => reject(RejectionClass::UnknownRun, "run does not exist"),
+        };
+    };
+    if state.run_id != input.run_id() {
+        return reject(
+            RejectionClass::UnknownRun,
+            "input names a different run than the state",
+        );
+    }
+    if state.tenant != input.tenant() {
+        return reject(
+            RejectionClass::TenantMismatch,
+            "tenant does not match the run's tenant",
+        );
+    }
+    let ctx = Ctx {
+        state,
+        input,
+        workflows,
+        now,
+        entropy,
+    };
+    match input {
+        Input::Start(_) => Decision::NoOp(NoOpReason::DuplicateStart),
+        Input::Result(result) => ctx.on_result(result),
+        Input::Timer(timer) => ctx.on_timer(timer),
+        Input::Signal(signal) => ctx.on_signal(signal),
+        Input::Cancel(cancel) => ctx.on_cancel(cancel),
+    }
+}
+
+fn reject(class: RejectionClass, message: impl Into<String>) -> Decision {
+    Decision::Rejection(Rejection {
+        class,
+        message: truncate(message.into(), 512),
+    })
+}
+
+fn on_start(
+    start: &RunStart,
+    workflows: &Workflows,
+    now: DateTime<Utc>,
+    entropy: &Entropy,
+) -> Decision {
+    let def = match start.workflow_version {
+        Some(v) => workflows.get(&start.workflow, v),
+        None => workflows.latest(&start.workflow),
+    };
+    let Some(def) = def else {
+        return reject(
+            RejectionClass::UnknownWorkflow,
+            format!(
+                "workflow {:?} version {} is not defined",
+                start.workflow,
+                start
+                    .workflow_version
+                    .map_or("latest".to_owned(), |v| v.to_string())
+            ),
+        );
+    };
+    let state = RunState {
+        run_id: start.run_id.clone(),
+        tenant: start.tenant.clone(),
+        pool: start.pool.clone(),
+        workflow: def.name.clone(),
+        workflow_version: def.version,
+        status: RunStatus::Running,
+        step_index: 0,
+        attempt: 1,
+        input: start.input.clone(),
+        outputs: Vec::new(),
+        outstanding: None,
+        pending_retry: None,
+        attempts: Vec::new(),
+        signals: Vec::new(),
+        correlation_id: start.correlation_id.clone(),
+        error: None,
+        record_version: 0,
+        last_transition_seq: 0,
+        created_at: now,
+        updated_at: now,
+    };
+    let mut b = Builder::new(state, None, now, entropy);
+    let Some(stamp) = b.dispatch(def, 0, 1) else {
+        return reject(RejectionClass::UnknownWorkflow, "workflow has no steps");
+    };
+    b.detail("workflow", def.name.clone().into());
+    b.detail("workflow_version", def.version.into());
+    b.detail("stamp", stamp.to_string().into());
+    b.finish(KIND_RUN_STARTED, "start".to_owned())
+}
+
+/// The borrowed arguments of one fold over an existing run.
+struct Ctx<'a> {
+    state: &'a RunState,
+    input: &'a Input,
+    workflows: &'a Workflows,
+    now: DateTime<Utc>,
+    entropy: &'a Entropy,
+}
+
+impl Ctx<'_> {
+    fn builder(&self) -> Builder<'_> {
+        Builder::new(
+            self.state.clone(),
+            Some(self.state.status),
+            self.now,
+            self.entropy,
+        )
+    }
+
+    fn definition(&self) -> Result<&WorkflowDefinition, Decision> {
+        let s = self.state;
+        self.workflows
+            .get(&s.workflow, s.workflow_version)
+            .ok_or_else(|| {
+                reject(
+                    RejectionClass::UnknownWorkflow,
+                    format!(
+                        "workflow {:?} version {} is not defined",
+                        s.workflow, s.workflow_version
+                    ),
+                )
+            })
+    }
+
+    /// The attempt this stamp names if it is the one outstanding on a running run.
+    fn is_outstanding(&self, stamp: Uuid) -> bool {
+        !self.state.status.is_terminal()
+            && self
+                .state
+                .outstanding
+                .as_ref()
+                .is_some_and(|o| o.stamp == stamp)
+    }
+
+    fn on_result(&self, result: &AttemptResult) -> Decision {
+        let Some(attempt) = self.state.attempt_by_stamp(result.stamp) else {
+            return reject(
+                RejectionClass::UnknownStamp,
+                "stamp names no attempt of this run",
+            );
+        };
+        if !self.is_outstanding(result.stamp) || attempt.status != AttemptStatus::Dispatched {
+            return Decision::NoOp(match attempt.status {
+                AttemptStatus::Succeeded | AttemptStatus::Failed => NoOpReason::DuplicateResult,
+                AttemptStatus::Dispatched | AttemptStatus::TimedOut | AttemptStatus::Cancelled => {
+                    NoOpReason::StaleResult
+                }
+            });
+        }
+        let def = match self.definition() {
+            Ok(def) => def,
+            Err(rejection) => return rejection,
+        };
+        match &result.outcome {
+            AttemptOutcome::Succeeded { output } => self.on_success(def, attempt, output),
+            AttemptOutcome::Failed { message, retryable } => {
+                let mut b = self.builder();
+                b.finish_attempt(attempt.stamp, AttemptStatus::Failed, Some(message.clone()));
+                let error = format!(
+                    "step {} attempt {} failed: {message}",
+                    attempt.step_index, attempt.attempt
+                );
+                let kind =
+                    b.after_failure(def, attempt, error, *retryable, KIND_STEP_RETRY_SCHEDULED);
+                b.finish(kind, self.input.dedup_ref())
+            }
+        }
+    }
+
+    fn on_success(
+        &self,
+        def: &WorkflowDefinition,
+        attempt: &AttemptRecord,
+        output: &Value,
+    ) -> Decision {
+        let mut b = self.builder();
+        b.finish_attempt(attempt.stamp, AttemptStatus::Succeeded, None);
+        b.state.outputs.push(output.clone());
+        b.detail("stamp", attempt.stamp.to_string().into());
+        b.detail("completed_step", attempt.step_index.into());
+        let next = attempt.step_index.saturating_add(1);
+        if (next as usize) < def.steps.len() {
+            let Some(stamp) = b.dispatch(def, next, 1) else {
+                return reject(
+                    RejectionClass::UnknownWorkflow,
+                    "workflow has fewer steps than the run",
+                );
+            };
+            b.detail("next_stamp", stamp.to_string().into());
+            return b.finish(KIND_STEP_SUCCEEDED, self.input.dedup_ref());
+        }
+        b.state.status = RunStatus::Succeeded;
+        if let Some(topic) = &def.output_topic {
+            let s = &b.state;
+            let payload = json!({
+                "type": "run.output",
+                "schema_version": SCHEMA_VERSION,
+                "run_id": s.run_id,
+                "tenant": s.tenant,
+                "workflow": s.workflow,
+                "output": output,
+            });
+            b.effects.push(Effect {
+                target: EffectTarget::Output {
+                    topic: topic.clone(),
+                },
+                ce_type: CE_RUN_OUTPUT.to_owned(),
+                payload,
+                not_before: None,
+            });
+        }
+        b.finish(KIND_RUN_SUCCEEDED, self.input.dedup_ref())
+    }
+
+    fn on_timer(&self, timer: &TimerWakeup) -> Decision {
+        let Some(attempt) = self.state.attempt_by_stamp(timer.stamp) else {
+            return reject(
+                RejectionClass::UnknownStamp,
+                "stamp names no attempt of this run",
+            );
+        };
+        let due = match timer.timer {
+            TimerKind::Timeout => {
+                self.is_outstanding(timer.stamp) && attempt.status == AttemptStatus::Dispatched
+            }
+            TimerKind::Retry => {
+                !self.state.status.is_terminal()
+                    && self
+                        .state
+                        .pending_retry
+                        .as_ref()
+                        .is_some_and(|p| p.after_stamp == timer.stamp)
+            }
+        };
+        if !due {
+            return Decision::NoOp(NoOpReason::DuplicateTimer);
+        }
+        let def = match self.definition() {
+            Ok(def) => def,
+            Err(rejection) => return rejection,
+        };
+        let mut b = self.builder();
+        match timer.timer {
+            TimerKind::Timeout => {
+                let timeout_ms = step(def, attempt.step_index).map_or(0, |s| s.timeout_ms);
+                let error = format!(
+                    "step {} attempt {} timed out after {timeout_ms} ms",
+                    attempt.step_index, attempt.attempt
+                );
+                b.finish_attempt(attempt.stamp, AttemptStatus::TimedOut, Some(error.clone()));
+                let kind = b.after_failure(def, attempt, error, true, KIND_STEP_TIMED_OUT);
+                b.finish(kind, self.input.dedup_ref())
+            }
+            TimerKind::Retry => {
+                let next_attempt = self.state.attempt.saturating_add(1);
+                let Some(stamp) = b.dispatch(def, self.state.step_index, next_attempt) else {
+                    return reject(
+                        RejectionClass::UnknownWorkflow,
+                        "workflow has fewer steps than the run",
+                    );
+                };
+                b.detail("after_stamp", timer.stamp.to_string().into());
+                b.detail("stamp", stamp.to_string().into());
+                b.finish(KIND_STEP_RETRIED, self.input.dedup_ref())
+            }
+        }
+    }
+
+    fn on_signal(&self, signal: &SignalWakeup) -> Decision {
+        let s = self.state;
+        if s.status.is_terminal() {
+            return Decision::NoOp(NoOpReason::RunTerminal);
+        }
+        if s.signals.iter().any(|r| r.signal_id == signal.signal_id) {
+            return Decision::NoOp(NoOpReason::DuplicateSignal);
+        }
+        if s.signals.len() >= MAX_SIGNALS_PER_RUN {
+            return reject(
+                RejectionClass::TooManySignals,
+                format!("run already holds {MAX_SIGNALS_PER_RUN} signals"),
+            );
+        }
+        let mut b = self.builder();
+        b.state.signals.push(SignalRecord {
+            signal_id: signal.signal_id.clone(),
+            name: signal.name.clone(),
+            payload: signal.payload.clone(),
+            received_at: self.now,
+        });
+        b.detail("signal_id", signal.signal_id.clone().into());
+        b.detail("name", signal.name.clone().into());
+        b.finish(KIND_RUN_SIGNALLED, self.input.dedup_ref())
+    }
+
+    fn on_cancel(&self, cancel: &CancelWakeup) -> Decision {
+        if self.state.status.is_terminal() {
+            return Decision::NoOp(NoOpReason::RunTerminal);
+        }
+        let mut b = self.builder();
+        let reason = cancel
+            .reason
+            .clone()
+            .unwrap_or_else(|| "cancelled".to_owned());
+        if let Some(outstanding) = self.state.outstanding.as_ref() {
+            b.detail("stamp", outstanding.stamp.to_string().into());
+            b.finish_attempt(
+                outstanding.stamp,
+                AttemptStatus::Cancelled,
+                Some(reason.clone()),
+            );
+        }
+        b.state.pending_retry = None;
+        b.state.status = RunStatus::Cancelled;
+        b.detail(
+            "reason",
+            truncate(reason.clone(), MAX_DETAIL_ERROR_LEN).into(),
+        );
+        b.state.error = Some(reason);
+        b.finish(KIND_RUN_CANCELLED, self.input.dedup_ref())
+    }
+}
+
+fn step(def: &WorkflowDefinition, index: u32) -> Option<&StepDefinition> {
+    def.steps.get(usize::try_from(index).ok()?)
+}
+
+/// `t + ms`, saturating at the largest representable time.
+fn add_ms(t: DateTime<Utc>, ms: u64) -> DateTime<Utc> {
+    TimeDelta::try_milliseconds(i64::try_from(ms).unwrap_or(i64::MAX))
+        .and_then(|d| t.checked_add_signed(d))
+        .unwrap_or(DateTime::<Utc>::MAX_UTC)
+}
+
+/// RFC 3339 with milliseconds and `Z`, as used in every payload.
+pub fn rfc3339(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(SecondsFormat::Millis, true)
+}
+
+/// Accumulates one transition: the new state, attempt writes, effects after the event.
+struct Builder<'a> {
+    state: RunState,
+    from_status: Option<RunStatus>,
+    now: DateTime<Utc>,
+    entropy: &'a Entropy,
+    attempt_writes: Vec<AttemptWrite>,
+    effects: Vec<Effect>,
+    detail: Map<String, Value>,
+}
+
+impl<'a> Builder<'a> {
+    fn new(
+        state: RunState,
+        from_status: Option<RunStatus>,
+        now: DateTime<Utc>,
+        entropy: &'a Entropy,
+    ) -> Self {
+        Self {
+            state,
+            from_status,
+            now,
+            entropy,
+            attempt_writes: Vec::new(),
+            effects: Vec::new(),
+            detail: Map::new(),
+        }
+    }
+
+    fn detail(&mut self, key: &str, value: Value) {
+        self.detail.insert(key.to_owned(), value);
+    }
+
+    /// Dispatches `attempt` of step `step_index` with the entropy's stamp: the attempt
+    /// row, the step message and its timeout timer. `None` if the step does not exist.
+    fn dispatch(
+        &mut self,
+        def: &WorkflowDefinition,
+        step_index: u32,
+        attempt: u32,
+    ) -> Option<Uuid> {
+        let step = step(def, step_index)?;
+        let stamp = self.entropy.stamp;
+        let deadline = add_ms(self.now, step.timeout_ms);
+        let s = &mut self.state;
+        s.step_index = step_index;
+        s.attempt = attempt;
+        s.pending_retry = None;
+        s.outstanding = Some(Outstanding {
+            stamp,
+            step_index,
+            attempt,
+            dispatched_at: self.now,
+            deadline,
+        });
+        let record = AttemptRecord {
+            stamp,
+            step_index,
+            attempt,
+            status: AttemptStatus::Dispatched,
+            dispatched_at: self.now,
+            deadline,
+            finished_at: None,
+            error: None,
+        };
+        s.attempts.push(record.clone());
+        self.attempt_writes.push(AttemptWrite::Insert(record));
+        let step_input = match step_index.checked_sub(1) {
+            None => s.input.clone(),
+            Some(prev) => s.outputs.get(prev as usize).cloned().unwrap_or(Value::Null),
+        };
+        let payload = json!({
+            "type": "step.dispatch",
+            "schema_version": SCHEMA_VERSION,
+            "run_id": s.run_id,
+            "tenant": s.tenant,
+            "workflow": s.workflow,
+            "workflow_version": s.workflow_version,
+            "step": step.name,
+            "step_index": step_index,
+            "attempt": attempt,
+            "stamp": stamp.to_string(),
+            "deadline": rfc3339(deadline),
+            "input": step_input,
+        });
+        self.effects.push(Effect {
+            target: EffectTarget::StepQueue {
+                pool: step.pool.clone(),
+            },
+            ce_type: CE_STEP_DISPATCH.to_owned(),
+            payload,
+            not_before: None,
+        });
+        self.timer(TimerKind::Timeout, stamp, deadline);
+        Some(stamp)
+    }
+
+    /// A durable timer: the canonical `wakeup.timer` input, published at `due`.
+    fn timer(&mut self, kind: TimerKind, stamp: Uuid, due: DateTime<Utc>) {
+        let wakeup = Input::Timer(TimerWakeup {
+            run_id: self.state.run_id.clone(),
+            tenant: self.state.tenant.clone(),
+            timer: kind,
+            stamp,
+        });
+        self.effects.push(Effect {
+            target: EffectTarget::Wakeups,
+            ce_type: CE_WAKEUP_TIMER.to_owned(),
+            payload: wakeup.to_json(),
+            not_before: Some(due),
+        });
+    }
+
+    /// Closes the outstanding attempt `stamp` with a final status.
+    fn finish_attempt(&mut self, stamp: Uuid, status: AttemptStatus, error: Option<String>) {
+        if let Some(record) = self
+            .state
+            .attempts
+            .iter_mut()
+            .find(|a| a.stamp == stamp && a.status == AttemptStatus::Dispatched)
+        {
+            record.status = status;
+            record.finished_at = Some(self.now);
+            record.error.clone_from(&error);
+        }
+        self.state.outstanding = None;
+        self.attempt_writes.push(AttemptWrite::Finish {
+            stamp,
+            status,
+            finished_at: self.now,
+            error,
+        });
+    }
+
+    /// After a failed or timed-out attempt: schedule a retry if the policy allows one,
+    /// otherwise fail the run. Returns the transition kind.
+    fn after_failure(
+        &mut self,
+        def: &WorkflowDefinition,
+        attempt: &AttemptRecord,
+        error: String,
+        retryable: bool,
+        retry_kind: &'static str,
+    ) -> &'static str {
+        self.detail("stamp", attempt.stamp.to_string().into());
+        self.detail(
+            "error",
+            truncate(error.clone(), MAX_DETAIL_ERROR_LEN).into(),
+        );
+        let policy = step(def, attempt.step_index).map(|s| &s.retry);
+        match policy {
+            Some(policy) if retryable && attempt.attempt < policy.max_attempts => {
+                let backoff_ms = policy.backoff_ms(attempt.attempt, self.entropy.jitter_unit);
+                let due_at = add_ms(self.now, backoff_ms);
+                self.state.pending_retry = Some(PendingRetry {
+                    after_stamp: attempt.stamp,
+                    due_at,
+                });
+                self.timer(TimerKind::Retry, attempt.stamp, due_at);
+                self.detail("backoff_ms", backoff_ms.into());
+                self.detail("retry_due_at", rfc3339(due_at).into());
+                retry_kind
+            }
+            _ => {
+                let cause = if retryable {
+                    "attempts_exhausted"
+                } else {
+                    "not_retryable"
+                };
+                self.detail("cause", cause.into());
+                self.state.status = RunStatus::Failed;
+                self.state.error = Some(error);
+                KIND_RUN_FAILED
+            }
+        }
+    }
+
+    /// Numbers the transition, prepends the lifecycle event and seals it.
+    fn finish(mut self, kind: &str, input_ref: String) -> Decision {
+        let seq = self.state.last_transition_seq.saturating_add(1);
+        self.state.last_transition_seq = seq;
+        self.state.updated_at = self.now;
+        let s = &self.state;
+        let event = Effect {
+            target: EffectTarget::Events,
+            ce_type: CE_RUN_EVENT.to_owned(),
+            payload: json!({
+                "type": "run.event",
+                "schema_version": SCHEMA_VERSION,
+                "run_id": s.run_id,
+                "tenant": s.tenant,
+                "seq": seq,
+                "kind": kind,
+                "status": s.status.as_str(),
+                "step_index": s.step_index,
+                "attempt": s.attempt,
+                "at": rfc3339(self.now),
+            }),
+            not_before: None,
+        };
+        let mut effects = Vec::with_capacity(self.effects.len() + 1);
+        effects.push(event);
+        effects.append(&mut self.effects);
+        let record = TransitionRecord {
+            seq,
+            input_ref,
+            kind: kind.to_owned(),
+            from_status: self.from_status,
+            to_status: s.status,
+            step_index: s.step_index,
+            at: self.now,
+            detail: Value::Object(self.detail),
+        };
+        Decision::Transition(Box::new(Transition {
+            state: self.state,
+            record,
+            attempt_writes: self.attempt_writes,
+            effects,
+        }))
+    }
+}

@@ -1,0 +1,572 @@
+//! The input message contract: decoding and encoding the JSON values that arrive on
+//! `requests`, `wakeups` and `attempt-results`.
+//!
+//! Decoding is pure over a byte buffer. Known fields are strictly typed; unknown
+//! extra fields are tolerated so producers can add fields before consumers know them.
+//! Optional fields may be absent or `null`. Error messages are bounded and never echo
+//! payloads.
+
+use serde_json::{Map, Value, json};
+use uuid::Uuid;
+
+use super::definition::{MAX_NAME_LEN, is_name};
+
+/// The only schema version this coordinator understands.
+pub const SCHEMA_VERSION: u64 = 1;
+/// Longest `run_id` / `tenant`.
+pub const MAX_ID_LEN: usize = 128;
+/// Longest `correlation_id`.
+pub const MAX_CORRELATION_ID_LEN: usize = 256;
+/// Longest error message of a failed attempt.
+pub const MAX_ERROR_MESSAGE_LEN: usize = 4096;
+/// Longest `signal_id` / signal `name`.
+pub const MAX_SIGNAL_FIELD_LEN: usize = 128;
+/// Longest cancel `reason`.
+pub const MAX_REASON_LEN: usize = 1024;
+/// Longest [`InputError::message`].
+pub const MAX_INPUT_ERROR_LEN: usize = 512;
+
+/// The pool a run belongs to when its start request names none.
+pub const DEFAULT_POOL: &str = "default";
+
+/// Which input topic a message was read from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum InputTopic {
+    Requests,
+    Wakeups,
+    AttemptResults,
+}
+
+impl InputTopic {
+    /// The default topic suffix: `requests`, `wakeups`, `attempt-results`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InputTopic::Requests => "requests",
+            InputTopic::Wakeups => "wakeups",
+            InputTopic::AttemptResults => "attempt-results",
+        }
+    }
+}
+
+/// A decoded, validated input.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Input {
+    Start(RunStart),
+    Result(AttemptResult),
+    Timer(TimerWakeup),
+    Signal(SignalWakeup),
+    Cancel(CancelWakeup),
+}
+
+/// `run.start`: create a run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunStart {
+    pub run_id: String,
+    pub tenant: String,
+    pub workflow: String,
+    /// `None`: the latest version at the time the start is folded.
+    pub workflow_version: Option<u32>,
+    /// Routing pool owning the run ([`DEFAULT_POOL`] when absent on the wire).
+    pub pool: String,
+    pub input: Value,
+    pub correlation_id: Option<String>,
+}
+
+/// `attempt.result`: a worker's answer for one attempt, fenced by its stamp.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttemptResult {
+    pub run_id: String,
+    pub tenant: String,
+    pub stamp: Uuid,
+    pub outcome: AttemptOutcome,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum AttemptOutcome {
+    Succeeded { output: Value },
+    Failed { message: String, retryable: bool },
+}
+
+/// `wakeup.timer`: a durable timer fired.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TimerWakeup {
+    pub run_id: String,
+    pub tenant: String,
+    pub timer: TimerKind,
+    /// Timeout: the attempt's stamp. Retry: the stamp of the failed attempt.
+    pub stamp: Uuid,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TimerKind {
+    Retry,
+    Timeout,
+}
+
+impl TimerKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TimerKind::Retry => "retry",
+            TimerKind::Timeout => "timeout",
+        }
+    }
+}
+
+/// `wakeup.signal`: an external signal with a producer-chosen id.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SignalWakeup {
+    pub run_id: String,
+    pub tenant: String,
+    pub signal_id: String,
+    pub name: String,
+    pub payload: Value,
+}
+
+/// `wakeup.cancel`: stop the run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CancelWakeup {
+    pub run_id: String,
+    pub tenant: String,
+    pub reason: Option<String>,
+}
+
+/// Why an input could not be decoded; the class goes into DLQ headers.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}: {message}", class.as_str())]
+pub struct InputError {
+    pub class: InputErrorClass,
+    /// Bounded to [`MAX_INPUT_ERROR_LEN`] characters; names the field, never echoes payloads.
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum InputErrorClass {
+    TooLarge,
+    Malformed,
+    UnknownType,
+    UnsupportedVersion,
+    Invalid,
+    WrongTopic,
+}
+
+impl InputErrorClass {
+    /// Stable snake_case name for DLQ headers and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InputErrorClass::TooLarge => "too_large",
+            InputErrorClass::Malformed => "malformed",
+            InputErrorClass::UnknownType => "unknown_type",
+            InputErrorClass::UnsupportedVersion => "unsupported_version",
+            InputErrorClass::Invalid => "invalid",
+            InputErrorClass::WrongTopic => "wrong_topic",
+        }
+    }
+}
+
+impl InputError {
+    fn new(class: InputErrorClass, message: impl Into<String>) -> Self {
+        Self {
+            class,
+            message: truncate(message.into(), MAX_INPUT_ERROR_LEN),
+        }
+    }
+
+    fn invalid(message: impl Into<String>) -> Self {
+        Self::new(InputErrorClass::Invalid, message)
+    }
+}
+
+/// Cuts `s` to at most `max` characters.
+pub(crate) fn truncate(mut s: String, max: usize) -> String {
+    if let Some((idx, _)) = s.char_indices().nth(max) {
+        s.truncate(idx);
+    }
+    s
+}
+
+const TYPE_RUN_START: &str = "run.start";
+const TYPE_ATTEMPT_RESULT: &str = "attempt.result";
+const TYPE_WAKEUP_TIMER: &str = "wakeup.timer";
+const TYPE_WAKEUP_SIGNAL: &str = "wakeup.signal";
+const TYPE_WAKEUP_CANCEL: &str = "wakeup.cancel";
+
+/// Decodes one input read from `topic`. Never panics, whatever the bytes.
+pub fn decode_input(
+    topic: InputTopic,
+    bytes: &[u8],
+    max_bytes: usize,
+) -> Result<Input, InputError> {
+    if bytes.len() > max_bytes {
+        return Err(InputError::new(
+            InputErrorClass::TooLarge,
+            format!("input is {} bytes, limit is {max_bytes}", bytes.len()),
+        ));
+    }
+    let text = std::str::from_utf8(bytes)
+        .map_err(|e| InputError::new(InputErrorClass::Malformed, format!("not UTF-8: {e}")))?;
+    let value: Value = serde_json::from_str(text)
+        .map_err(|e| InputError::new(InputErrorClass::Malformed, format!("not JSON: {e}")))?;
+    decode_value(topic, &value)
+}
+
+/// Decodes an already parsed JSON value read from `topic`.
+pub fn decode_value(topic: InputTopic, value: &Value) -> Result<Input, InputError> {
+    let Value::Object(obj) = value else {
+        return Err(InputError::new(
+            InputErrorClass::Malformed,
+            "not a JSON object",
+        ));
+    };
+    let kind = check_envelope(topic, obj)?;
+    decode_fields(kind, &Fields(obj))
+}
+
+/// Checks `type`, `schema_version` and the topic, in that order; returns the type.
+fn check_envelope(topic: InputTopic, obj: &Map<String, Value>) -> Result<&str, InputError> {
+    let kind = match obj.get("type") {
+        Some(Value::String(s)) => s.as_str(),
+        Some(_) => return Err(InputError::invalid("type: must be a string")),
+        None => return Err(InputError::invalid("type: missing")),
+    };
+    let expected_topic = match kind {
+        TYPE_RUN_START => InputTopic::Requests,
+        TYPE_ATTEMPT_RESULT => InputTopic::AttemptResults,
+        TYPE_WAKEUP_TIMER | TYPE_WAKEUP_SIGNAL | TYPE_WAKEUP_CANCEL => InputTopic::Wakeups,
+        other => {
+            return Err(InputError::new(
+                InputErrorClass::UnknownType,
+                format!("unknown type {:?}", truncate(other.to_owned(), 64)),
+            ));
+        }
+    };
+    match obj.get("schema_version") {
+        None => return Err(InputError::invalid("schema_version: missing")),
+        Some(v) => match v.as_u64() {
+            Some(SCHEMA_VERSION) => {}
+            Some(other) => {
+                return Err(InputError::new(
+                    InputErrorClass::UnsupportedVersion,
+                    format!(
+                        "schema_version {other} is not supported (supported: {SCHEMA_VERSION})"
+                    ),
+                ));
+            }
+            None => {
+                return Err(InputError::invalid(
+                    "schema_version: must be a non-negative integer",
+                ));
+            }
+        },
+    }
+    if expected_topic != topic {
+        return Err(InputError::new(
+            InputErrorClass::WrongTopic,
+            format!(
+                "{kind} belongs on {}, not on {}",
+                expected_topic.as_str(),
+                topic.as_str()
+            ),
+        ));
+    }
+    Ok(kind)
+}
+
+/// Decodes the fields of an input whose envelope checked out.
+fn decode_fields(kind: &str, f: &Fields<'_>) -> Result<Input, InputError> {
+    let run_id = f.id("run_id")?;
+    let tenant = f.id("tenant")?;
+    Ok(match kind {
+        TYPE_RUN_START => Input::Start(RunStart {
+            run_id,
+            tenant,
+            workflow: f.required(
+                "workflow",
+                |s| is_name(s, MAX_NAME_LEN),
+                "1 to 100 characters of [A-Za-z0-9_.-]",
+            )?,
+            workflow_version: f.opt_u32("workflow_version")?,
+            pool: f
+                .optional(
+                    "pool",
+                    |s| is_name(s, MAX_NAME_LEN),
+                    "1 to 100 characters of [A-Za-z0-9._-]",
+                )?
+                .unwrap_or_else(|| DEFAULT_POOL.to_owned()),
+            input: f.any("input"),
+            correlation_id: f.optional(
+                "correlation_id",
+                |s| s.chars().count() <= MAX_CORRELATION_ID_LEN,
+                "at most 256 characters",
+            )?,
+        }),
+        TYPE_ATTEMPT_RESULT => Input::Result(AttemptResult {
+            run_id,
+            tenant,
+            stamp: f.uuid("stamp")?,
+            outcome: f.outcome()?,
+        }),
+        TYPE_WAKEUP_TIMER => Input::Timer(TimerWakeup {
+            run_id,
+            tenant,
+            timer: match f.str("timer")? {
+                "retry" => TimerKind::Retry,
+                "timeout" => TimerKind::Timeout,
+                _ => {
+                    return Err(InputError::invalid(
+                        "timer: must be \"retry\" or \"timeout\"",
+                    ));
+                }
+            },
+            stamp: f.uuid("stamp")?,
+        }),
+        TYPE_WAKEUP_SIGNAL => Input::Signal(SignalWakeup {
+            run_id,
+            tenant,
+            signal_id: f.required(
+                "signal_id",
+                bounded(MAX_SIGNAL_FIELD_LEN),
+                "1 to 128 characters",
+            )?,
+            name: f.required("name", bounded(MAX_SIGNAL_FIELD_LEN), "1 to 128 characters")?,
+            payload: f.any("payload"),
+        }),
+        _ => Input::Cancel(CancelWakeup {
+            run_id,
+            tenant,
+            reason: f.optional(
+                "reason",
+                |s| s.chars().count() <= MAX_REASON_LEN,
+                "at most 1024 characters",
+            )?,
+        }),
+    })
+}
+
+fn bounded(max: usize) -> impl Fn(&str) -> bool {
+    move |s| !s.is_empty() && s.chars().count() <= max
+}
+
+/// `[A-Za-z0-9_.:-]{1,128}`: the charset of `run_id` and `tenant`.
+pub fn is_id(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= MAX_ID_LEN
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b':' | b'-'))
+}
+
+/// Typed access to the fields of one input object; every error names its field.
+struct Fields<'a>(&'a Map<String, Value>);
+
+impl Fields<'_> {
+    /// Absent and `null` are both "not given".
+    fn get(&self, name: &str) -> Option<&Value> {
+        self.0.get(name).filter(|v| !v.is_null())
+    }
+
+    fn str(&self, name: &str) -> Result<&str, InputError> {
+        match self.get(name) {
+            Some(Value::String(s)) => Ok(s),
+            Some(_) => Err(InputError::invalid(format!("{name}: must be a string"))),
+            None => Err(InputError::invalid(format!("{name}: missing"))),
+        }
+    }
+
+    fn required(
+        &self,
+        name: &str,
+        ok: impl Fn(&str) -> bool,
+        rule: &str,
+    ) -> Result<String, InputError> {
+        let s = self.str(name)?;
+        if ok(s) {
+            Ok(s.to_owned())
+        } else {
+            Err(InputError::invalid(format!("{name}: must be {rule}")))
+        }
+    }
+
+    fn optional(
+        &self,
+        name: &str,
+        ok: impl Fn(&str) -> bool,
+        rule: &str,
+    ) -> Result<Option<String>, InputError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(_) => self.required(name, ok, rule).map(Some),
+        }
+    }
+
+    fn id(&self, name: &str) -> Result<String, InputError> {
+        self.required(name, is_id, "1 to 128 characters of [A-Za-z0-9_.:-]")
+    }
+
+    fn uuid(&self, name: &str) -> Result<Uuid, InputError> {
+        Uuid::parse_str(self.str(name)?)
+            .map_err(|_| InputError::invalid(format!("{name}: must be a UUID")))
+    }
+
+    fn opt_u32(&self, name: &str) -> Result<Option<u32>, InputError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .map(Some)
+                .ok_or_else(|| {
+                    InputError::invalid(format!("{name}: must be an integer in 0..=4294967295"))
+                }),
+        }
+    }
+
+    fn bool(&self, name: &str) -> Result<bool, InputError> {
+        match self.get(name) {
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(_) => Err(InputError::invalid(format!("{name}: must be a boolean"))),
+            None => Err(InputError::invalid(format!("{name}: missing"))),
+        }
+    }
+
+    fn any(&self, name: &str) -> Value {
+        self.0.get(name).cloned().unwrap_or(Value::Null)
+    }
+
+    fn outcome(&self) -> Result<AttemptOutcome, InputError> {
+        match self.str("outcome")? {
+            "succeeded" => Ok(AttemptOutcome::Succeeded {
+                output: self.any("output"),
+            }),
+            "failed" => {
+                let error = match self.get("error") {
+                    Some(Value::Object(e)) => Fields(e),
+                    Some(_) => return Err(InputError::invalid("error: must be an object")),
+                    None => return Err(InputError::invalid("error: missing")),
+                };
+                let message = error
+                    .required(
+                        "message",
+                        |s| s.chars().count() <= MAX_ERROR_MESSAGE_LEN,
+                        "at most 4096 characters",
+                    )
+                    .map_err(|e| InputError::invalid(format!("error.{}", e.message)))?;
+                let retryable = error
+                    .bool("retryable")
+                    .map_err(|e| InputError::invalid(format!("error.{}", e.message)))?;
+                Ok(AttemptOutcome::Failed { message, retryable })
+            }
+            _ => Err(InputError::invalid(
+                "outcome: must be \"succeeded\" or \"failed\"",
+            )),
+        }
+    }
+}
+
+impl Input {
+    pub fn run_id(&self) -> &str {
+        match self {
+            Input::Start(x) => &x.run_id,
+            Input::Result(x) => &x.run_id,
+            Input::Timer(x) => &x.run_id,
+            Input::Signal(x) => &x.run_id,
+            Input::Cancel(x) => &x.run_id,
+        }
+    }
+
+    pub fn tenant(&self) -> &str {
+        match self {
+            Input::Start(x) => &x.tenant,
+            Input::Result(x) => &x.tenant,
+            Input::Timer(x) => &x.tenant,
+            Input::Signal(x) => &x.tenant,
+            Input::Cancel(x) => &x.tenant,
+        }
+    }
+
+    /// The wire `type`.
+    pub fn type_str(&self) -> &'static str {
+        match self {
+            Input::Start(_) => TYPE_RUN_START,
+            Input::Result(_) => TYPE_ATTEMPT_RESULT,
+            Input::Timer(_) => TYPE_WAKEUP_TIMER,
+            Input::Signal(_) => TYPE_WAKEUP_SIGNAL,
+            Input::Cancel(_) => TYPE_WAKEUP_CANCEL,
+        }
+    }
+
+    /// The topic this input belongs on.
+    pub fn topic(&self) -> InputTopic {
+        match self {
+            Input::Start(_) => InputTopic::Requests,
+            Input::Result(_) => InputTopic::AttemptResults,
+            _ => InputTopic::Wakeups,
+        }
+    }
+
+    /// Names the input within its run, for the transition record:
+    /// `start`, `result:<stamp>`, `timer:<retry|timeout>:<stamp>`, `signal:<signal_id>`, `cancel`.
+    pub fn dedup_ref(&self) -> String {
+        match self {
+            Input::Start(_) => "start".to_owned(),
+            Input::Result(r) => format!("result:{}", r.stamp),
+            Input::Timer(t) => format!("timer:{}:{}", t.timer.as_str(), t.stamp),
+            Input::Signal(s) => format!("signal:{}", s.signal_id),
+            Input::Cancel(_) => "cancel".to_owned(),
+        }
+    }
+
+    /// The canonical wire form; `decode_value(self.topic(), &self.to_json()) == Ok(self)`.
+    pub fn to_json(&self) -> Value {
+        let mut obj = Map::new();
+        obj.insert("type".into(), self.type_str().into());
+        obj.insert("schema_version".into(), SCHEMA_VERSION.into());
+        obj.insert("run_id".into(), self.run_id().into());
+        obj.insert("tenant".into(), self.tenant().into());
+        let mut put = |k: &str, v: Value| {
+            obj.insert(k.to_owned(), v);
+        };
+        match self {
+            Input::Start(s) => {
+                put("workflow", s.workflow.clone().into());
+                if let Some(v) = s.workflow_version {
+                    put("workflow_version", v.into());
+                }
+                put("pool", s.pool.clone().into());
+                put("input", s.input.clone());
+                if let Some(c) = &s.correlation_id {
+                    put("correlation_id", c.clone().into());
+                }
+            }
+            Input::Result(r) => {
+                put("stamp", r.stamp.to_string().into());
+                match &r.outcome {
+                    AttemptOutcome::Succeeded { output } => {
+                        put("outcome", "succeeded".into());
+                        put("output", output.clone());
+                    }
+                    AttemptOutcome::Failed { message, retryable } => {
+                        put("outcome", "failed".into());
+                        put(
+                            "error",
+                            json!({ "message": message, "retryable": retryable }),
+                        );
+                    }
+                }
+            }
+            Input::Timer(t) => {
+                put("timer", t.timer.as_str().into());
+                put("stamp", t.stamp.to_string().into());
+            }
+            Input::Signal(s) => {
+                put("signal_id", s.signal_id.clone().into());
+                put("name", s.name.clone().into());
+                put("payload", s.payload.clone());
+            }
+            Input::Cancel(c) => {
+                if let Some(r) = &c.reason {
+                    put("reason", r.clone().into());
+                }
+            }
+        }
+        Value::Object(obj)
+    }
+}

@@ -1,0 +1,46 @@
+//! The pure coordinator: the decision logic of Ductor as a fold.
+//!
+//! `fold(state, input, workflows, now, entropy) -> Decision` decides what one input
+//! does to one run. It imports no tokio, sqlx or rdkafka, reads no clock, generates no
+//! randomness and performs no I/O, so it is tested exhaustively (unit and property
+//! tests) and the apply layer around it stays thin:
+//!
+//! 1. decode the Kafka message with [`decode_input`] (errors go to the DLQ with
+//!    [`InputErrorClass::as_str`] as the error class);
+//! 2. load the run (`None` if it does not exist) with its `record_version`;
+//! 3. call [`fold`] with `now` and one fresh [`Entropy`];
+//! 4. on [`Decision::Transition`], commit in one transaction: the new state
+//!    (`UPDATE ... WHERE record_version = $old`, bumping it), the [`TransitionRecord`],
+//!    the [`AttemptWrite`]s and one outbox intent per [`Effect`], in order. A
+//!    [`Decision::NoOp`] or [`Decision::Rejection`] writes nothing.
+//!
+//! Exactly-once progress rests on three checks made here: `run.start` for an existing
+//! run is a duplicate; only the result/timeout carrying the *outstanding* attempt's
+//! stamp (and only the retry timer naming the pending retry) changes the run; signals
+//! are deduplicated by `signal_id`. Every transition increments
+//! `last_transition_seq` by exactly one.
+//!
+//! Effect order within a transition is part of the contract: the `ductor.events`
+//! lifecycle event comes first, then step dispatches, timers and the run output.
+
+pub mod definition;
+pub mod fold;
+pub mod input;
+pub mod state;
+
+pub use definition::{DefinitionError, RetryPolicy, StepDefinition, WorkflowDefinition, Workflows};
+pub use fold::{
+    AttemptWrite, Decision, Effect, EffectTarget, Entropy, NoOpReason, Rejection, RejectionClass,
+    Transition, TransitionRecord, fold,
+};
+pub use input::{
+    AttemptOutcome, AttemptResult, CancelWakeup, Input, InputError, InputErrorClass, InputTopic,
+    RunStart, SignalWakeup, TimerKind, TimerWakeup, decode_input, decode_value,
+};
+pub use state::{
+    AttemptRecord, AttemptStatus, MAX_SIGNALS_PER_RUN, Outstanding, PendingRetry, RunState,
+    RunStatus, SignalRecord,
+};
+
+#[cfg(test)]
+mod tests;

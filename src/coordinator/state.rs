@@ -1,0 +1,132 @@
+//! Run state: what the store keeps per run (as one jsonb document) and what the fold
+//! reads and returns. Field and variant names are stable snake_case.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use uuid::Uuid;
+
+/// Most distinct signals one run records; more are rejected.
+pub const MAX_SIGNALS_PER_RUN: usize = 256;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunStatus {
+    Running,
+    Succeeded,
+    Failed,
+    Cancelled,
+}
+
+impl RunStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunStatus::Running => "running",
+            RunStatus::Succeeded => "succeeded",
+            RunStatus::Failed => "failed",
+            RunStatus::Cancelled => "cancelled",
+        }
+    }
+
+    /// A terminal run never transitions again.
+    pub fn is_terminal(self) -> bool {
+        self != RunStatus::Running
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttemptStatus {
+    Dispatched,
+    Succeeded,
+    Failed,
+    TimedOut,
+    Cancelled,
+}
+
+impl AttemptStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttemptStatus::Dispatched => "dispatched",
+            AttemptStatus::Succeeded => "succeeded",
+            AttemptStatus::Failed => "failed",
+            AttemptStatus::TimedOut => "timed_out",
+            AttemptStatus::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// The one attempt whose result can change the run (the fencing token is `stamp`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Outstanding {
+    pub stamp: Uuid,
+    pub step_index: u32,
+    pub attempt: u32,
+    pub dispatched_at: DateTime<Utc>,
+    pub deadline: DateTime<Utc>,
+}
+
+/// A retry waiting for its timer; the timer names the failed attempt's stamp.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PendingRetry {
+    pub after_stamp: Uuid,
+    pub due_at: DateTime<Utc>,
+}
+
+/// Every attempt ever dispatched, kept for fencing (stale vs duplicate) and inspection.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AttemptRecord {
+    pub stamp: Uuid,
+    pub step_index: u32,
+    pub attempt: u32,
+    pub status: AttemptStatus,
+    pub dispatched_at: DateTime<Utc>,
+    pub deadline: DateTime<Utc>,
+    pub finished_at: Option<DateTime<Utc>>,
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SignalRecord {
+    pub signal_id: String,
+    pub name: String,
+    pub payload: Value,
+    pub received_at: DateTime<Utc>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunState {
+    pub run_id: String,
+    pub tenant: String,
+    /// Routing pool owning the run (not the pool of a step).
+    pub pool: String,
+    pub workflow: String,
+    pub workflow_version: u32,
+    pub status: RunStatus,
+    /// Current step (the last one, once the run succeeded).
+    pub step_index: u32,
+    /// Current attempt number of the current step, 1-based.
+    pub attempt: u32,
+    pub input: Value,
+    /// One output per completed step.
+    pub outputs: Vec<Value>,
+    pub outstanding: Option<Outstanding>,
+    pub pending_retry: Option<PendingRetry>,
+    pub attempts: Vec<AttemptRecord>,
+    pub signals: Vec<SignalRecord>,
+    pub correlation_id: Option<String>,
+    /// Why the run failed or was cancelled.
+    pub error: Option<String>,
+    /// Optimistic lock: the fold never changes it, the store bumps it on each UPDATE.
+    pub record_version: i64,
+    pub last_transition_seq: i64,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+impl RunState {
+    /// The attempt with this stamp, if the run ever dispatched it.
+    pub fn attempt_by_stamp(&self, stamp: Uuid) -> Option<&AttemptRecord> {
+        self.attempts.iter().find(|a| a.stamp == stamp)
+    }
+}

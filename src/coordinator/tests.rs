@@ -1,0 +1,904 @@
+//! Unit tests: one per branch of the definition checks, the input contract and the fold.
+
+use chrono::{DateTime, TimeDelta, Utc};
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+use super::fold::*;
+use super::*;
+
+fn t(ms: i64) -> DateTime<Utc> {
+    DateTime::from_timestamp_millis(1_700_000_000_000 + ms).unwrap()
+}
+
+fn stamp(n: u128) -> Uuid {
+    Uuid::from_u128(n)
+}
+
+fn entropy(n: u128) -> Entropy {
+    Entropy {
+        stamp: stamp(n),
+        jitter_unit: 0.5,
+    }
+}
+
+fn retry(max_attempts: u32) -> RetryPolicy {
+    RetryPolicy {
+        max_attempts,
+        initial_backoff_ms: 100,
+        max_backoff_ms: 1000,
+        multiplier: 2.0,
+        jitter: 0.0,
+    }
+}
+
+fn def(steps: usize, max_attempts: u32) -> WorkflowDefinition {
+    WorkflowDefinition {
+        name: "wf".into(),
+        version: 1,
+        steps: (0..steps)
+            .map(|i| StepDefinition {
+                name: format!("s{i}"),
+                pool: format!("pool{i}"),
+                timeout_ms: 1000,
+                retry: retry(max_attempts),
+            })
+            .collect(),
+        output_topic: Some("out.topic".into()),
+    }
+}
+
+fn registry(steps: usize, max_attempts: u32) -> Workflows {
+    Workflows::new(vec![def(steps, max_attempts)]).unwrap()
+}
+
+fn start_input() -> Input {
+    Input::Start(RunStart {
+        run_id: "r1".into(),
+        tenant: "t1".into(),
+        workflow: "wf".into(),
+        workflow_version: None,
+        pool: "default".into(),
+        input: json!({"x": 1}),
+        correlation_id: Some("c".into()),
+    })
+}
+
+fn result_ok(s: Uuid, output: Value) -> Input {
+    Input::Result(AttemptResult {
+        run_id: "r1".into(),
+        tenant: "t1".into(),
+        stamp: s,
+        outcome: AttemptOutcome::Succeeded { output },
+    })
+}
+
+fn result_err(s: Uuid, retryable: bool) -> Input {
+    Input::Result(AttemptResult {
+        run_id: "r1".into(),
+        tenant: "t1".into(),
+        stamp: s,
+        outcome: AttemptOutcome::Failed {
+            message: "boom".into(),
+            retryable,
+        },
+    })
+}
+
+fn timer(kind: TimerKind, s: Uuid) -> Input {
+    Input::Timer(TimerWakeup {
+        run_id: "r1".into(),
+        tenant: "t1".into(),
+        timer: kind,
+        stamp: s,
+    })
+}
+
+fn signal(id: &str) -> Input {
+    Input::Signal(SignalWakeup {
+        run_id: "r1".into(),
+        tenant: "t1".into(),
+        signal_id: id.into(),
+        name: "poke".into(),
+        payload: json!(1),
+    })
+}
+
+fn cancel() -> Input {
+    Input::Cancel(CancelWakeup {
+        run_id: "r1".into(),
+        tenant: "t1".into(),
+        reason: Some("user".into()),
+    })
+}
+
+fn transition(d: Decision) -> Transition {
+    match d {
+        Decision::Transition(t) => *t,
+        other => panic!("expected a transition, got {other:?}"),
+    }
+}
+
+fn started(wf: &Workflows) -> RunState {
+    transition(fold(None, &start_input(), wf, t(0), &entropy(1))).state
+}
+
+fn apply(state: &RunState, input: &Input, wf: &Workflows, now: i64, e: u128) -> Transition {
+    transition(fold(Some(state), input, wf, t(now), &entropy(e)))
+}
+
+fn rejection_class(d: Decision) -> RejectionClass {
+    match d {
+        Decision::Rejection(r) => r.class,
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+}
+
+// ---- definitions -------------------------------------------------------------------
+
+#[test]
+fn valid_definition_passes() {
+    def(3, 3).validate().unwrap();
+}
+
+type Mutation = Box<dyn Fn(&mut WorkflowDefinition)>;
+
+#[test]
+fn each_definition_rule_names_its_field() {
+    let cases: Vec<(Mutation, &str)> = vec![
+        (Box::new(|d| d.name = String::new()), "name"),
+        (Box::new(|d| d.name = "a b".into()), "name"),
+        (Box::new(|d| d.name = "a".repeat(101)), "name"),
+        (Box::new(|d| d.version = 0), "version"),
+        (Box::new(|d| d.steps.clear()), "steps"),
+        (Box::new(|d| d.steps = def(65, 1).steps), "steps"),
+        (Box::new(|d| d.steps[1].name = "s0".into()), "steps[1].name"),
+        (Box::new(|d| d.steps[1].name = "".into()), "steps[1].name"),
+        (
+            Box::new(|d| d.steps[1].pool = "a/b".into()),
+            "steps[1].pool",
+        ),
+        (
+            Box::new(|d| d.steps[1].timeout_ms = 0),
+            "steps[1].timeout_ms",
+        ),
+        (
+            Box::new(|d| d.steps[1].timeout_ms = 86_400_001),
+            "steps[1].timeout_ms",
+        ),
+        (
+            Box::new(|d| d.steps[1].retry.max_attempts = 0),
+            "steps[1].retry.max_attempts",
+        ),
+        (
+            Box::new(|d| d.steps[1].retry.max_attempts = 101),
+            "steps[1].retry.max_attempts",
+        ),
+        (
+            Box::new(|d| d.steps[1].retry.initial_backoff_ms = 1001),
+            "steps[1].retry.initial_backoff_ms",
+        ),
+        (
+            Box::new(|d| d.steps[1].retry.max_backoff_ms = 86_400_001),
+            "steps[1].retry.max_backoff_ms",
+        ),
+        (
+            Box::new(|d| d.steps[1].retry.multiplier = 0.5),
+            "steps[1].retry.multiplier",
+        ),
+        (
+            Box::new(|d| d.steps[1].retry.multiplier = f64::NAN),
+            "steps[1].retry.multiplier",
+        ),
+        (
+            Box::new(|d| d.steps[1].retry.multiplier = f64::INFINITY),
+            "steps[1].retry.multiplier",
+        ),
+        (
+            Box::new(|d| d.steps[1].retry.jitter = 1.5),
+            "steps[1].retry.jitter",
+        ),
+        (
+            Box::new(|d| d.steps[1].retry.jitter = -0.1),
+            "steps[1].retry.jitter",
+        ),
+        (
+            Box::new(|d| d.steps[1].retry.jitter = f64::NAN),
+            "steps[1].retry.jitter",
+        ),
+        (
+            Box::new(|d| d.output_topic = Some("..".into())),
+            "output_topic",
+        ),
+        (
+            Box::new(|d| d.output_topic = Some("a:b".into())),
+            "output_topic",
+        ),
+    ];
+    for (mutate, field) in cases {
+        let mut d = def(3, 3);
+        mutate(&mut d);
+        assert_eq!(d.validate().unwrap_err().field, field);
+    }
+}
+
+#[test]
+fn registry_rejects_duplicates_and_finds_latest() {
+    let mut v2 = def(1, 1);
+    v2.version = 2;
+    let wf = Workflows::new(vec![v2.clone(), def(2, 1)]).unwrap();
+    assert_eq!(wf.latest("wf").unwrap().version, 2);
+    assert_eq!(wf.get("wf", 1).unwrap().steps.len(), 2);
+    assert!(wf.get("wf", 3).is_none());
+    assert!(wf.latest("nope").is_none());
+    assert_eq!(wf.iter().count(), 2);
+    let err = Workflows::new(vec![v2.clone(), v2]).unwrap_err();
+    assert_eq!(err.field, "version");
+    let mut bad = def(1, 1);
+    bad.version = 0;
+    assert!(Workflows::new(vec![bad]).is_err());
+}
+
+#[test]
+fn backoff_grows_caps_and_jitters() {
+    let p = RetryPolicy {
+        max_attempts: 10,
+        initial_backoff_ms: 100,
+        max_backoff_ms: 1000,
+        multiplier: 2.0,
+        jitter: 0.2,
+    };
+    assert_eq!(p.backoff_ms(1, 0.0), 100);
+    assert_eq!(p.backoff_ms(2, 0.0), 200);
+    assert_eq!(p.backoff_ms(4, 0.0), 800);
+    assert_eq!(p.backoff_ms(5, 0.0), 1000);
+    assert_eq!(p.backoff_ms(u32::MAX, 0.0), 1000);
+    assert_eq!(p.backoff_ms(1, 0.5), 90);
+    assert_eq!(p.backoff_ms(1, 0.999_999), 80);
+    assert_eq!(p.backoff_ms(0, 0.0), 100);
+    assert_eq!(p.backoff_ms(3, f64::NAN), 400);
+    let wild = RetryPolicy {
+        multiplier: f64::NAN,
+        jitter: f64::INFINITY,
+        initial_backoff_ms: u64::MAX,
+        max_backoff_ms: 5,
+        ..p
+    };
+    assert!(wild.backoff_ms(7, 2.0) <= 5);
+}
+
+// ---- inputs ------------------------------------------------------------------------
+
+fn decode(topic: InputTopic, v: Value) -> Result<Input, InputError> {
+    decode_input(topic, v.to_string().as_bytes(), 1 << 20)
+}
+
+fn class(topic: InputTopic, v: Value) -> InputErrorClass {
+    decode(topic, v).unwrap_err().class
+}
+
+#[test]
+fn decodes_every_type_with_defaults() {
+    let start = decode(
+        InputTopic::Requests,
+        json!({"type":"run.start","schema_version":1,"run_id":"r:1","tenant":"t","workflow":"wf","extra":true}),
+    )
+    .unwrap();
+    let Input::Start(s) = &start else { panic!() };
+    assert_eq!(s.pool, "default");
+    assert_eq!(s.input, Value::Null);
+    assert_eq!(s.workflow_version, None);
+    assert_eq!(start.dedup_ref(), "start");
+    let st = stamp(7);
+    let r = decode(
+        InputTopic::AttemptResults,
+        json!({"type":"attempt.result","schema_version":1,"run_id":"r","tenant":"t","stamp":st.to_string(),"outcome":"failed","error":{"message":"x","retryable":true}}),
+    )
+    .unwrap();
+    assert_eq!(r.dedup_ref(), format!("result:{st}"));
+    let tm = decode(
+        InputTopic::Wakeups,
+        json!({"type":"wakeup.timer","schema_version":1,"run_id":"r","tenant":"t","timer":"retry","stamp":st.to_string()}),
+    )
+    .unwrap();
+    assert_eq!(tm.dedup_ref(), format!("timer:retry:{st}"));
+    let sg = decode(
+        InputTopic::Wakeups,
+        json!({"type":"wakeup.signal","schema_version":1,"run_id":"r","tenant":"t","signal_id":"s 1","name":"n"}),
+    )
+    .unwrap();
+    assert_eq!(sg.dedup_ref(), "signal:s 1");
+    let c = decode(
+        InputTopic::Wakeups,
+        json!({"type":"wakeup.cancel","schema_version":1,"run_id":"r","tenant":"t","reason":null}),
+    )
+    .unwrap();
+    assert_eq!(c.dedup_ref(), "cancel");
+    assert_eq!((c.run_id(), c.tenant()), ("r", "t"));
+}
+
+#[test]
+fn classifies_bad_inputs() {
+    use InputErrorClass::*;
+    let w = InputTopic::Wakeups;
+    assert_eq!(decode_input(w, b"{}", 1).unwrap_err().class, TooLarge);
+    assert_eq!(
+        decode_input(w, &[0xff, 0xfe], 10).unwrap_err().class,
+        Malformed
+    );
+    assert_eq!(
+        decode_input(w, b"{not json", 100).unwrap_err().class,
+        Malformed
+    );
+    assert_eq!(class(w, json!([1])), Malformed);
+    assert_eq!(class(w, json!({"schema_version":1})), Invalid);
+    assert_eq!(
+        class(w, json!({"type":"nope","schema_version":1})),
+        UnknownType
+    );
+    assert_eq!(
+        class(w, json!({"type":"wakeup.cancel","schema_version":2})),
+        UnsupportedVersion
+    );
+    assert_eq!(
+        class(w, json!({"type":"wakeup.cancel","schema_version":"1"})),
+        Invalid
+    );
+    assert_eq!(class(w, json!({"type":"wakeup.cancel"})), Invalid);
+    let start =
+        json!({"type":"run.start","schema_version":1,"run_id":"r","tenant":"t","workflow":"wf"});
+    assert_eq!(class(w, start.clone()), WrongTopic);
+    assert_eq!(
+        class(
+            InputTopic::AttemptResults,
+            json!({"type":"wakeup.cancel","schema_version":1})
+        ),
+        WrongTopic
+    );
+    let cancel = |extra: Value| {
+        let mut v = json!({"type":"wakeup.cancel","schema_version":1,"run_id":"r","tenant":"t"});
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        v
+    };
+    for (bad, field) in [
+        (json!({"run_id": ""}), "run_id"),
+        (json!({"run_id": "a/b"}), "run_id"),
+        (json!({"run_id": "a".repeat(129)}), "run_id"),
+        (json!({"tenant": 5}), "tenant"),
+        (json!({"reason": "x".repeat(1025)}), "reason"),
+    ] {
+        let e = decode(w, cancel(bad)).unwrap_err();
+        assert_eq!(e.class, Invalid);
+        assert!(e.message.starts_with(field), "{}", e.message);
+    }
+    let st = stamp(1).to_string();
+    let result = |extra: Value| {
+        let mut v = json!({"type":"attempt.result","schema_version":1,"run_id":"r","tenant":"t","stamp":st,"outcome":"failed","error":{"message":"m","retryable":false}});
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        decode(InputTopic::AttemptResults, v).unwrap_err().message
+    };
+    assert!(result(json!({"stamp":"not-a-uuid"})).starts_with("stamp"));
+    assert!(result(json!({"outcome":"maybe"})).starts_with("outcome"));
+    assert!(result(json!({"error":"x"})).starts_with("error"));
+    assert!(result(json!({"error":{"message":"m"}})).starts_with("error.retryable"));
+    assert!(
+        result(json!({"error":{"message":"m".repeat(4097),"retryable":true}}))
+            .starts_with("error.message")
+    );
+    let start_bad = |extra: Value| {
+        let mut v = start.clone();
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        decode(InputTopic::Requests, v).unwrap_err().message
+    };
+    assert!(start_bad(json!({"workflow_version": -1})).starts_with("workflow_version"));
+    assert!(start_bad(json!({"workflow_version": 1u64 << 33})).starts_with("workflow_version"));
+    assert!(start_bad(json!({"pool": "a b"})).starts_with("pool"));
+    assert!(start_bad(json!({"correlation_id": "c".repeat(257)})).starts_with("correlation_id"));
+    assert!(start_bad(json!({"workflow": null})).starts_with("workflow"));
+    let timer_bad = json!({"type":"wakeup.timer","schema_version":1,"run_id":"r","tenant":"t","timer":"soon","stamp":st});
+    assert!(
+        decode(w, timer_bad)
+            .unwrap_err()
+            .message
+            .starts_with("timer")
+    );
+    let signal_bad = json!({"type":"wakeup.signal","schema_version":1,"run_id":"r","tenant":"t","signal_id":"","name":"n"});
+    assert!(
+        decode(w, signal_bad)
+            .unwrap_err()
+            .message
+            .starts_with("signal_id")
+    );
+}
+
+#[test]
+fn error_messages_are_bounded_and_do_not_echo_payloads() {
+    let huge_type = json!({"type": "x".repeat(10_000), "schema_version": 1});
+    let e = decode(InputTopic::Wakeups, huge_type).unwrap_err();
+    assert!(e.message.chars().count() <= 512);
+    let secret = "s3cr3t".repeat(100);
+    let e = decode(
+        InputTopic::Wakeups,
+        json!({"type":"wakeup.cancel","schema_version":1,"run_id":secret,"tenant":"t"}),
+    )
+    .unwrap_err();
+    assert!(!e.message.contains("s3cr3t"));
+    assert_eq!(
+        InputErrorClass::UnsupportedVersion.as_str(),
+        "unsupported_version"
+    );
+    assert_eq!(InputErrorClass::WrongTopic.as_str(), "wrong_topic");
+}
+
+// ---- fold: start -------------------------------------------------------------------
+
+#[test]
+fn start_dispatches_step_zero_with_timer_after_event() {
+    let wf = registry(2, 3);
+    let tr = transition(fold(None, &start_input(), &wf, t(0), &entropy(1)));
+    let s = &tr.state;
+    assert_eq!(
+        (s.status, s.step_index, s.attempt, s.last_transition_seq),
+        (RunStatus::Running, 0, 1, 1)
+    );
+    assert_eq!(s.record_version, 0);
+    assert_eq!(s.outstanding.as_ref().unwrap().stamp, stamp(1));
+    assert_eq!(s.outstanding.as_ref().unwrap().deadline, t(1000));
+    assert_eq!(tr.record.kind, KIND_RUN_STARTED);
+    assert_eq!(tr.record.from_status, None);
+    assert_eq!(tr.record.input_ref, "start");
+    assert!(matches!(&tr.attempt_writes[..], [AttemptWrite::Insert(a)] if a.stamp == stamp(1)));
+    assert_eq!(tr.effects.len(), 3);
+    assert_eq!(tr.effects[0].target, EffectTarget::Events);
+    assert_eq!(tr.effects[0].payload["kind"], "run.started");
+    assert_eq!(tr.effects[0].payload["seq"], 1);
+    assert_eq!(
+        tr.effects[1].target,
+        EffectTarget::StepQueue {
+            pool: "pool0".into()
+        }
+    );
+    let d = &tr.effects[1].payload;
+    assert_eq!(d["type"], "step.dispatch");
+    assert_eq!(d["input"], json!({"x": 1}));
+    assert_eq!(d["stamp"], stamp(1).to_string());
+    assert_eq!(d["step"], "s0");
+    assert_eq!(d["deadline"], "2023-11-14T22:13:21.000Z");
+    assert_eq!(tr.effects[2].target, EffectTarget::Wakeups);
+    assert_eq!(tr.effects[2].not_before, Some(t(1000)));
+    assert_eq!(
+        tr.effects[2].payload,
+        timer(TimerKind::Timeout, stamp(1)).to_json()
+    );
+}
+
+#[test]
+fn start_of_unknown_workflow_or_version_is_rejected() {
+    let wf = registry(1, 1);
+    let mut input = start_input();
+    if let Input::Start(s) = &mut input {
+        s.workflow_version = Some(9);
+    }
+    assert_eq!(
+        rejection_class(fold(None, &input, &wf, t(0), &entropy(1))),
+        RejectionClass::UnknownWorkflow
+    );
+    assert_eq!(
+        rejection_class(fold(
+            None,
+            &start_input(),
+            &Workflows::default(),
+            t(0),
+            &entropy(1)
+        )),
+        RejectionClass::UnknownWorkflow
+    );
+}
+
+#[test]
+fn second_start_is_duplicate_even_if_different() {
+    let wf = registry(1, 1);
+    let s = started(&wf);
+    let mut other = start_input();
+    if let Input::Start(x) = &mut other {
+        x.input = json!("different");
+    }
+    assert_eq!(
+        fold(Some(&s), &other, &wf, t(5), &entropy(2)),
+        Decision::NoOp(NoOpReason::DuplicateStart)
+    );
+}
+
+#[test]
+fn non_start_without_run_and_tenant_mismatch_are_rejected() {
+    let wf = registry(1, 1);
+    assert_eq!(
+        rejection_class(fold(None, &cancel(), &wf, t(0), &entropy(1))),
+        RejectionClass::UnknownRun
+    );
+    let s = started(&wf);
+    let mut dup = start_input();
+    if let Input::Start(x) = &mut dup {
+        x.tenant = "other".into();
+    }
+    assert_eq!(
+        rejection_class(fold(Some(&s), &dup, &wf, t(1), &entropy(2))),
+        RejectionClass::TenantMismatch
+    );
+    let mut other_run = cancel();
+    if let Input::Cancel(c) = &mut other_run {
+        c.run_id = "r2".into();
+    }
+    assert_eq!(
+        rejection_class(fold(Some(&s), &other_run, &wf, t(1), &entropy(2))),
+        RejectionClass::UnknownRun
+    );
+}
+
+// ---- fold: results -----------------------------------------------------------------
+
+#[test]
+fn success_dispatches_next_step_with_previous_output() {
+    let wf = registry(2, 3);
+    let s = started(&wf);
+    let tr = apply(&s, &result_ok(stamp(1), json!("o1")), &wf, 10, 2);
+    assert_eq!(tr.record.kind, KIND_STEP_SUCCEEDED);
+    assert_eq!(tr.state.outputs, vec![json!("o1")]);
+    assert_eq!((tr.state.step_index, tr.state.attempt), (1, 1));
+    assert_eq!(tr.state.attempts[0].status, AttemptStatus::Succeeded);
+    assert_eq!(tr.state.last_transition_seq, 2);
+    assert_eq!(tr.state.updated_at, t(10));
+    assert_eq!(tr.attempt_writes.len(), 2);
+    assert_eq!(tr.effects[1].payload["input"], json!("o1"));
+    assert_eq!(tr.effects[1].payload["step_index"], 1);
+    assert_eq!(
+        tr.effects[1].target,
+        EffectTarget::StepQueue {
+            pool: "pool1".into()
+        }
+    );
+    // the same result again is a duplicate
+    assert_eq!(
+        fold(
+            Some(&tr.state),
+            &result_ok(stamp(1), json!("o1")),
+            &wf,
+            t(11),
+            &entropy(3)
+        ),
+        Decision::NoOp(NoOpReason::DuplicateResult)
+    );
+}
+
+#[test]
+fn last_success_completes_run_and_emits_output() {
+    let wf = registry(1, 3);
+    let s = started(&wf);
+    let tr = apply(&s, &result_ok(stamp(1), json!({"done": true})), &wf, 10, 2);
+    assert_eq!(tr.state.status, RunStatus::Succeeded);
+    assert_eq!(tr.record.kind, KIND_RUN_SUCCEEDED);
+    assert!(tr.state.outstanding.is_none());
+    assert_eq!(tr.effects.len(), 2);
+    assert_eq!(tr.effects[0].payload["status"], "succeeded");
+    assert_eq!(
+        tr.effects[1].target,
+        EffectTarget::Output {
+            topic: "out.topic".into()
+        }
+    );
+    assert_eq!(
+        tr.effects[1].payload,
+        json!({"type":"run.output","schema_version":1,"run_id":"r1","tenant":"t1","workflow":"wf","output":{"done":true}})
+    );
+    // terminal: further inputs do nothing
+    assert_eq!(
+        fold(Some(&tr.state), &cancel(), &wf, t(11), &entropy(3)),
+        Decision::NoOp(NoOpReason::RunTerminal)
+    );
+    assert_eq!(
+        fold(Some(&tr.state), &signal("a"), &wf, t(11), &entropy(3)),
+        Decision::NoOp(NoOpReason::RunTerminal)
+    );
+    assert_eq!(
+        fold(
+            Some(&tr.state),
+            &timer(TimerKind::Timeout, stamp(1)),
+            &wf,
+            t(11),
+            &entropy(3)
+        ),
+        Decision::NoOp(NoOpReason::DuplicateTimer)
+    );
+}
+
+#[test]
+fn no_output_effect_without_output_topic() {
+    let mut d = def(1, 1);
+    d.output_topic = None;
+    let wf = Workflows::new(vec![d]).unwrap();
+    let tr = apply(&started(&wf), &result_ok(stamp(1), json!(1)), &wf, 10, 2);
+    assert_eq!(tr.effects.len(), 1);
+}
+
+#[test]
+fn permanent_failure_fails_run() {
+    let wf = registry(2, 3);
+    let tr = apply(&started(&wf), &result_err(stamp(1), false), &wf, 10, 2);
+    assert_eq!(tr.state.status, RunStatus::Failed);
+    assert_eq!(tr.record.kind, KIND_RUN_FAILED);
+    assert!(tr.state.error.as_deref().unwrap().contains("boom"));
+    assert_eq!(tr.state.attempts[0].status, AttemptStatus::Failed);
+    assert_eq!(tr.effects.len(), 1);
+    assert_eq!(
+        fold(
+            Some(&tr.state),
+            &result_err(stamp(1), false),
+            &wf,
+            t(11),
+            &entropy(3)
+        ),
+        Decision::NoOp(NoOpReason::DuplicateResult)
+    );
+}
+
+#[test]
+fn retryable_failure_schedules_retry_then_retry_timer_dispatches() {
+    let wf = registry(1, 2);
+    let tr = apply(&started(&wf), &result_err(stamp(1), true), &wf, 10, 2);
+    assert_eq!(tr.record.kind, KIND_STEP_RETRY_SCHEDULED);
+    assert_eq!(tr.state.status, RunStatus::Running);
+    let pending = tr.state.pending_retry.clone().unwrap();
+    assert_eq!(pending.after_stamp, stamp(1));
+    assert_eq!(pending.due_at, t(110));
+    assert_eq!(tr.effects.len(), 2);
+    assert_eq!(tr.effects[1].not_before, Some(t(110)));
+    assert_eq!(
+        tr.effects[1].payload,
+        timer(TimerKind::Retry, stamp(1)).to_json()
+    );
+    // the retry timer dispatches attempt 2
+    let tr2 = apply(&tr.state, &timer(TimerKind::Retry, stamp(1)), &wf, 110, 3);
+    assert_eq!(tr2.record.kind, KIND_STEP_RETRIED);
+    assert_eq!(
+        (
+            tr2.state.attempt,
+            tr2.state.outstanding.as_ref().unwrap().stamp
+        ),
+        (2, stamp(3))
+    );
+    assert!(tr2.state.pending_retry.is_none());
+    assert_eq!(tr2.effects.len(), 3);
+    assert_eq!(tr2.effects[1].payload["attempt"], 2);
+    // the retry timer again is a duplicate
+    assert_eq!(
+        fold(
+            Some(&tr2.state),
+            &timer(TimerKind::Retry, stamp(1)),
+            &wf,
+            t(111),
+            &entropy(4)
+        ),
+        Decision::NoOp(NoOpReason::DuplicateTimer)
+    );
+    // attempt 2 of 2 fails retryably: attempts exhausted
+    let tr3 = apply(&tr2.state, &result_err(stamp(3), true), &wf, 200, 4);
+    assert_eq!(tr3.state.status, RunStatus::Failed);
+    assert_eq!(tr3.record.detail["cause"], "attempts_exhausted");
+}
+
+#[test]
+fn timeout_abandons_attempt_and_late_result_is_stale() {
+    let wf = registry(1, 2);
+    let tr = apply(
+        &started(&wf),
+        &timer(TimerKind::Timeout, stamp(1)),
+        &wf,
+        1000,
+        2,
+    );
+    assert_eq!(tr.record.kind, KIND_STEP_TIMED_OUT);
+    assert_eq!(tr.state.attempts[0].status, AttemptStatus::TimedOut);
+    assert!(tr.state.pending_retry.is_some());
+    assert_eq!(
+        fold(
+            Some(&tr.state),
+            &result_ok(stamp(1), json!(1)),
+            &wf,
+            t(1001),
+            &entropy(3)
+        ),
+        Decision::NoOp(NoOpReason::StaleResult)
+    );
+    assert_eq!(
+        fold(
+            Some(&tr.state),
+            &timer(TimerKind::Timeout, stamp(1)),
+            &wf,
+            t(1001),
+            &entropy(3)
+        ),
+        Decision::NoOp(NoOpReason::DuplicateTimer)
+    );
+    let tr2 = apply(&tr.state, &timer(TimerKind::Retry, stamp(1)), &wf, 1200, 3);
+    let tr3 = apply(
+        &tr2.state,
+        &timer(TimerKind::Timeout, stamp(3)),
+        &wf,
+        2200,
+        4,
+    );
+    assert_eq!(tr3.state.status, RunStatus::Failed);
+    assert!(tr3.state.error.as_deref().unwrap().contains("timed out"));
+}
+
+#[test]
+fn timer_after_success_is_duplicate_and_unknown_stamps_are_rejected() {
+    let wf = registry(2, 2);
+    let tr = apply(&started(&wf), &result_ok(stamp(1), json!(1)), &wf, 10, 2);
+    assert_eq!(
+        fold(
+            Some(&tr.state),
+            &timer(TimerKind::Timeout, stamp(1)),
+            &wf,
+            t(1000),
+            &entropy(3)
+        ),
+        Decision::NoOp(NoOpReason::DuplicateTimer)
+    );
+    assert_eq!(
+        fold(
+            Some(&tr.state),
+            &timer(TimerKind::Retry, stamp(1)),
+            &wf,
+            t(1000),
+            &entropy(3)
+        ),
+        Decision::NoOp(NoOpReason::DuplicateTimer)
+    );
+    for input in [
+        result_ok(stamp(99), json!(1)),
+        timer(TimerKind::Timeout, stamp(99)),
+        timer(TimerKind::Retry, stamp(99)),
+    ] {
+        assert_eq!(
+            rejection_class(fold(Some(&tr.state), &input, &wf, t(1000), &entropy(3))),
+            RejectionClass::UnknownStamp
+        );
+    }
+}
+
+#[test]
+fn missing_definition_for_existing_run_is_rejected_but_duplicates_stay_noops() {
+    let wf = registry(2, 2);
+    let s = started(&wf);
+    let empty = Workflows::default();
+    assert_eq!(
+        rejection_class(fold(
+            Some(&s),
+            &result_ok(stamp(1), json!(1)),
+            &empty,
+            t(1),
+            &entropy(2)
+        )),
+        RejectionClass::UnknownWorkflow
+    );
+    assert_eq!(
+        fold(Some(&s), &start_input(), &empty, t(1), &entropy(2)),
+        Decision::NoOp(NoOpReason::DuplicateStart)
+    );
+}
+
+// ---- fold: signals and cancel -----------------------------------------------------
+
+#[test]
+fn signals_are_recorded_once_and_bounded() {
+    let wf = registry(1, 1);
+    let mut s = started(&wf);
+    let tr = apply(&s, &signal("a"), &wf, 5, 2);
+    assert_eq!(tr.record.kind, KIND_RUN_SIGNALLED);
+    assert_eq!(tr.state.status, RunStatus::Running);
+    assert_eq!(tr.state.outstanding, s.outstanding);
+    assert_eq!(tr.state.signals.len(), 1);
+    assert_eq!(tr.effects.len(), 1);
+    assert_eq!(
+        fold(Some(&tr.state), &signal("a"), &wf, t(6), &entropy(3)),
+        Decision::NoOp(NoOpReason::DuplicateSignal)
+    );
+    for i in 0..MAX_SIGNALS_PER_RUN {
+        s = apply(&s, &signal(&format!("s{i}")), &wf, 5, 2).state;
+    }
+    assert_eq!(
+        rejection_class(fold(Some(&s), &signal("more"), &wf, t(6), &entropy(3))),
+        RejectionClass::TooManySignals
+    );
+    assert_eq!(
+        fold(Some(&s), &signal("s0"), &wf, t(6), &entropy(3)),
+        Decision::NoOp(NoOpReason::DuplicateSignal)
+    );
+}
+
+#[test]
+fn cancel_finishes_outstanding_attempt_and_clears_retry() {
+    let wf = registry(1, 3);
+    let s = started(&wf);
+    let tr = apply(&s, &cancel(), &wf, 5, 2);
+    assert_eq!(tr.state.status, RunStatus::Cancelled);
+    assert_eq!(tr.record.kind, KIND_RUN_CANCELLED);
+    assert_eq!(tr.state.error.as_deref(), Some("user"));
+    assert_eq!(tr.state.attempts[0].status, AttemptStatus::Cancelled);
+    assert!(matches!(
+        tr.attempt_writes[..],
+        [AttemptWrite::Finish {
+            status: AttemptStatus::Cancelled,
+            ..
+        }]
+    ));
+    assert_eq!(
+        fold(Some(&tr.state), &cancel(), &wf, t(6), &entropy(3)),
+        Decision::NoOp(NoOpReason::RunTerminal)
+    );
+    assert_eq!(
+        fold(
+            Some(&tr.state),
+            &result_ok(stamp(1), json!(1)),
+            &wf,
+            t(6),
+            &entropy(3)
+        ),
+        Decision::NoOp(NoOpReason::StaleResult)
+    );
+    // while a retry is pending
+    let failed = apply(&s, &result_err(stamp(1), true), &wf, 5, 2);
+    let tr = apply(&failed.state, &cancel(), &wf, 6, 3);
+    assert!(tr.state.pending_retry.is_none());
+    assert!(tr.attempt_writes.is_empty());
+    assert_eq!(
+        fold(
+            Some(&tr.state),
+            &timer(TimerKind::Retry, stamp(1)),
+            &wf,
+            t(7),
+            &entropy(4)
+        ),
+        Decision::NoOp(NoOpReason::DuplicateTimer)
+    );
+}
+
+#[test]
+fn state_serializes_with_snake_case_and_round_trips() {
+    let wf = registry(2, 2);
+    let s = apply(
+        &started(&wf),
+        &timer(TimerKind::Timeout, stamp(1)),
+        &wf,
+        1000,
+        2,
+    )
+    .state;
+    let v = serde_json::to_value(&s).unwrap();
+    assert_eq!(v["status"], "running");
+    assert_eq!(v["attempts"][0]["status"], "timed_out");
+    let back: RunState = serde_json::from_value(v).unwrap();
+    assert_eq!(back, s);
+    assert_eq!(RunStatus::Cancelled.as_str(), "cancelled");
+    assert!(RunStatus::Failed.is_terminal() && !RunStatus::Running.is_terminal());
+    assert_eq!(NoOpReason::StaleResult.as_str(), "stale_result");
+    assert_eq!(RejectionClass::TooManySignals.as_str(), "too_many_signals");
+}
+
+#[test]
+fn deadlines_saturate_instead_of_overflowing() {
+    let wf = registry(1, 1);
+    let far = DateTime::<Utc>::MAX_UTC - TimeDelta::milliseconds(10);
+    let tr = transition(fold(None, &start_input(), &wf, far, &entropy(1)));
+    assert_eq!(
+        tr.state.outstanding.unwrap().deadline,
+        DateTime::<Utc>::MAX_UTC
+    );
+}

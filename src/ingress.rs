@@ -1,0 +1,291 @@
+//! The coordinator's Kafka ingress.
+//!
+//! One consumer group reads `requests`, `wakeups` and `attempt-results`.
+//! Messages are gathered into bounded batches, decoded, and applied in one
+//! Postgres transaction by the [`Applier`]. Inputs that cannot be decoded or
+//! that the coordinator rejects go to the dead-letter topic. Offsets are
+//! stored (`enable.auto.offset.store=false`) only after the transaction and
+//! the dead-letter publishes have succeeded, so a crash anywhere leads to a
+//! redelivery, which the coordinator turns into zero new rows.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use anyhow::Context;
+use backon::{ExponentialBuilder, Retryable};
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::message::{Headers, Message, OwnedMessage};
+use rdkafka::producer::FutureProducer;
+use rdkafka::{Offset, TopicPartitionList};
+use sqlx::PgPool;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+use crate::coordinator::{InputTopic, NoOpReason, Workflows, decode_input};
+use crate::dlq::{DeadLetter, DeadLetterPublisher, Stage};
+use crate::store::{Applier, InputOutcome, PendingInput, Source, TopicNames};
+
+/// Hooks that let tests stop the ingress at a chosen point, as a crash would.
+#[derive(Debug, Clone, Default)]
+pub struct TestHooks {
+    /// Return an error right after the first batch commits, before its
+    /// offsets are stored.
+    pub fail_after_commit: bool,
+}
+
+pub struct IngressContext {
+    pub applier: Applier,
+    pub consumer: StreamConsumer,
+    pub dead_letters: DeadLetterPublisher,
+    pub requests_topic: String,
+    pub wakeups_topic: String,
+    pub results_topic: String,
+    pub batch_max_inputs: usize,
+    pub batch_linger: Duration,
+    pub max_input_bytes: usize,
+    pub hooks: TestHooks,
+}
+
+impl IngressContext {
+    pub fn new(config: &Config, pool: PgPool, workflows: Workflows) -> anyhow::Result<Self> {
+        let consumer: StreamConsumer =
+            crate::kafka::consumer_config(&config.kafka, &config.kafka.group_id, "ingress")
+                .create()
+                .context("creating ingress consumer")?;
+        let producer: FutureProducer = crate::kafka::producer(&config.kafka, "dlq")?;
+        Ok(Self {
+            applier: Applier {
+                pool,
+                workflows,
+                topics: TopicNames {
+                    prefix: config.kafka.topic_prefix.clone(),
+                },
+                conflict_retries: config.coordinator.conflict_retries,
+            },
+            consumer,
+            dead_letters: DeadLetterPublisher {
+                producer,
+                topic: config.dlq_topic(),
+                max_message_bytes: config.coordinator.max_error_message_bytes,
+                timeout: Duration::from_millis(config.kafka.delivery_timeout_ms),
+            },
+            requests_topic: config.requests_topic(),
+            wakeups_topic: config.wakeups_topic(),
+            results_topic: config.attempt_results_topic(),
+            batch_max_inputs: config.coordinator.batch_max_inputs,
+            batch_linger: Duration::from_millis(config.coordinator.batch_linger_ms),
+            max_input_bytes: config.coordinator.max_input_bytes,
+            hooks: TestHooks::default(),
+        })
+    }
+
+    fn topic_kind(&self, topic: &str) -> Option<InputTopic> {
+        if topic == self.requests_topic {
+            Some(InputTopic::Requests)
+        } else if topic == self.wakeups_topic {
+            Some(InputTopic::Wakeups)
+        } else if topic == self.results_topic {
+            Some(InputTopic::AttemptResults)
+        } else {
+            None
+        }
+    }
+}
+
+/// Consumes until `shutdown`, finishing the batch in hand.
+pub async fn run(ctx: IngressContext, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let topics = [
+        ctx.requests_topic.as_str(),
+        ctx.wakeups_topic.as_str(),
+        ctx.results_topic.as_str(),
+    ];
+    ctx.consumer
+        .subscribe(&topics)
+        .context("subscribing to input topics")?;
+    tracing::info!(topics = ?topics, "ingress subscribed");
+    let result = consume(&ctx, &shutdown).await;
+    // Flush the offsets stored so far; the broker keeps them for the group.
+    if let Err(e) = ctx.consumer.commit_consumer_state(CommitMode::Sync) {
+        tracing::debug!(error = %e, "final offset commit skipped");
+    }
+    ctx.consumer.unsubscribe();
+    result
+}
+
+async fn consume(ctx: &IngressContext, shutdown: &CancellationToken) -> anyhow::Result<()> {
+    loop {
+        let Some(batch) = next_batch(ctx, shutdown).await? else {
+            return Ok(());
+        };
+        process_batch(ctx, &batch, shutdown).await?;
+        if ctx.hooks.fail_after_commit {
+            anyhow::bail!("test hook: stopped after commit, before storing offsets");
+        }
+        store_offsets(ctx, &batch);
+    }
+}
+
+/// Waits for one message, then gathers more until the batch is full or the
+/// linger time has passed. `None` on shutdown with nothing in hand.
+async fn next_batch(
+    ctx: &IngressContext,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Option<Vec<OwnedMessage>>> {
+    let mut batch = Vec::new();
+    loop {
+        tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return Ok(None),
+            msg = ctx.consumer.recv() => match msg {
+                Ok(m) => { batch.push(m.detach()); break; }
+                Err(e) => {
+                    tracing::warn!(error = %e, "kafka consumer error");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    }
+    let deadline = Instant::now() + ctx.batch_linger;
+    while batch.len() < ctx.batch_max_inputs {
+        tokio::select! {
+            biased;
+            msg = ctx.consumer.recv() => match msg {
+                Ok(m) => batch.push(m.detach()),
+                Err(e) => {
+                    tracing::warn!(error = %e, "kafka consumer error");
+                    break;
+                }
+            },
+            _ = tokio::time::sleep_until(deadline) => break,
+        }
+    }
+    Ok(Some(batch))
+}
+
+/// Decodes, applies and dead-letters one batch. Returns only when every
+/// message of the batch is durably handled, or on shutdown/fatal error.
+pub async fn process_batch(
+    ctx: &IngressContext,
+    batch: &[OwnedMessage],
+    shutdown: &CancellationToken,
+) -> anyhow::Result<()> {
+    let mut pending = Vec::with_capacity(batch.len());
+    let mut pending_msgs = Vec::with_capacity(batch.len());
+    let mut dead = Vec::new();
+    for msg in batch {
+        let Some(kind) = ctx.topic_kind(msg.topic()) else {
+            continue;
+        };
+        let payload = msg.payload().unwrap_or_default();
+        match decode_input(kind, payload, ctx.max_input_bytes) {
+            Ok(input) => {
+                pending.push(PendingInput {
+                    input,
+                    source: Some(Source {
+                        topic: msg.topic().to_string(),
+                        partition: msg.partition(),
+                        offset: msg.offset(),
+                    }),
+                });
+                pending_msgs.push(msg);
+            }
+            Err(error) => {
+                dead.push(DeadLetter {
+                    message: msg,
+                    stage: Stage::Decode,
+                    class: error.class.as_str().to_string(),
+                    error: error.message,
+                });
+            }
+        }
+    }
+
+    if !pending.is_empty() {
+        let applier = &ctx.applier;
+        let report = (|| async { applier.apply_batch(&pending).await })
+            .retry(
+                ExponentialBuilder::default()
+                    .with_min_delay(Duration::from_millis(50))
+                    .with_max_delay(Duration::from_secs(5))
+                    .without_max_times(),
+            )
+            .when(|_| !shutdown.is_cancelled())
+            .notify(|e, after| {
+                tracing::warn!(error = %e, retry_in_ms = after.as_millis() as u64, "applying batch failed, retrying")
+            })
+            .await
+            .context("applying batch")?;
+        for ((outcome, input), msg) in report.outcomes.iter().zip(&pending).zip(&pending_msgs) {
+            let topic_label = msg.topic().to_string();
+            let outcome_label = match outcome {
+                InputOutcome::Applied { .. } => "applied",
+                InputOutcome::NoOp(NoOpReason::StaleResult) => "stale",
+                InputOutcome::NoOp(_) => "deduplicated",
+                InputOutcome::Rejected(_) => "rejected",
+            };
+            metrics::counter!("ductor_inputs_total", "topic" => topic_label, "outcome" => outcome_label)
+                .increment(1);
+            match outcome {
+                InputOutcome::Rejected(rejection) => dead.push(DeadLetter {
+                    message: msg,
+                    stage: Stage::Validate,
+                    class: rejection.class.as_str().to_string(),
+                    error: rejection.message.clone(),
+                }),
+                InputOutcome::NoOp(reason) => {
+                    tracing::debug!(
+                        run_id = input.input.run_id(),
+                        reason = reason.as_str(),
+                        "input changed nothing"
+                    );
+                }
+                InputOutcome::Applied { .. } => {}
+            }
+        }
+        if report.conflicts > 0 {
+            tracing::debug!(
+                conflicts = report.conflicts,
+                "batch recomputed after conflicts"
+            );
+        }
+    }
+
+    for letter in &dead {
+        ctx.dead_letters.publish(letter, shutdown).await?;
+        metrics::counter!("ductor_inputs_total", "topic" => letter.message.topic().to_string(), "outcome" => "dead_lettered")
+            .increment(1);
+    }
+    Ok(())
+}
+
+/// Stores the next offset of every partition in the batch. A partition that
+/// was revoked meanwhile refuses the store; its new owner re-reads the
+/// messages and they apply as no-ops.
+fn store_offsets(ctx: &IngressContext, batch: &[OwnedMessage]) {
+    let mut next: BTreeMap<(String, i32), i64> = BTreeMap::new();
+    for msg in batch {
+        let entry = next
+            .entry((msg.topic().to_string(), msg.partition()))
+            .or_insert(0);
+        *entry = (*entry).max(msg.offset() + 1);
+    }
+    let mut tpl = TopicPartitionList::with_capacity(next.len());
+    for ((topic, partition), offset) in &next {
+        if let Err(e) = tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset)) {
+            tracing::warn!(error = %e, topic, partition, "could not record offset");
+        }
+    }
+    if let Err(e) = ctx.consumer.store_offsets(&tpl) {
+        tracing::info!(error = %e, "offsets not stored (partition revoked?); they will be redelivered as no-ops");
+    }
+}
+
+/// Header value as text, for logs and dead letters.
+pub fn header_text<H: Headers>(headers: &H, name: &str) -> Option<String> {
+    headers
+        .iter()
+        .find(|h| h.key == name)
+        .and_then(|h| h.value)
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+}

@@ -1,0 +1,87 @@
+//! `ductor inspect run`: a run's state, attempts and transition history.
+
+use serde_json::{Value, json};
+use sqlx::{PgPool, Row};
+
+/// The run as JSON, or `None` when no such run exists.
+pub async fn run(pool: &PgPool, run_id: &str) -> anyhow::Result<Option<Value>> {
+    let Some(row) = sqlx::query(
+        "SELECT run_id, tenant_scope, pool_id, workflow_name, workflow_version, status, \
+             record_version, last_transition_seq, state, created_at, updated_at, finished_at \
+         FROM runs WHERE run_id = $1",
+    )
+    .bind(run_id)
+    .fetch_optional(pool)
+    .await?
+    else {
+        return Ok(None);
+    };
+    let attempts = sqlx::query(
+        "SELECT stamp, step_index, attempt, status, dispatched_at, deadline, finished_at, error \
+         FROM run_attempts WHERE run_id = $1 ORDER BY dispatched_at, step_index, attempt",
+    )
+    .bind(run_id)
+    .fetch_all(pool)
+    .await?
+    .into_iter()
+    .map(|r| -> anyhow::Result<Value> {
+        Ok(json!({
+            "stamp": r.try_get::<uuid::Uuid, _>("stamp")?,
+            "step_index": r.try_get::<i32, _>("step_index")?,
+            "attempt": r.try_get::<i32, _>("attempt")?,
+            "status": r.try_get::<String, _>("status")?,
+            "dispatched_at": r.try_get::<chrono::DateTime<chrono::Utc>, _>("dispatched_at")?,
+            "deadline": r.try_get::<chrono::DateTime<chrono::Utc>, _>("deadline")?,
+            "finished_at": r.try_get::<Option<chrono::DateTime<chrono::Utc>>, _>("finished_at")?,
+            "error": r.try_get::<Option<String>, _>("error")?,
+        }))
+    })
+    .collect::<anyhow::Result<Vec<_>>>()?;
+    let transitions = sqlx::query(
+        "SELECT seq, input_ref, kind, from_status, to_status, step_index, detail, source_topic, \
+             source_partition, source_offset, created_at \
+         FROM run_transitions WHERE run_id = $1 ORDER BY seq",
+    )
+    .bind(run_id)
+    .fetch_all(pool)
+    .await?
+    .into_iter()
+    .map(|r| -> anyhow::Result<Value> {
+        let source = match r.try_get::<Option<String>, _>("source_topic")? {
+            Some(topic) => json!({
+                "topic": topic,
+                "partition": r.try_get::<Option<i32>, _>("source_partition")?,
+                "offset": r.try_get::<Option<i64>, _>("source_offset")?,
+            }),
+            None => Value::Null,
+        };
+        Ok(json!({
+            "seq": r.try_get::<i64, _>("seq")?,
+            "input": r.try_get::<String, _>("input_ref")?,
+            "kind": r.try_get::<String, _>("kind")?,
+            "from_status": r.try_get::<Option<String>, _>("from_status")?,
+            "to_status": r.try_get::<String, _>("to_status")?,
+            "step_index": r.try_get::<i32, _>("step_index")?,
+            "detail": r.try_get::<Value, _>("detail")?,
+            "source": source,
+            "at": r.try_get::<chrono::DateTime<chrono::Utc>, _>("created_at")?,
+        }))
+    })
+    .collect::<anyhow::Result<Vec<_>>>()?;
+    Ok(Some(json!({
+        "run_id": row.try_get::<String, _>("run_id")?,
+        "tenant_scope": row.try_get::<String, _>("tenant_scope")?,
+        "pool_id": row.try_get::<String, _>("pool_id")?,
+        "workflow": row.try_get::<String, _>("workflow_name")?,
+        "workflow_version": row.try_get::<i32, _>("workflow_version")?,
+        "status": row.try_get::<String, _>("status")?,
+        "record_version": row.try_get::<i64, _>("record_version")?,
+        "last_transition_seq": row.try_get::<i64, _>("last_transition_seq")?,
+        "created_at": row.try_get::<chrono::DateTime<chrono::Utc>, _>("created_at")?,
+        "updated_at": row.try_get::<chrono::DateTime<chrono::Utc>, _>("updated_at")?,
+        "finished_at": row.try_get::<Option<chrono::DateTime<chrono::Utc>>, _>("finished_at")?,
+        "state": row.try_get::<Value, _>("state")?,
+        "attempts": attempts,
+        "transitions": transitions,
+    })))
+}

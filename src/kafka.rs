@@ -1,0 +1,161 @@
+//! Kafka clients with explicit settings, and topic administration.
+//!
+//! Ductor states every librdkafka setting it depends on instead of trusting
+//! defaults; the user's pass-through properties are applied last so that
+//! production deployments can add SASL/TLS or tune anything.
+
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::RDKafkaErrorCode;
+use rdkafka::producer::FutureProducer;
+
+use crate::config::{Config, KafkaConfig};
+
+fn base_config(kafka: &KafkaConfig, role: &str) -> ClientConfig {
+    let mut cfg = ClientConfig::new();
+    cfg.set("bootstrap.servers", &kafka.bootstrap_servers)
+        .set("client.id", format!("{}-{role}", kafka.client_id))
+        // Surface broker-down conditions as errors instead of silent retries.
+        .set("socket.keepalive.enable", "true")
+        .set("reconnect.backoff.ms", "100")
+        .set("reconnect.backoff.max.ms", "5000")
+        .set("log.connection.close", "false");
+    for (key, value) in kafka.properties.iter() {
+        cfg.set(key, value);
+    }
+    cfg
+}
+
+/// The coordinator's ingress consumer: manual offset store, stored offsets
+/// auto-committed in the background. Offsets are stored only after the
+/// Postgres transaction that applied the messages has committed.
+pub fn consumer_config(kafka: &KafkaConfig, group_id: &str, role: &str) -> ClientConfig {
+    let mut cfg = base_config(kafka, role);
+    cfg.set("group.id", group_id)
+        .set("enable.auto.commit", "true")
+        .set("auto.commit.interval.ms", "500")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("enable.partition.eof", "false")
+        .set("isolation.level", "read_committed")
+        .set("partition.assignment.strategy", "cooperative-sticky")
+        .set("session.timeout.ms", kafka.session_timeout_ms.to_string())
+        .set(
+            "max.poll.interval.ms",
+            kafka.max_poll_interval_ms.to_string(),
+        )
+        .set("fetch.wait.max.ms", kafka.fetch_max_wait_ms.to_string())
+        .set("fetch.min.bytes", "1")
+        .set("queued.max.messages.kbytes", "65536");
+    for (key, value) in kafka.consumer_properties.iter() {
+        cfg.set(key, value);
+    }
+    cfg
+}
+
+/// An idempotent producer: `enable.idempotence=true`, `acks=all`, bounded
+/// in-flight requests, so retries neither duplicate nor reorder within a
+/// partition.
+pub fn producer_config(kafka: &KafkaConfig, role: &str) -> ClientConfig {
+    let mut cfg = base_config(kafka, role);
+    cfg.set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("max.in.flight.requests.per.connection", "5")
+        .set("retries", "2147483647")
+        .set("linger.ms", kafka.linger_ms.to_string())
+        .set("compression.type", "lz4")
+        .set("message.max.bytes", kafka.message_max_bytes.to_string())
+        .set("request.timeout.ms", kafka.request_timeout_ms.to_string())
+        .set("message.timeout.ms", kafka.delivery_timeout_ms.to_string())
+        .set("queue.buffering.max.messages", "100000");
+    for (key, value) in kafka.producer_properties.iter() {
+        cfg.set(key, value);
+    }
+    cfg
+}
+
+pub fn producer(kafka: &KafkaConfig, role: &str) -> anyhow::Result<FutureProducer> {
+    producer_config(kafka, role)
+        .create()
+        .context("creating kafka producer")
+}
+
+pub fn admin(kafka: &KafkaConfig) -> anyhow::Result<AdminClient<DefaultClientContext>> {
+    base_config(kafka, "admin")
+        .create()
+        .context("creating kafka admin client")
+}
+
+/// What `ensure_topics` did with each topic.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct TopicOutcome {
+    pub topic: String,
+    pub created: bool,
+}
+
+/// Creates the given topics with the configured partition count and
+/// replication factor; topics that already exist are left as they are.
+pub async fn ensure_topics(
+    kafka: &KafkaConfig,
+    topics: &[String],
+    partitions: i32,
+) -> anyhow::Result<Vec<TopicOutcome>> {
+    let admin = admin(kafka)?;
+    let new_topics: Vec<NewTopic<'_>> = topics
+        .iter()
+        .map(|t| {
+            NewTopic::new(
+                t,
+                partitions,
+                TopicReplication::Fixed(kafka.replication_factor),
+            )
+        })
+        .collect();
+    let opts = AdminOptions::new()
+        .operation_timeout(Some(Duration::from_millis(kafka.admin_timeout_ms)))
+        .request_timeout(Some(Duration::from_millis(kafka.admin_timeout_ms)));
+    let results = admin
+        .create_topics(new_topics.iter(), &opts)
+        .await
+        .context("creating topics")?;
+    let mut outcomes = Vec::with_capacity(results.len());
+    for result in results {
+        match result {
+            Ok(topic) => outcomes.push(TopicOutcome {
+                topic,
+                created: true,
+            }),
+            Err((topic, RDKafkaErrorCode::TopicAlreadyExists)) => outcomes.push(TopicOutcome {
+                topic,
+                created: false,
+            }),
+            Err((topic, code)) => bail!("creating topic {topic}: {code}"),
+        }
+    }
+    Ok(outcomes)
+}
+
+/// Creates every topic the configuration names.
+pub async fn create_configured_topics(config: &Config) -> anyhow::Result<Vec<TopicOutcome>> {
+    ensure_topics(&config.kafka, &config.all_topics(), config.kafka.partitions).await
+}
+
+/// A metadata request to the cluster: proves a broker answers, not just that
+/// a port is open. Blocking; call from `spawn_blocking`.
+pub fn probe_metadata(kafka: &KafkaConfig, timeout: Duration) -> anyhow::Result<usize> {
+    let consumer: BaseConsumer = base_config(kafka, "probe")
+        .create()
+        .context("creating kafka probe client")?;
+    let metadata = consumer
+        .fetch_metadata(None, timeout)
+        .context("fetching kafka metadata")?;
+    if metadata.brokers().is_empty() {
+        bail!("kafka metadata lists no brokers");
+    }
+    Ok(metadata.brokers().len())
+}

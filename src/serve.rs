@@ -1,0 +1,120 @@
+//! `ductor serve`: the long-running process. Every task hangs off one root
+//! cancellation token and one tracker, so shutdown waits for all of them.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use rdkafka::consumer::BaseConsumer;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::Config;
+use crate::http::{HttpState, router};
+
+/// Runs until `shutdown` is cancelled, then lets in-flight work finish within
+/// `server.shutdown_grace_ms`.
+pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let workflows = crate::workflows::load_dir(&config.coordinator.workflows_dir)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    tracing::info!(
+        workflows = workflows.iter().count(),
+        dir = %config.coordinator.workflows_dir.display(),
+        "workflow definitions loaded"
+    );
+    let pool = crate::db::connect(&config.database).await?;
+    if config.database.migrate_on_start {
+        crate::db::migrate(&pool).await?;
+        tracing::info!("database migrations applied");
+    }
+    crate::telemetry::metrics_handle();
+
+    let tracker = TaskTracker::new();
+    // A task that fails cancels everything: the process should stop rather
+    // than run without, say, its ingress.
+    let failed = Arc::new(std::sync::Mutex::new(None::<anyhow::Error>));
+
+    let kafka_probe: BaseConsumer = crate::kafka::consumer_config(
+        &config.kafka,
+        &format!("{}-probe", config.kafka.group_id),
+        "probe",
+    )
+    .create()
+    .context("creating kafka probe client")?;
+    let http_state = HttpState {
+        pool: pool.clone(),
+        kafka_probe: Arc::new(kafka_probe),
+        readiness_timeout: Duration::from_millis(config.server.readiness_timeout_ms),
+    };
+    let listener = tokio::net::TcpListener::bind(config.server.listen)
+        .await
+        .with_context(|| format!("binding http listener on {}", config.server.listen))?;
+    tracing::info!(addr = %config.server.listen, "http listening");
+    {
+        let shutdown = shutdown.clone();
+        let failed = failed.clone();
+        tracker.spawn(async move {
+            let result = axum::serve(listener, router(http_state))
+                .with_graceful_shutdown(shutdown.clone().cancelled_owned())
+                .await;
+            if let Err(e) = result {
+                record_failure(&failed, anyhow::Error::new(e).context("http server"));
+                shutdown.cancel();
+            }
+        });
+    }
+
+    {
+        let ctx = crate::ingress::IngressContext::new(&config, pool.clone(), workflows)?;
+        let shutdown = shutdown.clone();
+        let failed = failed.clone();
+        tracker.spawn(async move {
+            if let Err(e) = crate::ingress::run(ctx, shutdown.clone()).await {
+                record_failure(&failed, e.context("coordinator ingress"));
+                shutdown.cancel();
+            }
+        });
+    }
+
+    tracker.close();
+    shutdown.cancelled().await;
+    tracing::info!(
+        grace_ms = config.server.shutdown_grace_ms,
+        "shutting down, waiting for in-flight work"
+    );
+    let grace = Duration::from_millis(config.server.shutdown_grace_ms);
+    if tokio::time::timeout(grace, tracker.wait()).await.is_err() {
+        tracing::warn!("in-flight work did not finish within the grace period");
+    }
+    pool.close().await;
+    let failure = failed.lock().ok().and_then(|mut f| f.take());
+    match failure {
+        Some(e) => Err(e),
+        None => {
+            tracing::info!("stopped");
+            Ok(())
+        }
+    }
+}
+
+fn record_failure(slot: &std::sync::Mutex<Option<anyhow::Error>>, error: anyhow::Error) {
+    if let Ok(mut slot) = slot.lock() {
+        slot.get_or_insert(error);
+    }
+}
+
+/// Cancels `token` on SIGINT or SIGTERM.
+pub fn cancel_on_signals(token: CancellationToken) -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing SIGINT handler")?;
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!(signal = "SIGTERM", "shutdown requested"),
+            _ = int.recv() => tracing::info!(signal = "SIGINT", "shutdown requested"),
+            _ = token.cancelled() => return,
+        }
+        token.cancel();
+    });
+    Ok(())
+}

@@ -1,0 +1,668 @@
+//! The apply layer: load runs, fold inputs, commit in one transaction.
+//!
+//! A batch of inputs (from one or more partitions, in arrival order) is folded
+//! against the runs it touches and committed in one Postgres transaction:
+//! new runs are inserted, changed runs updated with
+//! `WHERE run_id = .. AND record_version = ..`, and their transition rows,
+//! attempt rows and effect intents are written with set-based statements.
+//! If any conditional write matches fewer rows than expected, another writer
+//! won a race: the transaction is rolled back and the whole batch recomputed
+//! from fresh state, so no input of the batch is lost or applied twice.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::{PgPool, Postgres, Row, Transaction as PgTx};
+use uuid::Uuid;
+
+use crate::coordinator::{
+    AttemptRecord, AttemptStatus, AttemptWrite, Decision, Effect, EffectTarget, Entropy, Input,
+    NoOpReason, Rejection, RunState, RunStatus, Workflows, fold,
+};
+
+/// Where an input came from; kept on its transition row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Source {
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+}
+
+/// One decoded input waiting to be applied.
+#[derive(Debug, Clone)]
+pub struct PendingInput {
+    pub input: Input,
+    pub source: Option<Source>,
+}
+
+/// What happened to one input of a batch.
+#[derive(Debug, Clone, PartialEq)]
+pub enum InputOutcome {
+    Applied { seq: i64 },
+    NoOp(NoOpReason),
+    Rejected(Rejection),
+}
+
+#[derive(Debug)]
+pub struct BatchReport {
+    /// One outcome per input, in input order.
+    pub outcomes: Vec<InputOutcome>,
+    /// Times the batch was recomputed after losing a race.
+    pub conflicts: u32,
+    /// Effect intents committed.
+    pub intents_written: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApplyError {
+    #[error("batch still conflicting after {0} recomputations")]
+    ConflictsExhausted(u32),
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error("encoding state: {0}")]
+    Encode(#[from] serde_json::Error),
+}
+
+/// Topic naming, so the pure effects can be given real topic names.
+#[derive(Debug, Clone)]
+pub struct TopicNames {
+    pub prefix: String,
+}
+
+impl TopicNames {
+    pub fn for_target(&self, target: &EffectTarget) -> String {
+        match target {
+            EffectTarget::StepQueue { pool } => format!("{}steps.{pool}", self.prefix),
+            EffectTarget::Events => format!("{}events", self.prefix),
+            EffectTarget::Wakeups => format!("{}wakeups", self.prefix),
+            EffectTarget::Output { topic } => topic.clone(),
+        }
+    }
+}
+
+/// The apply layer's fixed inputs.
+pub struct Applier {
+    pub pool: PgPool,
+    pub workflows: Workflows,
+    pub topics: TopicNames,
+    pub conflict_retries: u32,
+}
+
+/// The deterministic idempotency key of an effect: the same on every
+/// redelivery because it is derived from the run, the transition seq and the
+/// effect's index in that transition.
+pub fn idempotency_key(run_id: &str, seq: i64, effect_index: usize) -> String {
+    format!("{run_id}/{seq}/{effect_index}")
+}
+
+pub fn status_str(status: RunStatus) -> &'static str {
+    match status {
+        RunStatus::Running => "running",
+        RunStatus::Succeeded => "succeeded",
+        RunStatus::Failed => "failed",
+        RunStatus::Cancelled => "cancelled",
+    }
+}
+
+pub fn attempt_status_str(status: AttemptStatus) -> &'static str {
+    match status {
+        AttemptStatus::Dispatched => "dispatched",
+        AttemptStatus::Succeeded => "succeeded",
+        AttemptStatus::Failed => "failed",
+        AttemptStatus::TimedOut => "timed_out",
+        AttemptStatus::Cancelled => "cancelled",
+    }
+}
+
+fn fresh_entropy() -> Entropy {
+    Entropy {
+        stamp: Uuid::new_v4(),
+        jitter_unit: rand::random::<f64>(),
+    }
+}
+
+/// A run as loaded: its state and the record_version the UPDATE must match.
+struct Loaded {
+    state: Option<RunState>,
+    loaded_version: Option<i64>,
+    changed: bool,
+}
+
+/// Everything one attempt at committing a batch will write.
+#[derive(Default)]
+struct Writes {
+    transitions: Vec<TransitionRow>,
+    attempt_inserts: Vec<(String, AttemptRecord)>,
+    attempt_finishes: Vec<(Uuid, AttemptStatus, DateTime<Utc>, Option<String>)>,
+    intents: Vec<IntentRow>,
+}
+
+struct TransitionRow {
+    run_id: String,
+    seq: i64,
+    input_ref: String,
+    kind: String,
+    from_status: Option<&'static str>,
+    to_status: &'static str,
+    step_index: i32,
+    detail: String,
+    source: Option<Source>,
+    at: DateTime<Utc>,
+}
+
+/// An effect intent as it will be published: topic, key, headers and payload
+/// bytes are all fixed here, at commit.
+pub struct IntentRow {
+    pub run_id: String,
+    pub seq: i64,
+    pub effect_index: i32,
+    pub idempotency_key: String,
+    pub tenant: String,
+    pub topic: String,
+    pub message_key: Vec<u8>,
+    pub headers: serde_json::Map<String, Value>,
+    pub payload: Vec<u8>,
+    pub ce_type: String,
+    pub not_before: DateTime<Utc>,
+}
+
+impl Applier {
+    /// Applies `inputs` in order, in one transaction, recomputing on conflict.
+    pub async fn apply_batch(&self, inputs: &[PendingInput]) -> Result<BatchReport, ApplyError> {
+        let started = Instant::now();
+        let mut conflicts = 0;
+        loop {
+            match self.try_apply(inputs).await? {
+                Some((outcomes, intents_written)) => {
+                    metrics::histogram!("ductor_apply_seconds")
+                        .record(started.elapsed().as_secs_f64());
+                    metrics::histogram!("ductor_apply_batch_size").record(inputs.len() as f64);
+                    return Ok(BatchReport {
+                        outcomes,
+                        conflicts,
+                        intents_written,
+                    });
+                }
+                None => {
+                    conflicts += 1;
+                    metrics::counter!("ductor_apply_conflicts_total").increment(1);
+                    tracing::debug!(conflicts, "batch lost an optimistic-lock race, recomputing");
+                    if conflicts > self.conflict_retries {
+                        return Err(ApplyError::ConflictsExhausted(conflicts));
+                    }
+                }
+            }
+        }
+    }
+
+    /// One attempt: `Ok(None)` means a conflict (rolled back).
+    async fn try_apply(
+        &self,
+        inputs: &[PendingInput],
+    ) -> Result<Option<(Vec<InputOutcome>, usize)>, ApplyError> {
+        let mut tx = self.pool.begin().await?;
+        let mut runs = load_runs(&mut tx, inputs).await?;
+        let now = Utc::now();
+        let mut outcomes = Vec::with_capacity(inputs.len());
+        let mut writes = Writes::default();
+
+        for pending in inputs {
+            let input = &pending.input;
+            let loaded = runs
+                .get_mut(input.run_id())
+                .expect("every input's run was looked up");
+            let entropy = fresh_entropy();
+            match fold(loaded.state.as_ref(), input, &self.workflows, now, &entropy) {
+                Decision::NoOp(reason) => outcomes.push(InputOutcome::NoOp(reason)),
+                Decision::Rejection(rejection) => outcomes.push(InputOutcome::Rejected(rejection)),
+                Decision::Transition(transition) => {
+                    let transition = *transition;
+                    let state = transition.state;
+                    let record = transition.record;
+                    let seq = record.seq;
+                    writes.transitions.push(TransitionRow {
+                        run_id: state.run_id.clone(),
+                        seq,
+                        input_ref: record.input_ref,
+                        kind: record.kind,
+                        from_status: record.from_status.map(status_str),
+                        to_status: status_str(record.to_status),
+                        step_index: record.step_index as i32,
+                        detail: serde_json::to_string(&record.detail)?,
+                        source: pending.source.clone(),
+                        at: record.at,
+                    });
+                    for write in transition.attempt_writes {
+                        match write {
+                            AttemptWrite::Insert(attempt) => {
+                                writes.attempt_inserts.push((state.run_id.clone(), attempt))
+                            }
+                            AttemptWrite::Finish {
+                                stamp,
+                                status,
+                                finished_at,
+                                error,
+                            } => {
+                                // An attempt inserted earlier in this batch is
+                                // finished in memory, so each row is written once.
+                                if let Some(row) = writes
+                                    .attempt_inserts
+                                    .iter_mut()
+                                    .map(|(_, a)| a)
+                                    .find(|a| a.stamp == stamp)
+                                {
+                                    row.status = status;
+                                    row.finished_at = Some(finished_at);
+                                    row.error = error;
+                                } else {
+                                    writes.attempt_finishes.push((
+                                        stamp,
+                                        status,
+                                        finished_at,
+                                        error,
+                                    ));
+                                }
+                            }
+                        }
+                    }
+                    for (index, effect) in transition.effects.into_iter().enumerate() {
+                        writes
+                            .intents
+                            .push(self.intent_row(&state, seq, index, effect, record.at)?);
+                    }
+                    loaded.state = Some(state);
+                    loaded.changed = true;
+                    outcomes.push(InputOutcome::Applied { seq });
+                }
+            }
+        }
+
+        if !write_all(&mut tx, &runs, &writes).await? {
+            tx.rollback().await?;
+            return Ok(None);
+        }
+        tx.commit().await?;
+        Ok(Some((outcomes, writes.intents.len())))
+    }
+
+    fn intent_row(
+        &self,
+        state: &RunState,
+        seq: i64,
+        index: usize,
+        effect: Effect,
+        at: DateTime<Utc>,
+    ) -> Result<IntentRow, ApplyError> {
+        let key = idempotency_key(&state.run_id, seq, index);
+        let topic = self.topics.for_target(&effect.target);
+        let mut headers = serde_json::Map::new();
+        let mut put = |k: &str, v: String| {
+            headers.insert(k.to_string(), Value::String(v));
+        };
+        put("idempotency-key", key.clone());
+        put("ductor-run-id", state.run_id.clone());
+        put("ductor-seq", seq.to_string());
+        put("ductor-tenant", state.tenant.clone());
+        put("ce_specversion", "1.0".to_string());
+        put("ce_id", key.clone());
+        put(
+            "ce_source",
+            format!(
+                "/ductor/workflows/{}/v{}",
+                state.workflow, state.workflow_version
+            ),
+        );
+        put("ce_type", effect.ce_type.clone());
+        put(
+            "ce_time",
+            at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        );
+        put("ce_subject", state.run_id.clone());
+        put("content-type", "application/json".to_string());
+        Ok(IntentRow {
+            run_id: state.run_id.clone(),
+            seq,
+            effect_index: index as i32,
+            idempotency_key: key,
+            tenant: state.tenant.clone(),
+            topic,
+            message_key: state.run_id.as_bytes().to_vec(),
+            headers,
+            payload: serde_json::to_vec(&effect.payload)?,
+            ce_type: effect.ce_type,
+            not_before: effect.not_before.unwrap_or(at),
+        })
+    }
+}
+
+async fn load_runs(
+    tx: &mut PgTx<'_, Postgres>,
+    inputs: &[PendingInput],
+) -> Result<HashMap<String, Loaded>, ApplyError> {
+    let mut ids: Vec<String> = inputs
+        .iter()
+        .map(|p| p.input.run_id().to_string())
+        .collect();
+    ids.sort();
+    ids.dedup();
+    let rows = sqlx::query("SELECT run_id, record_version, state FROM runs WHERE run_id = ANY($1)")
+        .bind(&ids)
+        .fetch_all(&mut **tx)
+        .await?;
+    let mut runs: HashMap<String, Loaded> = ids
+        .into_iter()
+        .map(|id| {
+            (
+                id,
+                Loaded {
+                    state: None,
+                    loaded_version: None,
+                    changed: false,
+                },
+            )
+        })
+        .collect();
+    for row in rows {
+        let run_id: String = row.try_get("run_id")?;
+        let version: i64 = row.try_get("record_version")?;
+        let state: sqlx::types::Json<RunState> = row.try_get("state")?;
+        let mut state = state.0;
+        state.record_version = version;
+        if let Some(slot) = runs.get_mut(&run_id) {
+            slot.state = Some(state);
+            slot.loaded_version = Some(version);
+        }
+    }
+    Ok(runs)
+}
+
+/// Writes everything; `Ok(false)` when a conditional write lost a race.
+async fn write_all(
+    tx: &mut PgTx<'_, Postgres>,
+    runs: &HashMap<String, Loaded>,
+    writes: &Writes,
+) -> Result<bool, ApplyError> {
+    // Runs: inserts for new ones, conditional updates for existing ones.
+    let mut ins = RunColumns::default();
+    let mut upd = RunColumns::default();
+    for loaded in runs.values().filter(|l| l.changed) {
+        let Some(state) = &loaded.state else { continue };
+        let mut state = state.clone();
+        match loaded.loaded_version {
+            None => {
+                state.record_version = 1;
+                ins.push(&state, 0)?;
+            }
+            Some(version) => {
+                state.record_version = version + 1;
+                upd.push(&state, version)?;
+            }
+        }
+    }
+    if !ins.run_id.is_empty() {
+        let inserted = sqlx::query(
+            "INSERT INTO runs (run_id, tenant_scope, pool_id, workflow_name, workflow_version, \
+                 status, record_version, last_transition_seq, state, created_at, updated_at, finished_at) \
+             SELECT u.run_id, u.tenant, u.pool, u.workflow, u.version, u.status, 1, u.seq, \
+                 u.state::jsonb, u.created_at, u.updated_at, u.finished_at \
+             FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::int4[], $6::text[], \
+                 $7::int8[], $8::text[], $9::timestamptz[], $10::timestamptz[], $11::timestamptz[]) \
+                 AS u(run_id, tenant, pool, workflow, version, status, seq, state, created_at, updated_at, finished_at) \
+             ON CONFLICT (run_id) DO NOTHING",
+        )
+        .bind(&ins.run_id)
+        .bind(&ins.tenant)
+        .bind(&ins.pool)
+        .bind(&ins.workflow)
+        .bind(&ins.version)
+        .bind(&ins.status)
+        .bind(&ins.seq)
+        .bind(&ins.state)
+        .bind(&ins.created_at)
+        .bind(&ins.updated_at)
+        .bind(&ins.finished_at)
+        .execute(&mut **tx)
+        .await?
+        .rows_affected();
+        if inserted != ins.run_id.len() as u64 {
+            return Ok(false);
+        }
+    }
+    if !upd.run_id.is_empty() {
+        let updated = sqlx::query(
+            "UPDATE runs AS r SET status = u.status, record_version = r.record_version + 1, \
+                 last_transition_seq = u.seq, state = u.state::jsonb, updated_at = u.updated_at, \
+                 finished_at = u.finished_at \
+             FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::int8[], $5::text[], \
+                 $6::timestamptz[], $7::timestamptz[]) \
+                 AS u(run_id, expected_version, status, seq, state, updated_at, finished_at) \
+             WHERE r.run_id = u.run_id AND r.record_version = u.expected_version \
+               AND r.last_transition_seq < u.seq",
+        )
+        .bind(&upd.run_id)
+        .bind(&upd.expected_version)
+        .bind(&upd.status)
+        .bind(&upd.seq)
+        .bind(&upd.state)
+        .bind(&upd.updated_at)
+        .bind(&upd.finished_at)
+        .execute(&mut **tx)
+        .await?
+        .rows_affected();
+        if updated != upd.run_id.len() as u64 {
+            return Ok(false);
+        }
+    }
+
+    if !writes.transitions.is_empty() {
+        let t = &writes.transitions;
+        let result = sqlx::query(
+            "INSERT INTO run_transitions (run_id, seq, input_ref, kind, from_status, to_status, \
+                 step_index, detail, source_topic, source_partition, source_offset, created_at) \
+             SELECT u.run_id, u.seq, u.input_ref, u.kind, u.from_status, u.to_status, u.step_index, \
+                 u.detail::jsonb, u.source_topic, u.source_partition, u.source_offset, u.at \
+             FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::text[], $5::text[], $6::text[], \
+                 $7::int4[], $8::text[], $9::text[], $10::int4[], $11::int8[], $12::timestamptz[]) \
+                 AS u(run_id, seq, input_ref, kind, from_status, to_status, step_index, detail, \
+                      source_topic, source_partition, source_offset, at) \
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(t.iter().map(|r| r.run_id.clone()).collect::<Vec<_>>())
+        .bind(t.iter().map(|r| r.seq).collect::<Vec<_>>())
+        .bind(t.iter().map(|r| r.input_ref.clone()).collect::<Vec<_>>())
+        .bind(t.iter().map(|r| r.kind.clone()).collect::<Vec<_>>())
+        .bind(
+            t.iter()
+                .map(|r| r.from_status.map(str::to_string))
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            t.iter()
+                .map(|r| r.to_status.to_string())
+                .collect::<Vec<_>>(),
+        )
+        .bind(t.iter().map(|r| r.step_index).collect::<Vec<_>>())
+        .bind(t.iter().map(|r| r.detail.clone()).collect::<Vec<_>>())
+        .bind(
+            t.iter()
+                .map(|r| r.source.as_ref().map(|s| s.topic.clone()))
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            t.iter()
+                .map(|r| r.source.as_ref().map(|s| s.partition))
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            t.iter()
+                .map(|r| r.source.as_ref().map(|s| s.offset))
+                .collect::<Vec<_>>(),
+        )
+        .bind(t.iter().map(|r| r.at).collect::<Vec<_>>())
+        .execute(&mut **tx)
+        .await?;
+        if result.rows_affected() != t.len() as u64 {
+            return Ok(false);
+        }
+    }
+
+    if !writes.attempt_inserts.is_empty() {
+        let a = &writes.attempt_inserts;
+        let result = sqlx::query(
+            "INSERT INTO run_attempts (stamp, run_id, step_index, attempt, status, dispatched_at, \
+                 deadline, finished_at, error) \
+             SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::int4[], $4::int4[], $5::text[], \
+                 $6::timestamptz[], $7::timestamptz[], $8::timestamptz[], $9::text[]) \
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(a.iter().map(|(_, r)| r.stamp).collect::<Vec<_>>())
+        .bind(
+            a.iter()
+                .map(|(run_id, _)| run_id.clone())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            a.iter()
+                .map(|(_, r)| r.step_index as i32)
+                .collect::<Vec<_>>(),
+        )
+        .bind(a.iter().map(|(_, r)| r.attempt as i32).collect::<Vec<_>>())
+        .bind(
+            a.iter()
+                .map(|(_, r)| attempt_status_str(r.status).to_string())
+                .collect::<Vec<_>>(),
+        )
+        .bind(a.iter().map(|(_, r)| r.dispatched_at).collect::<Vec<_>>())
+        .bind(a.iter().map(|(_, r)| r.deadline).collect::<Vec<_>>())
+        .bind(a.iter().map(|(_, r)| r.finished_at).collect::<Vec<_>>())
+        .bind(a.iter().map(|(_, r)| r.error.clone()).collect::<Vec<_>>())
+        .execute(&mut **tx)
+        .await?;
+        if result.rows_affected() != a.len() as u64 {
+            return Ok(false);
+        }
+    }
+
+    if !writes.attempt_finishes.is_empty() {
+        let f = &writes.attempt_finishes;
+        let result = sqlx::query(
+            "UPDATE run_attempts AS a SET status = u.status, finished_at = u.finished_at, error = u.error \
+             FROM UNNEST($1::uuid[], $2::text[], $3::timestamptz[], $4::text[]) \
+                 AS u(stamp, status, finished_at, error) \
+             WHERE a.stamp = u.stamp AND a.status = 'dispatched'",
+        )
+        .bind(f.iter().map(|r| r.0).collect::<Vec<_>>())
+        .bind(
+            f.iter()
+                .map(|r| attempt_status_str(r.1).to_string())
+                .collect::<Vec<_>>(),
+        )
+        .bind(f.iter().map(|r| r.2).collect::<Vec<_>>())
+        .bind(f.iter().map(|r| r.3.clone()).collect::<Vec<_>>())
+        .execute(&mut **tx)
+        .await?;
+        if result.rows_affected() != f.len() as u64 {
+            return Ok(false);
+        }
+    }
+
+    if !writes.intents.is_empty() {
+        insert_intents(tx, &writes.intents).await?;
+        // Wakes drainers in other processes once this transaction commits.
+        sqlx::query("SELECT pg_notify('ductor_effect_intent', '')")
+            .execute(&mut **tx)
+            .await?;
+    }
+    Ok(true)
+}
+
+async fn insert_intents(
+    tx: &mut PgTx<'_, Postgres>,
+    intents: &[IntentRow],
+) -> Result<(), ApplyError> {
+    let headers: Vec<String> = intents
+        .iter()
+        .map(|i| serde_json::to_string(&i.headers))
+        .collect::<Result<_, _>>()?;
+    sqlx::query(
+        "INSERT INTO eec_effect_intent (run_id, seq, effect_index, idempotency_key, tenant_scope, \
+             topic, message_key, headers, payload, ce_type, not_before) \
+         SELECT u.run_id, u.seq, u.effect_index, u.key, u.tenant, u.topic, u.message_key, \
+             u.headers::jsonb, u.payload, u.ce_type, u.not_before \
+         FROM UNNEST($1::text[], $2::int8[], $3::int4[], $4::text[], $5::text[], $6::text[], \
+             $7::bytea[], $8::text[], $9::bytea[], $10::text[], $11::timestamptz[]) \
+             AS u(run_id, seq, effect_index, key, tenant, topic, message_key, headers, payload, \
+                  ce_type, not_before)",
+    )
+    .bind(intents.iter().map(|i| i.run_id.clone()).collect::<Vec<_>>())
+    .bind(intents.iter().map(|i| i.seq).collect::<Vec<_>>())
+    .bind(intents.iter().map(|i| i.effect_index).collect::<Vec<_>>())
+    .bind(
+        intents
+            .iter()
+            .map(|i| i.idempotency_key.clone())
+            .collect::<Vec<_>>(),
+    )
+    .bind(intents.iter().map(|i| i.tenant.clone()).collect::<Vec<_>>())
+    .bind(intents.iter().map(|i| i.topic.clone()).collect::<Vec<_>>())
+    .bind(
+        intents
+            .iter()
+            .map(|i| i.message_key.clone())
+            .collect::<Vec<_>>(),
+    )
+    .bind(headers)
+    .bind(
+        intents
+            .iter()
+            .map(|i| i.payload.clone())
+            .collect::<Vec<_>>(),
+    )
+    .bind(
+        intents
+            .iter()
+            .map(|i| i.ce_type.clone())
+            .collect::<Vec<_>>(),
+    )
+    .bind(intents.iter().map(|i| i.not_before).collect::<Vec<_>>())
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+#[derive(Default)]
+struct RunColumns {
+    run_id: Vec<String>,
+    tenant: Vec<String>,
+    pool: Vec<String>,
+    workflow: Vec<String>,
+    version: Vec<i32>,
+    status: Vec<String>,
+    expected_version: Vec<i64>,
+    seq: Vec<i64>,
+    state: Vec<String>,
+    created_at: Vec<DateTime<Utc>>,
+    updated_at: Vec<DateTime<Utc>>,
+    finished_at: Vec<Option<DateTime<Utc>>>,
+}
+
+impl RunColumns {
+    fn push(&mut self, state: &RunState, expected_version: i64) -> Result<(), ApplyError> {
+        self.run_id.push(state.run_id.clone());
+        self.tenant.push(state.tenant.clone());
+        self.pool.push(state.pool.clone());
+        self.workflow.push(state.workflow.clone());
+        self.version.push(state.workflow_version as i32);
+        self.status.push(status_str(state.status).to_string());
+        self.expected_version.push(expected_version);
+        self.seq.push(state.last_transition_seq);
+        self.state.push(serde_json::to_string(state)?);
+        self.created_at.push(state.created_at);
+        self.updated_at.push(state.updated_at);
+        self.finished_at
+            .push(state.status.is_terminal().then_some(state.updated_at));
+        Ok(())
+    }
+}

@@ -1,0 +1,71 @@
+//! Logging through `tracing` and metrics in the Prometheus text format.
+
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tracing_subscriber::EnvFilter;
+
+use crate::config::{LogConfig, LogFormat};
+
+/// Installs the global subscriber: readable text by default, one JSON object
+/// per line when configured. `RUST_LOG` overrides the configured filter.
+pub fn init_logging(config: &LogConfig) {
+    let filter = std::env::var("RUST_LOG")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| config.filter.clone());
+    let filter = EnvFilter::try_new(&filter).unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    // A second initialisation (tests, embedded use) keeps the first one.
+    let _ = match config.format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    };
+}
+
+static METRICS: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// The process-wide Prometheus recorder, installed on first use.
+pub fn metrics_handle() -> &'static PrometheusHandle {
+    METRICS.get_or_init(|| {
+        let recorder = PrometheusBuilder::new()
+            .set_buckets(&[
+                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                10.0,
+            ])
+            .expect("static bucket list is not empty")
+            .build_recorder();
+        let handle = recorder.handle();
+        // Another recorder may already be installed when Ductor is embedded;
+        // then our handle renders an empty page rather than failing.
+        let _ = metrics::set_global_recorder(recorder);
+        describe();
+        handle
+    })
+}
+
+fn describe() {
+    use metrics::{describe_counter, describe_histogram};
+    describe_counter!(
+        "ductor_inputs_total",
+        "Inputs seen by the coordinator, by topic and outcome (applied, deduplicated, stale, rejected, dead_lettered)"
+    );
+    describe_counter!(
+        "ductor_apply_conflicts_total",
+        "Batches recomputed after losing an optimistic-lock race on record_version"
+    );
+    describe_histogram!(
+        "ductor_apply_batch_size",
+        "Inputs applied per Postgres transaction"
+    );
+    describe_histogram!(
+        "ductor_apply_seconds",
+        "Time to load, fold and commit one batch"
+    );
+    describe_counter!(
+        "ductor_dead_letters_total",
+        "Inputs sent to the dead-letter topic, by stage and error class"
+    );
+}

@@ -1,0 +1,319 @@
+//! Loading workflow definitions from `config/workflows/*.toml`.
+//!
+//! The only file-reading part of the coordinator's inputs; it lives outside the pure
+//! `coordinator` tree. Each file holds one workflow definition at its top level. Every
+//! error names the file, the workflow (once its name could be read) and the field.
+
+use std::fmt;
+use std::path::Path;
+
+use crate::coordinator::definition::{WorkflowDefinition, Workflows};
+
+/// Largest workflow file read, so a stray file cannot exhaust memory.
+pub const MAX_WORKFLOW_FILE_BYTES: u64 = 1024 * 1024;
+/// Most workflow files in one directory.
+pub const MAX_WORKFLOW_FILES: usize = 1024;
+
+/// A workflow file that cannot be read, parsed or validated.
+///
+/// Displays as `config/workflows/order.toml: workflow "order": steps[1].retry.multiplier: must be >= 1.0`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct WorkflowFileError {
+    /// The file (or directory) label.
+    pub file: String,
+    /// The workflow's `name`, when it could be read.
+    pub workflow: Option<String>,
+    /// The field path (`steps[1].retry.multiplier`) or TOML location (`line 3, column 1`).
+    pub field: Option<String>,
+    pub message: String,
+}
+
+impl fmt::Display for WorkflowFileError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: ", self.file)?;
+        if let Some(workflow) = &self.workflow {
+            write!(f, "workflow \"{workflow}\": ")?;
+        }
+        if let Some(field) = &self.field {
+            write!(f, "{field}: ")?;
+        }
+        f.write_str(&self.message)
+    }
+}
+
+impl WorkflowFileError {
+    fn new(file: &str, message: impl Into<String>) -> Self {
+        Self {
+            file: file.to_owned(),
+            workflow: None,
+            field: None,
+            message: message.into(),
+        }
+    }
+}
+
+/// Reads every `*.toml` file of `dir` (sorted by name, not recursive) into a validated
+/// registry. A missing directory, an unreadable or invalid file and a `(name, version)`
+/// defined twice are errors. An empty directory yields an empty registry.
+pub fn load_dir(dir: &Path) -> Result<Workflows, WorkflowFileError> {
+    let dir_label = dir.display().to_string();
+    let entries = std::fs::read_dir(dir).map_err(|e| {
+        WorkflowFileError::new(&dir_label, format!("cannot read workflow directory: {e}"))
+    })?;
+    let mut paths = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| {
+            WorkflowFileError::new(&dir_label, format!("cannot list directory: {e}"))
+        })?;
+        let path = entry.path();
+        if path.extension().is_some_and(|ext| ext == "toml") && path.is_file() {
+            paths.push(path);
+        }
+    }
+    if paths.len() > MAX_WORKFLOW_FILES {
+        return Err(WorkflowFileError::new(
+            &dir_label,
+            format!("more than {MAX_WORKFLOW_FILES} workflow files"),
+        ));
+    }
+    paths.sort();
+    let mut definitions: Vec<(String, WorkflowDefinition)> = Vec::with_capacity(paths.len());
+    for path in paths {
+        let label = path.display().to_string();
+        let text =
+            read_bounded(&path).map_err(|message| WorkflowFileError::new(&label, message))?;
+        let def = parse_str(&label, &text)?;
+        if let Some((first, _)) = definitions
+            .iter()
+            .find(|(_, d)| d.name == def.name && d.version == def.version)
+        {
+            return Err(WorkflowFileError {
+                file: label,
+                workflow: Some(def.name),
+                field: Some("version".to_owned()),
+                message: format!("version {} is already defined in {first}", def.version),
+            });
+        }
+        definitions.push((label, def));
+    }
+    Workflows::new(definitions.into_iter().map(|(_, d)| d).collect())
+        .map_err(|e| WorkflowFileError::new(&dir_label, e.to_string()))
+}
+
+fn read_bounded(path: &Path) -> Result<String, String> {
+    let len = std::fs::metadata(path)
+        .map_err(|e| format!("cannot read file: {e}"))?
+        .len();
+    if len > MAX_WORKFLOW_FILE_BYTES {
+        return Err(format!(
+            "file is {len} bytes, limit is {MAX_WORKFLOW_FILE_BYTES}"
+        ));
+    }
+    std::fs::read_to_string(path).map_err(|e| format!("cannot read file: {e}"))
+}
+
+/// Parses and validates one workflow definition; `file_label` names it in errors.
+pub fn parse_str(file_label: &str, text: &str) -> Result<WorkflowDefinition, WorkflowFileError> {
+    let def: WorkflowDefinition = toml::from_str(text).map_err(|e| WorkflowFileError {
+        file: file_label.to_owned(),
+        workflow: name_of(text),
+        field: e.span().map(|span| location(text, span.start)),
+        message: e.message().trim().to_owned(),
+    })?;
+    def.validate().map_err(|e| WorkflowFileError {
+        file: file_label.to_owned(),
+        workflow: Some(def.name.clone()),
+        field: Some(e.field),
+        message: e.message,
+    })?;
+    Ok(def)
+}
+
+/// The top-level `name` of a file that did not deserialize, if it parses as TOML at all.
+fn name_of(text: &str) -> Option<String> {
+    let table: toml::Table = toml::from_str(text).ok()?;
+    table.get("name")?.as_str().map(str::to_owned)
+}
+
+/// `steps[1].retry.multiplier (line L, column C)` for a byte offset: the location is
+/// exact, the key path a best-effort reading of the table headers above the line.
+fn location(text: &str, offset: usize) -> String {
+    let before = text.get(..offset).unwrap_or(text);
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    match key_path(text, line_start) {
+        Some(path) => format!("{path} (line {line}, column {column})"),
+        None => format!("line {line}, column {column}"),
+    }
+}
+
+/// The dotted key of the `key = value` line starting at `line_start`, prefixed by the
+/// table header in force there; arrays of tables are indexed (`steps[1]`).
+fn key_path(text: &str, line_start: usize) -> Option<String> {
+    let line = text.get(line_start..)?.lines().next()?;
+    let key = line.split_once('=')?.0.trim();
+    if key.is_empty() || key.starts_with('[') {
+        return None;
+    }
+    let mut counts: Vec<(String, usize)> = Vec::new();
+    let mut header = String::new();
+    for l in text.get(..line_start)?.lines().map(str::trim) {
+        if let Some(name) = l
+            .strip_prefix("[[")
+            .and_then(|r| r.split_once("]]"))
+            .map(|(n, _)| n.trim())
+        {
+            let count = match counts.iter_mut().find(|(n, _)| n == name) {
+                Some((_, c)) => {
+                    *c += 1;
+                    *c
+                }
+                None => {
+                    counts.push((name.to_owned(), 1));
+                    1
+                }
+            };
+            header = format!("{}[{}]", indexed(name, &counts, name), count - 1);
+        } else if let Some(name) = l
+            .strip_prefix('[')
+            .and_then(|r| r.split_once(']'))
+            .map(|(n, _)| n.trim())
+        {
+            header = indexed(name, &counts, "");
+        }
+    }
+    Some(if header.is_empty() {
+        key.to_owned()
+    } else {
+        format!("{header}.{key}")
+    })
+}
+
+/// `steps.retry` -> `steps[1].retry` when `steps` is an array of tables seen twice;
+/// `skip` (the array being opened) is left unindexed.
+fn indexed(name: &str, counts: &[(String, usize)], skip: &str) -> String {
+    let mut out = String::new();
+    let mut prefix = String::new();
+    for part in name.split('.') {
+        if !prefix.is_empty() {
+            prefix.push('.');
+            out.push('.');
+        }
+        prefix.push_str(part.trim());
+        out.push_str(part.trim());
+        if prefix != skip
+            && let Some((_, c)) = counts.iter().find(|(n, _)| *n == prefix)
+        {
+            out.push_str(&format!("[{}]", c - 1));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+name = "order"
+version = 2
+[[steps]]
+name = "a"
+pool = "default"
+timeout_ms = 1000
+[[steps]]
+name = "b"
+pool = "default"
+timeout_ms = 1000
+[steps.retry]
+multiplier = 0.5
+"#;
+
+    fn temp_dir(tag: &str) -> std::path::PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("ductor-workflows-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn validation_error_names_file_workflow_and_field() {
+        let err = parse_str("config/workflows/order.toml", GOOD).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "config/workflows/order.toml: workflow \"order\": steps[1].retry.multiplier: must be >= 1.0"
+        );
+    }
+
+    #[test]
+    fn toml_errors_name_file_workflow_and_location() {
+        let text = GOOD.replace("multiplier = 0.5", "multiplier = \"fast\"");
+        let err = parse_str("order.toml", &text).unwrap_err();
+        assert_eq!(err.workflow.as_deref(), Some("order"));
+        assert_eq!(
+            err.field.as_deref(),
+            Some("steps[1].retry.multiplier (line 13, column 14)")
+        );
+        assert!(err.message.contains("invalid type"), "{err}");
+        println!("{err}");
+        let text = GOOD.replace(
+            "timeout_ms = 1000\n[[steps]]",
+            "timeout_ms = 1000\ncolour = 1\n[[steps]]",
+        );
+        let err = parse_str("order.toml", &text).unwrap_err();
+        assert!(err.message.contains("unknown field `colour`"), "{err}");
+        assert_eq!(
+            err.field.as_deref(),
+            Some("steps[0].colour (line 8, column 1)")
+        );
+        let err = parse_str("x.toml", "name = ").unwrap_err();
+        assert_eq!(err.workflow, None);
+        assert!(err.to_string().starts_with("x.toml: name (line 1"), "{err}");
+    }
+
+    #[test]
+    fn shipped_example_is_valid() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/workflows/example.toml");
+        let text = std::fs::read_to_string(path).unwrap();
+        let def = parse_str("example.toml", &text).unwrap();
+        assert_eq!(def.name, "example");
+        assert_eq!(def.steps.len(), 3);
+        assert_eq!(def.steps[1].retry.max_attempts, 5);
+        assert_eq!(def.output_topic.as_deref(), Some("ductor.outputs"));
+    }
+
+    #[test]
+    fn load_dir_reads_sorted_toml_files_and_rejects_duplicates() {
+        let dir = temp_dir("load");
+        let good = GOOD.replace("multiplier = 0.5", "multiplier = 1.5");
+        std::fs::write(dir.join("a.toml"), &good).unwrap();
+        std::fs::write(
+            dir.join("b.toml"),
+            good.replace("version = 2", "version = 3"),
+        )
+        .unwrap();
+        std::fs::write(dir.join("notes.txt"), "not toml").unwrap();
+        std::fs::create_dir_all(dir.join("nested.toml")).unwrap();
+        let wf = load_dir(&dir).unwrap();
+        assert_eq!(wf.len(), 2);
+        assert_eq!(wf.latest("order").unwrap().version, 3);
+        std::fs::write(dir.join("c.toml"), &good).unwrap();
+        let err = load_dir(&dir).unwrap_err();
+        assert!(err.file.ends_with("c.toml"), "{err}");
+        assert_eq!(err.field.as_deref(), Some("version"));
+        assert!(err.message.contains("a.toml"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn missing_directory_is_an_error_naming_it() {
+        let err = load_dir(Path::new("/nonexistent/ductor/workflows")).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("/nonexistent/ductor/workflows: cannot read"),
+            "{err}"
+        );
+    }
+}

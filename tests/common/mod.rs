@@ -1,0 +1,219 @@
+//! Shared fixtures for integration tests against the real Postgres and Kafka
+//! started by `scripts/stack`. Each test gets its own database and randomly
+//! named topics, so tests run in parallel without seeing each other.
+
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use ductor::config::{Config, KafkaConfig};
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .expect("DATABASE_URL is not set: run the tests through scripts/test (or eval \"$(scripts/stack env)\")")
+}
+
+pub fn bootstrap_servers() -> String {
+    std::env::var("KAFKA_BOOTSTRAP_SERVERS").expect(
+        "KAFKA_BOOTSTRAP_SERVERS is not set: run the tests through scripts/test (or eval \"$(scripts/stack env)\")",
+    )
+}
+
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}{}", uuid::Uuid::new_v4().simple())
+}
+
+/// A fresh database on the test server, dropped by [`TestDb::drop_db`].
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+    pub pool: PgPool,
+}
+
+impl TestDb {
+    /// An empty database, without migrations.
+    pub async fn empty() -> TestDb {
+        let admin_url = database_url();
+        let admin = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&admin_url)
+            .await
+            .expect("connecting to the test postgres");
+        let name = unique("ductor_test_");
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&admin)
+            .await
+            .expect("creating test database");
+        admin.close().await;
+        let mut url = url::Url::parse(&admin_url).expect("DATABASE_URL is a URL");
+        url.set_path(&format!("/{name}"));
+        let url = url.to_string();
+        let pool = PgPoolOptions::new()
+            .max_connections(8)
+            .connect(&url)
+            .await
+            .expect("connecting to the test database");
+        TestDb { name, url, pool }
+    }
+
+    /// A fresh database with Ductor's migrations applied.
+    pub async fn migrated() -> TestDb {
+        let db = TestDb::empty().await;
+        ductor::db::migrate(&db.pool).await.expect("migrating");
+        db
+    }
+
+    pub async fn drop_db(self) {
+        self.pool.close().await;
+        let admin = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&database_url())
+            .await
+            .expect("connecting to the test postgres");
+        sqlx::query(&format!(
+            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+            self.name
+        ))
+        .execute(&admin)
+        .await
+        .expect("dropping test database");
+    }
+
+    pub async fn count(&self, table: &str) -> i64 {
+        sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
+            .fetch_one(&self.pool)
+            .await
+            .expect("counting rows")
+    }
+}
+
+/// A configuration pointing at the test stack, with a private topic prefix,
+/// consumer group and database.
+pub fn test_config(db: &TestDb) -> Config {
+    let prefix = unique("t").chars().take(13).collect::<String>();
+    let env = vec![
+        ("DATABASE_URL".to_string(), db.url.clone()),
+        ("KAFKA_BOOTSTRAP_SERVERS".to_string(), bootstrap_servers()),
+        (
+            "DUCTOR__KAFKA__TOPIC_PREFIX".to_string(),
+            format!("{prefix}."),
+        ),
+        (
+            "DUCTOR__KAFKA__GROUP_ID".to_string(),
+            format!("{prefix}-coordinator"),
+        ),
+        ("DUCTOR__KAFKA__PARTITIONS".to_string(), "3".to_string()),
+        (
+            "DUCTOR__KAFKA__EXTRA_TOPICS".to_string(),
+            format!("[\"{prefix}.outputs\"]"),
+        ),
+        (
+            "DUCTOR__SERVER__LISTEN".to_string(),
+            "127.0.0.1:0".to_string(),
+        ),
+        (
+            "DUCTOR__COORDINATOR__WORKFLOWS_DIR".to_string(),
+            concat!(env!("CARGO_MANIFEST_DIR"), "/config/workflows").to_string(),
+        ),
+    ];
+    Config::load_from(None, env).expect("test configuration is valid")
+}
+
+pub fn kafka_config() -> KafkaConfig {
+    let db_less = Config::load_from(
+        None,
+        vec![("KAFKA_BOOTSTRAP_SERVERS".to_string(), bootstrap_servers())],
+    )
+    .expect("default configuration is valid");
+    db_less.kafka
+}
+
+pub fn producer() -> FutureProducer {
+    ClientConfig::new()
+        .set("bootstrap.servers", bootstrap_servers())
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", "0")
+        .create()
+        .expect("creating test producer")
+}
+
+pub async fn produce(
+    producer: &FutureProducer,
+    topic: &str,
+    key: &str,
+    payload: &[u8],
+    headers: &[(&str, &str)],
+) -> (i32, i64) {
+    let mut h = OwnedHeaders::new();
+    for (k, v) in headers {
+        h = h.insert(Header {
+            key: k,
+            value: Some(v.as_bytes()),
+        });
+    }
+    let delivery = producer
+        .send(
+            FutureRecord::to(topic).key(key).payload(payload).headers(h),
+            Duration::from_secs(30),
+        )
+        .await
+        .map_err(|(e, _)| e)
+        .expect("producing test message");
+    (delivery.partition, delivery.offset)
+}
+
+/// A consumer reading `topics` from the beginning, in its own group.
+pub fn reader(topics: &[&str]) -> StreamConsumer {
+    let consumer: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap_servers())
+        .set("group.id", unique("reader-"))
+        .set("auto.offset.reset", "earliest")
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("creating test reader");
+    consumer.subscribe(topics).expect("subscribing test reader");
+    consumer
+}
+
+/// Reads until `n` messages have arrived, or panics after `timeout`.
+pub async fn read_n(consumer: &StreamConsumer, n: usize, timeout: Duration) -> Vec<OwnedMessage> {
+    let mut out = Vec::with_capacity(n);
+    let deadline = tokio::time::Instant::now() + timeout;
+    while out.len() < n {
+        match tokio::time::timeout_at(deadline, consumer.recv()).await {
+            Ok(Ok(m)) => out.push(m.detach()),
+            Ok(Err(e)) => panic!("consumer error: {e}"),
+            Err(_) => panic!(
+                "timed out after {timeout:?} with {} of {n} messages",
+                out.len()
+            ),
+        }
+    }
+    out
+}
+
+/// Polls `check` until it returns `Some`, or panics after `timeout`. For
+/// waiting on durable state that another task is producing.
+pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}

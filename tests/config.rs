@@ -1,0 +1,131 @@
+//! Configuration layering, errors that name the key, and redaction.
+
+use std::io::Write;
+
+use ductor::config::Config;
+
+fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+#[test]
+fn defaults_load_and_validate() {
+    let config = Config::load_from(None, env(&[])).expect("defaults are valid");
+    assert_eq!(config.requests_topic(), "ductor.requests");
+    assert_eq!(config.dlq_topic(), "ductor.dlq");
+    assert!(
+        config
+            .all_topics()
+            .contains(&"ductor.steps.default".to_string())
+    );
+}
+
+#[test]
+fn layers_apply_in_order_file_then_plain_env_then_prefixed_env() {
+    let mut file = tempfile::NamedTempFile::new().unwrap();
+    writeln!(
+        file,
+        "[database]\nmax_connections = 7\n[kafka]\nbootstrap_servers = \"file:9092\"\n"
+    )
+    .unwrap();
+    let config = Config::load_from(Some(file.path()), env(&[])).unwrap();
+    assert_eq!(config.database.max_connections, 7);
+    assert_eq!(config.kafka.bootstrap_servers, "file:9092");
+
+    let config = Config::load_from(
+        Some(file.path()),
+        env(&[("KAFKA_BOOTSTRAP_SERVERS", "plain:9092")]),
+    )
+    .unwrap();
+    assert_eq!(config.kafka.bootstrap_servers, "plain:9092");
+
+    let config = Config::load_from(
+        Some(file.path()),
+        env(&[
+            ("KAFKA_BOOTSTRAP_SERVERS", "plain:9092"),
+            ("DUCTOR__KAFKA__BOOTSTRAP_SERVERS", "prefixed:9092"),
+            ("DUCTOR__DATABASE__MAX_CONNECTIONS", "9"),
+            ("DUCTOR__LOG__FILTER", "debug"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(config.kafka.bootstrap_servers, "prefixed:9092");
+    assert_eq!(config.database.max_connections, 9);
+    assert_eq!(config.log.filter, "debug");
+}
+
+#[test]
+fn an_unknown_key_is_an_error_that_names_it() {
+    let mut file = tempfile::NamedTempFile::new().unwrap();
+    writeln!(file, "[database]\nmax_conections = 7\n").unwrap();
+    let err = Config::load_from(Some(file.path()), env(&[]))
+        .expect_err("a misspelt key is rejected")
+        .to_string();
+    assert!(err.contains("max_conections"), "{err}");
+
+    let err = Config::load_from(None, env(&[("DUCTOR__KAFKA__BOOTSTRAP", "x:1")]))
+        .expect_err("an unknown environment key is rejected")
+        .to_string();
+    assert!(err.contains("bootstrap"), "{err}");
+}
+
+#[test]
+fn a_bad_value_is_an_error_that_names_the_key() {
+    let err = Config::load_from(None, env(&[("DUCTOR__DATABASE__MAX_CONNECTIONS", "many")]))
+        .expect_err("a non-number is rejected")
+        .to_string();
+    assert!(err.contains("max_connections"), "{err}");
+
+    let err = Config::load_from(None, env(&[("DUCTOR__COORDINATOR__BATCH_MAX_INPUTS", "0")]))
+        .expect_err("a zero batch is rejected")
+        .to_string();
+    assert!(err.contains("coordinator.batch_max_inputs"), "{err}");
+
+    let err = Config::load_from(None, env(&[("DATABASE_URL", "mysql://x@y/z")]))
+        .expect_err("a non-postgres url is rejected")
+        .to_string();
+    assert!(err.contains("database.url"), "{err}");
+}
+
+#[test]
+fn a_missing_config_file_is_an_error_that_names_it() {
+    let err = Config::load_from(
+        Some(std::path::Path::new("/nonexistent/ductor.toml")),
+        env(&[]),
+    )
+    .expect_err("missing file")
+    .to_string();
+    assert!(err.contains("/nonexistent/ductor.toml"), "{err}");
+}
+
+#[test]
+fn secrets_never_appear_in_debug_output() {
+    let mut file = tempfile::NamedTempFile::new().unwrap();
+    writeln!(
+        file,
+        "[kafka.properties]\n\"sasl.password\" = \"kafka-hunter2\"\n\"sasl.username\" = \"alice\"\n\"ssl.key.password\" = \"key-hunter2\"\n"
+    )
+    .unwrap();
+    let config = Config::load_from(
+        Some(file.path()),
+        env(&[(
+            "DATABASE_URL",
+            "postgres://ductor:pg-hunter2@db:5432/ductor",
+        )]),
+    )
+    .unwrap();
+    let debug = format!("{config:?} {config:#?} {}", config.database.url);
+    for secret in ["pg-hunter2", "kafka-hunter2", "key-hunter2"] {
+        assert!(!debug.contains(secret), "{secret} leaked into {debug}");
+    }
+    assert!(
+        debug.contains("alice"),
+        "non-secret properties stay visible"
+    );
+    assert!(debug.contains("[redacted]"));
+    // The real value is still there for connecting.
+    assert!(config.database.url.expose().contains("pg-hunter2"));
+}

@@ -1,0 +1,726 @@
+//! Property tests of the pure coordinator: a simulated world of workers and timers
+//! drives runs to completion, then the same inputs are re-delivered duplicated,
+//! interleaved across runs and mixed with nonsense, and the outcomes are compared.
+
+use std::collections::{BTreeMap, HashMap};
+
+use chrono::{DateTime, Utc};
+use ductor::coordinator::*;
+use proptest::prelude::*;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+const CASES: u32 = 256;
+
+// ---- the simulated world ---------------------------------------------------------
+
+/// What the worker does with one dispatched attempt.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Behaviour {
+    Succeed,
+    FailRetryable,
+    FailPermanent,
+    /// Never answers: the timeout timer fires.
+    NoAnswer,
+    /// Answers after the timeout fired: a stale result.
+    LateSucceed,
+    LateFail,
+}
+
+#[derive(Debug, Clone)]
+struct Scenario {
+    /// (timeout_ms, max_attempts) per step.
+    steps: Vec<(u64, u32)>,
+    output_topic: bool,
+    /// Behaviour of the n-th dispatched attempt; attempts past the end succeed.
+    script: Vec<Behaviour>,
+    /// (signal id index, delivery time in ms); ids repeat on purpose.
+    signals: Vec<(u8, i64)>,
+    cancel_at: Option<i64>,
+}
+
+fn behaviour() -> impl Strategy<Value = Behaviour> {
+    prop_oneof![
+        4 => Just(Behaviour::Succeed),
+        2 => Just(Behaviour::FailRetryable),
+        1 => Just(Behaviour::FailPermanent),
+        1 => Just(Behaviour::NoAnswer),
+        1 => Just(Behaviour::LateSucceed),
+        1 => Just(Behaviour::LateFail),
+    ]
+}
+
+fn scenario() -> impl Strategy<Value = Scenario> {
+    (
+        prop::collection::vec((1_000u64..5_000, 1u32..=4), 1..=4),
+        any::<bool>(),
+        prop::collection::vec(behaviour(), 0..12),
+        prop::collection::vec((0u8..4, 0i64..30_000), 0..6),
+        prop_oneof![3 => Just(None), 1 => (0i64..30_000).prop_map(Some)],
+    )
+        .prop_map(
+            |(steps, output_topic, script, signals, cancel_at)| Scenario {
+                steps,
+                output_topic,
+                script,
+                signals,
+                cancel_at,
+            },
+        )
+}
+
+fn definition(name: &str, scn: &Scenario) -> WorkflowDefinition {
+    WorkflowDefinition {
+        name: name.to_owned(),
+        version: 1,
+        steps: scn
+            .steps
+            .iter()
+            .enumerate()
+            .map(|(i, &(timeout_ms, max_attempts))| StepDefinition {
+                name: format!("step{i}"),
+                pool: format!("pool{}", i % 2),
+                timeout_ms,
+                retry: RetryPolicy {
+                    max_attempts,
+                    initial_backoff_ms: 100,
+                    max_backoff_ms: 1_000,
+                    multiplier: 2.0,
+                    jitter: 0.2,
+                },
+            })
+            .collect(),
+        output_topic: scn.output_topic.then(|| "out.topic".to_owned()),
+    }
+}
+
+fn t0() -> DateTime<Utc> {
+    DateTime::from_timestamp_millis(1_700_000_000_000).unwrap()
+}
+
+fn at(ms: i64) -> DateTime<Utc> {
+    t0() + chrono::TimeDelta::milliseconds(ms)
+}
+
+fn ms_of(t: DateTime<Utc>) -> i64 {
+    (t - t0()).num_milliseconds()
+}
+
+/// FNV-1a over the run id and a seed; deterministic "randomness" per (run, seq).
+fn hash(run_id: &str, seq: i64, seed: u64) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64 ^ seed;
+    for b in run_id.bytes().chain(seq.to_le_bytes()) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    // final avalanche (splitmix64)
+    h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^ (h >> 31)
+}
+
+/// The entropy of transition `seq` of `run_id`: a replay draws the same randomness.
+fn entropy_for(run_id: &str, seq: i64) -> Entropy {
+    let hi = hash(run_id, seq, 1);
+    let lo = hash(run_id, seq, 2);
+    Entropy {
+        stamp: Uuid::from_u128((u128::from(hi) << 64) | u128::from(lo)),
+        jitter_unit: (hash(run_id, seq, 3) >> 11) as f64 / (1u64 << 53) as f64,
+    }
+}
+
+/// Folds with the entropy the next transition of this run would draw.
+fn deliver(
+    state: Option<&RunState>,
+    input: &Input,
+    wf: &Workflows,
+    now: DateTime<Utc>,
+) -> Decision {
+    let seq = state.map_or(0, |s| s.last_transition_seq) + 1;
+    fold(state, input, wf, now, &entropy_for(input.run_id(), seq))
+}
+
+#[derive(Debug, Clone)]
+struct Delivery {
+    input: Input,
+    now: DateTime<Utc>,
+}
+
+#[derive(Debug, Clone)]
+struct Outcome {
+    applied: Vec<Delivery>,
+    decisions: Vec<Decision>,
+    state: Option<RunState>,
+}
+
+impl Outcome {
+    fn transitions(&self) -> Vec<Transition> {
+        transitions(&self.decisions)
+    }
+}
+
+fn transitions(decisions: &[Decision]) -> Vec<Transition> {
+    decisions
+        .iter()
+        .filter_map(|d| match d {
+            Decision::Transition(t) => Some((**t).clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn result(run_id: &str, tenant: &str, stamp: Uuid, outcome: AttemptOutcome) -> Input {
+    Input::Result(AttemptResult {
+        run_id: run_id.to_owned(),
+        tenant: tenant.to_owned(),
+        stamp,
+        outcome,
+    })
+}
+
+fn failure(retryable: bool) -> AttemptOutcome {
+    AttemptOutcome::Failed {
+        message: "worker failed".to_owned(),
+        retryable,
+    }
+}
+
+/// Runs one scenario to completion, applying each input once. Timers are delivered
+/// only once their effect exists (at `not_before`), results only for dispatched stamps.
+fn simulate(scn: &Scenario, run_id: &str, tenant: &str, workflow: &str, wf: &Workflows) -> Outcome {
+    let mut queue: BTreeMap<(i64, u64), Input> = BTreeMap::new();
+    let mut n = 0u64;
+    let mut push = |queue: &mut BTreeMap<(i64, u64), Input>, ms: i64, input: Input| {
+        n += 1;
+        queue.insert((ms, n), input);
+    };
+    push(
+        &mut queue,
+        0,
+        Input::Start(RunStart {
+            run_id: run_id.to_owned(),
+            tenant: tenant.to_owned(),
+            workflow: workflow.to_owned(),
+            workflow_version: None,
+            pool: "default".to_owned(),
+            input: json!({"order": run_id}),
+            correlation_id: None,
+        }),
+    );
+    for &(id, ms) in &scn.signals {
+        let signal = Input::Signal(SignalWakeup {
+            run_id: run_id.to_owned(),
+            tenant: tenant.to_owned(),
+            signal_id: format!("sig-{id}"),
+            name: "poke".to_owned(),
+            payload: json!(ms),
+        });
+        push(&mut queue, ms, signal);
+    }
+    if let Some(ms) = scn.cancel_at {
+        let cancel = Input::Cancel(CancelWakeup {
+            run_id: run_id.to_owned(),
+            tenant: tenant.to_owned(),
+            reason: Some("test".to_owned()),
+        });
+        push(&mut queue, ms, cancel);
+    }
+    let mut out = Outcome {
+        applied: Vec::new(),
+        decisions: Vec::new(),
+        state: None,
+    };
+    let mut dispatched = 0usize;
+    while let Some(((ms, _), input)) = queue.pop_first() {
+        assert!(out.applied.len() < 10_000, "simulation does not terminate");
+        let now = at(ms);
+        let decision = deliver(out.state.as_ref(), &input, wf, now);
+        if let Decision::Transition(tr) = &decision {
+            assert_eq!(tr.effects[0].target, EffectTarget::Events);
+            for effect in &tr.effects[1..] {
+                match &effect.target {
+                    EffectTarget::StepQueue { .. } => {
+                        let p = &effect.payload;
+                        let stamp = Uuid::parse_str(p["stamp"].as_str().unwrap()).unwrap();
+                        let deadline =
+                            DateTime::parse_from_rfc3339(p["deadline"].as_str().unwrap()).unwrap();
+                        let deadline_ms = ms_of(deadline.with_timezone(&Utc));
+                        let soon = (ms + deadline_ms) / 2;
+                        let output = json!({"step": p["step_index"], "attempt": p["attempt"]});
+                        let behaviour = scn
+                            .script
+                            .get(dispatched)
+                            .copied()
+                            .unwrap_or(Behaviour::Succeed);
+                        dispatched += 1;
+                        let answer = match behaviour {
+                            Behaviour::Succeed => {
+                                Some((soon, AttemptOutcome::Succeeded { output }))
+                            }
+                            Behaviour::FailRetryable => Some((soon, failure(true))),
+                            Behaviour::FailPermanent => Some((soon, failure(false))),
+                            Behaviour::NoAnswer => None,
+                            Behaviour::LateSucceed => {
+                                Some((deadline_ms + 1, AttemptOutcome::Succeeded { output }))
+                            }
+                            Behaviour::LateFail => Some((deadline_ms + 1, failure(true))),
+                        };
+                        if let Some((when, outcome)) = answer {
+                            push(&mut queue, when, result(run_id, tenant, stamp, outcome));
+                        }
+                    }
+                    EffectTarget::Wakeups => {
+                        let timer = decode_value(InputTopic::Wakeups, &effect.payload).unwrap();
+                        push(&mut queue, ms_of(effect.not_before.unwrap()), timer);
+                    }
+                    EffectTarget::Output { .. } => {}
+                    EffectTarget::Events => panic!("only the first effect goes to events"),
+                }
+            }
+            out.state = Some(tr.state.clone());
+        }
+        out.applied.push(Delivery { input, now });
+        out.decisions.push(decision);
+    }
+    out
+}
+
+fn solo(scn: &Scenario) -> (Workflows, Outcome) {
+    let wf = Workflows::new(vec![definition("wf", scn)]).unwrap();
+    let out = simulate(scn, "run-0", "tenant-0", "wf", &wf);
+    (wf, out)
+}
+
+fn config() -> ProptestConfig {
+    ProptestConfig {
+        cases: CASES,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    }
+}
+
+// ---- properties ----------------------------------------------------------------------
+
+proptest! {
+    #![proptest_config(config())]
+
+    /// Every input delivered 1 + (1..=4) times, duplicates anywhere after the first
+    /// delivery: same decisions for the first deliveries, every duplicate a NoOp, same
+    /// final state.
+    #[test]
+    fn duplicates_change_nothing(scn in scenario(), seed in any::<u64>()) {
+        let (wf, once) = solo(&scn);
+        prop_assert!(once.decisions.iter().all(|d| !matches!(d, Decision::Rejection(_))));
+        let n = once.applied.len();
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut after: Vec<Vec<usize>> = vec![Vec::new(); n];
+        for i in 0..n {
+            for _ in 0..rng.random_range(1..=4) {
+                after[rng.random_range(i..n)].push(i);
+            }
+        }
+        let mut state: Option<RunState> = None;
+        let mut decisions = Vec::new();
+        for (j, dups) in after.iter_mut().enumerate() {
+            let first = &once.applied[j];
+            let decision = deliver(state.as_ref(), &first.input, &wf, first.now);
+            if let Decision::Transition(tr) = &decision {
+                state = Some(tr.state.clone());
+            }
+            decisions.push(decision);
+            dups.shuffle(&mut rng);
+            for &i in dups.iter() {
+                let dup = deliver(state.as_ref(), &once.applied[i].input, &wf, first.now);
+                prop_assert!(matches!(dup, Decision::NoOp(_)), "duplicate of #{} gave {:?}", i, dup);
+            }
+        }
+        prop_assert_eq!(&decisions, &once.decisions);
+        prop_assert_eq!(transitions(&decisions), once.transitions());
+        prop_assert_eq!(state, once.state);
+    }
+
+    /// A result for an attempt abandoned by its timeout, delivered at any later point,
+    /// is NoOp(StaleResult).
+    #[test]
+    fn stale_stamps_never_change_state(scn in scenario()) {
+        let (wf, once) = solo(&scn);
+        let mut state: Option<RunState> = None;
+        let mut checked = 0;
+        for (delivery, decision) in once.applied.iter().zip(&once.decisions) {
+            if let Decision::Transition(tr) = decision {
+                state = Some(tr.state.clone());
+            }
+            let Some(s) = state.as_ref() else { continue };
+            let before = s.clone();
+            for a in s.attempts.iter().filter(|a| a.status == AttemptStatus::TimedOut) {
+                for outcome in [AttemptOutcome::Succeeded { output: json!("late") }, failure(true), failure(false)] {
+                    let late = result(&s.run_id, &s.tenant, a.stamp, outcome);
+                    let d = deliver(Some(s), &late, &wf, delivery.now);
+                    prop_assert_eq!(d, Decision::NoOp(NoOpReason::StaleResult));
+                    checked += 1;
+                }
+            }
+            prop_assert_eq!(s, &before);
+        }
+        // the script's own late answers were stale too
+        for (delivery, decision) in once.applied.iter().zip(&once.decisions) {
+            if let Input::Result(r) = &delivery.input {
+                let status = once.state.as_ref().unwrap().attempts.iter().find(|a| a.stamp == r.stamp).unwrap().status;
+                if status == AttemptStatus::TimedOut {
+                    prop_assert_eq!(decision, &Decision::NoOp(NoOpReason::StaleResult));
+                }
+            }
+        }
+        let _ = checked;
+    }
+
+    /// Transition seqs are 1, 2, 3, ... and end at `last_transition_seq`; attempts per
+    /// step never exceed `max_attempts`; a terminal run never transitions again; every
+    /// run terminates.
+    #[test]
+    fn seqs_are_gap_free_and_bounds_hold(scn in scenario()) {
+        let (wf, once) = solo(&scn);
+        let trs = once.transitions();
+        let seqs: Vec<i64> = trs.iter().map(|t| t.record.seq).collect();
+        let expected: Vec<i64> = (1..=trs.len() as i64).collect();
+        prop_assert_eq!(&seqs, &expected);
+        for t in &trs {
+            prop_assert_eq!(t.state.last_transition_seq, t.record.seq);
+            prop_assert_eq!(t.state.record_version, 0);
+            prop_assert_eq!(t.effects[0].payload["seq"].as_i64(), Some(t.record.seq));
+            prop_assert!(t.effects.iter().skip(1).all(|e| e.target != EffectTarget::Events));
+        }
+        let last = once.state.clone().unwrap();
+        prop_assert_eq!(last.last_transition_seq, trs.len() as i64);
+        prop_assert!(last.status.is_terminal(), "run did not finish: {:?}", last.status);
+        prop_assert!(last.outstanding.is_none() && last.pending_retry.is_none());
+        let def = wf.get("wf", 1).unwrap();
+        for (i, step) in def.steps.iter().enumerate() {
+            let attempts: Vec<u32> = last.attempts.iter().filter(|a| a.step_index as usize == i).map(|a| a.attempt).collect();
+            prop_assert!(attempts.len() as u32 <= step.retry.max_attempts);
+            prop_assert!(attempts.iter().all(|&a| a >= 1 && a <= step.retry.max_attempts));
+        }
+        if last.status == RunStatus::Succeeded {
+            prop_assert_eq!(last.outputs.len(), def.steps.len());
+        }
+        let mut terminal = false;
+        for d in &once.decisions {
+            if terminal {
+                prop_assert!(!matches!(d, Decision::Transition(_)), "terminal run transitioned: {:?}", d);
+            }
+            if let Decision::Transition(t) = d {
+                terminal = t.state.status.is_terminal();
+            }
+        }
+    }
+
+    /// Runs interleaved in a random order each end where they end alone.
+    #[test]
+    fn interleaving_runs_preserves_each_outcome(scns in prop::collection::vec(scenario(), 2..=3), seed in any::<u64>()) {
+        let defs: Vec<_> = scns.iter().enumerate().map(|(k, s)| definition(&format!("wf-{k}"), s)).collect();
+        let wf = Workflows::new(defs).unwrap();
+        let solos: Vec<Outcome> = scns
+            .iter()
+            .enumerate()
+            .map(|(k, s)| simulate(s, &format!("run-{k}"), &format!("tenant-{}", k % 2), &format!("wf-{k}"), &wf))
+            .collect();
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut cursors = vec![0usize; solos.len()];
+        let mut states: HashMap<String, RunState> = HashMap::new();
+        let mut decisions: Vec<Vec<Decision>> = vec![Vec::new(); solos.len()];
+        loop {
+            let live: Vec<usize> = (0..solos.len()).filter(|&k| cursors[k] < solos[k].applied.len()).collect();
+            let Some(&k) = live.get(rng.random_range(0..live.len().max(1))) else { break };
+            let d = &solos[k].applied[cursors[k]];
+            cursors[k] += 1;
+            let decision = deliver(states.get(d.input.run_id()), &d.input, &wf, d.now);
+            if let Decision::Transition(tr) = &decision {
+                states.insert(tr.state.run_id.clone(), tr.state.clone());
+            }
+            decisions[k].push(decision);
+        }
+        for (k, s) in solos.iter().enumerate() {
+            prop_assert_eq!(&decisions[k], &s.decisions);
+            prop_assert_eq!(states.get(&format!("run-{k}")), s.state.as_ref());
+        }
+    }
+
+    /// Arbitrary, even nonsensical, inputs and entropy against reachable states never
+    /// panic; NoOps and Rejections leave the state as it was; transitions keep the
+    /// invariants.
+    #[test]
+    fn fold_is_total(scn in scenario(), seed in any::<u64>()) {
+        let (wf, once) = solo(&scn);
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut states: Vec<Option<RunState>> = vec![None];
+        states.extend(transitions(&once.decisions).into_iter().map(|t| Some(t.state)));
+        let known: Vec<Uuid> = once.state.as_ref().map(|s| s.attempts.iter().map(|a| a.stamp).collect()).unwrap_or_default();
+        let empty = Workflows::default();
+        for _ in 0..40 {
+            let state = states[rng.random_range(0..states.len())].clone();
+            let input = nonsense(&mut rng, &known);
+            let entropy = Entropy {
+                stamp: Uuid::from_u128(rng.random()),
+                jitter_unit: [0.0, 0.999, 1.0, -3.0, f64::NAN, f64::INFINITY, rng.random()][rng.random_range(0..7)],
+            };
+            let now = [at(rng.random_range(-1_000..100_000)), DateTime::<Utc>::MAX_UTC, DateTime::<Utc>::MIN_UTC][rng.random_range(0..3)];
+            let registry = if rng.random_bool(0.2) { &empty } else { &wf };
+            let before = state.clone();
+            let decision = fold(state.as_ref(), &input, registry, now, &entropy);
+            prop_assert_eq!(&state, &before);
+            match decision {
+                Decision::Transition(t) => {
+                    let old_seq = state.as_ref().map_or(0, |s| s.last_transition_seq);
+                    prop_assert_eq!(t.record.seq, old_seq + 1);
+                    prop_assert_eq!(t.state.last_transition_seq, old_seq + 1);
+                    prop_assert_eq!(t.state.updated_at, now);
+                    prop_assert_eq!(&t.effects[0].target, &EffectTarget::Events);
+                    prop_assert_eq!(t.state.run_id.as_str(), input.run_id());
+                    prop_assert_eq!(t.state.tenant.as_str(), input.tenant());
+                    if let Some(s) = &state {
+                        prop_assert!(!s.status.is_terminal());
+                        prop_assert_eq!(t.state.record_version, s.record_version);
+                    }
+                    prop_assert!(t.record.detail.to_string().len() < 2_048);
+                }
+                Decision::NoOp(_) => prop_assert!(state.is_some()),
+                Decision::Rejection(r) => prop_assert!(r.message.chars().count() <= 512),
+            }
+        }
+    }
+
+    /// decode(encode(x)) == x for every valid input.
+    #[test]
+    fn decode_inverts_encode(input in valid_input()) {
+        let bytes = serde_json::to_vec(&input.to_json()).unwrap();
+        prop_assert_eq!(decode_input(input.topic(), &bytes, usize::MAX), Ok(input.clone()));
+        for topic in [InputTopic::Requests, InputTopic::Wakeups, InputTopic::AttemptResults] {
+            if topic != input.topic() {
+                prop_assert_eq!(decode_input(topic, &bytes, usize::MAX).unwrap_err().class, InputErrorClass::WrongTopic);
+            }
+        }
+    }
+
+    /// Arbitrary bytes never panic the decoder, and errors stay bounded.
+    #[test]
+    fn decode_of_arbitrary_bytes_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..512), topic in topic()) {
+        if let Err(e) = decode_input(topic, &bytes, 256) {
+            prop_assert!(e.message.chars().count() <= 512);
+        }
+    }
+
+    /// Near-miss JSON objects (known types, random field values) never panic.
+    #[test]
+    fn decode_of_near_miss_objects_never_panics(
+        kind in prop_oneof![
+            Just("run.start".to_owned()),
+            Just("attempt.result".to_owned()),
+            Just("wakeup.timer".to_owned()),
+            Just("wakeup.signal".to_owned()),
+            Just("wakeup.cancel".to_owned()),
+            ".{0,20}",
+        ],
+        fields in prop::collection::btree_map(field_name(), json_value(), 0..10),
+        version in json_value(),
+        topic in topic(),
+    ) {
+        let mut obj = serde_json::Map::new();
+        obj.insert("type".into(), Value::String(kind));
+        obj.insert("schema_version".into(), if fields.len() % 2 == 0 { json!(1) } else { version });
+        obj.extend(fields);
+        let bytes = serde_json::to_vec(&Value::Object(obj)).unwrap();
+        if let Err(e) = decode_input(topic, &bytes, usize::MAX) {
+            prop_assert!(e.message.chars().count() <= 512);
+        }
+    }
+}
+
+// ---- generators --------------------------------------------------------------------
+
+/// An input that may name the wrong run or tenant, an unknown or known stamp, etc.
+fn nonsense(rng: &mut StdRng, known: &[Uuid]) -> Input {
+    let run_id = ["run-0", "run-0", "run-0", "run-9"][rng.random_range(0..4)].to_owned();
+    let tenant =
+        ["tenant-0", "tenant-0", "tenant-0", "tenant-9"][rng.random_range(0..4)].to_owned();
+    let stamp = if !known.is_empty() && rng.random_bool(0.7) {
+        known[rng.random_range(0..known.len())]
+    } else {
+        Uuid::from_u128(rng.random())
+    };
+    match rng.random_range(0..6) {
+        0 => Input::Start(RunStart {
+            run_id,
+            tenant,
+            workflow: ["wf", "nope"][rng.random_range(0..2)].to_owned(),
+            workflow_version: [None, Some(1), Some(0), Some(u32::MAX)][rng.random_range(0..4)],
+            pool: "p".to_owned(),
+            input: Value::Null,
+            correlation_id: None,
+        }),
+        1 => result(
+            &run_id,
+            &tenant,
+            stamp,
+            AttemptOutcome::Succeeded {
+                output: json!(rng.random::<u32>()),
+            },
+        ),
+        2 => result(&run_id, &tenant, stamp, failure(rng.random())),
+        3 => Input::Timer(TimerWakeup {
+            run_id,
+            tenant,
+            timer: if rng.random() {
+                TimerKind::Retry
+            } else {
+                TimerKind::Timeout
+            },
+            stamp,
+        }),
+        4 => Input::Signal(SignalWakeup {
+            run_id,
+            tenant,
+            signal_id: format!("sig-{}", rng.random_range(0..6)),
+            name: "n".to_owned(),
+            payload: Value::Null,
+        }),
+        _ => Input::Cancel(CancelWakeup {
+            run_id,
+            tenant,
+            reason: None,
+        }),
+    }
+}
+
+fn topic() -> impl Strategy<Value = InputTopic> {
+    prop_oneof![
+        Just(InputTopic::Requests),
+        Just(InputTopic::Wakeups),
+        Just(InputTopic::AttemptResults)
+    ]
+}
+
+fn field_name() -> impl Strategy<Value = String> {
+    prop_oneof![
+        Just("run_id"),
+        Just("tenant"),
+        Just("workflow"),
+        Just("workflow_version"),
+        Just("pool"),
+        Just("input"),
+        Just("correlation_id"),
+        Just("stamp"),
+        Just("outcome"),
+        Just("output"),
+        Just("error"),
+        Just("timer"),
+        Just("signal_id"),
+        Just("name"),
+        Just("payload"),
+        Just("reason"),
+    ]
+    .prop_map(str::to_owned)
+}
+
+/// JSON values whose text form round-trips exactly (floats are halves of integers).
+fn json_value() -> impl Strategy<Value = Value> {
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::Bool),
+        any::<i64>().prop_map(Value::from),
+        any::<i32>().prop_map(|i| Value::from(f64::from(i) + 0.5)),
+        "\\PC{0,16}".prop_map(Value::String),
+        Just(json!("00000000-0000-0000-0000-000000000001")),
+        Just(json!("failed")),
+        Just(json!({"message": "m", "retryable": true})),
+    ];
+    leaf.prop_recursive(3, 24, 4, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+            prop::collection::btree_map("[a-z_]{0,8}", inner, 0..4)
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
+        ]
+    })
+}
+
+fn id() -> impl Strategy<Value = String> {
+    "[A-Za-z0-9_.:-]{1,128}"
+}
+
+fn uuid() -> impl Strategy<Value = Uuid> {
+    any::<u128>().prop_map(Uuid::from_u128)
+}
+
+fn valid_input() -> impl Strategy<Value = Input> {
+    let start = (
+        id(),
+        id(),
+        "[A-Za-z0-9_.-]{1,100}",
+        prop::option::of(any::<u32>()),
+        "[A-Za-z0-9_.-]{1,100}",
+        json_value(),
+        prop::option::of("\\PC{0,64}"),
+    )
+        .prop_map(
+            |(run_id, tenant, workflow, workflow_version, pool, input, correlation_id)| {
+                Input::Start(RunStart {
+                    run_id,
+                    tenant,
+                    workflow,
+                    workflow_version,
+                    pool,
+                    input,
+                    correlation_id,
+                })
+            },
+        );
+    let outcome = prop_oneof![
+        json_value().prop_map(|output| AttemptOutcome::Succeeded { output }),
+        ("\\PC{0,64}", any::<bool>())
+            .prop_map(|(message, retryable)| AttemptOutcome::Failed { message, retryable }),
+    ];
+    let attempt_result =
+        (id(), id(), uuid(), outcome).prop_map(|(run_id, tenant, stamp, outcome)| {
+            Input::Result(AttemptResult {
+                run_id,
+                tenant,
+                stamp,
+                outcome,
+            })
+        });
+    let timer = (id(), id(), any::<bool>(), uuid()).prop_map(|(run_id, tenant, retry, stamp)| {
+        let timer = if retry {
+            TimerKind::Retry
+        } else {
+            TimerKind::Timeout
+        };
+        Input::Timer(TimerWakeup {
+            run_id,
+            tenant,
+            timer,
+            stamp,
+        })
+    });
+    let signal = (id(), id(), "\\PC{1,32}", "\\PC{1,32}", json_value()).prop_map(
+        |(run_id, tenant, signal_id, name, payload)| {
+            Input::Signal(SignalWakeup {
+                run_id,
+                tenant,
+                signal_id,
+                name,
+                payload,
+            })
+        },
+    );
+    let cancel =
+        (id(), id(), prop::option::of("\\PC{0,64}")).prop_map(|(run_id, tenant, reason)| {
+            Input::Cancel(CancelWakeup {
+                run_id,
+                tenant,
+                reason,
+            })
+        });
+    prop_oneof![start, attempt_result, timer, signal, cancel]
+}
