@@ -1,0 +1,548 @@
+//! The coordinator against the real Kafka broker and Postgres: inputs on the
+//! input topics become exactly-once run state; duplicates and redeliveries
+//! write zero rows; bad inputs go to the dead-letter topic without blocking
+//! the good ones behind them.
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use common::*;
+use ductor::config::Config;
+use ductor::ingress::{IngressContext, TestHooks};
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::producer::FutureProducer;
+use rdkafka::{Offset, TopicPartitionList};
+use serde_json::json;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+struct Harness {
+    db: TestDb,
+    config: Config,
+    producer: FutureProducer,
+}
+
+struct Coordinator {
+    shutdown: CancellationToken,
+    task: JoinHandle<anyhow::Result<()>>,
+}
+
+impl Coordinator {
+    async fn stop(self) -> anyhow::Result<()> {
+        self.shutdown.cancel();
+        self.task.await.expect("ingress task panicked")
+    }
+}
+
+impl Harness {
+    async fn new() -> Harness {
+        Self::with_config(|_| {}).await
+    }
+
+    async fn with_config(tweak: impl FnOnce(&mut Config)) -> Harness {
+        let db = TestDb::migrated().await;
+        let mut config = test_config(&db);
+        tweak(&mut config);
+        ductor::kafka::create_configured_topics(&config)
+            .await
+            .expect("creating topics");
+        Harness {
+            db,
+            config,
+            producer: producer(),
+        }
+    }
+
+    fn start_coordinator(&self, hooks: TestHooks) -> Coordinator {
+        let workflows = ductor::workflows::load_dir(&self.config.coordinator.workflows_dir)
+            .expect("loading workflows");
+        let mut ctx = IngressContext::new(&self.config, self.db.pool.clone(), workflows)
+            .expect("creating ingress");
+        ctx.hooks = hooks;
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(ductor::ingress::run(ctx, shutdown.clone()));
+        Coordinator { shutdown, task }
+    }
+
+    async fn send(&self, topic: &str, key: &str, value: &serde_json::Value) -> (i32, i64) {
+        produce(
+            &self.producer,
+            topic,
+            key,
+            value.to_string().as_bytes(),
+            &[],
+        )
+        .await
+    }
+
+    async fn start_run(&self, run_id: &str, tenant: &str) -> (i32, i64) {
+        self.send(
+            &self.config.requests_topic(),
+            run_id,
+            &json!({
+                "type": "run.start", "schema_version": 1, "run_id": run_id,
+                "tenant": tenant, "workflow": "example", "input": {"order": run_id},
+            }),
+        )
+        .await
+    }
+
+    fn result_json(run_id: &str, tenant: &str, stamp: uuid::Uuid) -> serde_json::Value {
+        json!({
+            "type": "attempt.result", "schema_version": 1, "run_id": run_id,
+            "tenant": tenant, "stamp": stamp, "outcome": "succeeded",
+            "output": {"done_by": stamp},
+        })
+    }
+
+    /// Waits until the run has a dispatched attempt for `step_index`.
+    async fn dispatched_stamp(&self, run_id: &str, step_index: i32) -> uuid::Uuid {
+        let pool = self.db.pool.clone();
+        eventually(
+            &format!("run {run_id} step {step_index} dispatched"),
+            WAIT,
+            || {
+                let pool = pool.clone();
+                async move {
+                    sqlx::query_scalar::<_, uuid::Uuid>(
+                        "SELECT stamp FROM run_attempts \
+                         WHERE run_id = $1 AND step_index = $2 AND status = 'dispatched'",
+                    )
+                    .bind(run_id)
+                    .bind(step_index)
+                    .fetch_optional(&pool)
+                    .await
+                    .expect("querying attempts")
+                }
+            },
+        )
+        .await
+    }
+
+    async fn run_status(&self, run_id: &str) -> Option<String> {
+        sqlx::query_scalar("SELECT status FROM runs WHERE run_id = $1")
+            .bind(run_id)
+            .fetch_optional(&self.db.pool)
+            .await
+            .expect("querying run")
+    }
+
+    async fn wait_status(&self, run_id: &str, status: &str) {
+        eventually(&format!("run {run_id} {status}"), WAIT, || async {
+            (self.run_status(run_id).await.as_deref() == Some(status)).then_some(())
+        })
+        .await
+    }
+
+    /// Waits until the coordinator group has committed an offset past
+    /// `offset` on the partition: every message up to it is fully handled.
+    async fn wait_committed_past(&self, topic: &str, partition: i32, offset: i64) {
+        let group = self.config.kafka.group_id.clone();
+        let topic = topic.to_string();
+        eventually(
+            &format!("group offset on {topic}/{partition} past {offset}"),
+            WAIT,
+            || {
+                let group = group.clone();
+                let topic = topic.clone();
+                async move {
+                    let committed = tokio::task::spawn_blocking(move || {
+                        committed_offset(&group, &topic, partition)
+                    })
+                    .await
+                    .expect("offset probe task");
+                    (committed > offset).then_some(())
+                }
+            },
+        )
+        .await
+    }
+
+    /// Row counts of every table, and the sum of record versions.
+    async fn footprint(&self) -> BTreeMap<&'static str, i64> {
+        let mut out = BTreeMap::new();
+        for table in [
+            "runs",
+            "run_transitions",
+            "run_attempts",
+            "eec_effect_intent",
+            "eec_routing_idempotency",
+        ] {
+            out.insert(table, self.db.count(table).await);
+        }
+        let versions: i64 =
+            sqlx::query_scalar("SELECT COALESCE(sum(record_version), 0)::int8 FROM runs")
+                .fetch_one(&self.db.pool)
+                .await
+                .unwrap();
+        out.insert("sum(record_version)", versions);
+        out
+    }
+
+    async fn transitions(&self, run_id: &str) -> Vec<(i64, String)> {
+        sqlx::query_as("SELECT seq, input_ref FROM run_transitions WHERE run_id = $1 ORDER BY seq")
+            .bind(run_id)
+            .fetch_all(&self.db.pool)
+            .await
+            .unwrap()
+    }
+}
+
+fn committed_offset(group: &str, topic: &str, partition: i32) -> i64 {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap_servers())
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("creating offset probe");
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition(topic, partition);
+    let committed = consumer
+        .committed_offsets(tpl, Duration::from_secs(10))
+        .expect("fetching committed offsets");
+    match committed
+        .find_partition(topic, partition)
+        .map(|p| p.offset())
+    {
+        Some(Offset::Offset(o)) => o,
+        _ => -1,
+    }
+}
+
+#[tokio::test]
+async fn a_run_driven_by_kafka_inputs_succeeds_with_one_transition_per_input() {
+    let h = Harness::new().await;
+    let coordinator = h.start_coordinator(TestHooks::default());
+    let run_id = unique("run-");
+    h.start_run(&run_id, "acme").await;
+    for step in 0..3 {
+        let stamp = h.dispatched_stamp(&run_id, step).await;
+        h.send(
+            &h.config.attempt_results_topic(),
+            &run_id,
+            &Harness::result_json(&run_id, "acme", stamp),
+        )
+        .await;
+    }
+    h.wait_status(&run_id, "succeeded").await;
+
+    let transitions = h.transitions(&run_id).await;
+    let seqs: Vec<i64> = transitions.iter().map(|t| t.0).collect();
+    assert_eq!(
+        seqs,
+        vec![1, 2, 3, 4],
+        "start + three results, gap-free: {transitions:?}"
+    );
+    assert_eq!(transitions[0].1, "start");
+    assert!(transitions[1..].iter().all(|t| t.1.starts_with("result:")));
+
+    let run = ductor::inspect::run(&h.db.pool, &run_id)
+        .await
+        .unwrap()
+        .expect("inspect finds the run");
+    assert_eq!(run["status"], "succeeded");
+    assert_eq!(run["last_transition_seq"], 4);
+    assert_eq!(run["transitions"].as_array().unwrap().len(), 4);
+    assert_eq!(run["attempts"].as_array().unwrap().len(), 3);
+    assert!(
+        run["attempts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|a| a["status"] == "succeeded")
+    );
+    // Every effect was written to the outbox with its idempotency key.
+    let intents: Vec<(String, String)> = sqlx::query_as(
+        "SELECT idempotency_key, topic FROM eec_effect_intent WHERE run_id = $1 ORDER BY seq, effect_index",
+    )
+    .bind(&run_id)
+    .fetch_all(&h.db.pool)
+    .await
+    .unwrap();
+    assert!(
+        intents
+            .iter()
+            .any(|(_, t)| *t == h.config.steps_topic("default"))
+    );
+    assert!(intents.iter().any(|(_, t)| *t == h.config.events_topic()));
+    assert!(intents.iter().any(|(k, _)| k == &format!("{run_id}/4/0")));
+    coordinator.stop().await.expect("clean stop");
+    h.db.drop_db().await;
+}
+
+#[tokio::test]
+async fn the_same_attempt_result_three_times_writes_no_new_rows() {
+    let h = Harness::new().await;
+    let coordinator = h.start_coordinator(TestHooks::default());
+    let run_id = unique("run-");
+    h.start_run(&run_id, "acme").await;
+    let stamp = h.dispatched_stamp(&run_id, 0).await;
+    let result = Harness::result_json(&run_id, "acme", stamp);
+    let topic = h.config.attempt_results_topic();
+    let (partition, first) = h.send(&topic, &run_id, &result).await;
+    h.wait_committed_past(&topic, partition, first).await;
+    let after_once = h.footprint().await;
+    assert_eq!(h.transitions(&run_id).await.len(), 2);
+
+    h.send(&topic, &run_id, &result).await;
+    let (_, third) = h.send(&topic, &run_id, &result).await;
+    h.wait_committed_past(&topic, partition, third).await;
+    let after_thrice = h.footprint().await;
+    assert_eq!(
+        after_once, after_thrice,
+        "duplicates must not write a single row"
+    );
+    assert_eq!(h.transitions(&run_id).await.len(), 2);
+    coordinator.stop().await.expect("clean stop");
+    h.db.drop_db().await;
+}
+
+#[tokio::test]
+async fn two_coordinators_in_one_group_never_double_apply() {
+    let h = Harness::new().await;
+    let first = h.start_coordinator(TestHooks::default());
+    let second = h.start_coordinator(TestHooks::default());
+    let runs: Vec<String> = (0..24)
+        .map(|i| format!("{}-{i}", unique("multi-")))
+        .collect();
+    for run_id in &runs {
+        h.start_run(run_id, "acme").await;
+    }
+    let results_topic = h.config.attempt_results_topic();
+    let mut stopped_first = Some(first);
+    for step in 0..3 {
+        for run_id in &runs {
+            let stamp = h.dispatched_stamp(run_id, step).await;
+            let result = Harness::result_json(run_id, "acme", stamp);
+            // Every result twice: the second copy must be a no-op.
+            h.send(&results_topic, run_id, &result).await;
+            h.send(&results_topic, run_id, &result).await;
+        }
+        if step == 1 {
+            // One instance leaves mid-way: its partitions move to the other.
+            if let Some(c) = stopped_first.take() {
+                c.stop().await.expect("first coordinator stops cleanly");
+            }
+        }
+    }
+    for run_id in &runs {
+        h.wait_status(run_id, "succeeded").await;
+        let seqs: Vec<i64> = h.transitions(run_id).await.iter().map(|t| t.0).collect();
+        assert_eq!(seqs, vec![1, 2, 3, 4], "run {run_id}");
+    }
+    let versions: HashMap<String, i64> =
+        sqlx::query_as("SELECT run_id, last_transition_seq FROM runs")
+            .fetch_all(&h.db.pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+    assert_eq!(versions.len(), runs.len());
+    assert!(versions.values().all(|seq| *seq == 4));
+    second.stop().await.expect("clean stop");
+    h.db.drop_db().await;
+}
+
+#[tokio::test]
+async fn a_coordinator_stopped_after_commit_before_offsets_gets_redeliveries_that_write_nothing() {
+    let h = Harness::new().await;
+    let crashing = h.start_coordinator(TestHooks {
+        fail_after_commit: true,
+    });
+    let run_id = unique("crash-");
+    let topic = h.config.requests_topic();
+    let (partition, offset) = h.start_run(&run_id, "acme").await;
+    let err = crashing
+        .task
+        .await
+        .expect("ingress task")
+        .expect_err("the hook stops the ingress after its first commit");
+    assert!(err.to_string().contains("after commit"), "{err:#}");
+    assert_eq!(h.run_status(&run_id).await.as_deref(), Some("running"));
+    assert!(
+        committed_offset(&h.config.kafka.group_id, &topic, partition) <= offset,
+        "the offset of the applied message was not committed"
+    );
+    let before = h.footprint().await;
+
+    let restarted = h.start_coordinator(TestHooks::default());
+    h.wait_committed_past(&topic, partition, offset).await;
+    assert_eq!(
+        before,
+        h.footprint().await,
+        "the redelivered start wrote rows"
+    );
+    assert_eq!(h.transitions(&run_id).await.len(), 1);
+    restarted.stop().await.expect("clean stop");
+    h.db.drop_db().await;
+}
+
+#[tokio::test]
+async fn bad_inputs_go_to_the_dead_letter_topic_and_good_ones_behind_them_apply() {
+    let h = Harness::with_config(|c| c.coordinator.max_input_bytes = 4096).await;
+    let coordinator = h.start_coordinator(TestHooks::default());
+    let requests = h.config.requests_topic();
+    let wakeups = h.config.wakeups_topic();
+    // One key, so every message lands on one partition, bad ones first.
+    let key = unique("same-partition-");
+    let good_run = unique("good-");
+    let start = |run_id: &str, tenant: &str, workflow: &str| {
+        json!({"type": "run.start", "schema_version": 1, "run_id": run_id,
+               "tenant": tenant, "workflow": workflow})
+    };
+    let oversized = json!({"type": "run.start", "schema_version": 1, "run_id": "big",
+        "tenant": "acme", "workflow": "example", "input": "x".repeat(5000)});
+    let bad: Vec<(&str, Vec<u8>)> = vec![
+        ("malformed", b"{not json".to_vec()),
+        (
+            "unknown_type",
+            json!({"type": "run.explode", "schema_version": 1})
+                .to_string()
+                .into_bytes(),
+        ),
+        (
+            "unsupported_version",
+            json!({"type": "run.start", "schema_version": 99, "run_id": "v",
+                   "tenant": "acme", "workflow": "example"})
+            .to_string()
+            .into_bytes(),
+        ),
+        (
+            "invalid",
+            json!({"type": "run.start", "schema_version": 1, "tenant": "acme", "workflow": "example"})
+                .to_string()
+                .into_bytes(),
+        ),
+        (
+            "invalid",
+            json!({"type": "run.start", "schema_version": 1, "run_id": 42,
+                   "tenant": "acme", "workflow": "example"})
+            .to_string()
+            .into_bytes(),
+        ),
+        (
+            "wrong_topic",
+            json!({"type": "wakeup.cancel", "schema_version": 1, "run_id": "r", "tenant": "acme"})
+                .to_string()
+                .into_bytes(),
+        ),
+        ("too_large", oversized.to_string().into_bytes()),
+        (
+            "unknown_workflow",
+            start(&unique("nowf-"), "acme", "no-such-workflow")
+                .to_string()
+                .into_bytes(),
+        ),
+    ];
+    let mut expected: Vec<(String, i64, &str)> = Vec::new();
+    for (class, payload) in &bad {
+        let (_, offset) = produce(&h.producer, &requests, &key, payload, &[("trace", "t-1")]).await;
+        expected.push((requests.clone(), offset, class));
+    }
+    let (_, good_offset) = produce(
+        &h.producer,
+        &requests,
+        &key,
+        start(&good_run, "acme", "example").to_string().as_bytes(),
+        &[],
+    )
+    .await;
+    h.wait_status(&good_run, "running").await;
+
+    // Inputs that decode but name a run that does not exist, or the wrong
+    // tenant, are rejected by the coordinator.
+    for (class, payload) in [
+        (
+            "unknown_run",
+            json!({"type": "wakeup.signal", "schema_version": 1, "run_id": unique("ghost-"),
+                   "tenant": "acme", "signal_id": "s1", "name": "poke"}),
+        ),
+        (
+            "tenant_mismatch",
+            json!({"type": "wakeup.signal", "schema_version": 1, "run_id": good_run,
+                   "tenant": "intruder", "signal_id": "s1", "name": "poke"}),
+        ),
+    ] {
+        let (_, offset) = produce(
+            &h.producer,
+            &wakeups,
+            &key,
+            payload.to_string().as_bytes(),
+            &[("trace", "t-1")],
+        )
+        .await;
+        expected.push((wakeups.clone(), offset, class));
+    }
+    let (wake_partition, good_signal_offset) = produce(
+        &h.producer,
+        &wakeups,
+        &key,
+        json!({"type": "wakeup.signal", "schema_version": 1, "run_id": good_run,
+               "tenant": "acme", "signal_id": "s1", "name": "poke"})
+        .to_string()
+        .as_bytes(),
+        &[],
+    )
+    .await;
+    h.wait_committed_past(&wakeups, wake_partition, good_signal_offset)
+        .await;
+
+    let dlq = reader(&[&h.config.dlq_topic()]);
+    let letters = read_n(&dlq, expected.len(), WAIT).await;
+    let header = |m: &rdkafka::message::OwnedMessage, name: &str| {
+        m.headers()
+            .and_then(|hs| hs.iter().find(|x| x.key == name).and_then(|x| x.value))
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+    };
+    for (topic, offset, class) in &expected {
+        let letter = letters
+            .iter()
+            .find(|m| {
+                header(m, "ductor-dlq-topic").as_deref() == Some(topic.as_str())
+                    && header(m, "ductor-dlq-offset") == Some(offset.to_string())
+            })
+            .unwrap_or_else(|| panic!("no dead letter for {topic}@{offset} ({class})"));
+        assert_eq!(
+            header(letter, "ductor-dlq-error-class").as_deref(),
+            Some(*class),
+            "{topic}@{offset}"
+        );
+        assert!(header(letter, "ductor-dlq-partition").is_some());
+        let stage = header(letter, "ductor-dlq-stage").unwrap();
+        assert!(stage == "decode" || stage == "validate", "{stage}");
+        let message = header(letter, "ductor-dlq-error").unwrap();
+        assert!(!message.is_empty() && message.len() <= 512, "{message}");
+        assert!(
+            !message.contains(&"x".repeat(100)),
+            "the error does not echo the payload"
+        );
+        assert_eq!(
+            header(letter, "trace").as_deref(),
+            Some("t-1"),
+            "original headers kept"
+        );
+        assert_eq!(letter.key(), Some(key.as_bytes()), "original key kept");
+    }
+    // The original value is kept byte for byte.
+    let malformed = letters
+        .iter()
+        .find(|m| header(m, "ductor-dlq-offset") == Some(expected[0].1.to_string()))
+        .unwrap();
+    assert_eq!(malformed.payload(), Some(&b"{not json"[..]));
+
+    // The good messages behind the bad ones were applied.
+    let transitions = h.transitions(&good_run).await;
+    assert_eq!(
+        transitions.iter().map(|t| t.1.as_str()).collect::<Vec<_>>(),
+        vec!["start", "signal:s1"]
+    );
+    assert!(good_offset > expected[0].1);
+    coordinator.stop().await.expect("clean stop");
+    h.db.drop_db().await;
+}
