@@ -43,6 +43,7 @@ pub struct Config {
     pub server: ServerConfig,
     pub log: LogConfig,
     pub coordinator: CoordinatorConfig,
+    pub drainer: DrainerConfig,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -159,6 +160,37 @@ pub struct CoordinatorConfig {
     pub conflict_retries: u32,
     /// Bound on error messages written to dead-letter headers.
     pub max_error_message_bytes: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DrainerConfig {
+    /// Run the outbox drainer inside `serve`.
+    pub enabled: bool,
+    /// Most intents claimed and published in one round.
+    pub batch_max_intents: usize,
+    /// Safety-net poll when no wake-up arrives (in-process after a commit,
+    /// or `LISTEN/NOTIFY` from other processes).
+    pub poll_interval_ms: u64,
+    /// How long a claim is held before the reconciler hands the intent to
+    /// another drainer. Must exceed `kafka.delivery_timeout_ms`, or a slow
+    /// publish could be redriven while still in flight.
+    pub lease_ms: u64,
+    /// How often expired claims are looked for.
+    pub reconcile_interval_ms: u64,
+    /// Completed intents are deleted this long after completion.
+    pub retention_ms: u64,
+    /// How often retention runs.
+    pub purge_interval_ms: u64,
+    /// Rows deleted per retention statement.
+    pub purge_batch: usize,
+    /// Retention statements per retention run, so one run stays bounded.
+    pub purge_max_rounds: u32,
+    /// Upper bound on the pause after failed rounds (broker or database
+    /// down).
+    pub max_backoff_ms: u64,
+    /// How often the backlog gauges are refreshed.
+    pub metrics_interval_ms: u64,
 }
 
 impl Config {
@@ -285,6 +317,33 @@ impl Config {
                 "coordinator.max_error_message_bytes",
                 "must be at least 32",
             ));
+        }
+        let d = &self.drainer;
+        if d.batch_max_intents == 0 || d.batch_max_intents > 10_000 {
+            return Err(invalid(
+                "drainer.batch_max_intents",
+                "must be between 1 and 10000",
+            ));
+        }
+        if d.lease_ms <= self.kafka.delivery_timeout_ms {
+            return Err(invalid(
+                "drainer.lease_ms",
+                "must exceed kafka.delivery_timeout_ms, or an in-flight publish could be redriven",
+            ));
+        }
+        for (key, value) in [
+            ("drainer.poll_interval_ms", d.poll_interval_ms),
+            ("drainer.reconcile_interval_ms", d.reconcile_interval_ms),
+            ("drainer.purge_interval_ms", d.purge_interval_ms),
+            ("drainer.metrics_interval_ms", d.metrics_interval_ms),
+            ("drainer.max_backoff_ms", d.max_backoff_ms),
+        ] {
+            if value == 0 {
+                return Err(invalid(key, "must be at least 1"));
+            }
+        }
+        if d.purge_batch == 0 {
+            return Err(invalid("drainer.purge_batch", "must be at least 1"));
         }
         Ok(())
     }

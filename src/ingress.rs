@@ -45,6 +45,9 @@ pub struct IngressContext {
     pub batch_linger: Duration,
     pub max_input_bytes: usize,
     pub hooks: TestHooks,
+    /// Poked after a commit that wrote effect intents, so the in-process
+    /// drainer publishes them without waiting for its poll.
+    pub wakeup: Option<crate::drainer::Wakeup>,
 }
 
 impl IngressContext {
@@ -77,6 +80,7 @@ impl IngressContext {
             batch_linger: Duration::from_millis(config.coordinator.batch_linger_ms),
             max_input_bytes: config.coordinator.max_input_bytes,
             hooks: TestHooks::default(),
+            wakeup: None,
         })
     }
 
@@ -242,6 +246,11 @@ pub async fn process_batch(
                 }
                 InputOutcome::Applied { .. } => {}
             }
+        }
+        if report.intents_written > 0
+            && let Some(wakeup) = &ctx.wakeup
+        {
+            wakeup.wake();
         }
         if report.conflicts > 0 {
             tracing::debug!(

@@ -8,7 +8,9 @@
 pub mod config;
 pub mod coordinator;
 pub mod db;
+pub mod dedup;
 pub mod dlq;
+pub mod drainer;
 pub mod http;
 pub mod ingress;
 pub mod inspect;
@@ -16,4 +18,5 @@ pub mod kafka;
 pub mod serve;
 pub mod store;
 pub mod telemetry;
+pub mod worker;
 pub mod workflows;

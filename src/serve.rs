@@ -64,8 +64,30 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
         });
     }
 
+    let wakeup = crate::drainer::Wakeup::default();
+    if config.drainer.enabled {
+        let producer = crate::kafka::producer(&config.kafka, "drainer")?;
+        let drainer = crate::drainer::Drainer::new(
+            pool.clone(),
+            producer,
+            config.drainer.clone(),
+            Duration::from_millis(config.kafka.delivery_timeout_ms),
+        );
+        tracing::info!(drainer_id = %drainer.drainer_id, "outbox drainer starting");
+        let shutdown = shutdown.clone();
+        let failed = failed.clone();
+        let wakeup = wakeup.clone();
+        tracker.spawn(async move {
+            if let Err(e) = crate::drainer::run(drainer, wakeup, shutdown.clone()).await {
+                record_failure(&failed, e.context("outbox drainer"));
+                shutdown.cancel();
+            }
+        });
+    }
+
     {
-        let ctx = crate::ingress::IngressContext::new(&config, pool.clone(), workflows)?;
+        let mut ctx = crate::ingress::IngressContext::new(&config, pool.clone(), workflows)?;
+        ctx.wakeup = Some(wakeup.clone());
         let shutdown = shutdown.clone();
         let failed = failed.clone();
         tracker.spawn(async move {

@@ -280,7 +280,7 @@ multiplier = 0.5
         let def = parse_str("example.toml", &text).unwrap();
         assert_eq!(def.name, "example");
         assert_eq!(def.steps.len(), 3);
-        assert_eq!(def.steps[1].retry.max_attempts, 5);
+        assert_eq!(def.steps[1].retry.max_attempts, 8);
         assert_eq!(def.output_topic.as_deref(), Some("ductor.outputs"));
     }
 

@@ -1,0 +1,159 @@
+//! Drives the demo: submits N runs of a workflow as `run.start` requests on
+//! Kafka, shows their progress from Postgres, and ends with one JSON line
+//! `{"runs":N,"succeeded":..,"failed":..,"cancelled":..,"seconds":..}`.
+//! Exits 0 when every run reached a terminal state before the deadline.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Parser;
+use ductor::config::Config;
+use futures::stream::{self, StreamExt};
+use rdkafka::producer::FutureRecord;
+use serde_json::json;
+
+#[derive(Parser)]
+#[command(about = "Submit runs and follow them to completion")]
+struct Args {
+    /// Configuration file layered over the defaults.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// How many runs to submit.
+    #[arg(long, default_value_t = 300)]
+    runs: usize,
+    /// Workflow to run.
+    #[arg(long, default_value = "example")]
+    workflow: String,
+    /// Tenant owning the runs.
+    #[arg(long, default_value = "demo")]
+    tenant: String,
+    /// Give up after this many seconds.
+    #[arg(long, default_value_t = 300)]
+    timeout_s: u64,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(args).await {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<bool> {
+    let config = Config::load(args.config.as_deref())?;
+    let pool = ductor::db::connect(&config.database).await?;
+    let producer = ductor::kafka::producer(&config.kafka, "demo")?;
+    let batch = uuid::Uuid::new_v4().simple().to_string();
+    let run_ids: Vec<String> = (0..args.runs)
+        .map(|i| format!("demo-{}-{i:05}", &batch[..8]))
+        .collect();
+    let topic = config.requests_topic();
+    let started = Instant::now();
+    let timeout = Duration::from_millis(config.kafka.delivery_timeout_ms);
+    let sent: Vec<anyhow::Result<()>> = stream::iter(run_ids.iter())
+        .map(|run_id| {
+            let value = json!({
+                "type": "run.start", "schema_version": 1, "run_id": run_id,
+                "tenant": args.tenant, "workflow": args.workflow,
+                "input": {"order": run_id},
+            })
+            .to_string();
+            let producer = &producer;
+            let topic = &topic;
+            async move {
+                producer
+                    .send(FutureRecord::to(topic).key(run_id).payload(&value), timeout)
+                    .await
+                    .map(|_| ())
+                    .map_err(|(e, _)| anyhow::anyhow!("submitting {run_id}: {e}"))
+            }
+        })
+        .buffer_unordered(256)
+        .collect()
+        .await;
+    sent.into_iter().collect::<anyhow::Result<Vec<()>>>()?;
+    eprintln!(
+        "submitted {} runs of {:?} in {:.1}s",
+        args.runs,
+        args.workflow,
+        started.elapsed().as_secs_f64()
+    );
+
+    let deadline = started + Duration::from_secs(args.timeout_s);
+    let prefix = format!("demo-{}-%", &batch[..8]);
+    let mut counts;
+    loop {
+        counts = status_counts(&pool, &prefix).await?;
+        let terminal = counts.succeeded + counts.failed + counts.cancelled;
+        eprint!(
+            "\r  {:>6.1}s  running {:>5}  succeeded {:>5}  failed {:>5}  cancelled {:>5}  ",
+            started.elapsed().as_secs_f64(),
+            args.runs as i64 - terminal,
+            counts.succeeded,
+            counts.failed,
+            counts.cancelled
+        );
+        let _ = std::io::stderr().flush();
+        if terminal >= args.runs as i64 || Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    eprintln!();
+    let seconds = started.elapsed().as_secs_f64();
+    let terminal = counts.succeeded + counts.failed + counts.cancelled;
+    let retries: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM run_attempts a JOIN runs r USING (run_id) \
+         WHERE r.run_id LIKE $1 AND a.attempt > 1",
+    )
+    .bind(&prefix)
+    .fetch_one(&pool)
+    .await
+    .context("counting retries")?;
+    println!(
+        "{}",
+        json!({
+            "runs": args.runs,
+            "succeeded": counts.succeeded,
+            "failed": counts.failed,
+            "cancelled": counts.cancelled,
+            "retries": retries,
+            "seconds": (seconds * 100.0).round() / 100.0,
+        })
+    );
+    Ok(terminal >= args.runs as i64)
+}
+
+struct Counts {
+    succeeded: i64,
+    failed: i64,
+    cancelled: i64,
+}
+
+async fn status_counts(pool: &sqlx::PgPool, prefix: &str) -> anyhow::Result<Counts> {
+    let rows: Vec<(String, i64)> =
+        sqlx::query_as("SELECT status, count(*) FROM runs WHERE run_id LIKE $1 GROUP BY status")
+            .bind(prefix)
+            .fetch_all(pool)
+            .await
+            .context("counting runs")?;
+    let get = |s: &str| {
+        rows.iter()
+            .find(|(status, _)| status == s)
+            .map_or(0, |r| r.1)
+    };
+    Ok(Counts {
+        succeeded: get("succeeded"),
+        failed: get("failed"),
+        cancelled: get("cancelled"),
+    })
+}

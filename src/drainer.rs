@@ -1,0 +1,546 @@
+//! The outbox drainer: publishes committed effect intents to Kafka, at least
+//! once, in transition order per run and topic.
+//!
+//! A round claims a bounded batch of due intents (`not_before <= now()`) with
+//! `FOR UPDATE SKIP LOCKED`, skipping any intent that still has an earlier,
+//! due, undelivered intent of the same run and topic which this round did not
+//! also claim — that earlier one is in another drainer's hands, and
+//! publishing past it would reorder the run's effects. Claimed intents are
+//! grouped into chains (one per run and topic) that are published
+//! concurrently; inside a chain each publish waits for the broker's
+//! acknowledgement before the next one starts, and a failure releases the
+//! rest of the chain back to `pending`. Intents are marked `completed` only
+//! after their acknowledgement.
+//!
+//! Rounds are triggered by an in-process wake-up right after a coordinator
+//! commit, by Postgres `LISTEN/NOTIFY` for commits of other processes, by the
+//! next timer falling due, and by a periodic poll as the safety net. A
+//! reconciler returns intents whose claim lease expired (their drainer died)
+//! to `pending`; retention deletes completed intents in bounded batches.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use chrono::{DateTime, Utc};
+use futures::future::join_all;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use serde_json::Value;
+use sqlx::postgres::PgListener;
+use sqlx::{PgPool, Row};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::DrainerConfig;
+
+/// The channel the apply layer notifies after committing intents.
+pub const NOTIFY_CHANNEL: &str = "ductor_effect_intent";
+
+/// Hooks that let tests stop the drainer at a chosen point, as a crash would.
+#[derive(Debug, Clone, Default)]
+pub struct DrainerHooks {
+    /// Return an error after the first publishes were acknowledged and before
+    /// they are marked completed.
+    pub fail_after_publish: bool,
+}
+
+/// One claimed intent, exactly as it will be published.
+#[derive(Debug, Clone)]
+pub struct ClaimedIntent {
+    pub intent_id: i64,
+    pub run_id: String,
+    pub seq: i64,
+    pub effect_index: i32,
+    pub topic: String,
+    pub message_key: Vec<u8>,
+    pub headers: Vec<(String, String)>,
+    pub payload: Vec<u8>,
+    pub not_before: DateTime<Utc>,
+    pub created_at: DateTime<Utc>,
+}
+
+/// What one round did; tests drive the drainer round by round with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RoundOutcome {
+    /// Nothing was due.
+    Idle,
+    /// Intents were claimed: how many were published and marked completed,
+    /// and how many were released after a failed publish.
+    Drained { completed: usize, released: usize },
+}
+
+pub struct Drainer {
+    pub pool: PgPool,
+    pub producer: FutureProducer,
+    pub config: DrainerConfig,
+    /// Names this drainer's claims, so it completes only its own.
+    pub drainer_id: String,
+    pub publish_timeout: Duration,
+    pub hooks: DrainerHooks,
+}
+
+impl Drainer {
+    pub fn new(
+        pool: PgPool,
+        producer: FutureProducer,
+        config: DrainerConfig,
+        publish_timeout: Duration,
+    ) -> Self {
+        let drainer_id = format!(
+            "{}-{}-{}",
+            hostname(),
+            std::process::id(),
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        );
+        Drainer {
+            pool,
+            producer,
+            config,
+            drainer_id,
+            publish_timeout,
+            hooks: DrainerHooks::default(),
+        }
+    }
+
+    /// Claims due intents, publishes them, marks them completed.
+    pub async fn drain_once(&self) -> anyhow::Result<RoundOutcome> {
+        let claimed = self.claim().await?;
+        if claimed.is_empty() {
+            return Ok(RoundOutcome::Idle);
+        }
+        // Chains: one per (run, topic), each in (seq, effect_index) order.
+        let mut chains: BTreeMap<(&str, &str), Vec<&ClaimedIntent>> = BTreeMap::new();
+        for intent in &claimed {
+            chains
+                .entry((intent.run_id.as_str(), intent.topic.as_str()))
+                .or_default()
+                .push(intent);
+        }
+        let results = join_all(chains.into_values().map(|chain| self.publish_chain(chain))).await;
+        let mut delivered = Vec::new();
+        let mut failed = Vec::new();
+        for (ok, err) in results {
+            delivered.extend(ok);
+            failed.extend(err);
+        }
+        if self.hooks.fail_after_publish && !delivered.is_empty() {
+            anyhow::bail!("test hook: stopped after publishing, before marking completed");
+        }
+        let completed = self.complete(&delivered).await?;
+        let released = if failed.is_empty() {
+            0
+        } else {
+            self.release(&failed).await?
+        };
+        Ok(RoundOutcome::Drained {
+            completed,
+            released,
+        })
+    }
+
+    async fn claim(&self) -> anyhow::Result<Vec<ClaimedIntent>> {
+        let rows = sqlx::query(
+            "WITH candidate AS ( \
+                 SELECT intent_id, run_id, topic, seq, effect_index \
+                 FROM eec_effect_intent \
+                 WHERE status = 'pending' AND not_before <= now() \
+                 ORDER BY intent_id \
+                 LIMIT $1 \
+                 FOR UPDATE SKIP LOCKED \
+             ), claimable AS ( \
+                 SELECT c.intent_id FROM candidate c \
+                 WHERE NOT EXISTS ( \
+                     SELECT 1 FROM eec_effect_intent e \
+                     WHERE e.run_id = c.run_id AND e.topic = c.topic \
+                       AND e.status <> 'completed' AND e.not_before <= now() \
+                       AND (e.seq, e.effect_index) < (c.seq, c.effect_index) \
+                       AND e.intent_id NOT IN (SELECT intent_id FROM candidate)) \
+             ) \
+             UPDATE eec_effect_intent i \
+             SET status = 'claimed', claimed_by = $2, \
+                 claim_expires_at = now() + make_interval(secs => $3), \
+                 attempts = i.attempts + 1 \
+             FROM claimable \
+             WHERE i.intent_id = claimable.intent_id \
+             RETURNING i.intent_id, i.run_id, i.seq, i.effect_index, i.topic, i.message_key, \
+                 i.headers, i.payload, i.not_before, i.created_at",
+        )
+        .bind(self.config.batch_max_intents as i64)
+        .bind(&self.drainer_id)
+        .bind(self.config.lease_ms as f64 / 1000.0)
+        .fetch_all(&self.pool)
+        .await
+        .context("claiming due intents")?;
+        let mut claimed = Vec::with_capacity(rows.len());
+        for row in rows {
+            let headers: Value = row.try_get("headers")?;
+            let headers = headers
+                .as_object()
+                .map(|m| {
+                    m.iter()
+                        .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string()))
+                        .collect()
+                })
+                .unwrap_or_default();
+            claimed.push(ClaimedIntent {
+                intent_id: row.try_get("intent_id")?,
+                run_id: row.try_get("run_id")?,
+                seq: row.try_get("seq")?,
+                effect_index: row.try_get("effect_index")?,
+                topic: row.try_get("topic")?,
+                message_key: row.try_get("message_key")?,
+                headers,
+                payload: row.try_get("payload")?,
+                not_before: row.try_get("not_before")?,
+                created_at: row.try_get("created_at")?,
+            });
+        }
+        claimed.sort_by(|a, b| {
+            (&a.run_id, &a.topic, a.seq, a.effect_index).cmp(&(
+                &b.run_id,
+                &b.topic,
+                b.seq,
+                b.effect_index,
+            ))
+        });
+        Ok(claimed)
+    }
+
+    /// Publishes a chain in order; returns (delivered, not delivered) ids.
+    async fn publish_chain(&self, chain: Vec<&ClaimedIntent>) -> (Vec<i64>, Vec<(i64, String)>) {
+        let mut delivered = Vec::with_capacity(chain.len());
+        let mut failed = Vec::new();
+        let mut iter = chain.into_iter();
+        for intent in iter.by_ref() {
+            let mut headers = OwnedHeaders::new_with_capacity(intent.headers.len());
+            for (k, v) in &intent.headers {
+                headers = headers.insert(Header {
+                    key: k,
+                    value: Some(v.as_bytes()),
+                });
+            }
+            let record = FutureRecord::to(&intent.topic)
+                .key(&intent.message_key)
+                .payload(&intent.payload)
+                .headers(headers);
+            let started = Instant::now();
+            match self.producer.send(record, self.publish_timeout).await {
+                Ok(_) => {
+                    metrics::histogram!("ductor_outbox_publish_seconds")
+                        .record(started.elapsed().as_secs_f64());
+                    let due = intent.not_before.max(intent.created_at);
+                    let lag = (Utc::now() - due).num_microseconds().unwrap_or(0).max(0);
+                    metrics::histogram!("ductor_outbox_dispatch_lag_seconds")
+                        .record(lag as f64 / 1e6);
+                    delivered.push(intent.intent_id);
+                }
+                Err((e, _)) => {
+                    tracing::warn!(
+                        intent_id = intent.intent_id,
+                        run_id = %intent.run_id,
+                        topic = %intent.topic,
+                        error = %e,
+                        "publishing effect failed; it and the rest of its chain go back to pending"
+                    );
+                    metrics::counter!("ductor_outbox_publish_failures_total").increment(1);
+                    failed.push((intent.intent_id, e.to_string()));
+                    break;
+                }
+            }
+        }
+        for rest in iter {
+            failed.push((
+                rest.intent_id,
+                "an earlier effect of the chain failed".into(),
+            ));
+        }
+        (delivered, failed)
+    }
+
+    async fn complete(&self, ids: &[i64]) -> anyhow::Result<usize> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let done = sqlx::query(
+            "UPDATE eec_effect_intent SET status = 'completed', completed_at = now(), \
+                 claimed_by = NULL, claim_expires_at = NULL, last_error = NULL \
+             WHERE intent_id = ANY($1) AND status = 'claimed' AND claimed_by = $2",
+        )
+        .bind(ids)
+        .bind(&self.drainer_id)
+        .execute(&self.pool)
+        .await
+        .context("marking intents completed")?
+        .rows_affected();
+        if done as usize != ids.len() {
+            // Our lease expired and the reconciler handed some to another
+            // drainer: they will be published again, with the same key.
+            tracing::warn!(
+                expected = ids.len(),
+                done,
+                "some claims expired before completion; they will be redelivered"
+            );
+        }
+        metrics::counter!("ductor_outbox_completed_total").increment(done);
+        Ok(done as usize)
+    }
+
+    async fn release(&self, failed: &[(i64, String)]) -> anyhow::Result<usize> {
+        let ids: Vec<i64> = failed.iter().map(|f| f.0).collect();
+        let errors: Vec<String> = failed
+            .iter()
+            .map(|f| crate::dlq::truncate(&f.1, 1024).to_string())
+            .collect();
+        let released = sqlx::query(
+            "UPDATE eec_effect_intent i SET status = 'pending', claimed_by = NULL, \
+                 claim_expires_at = NULL, last_error = u.error \
+             FROM UNNEST($1::int8[], $2::text[]) AS u(intent_id, error) \
+             WHERE i.intent_id = u.intent_id AND i.status = 'claimed' AND i.claimed_by = $3",
+        )
+        .bind(&ids)
+        .bind(&errors)
+        .bind(&self.drainer_id)
+        .execute(&self.pool)
+        .await
+        .context("releasing failed intents")?
+        .rows_affected();
+        Ok(released as usize)
+    }
+
+    /// Returns intents whose claim lease has expired to `pending`. Their
+    /// drainer died or stalled; they are published again with the same key.
+    pub async fn reconcile(&self) -> anyhow::Result<u64> {
+        let redriven = sqlx::query(
+            "UPDATE eec_effect_intent SET status = 'pending', claimed_by = NULL, \
+                 claim_expires_at = NULL, last_error = 'claim lease expired' \
+             WHERE status = 'claimed' AND claim_expires_at < now()",
+        )
+        .execute(&self.pool)
+        .await
+        .context("redriving expired claims")?
+        .rows_affected();
+        if redriven > 0 {
+            tracing::info!(redriven, "redrove intents whose claim lease expired");
+            metrics::counter!("ductor_outbox_redrives_total").increment(redriven);
+        }
+        Ok(redriven)
+    }
+
+    /// Deletes completed intents older than the retention, at most
+    /// `purge_batch` rows per statement, until none are left or `max_rounds`.
+    pub async fn purge(&self) -> anyhow::Result<u64> {
+        let mut total = 0;
+        for _ in 0..self.config.purge_max_rounds {
+            let deleted = sqlx::query(
+                "DELETE FROM eec_effect_intent WHERE intent_id IN ( \
+                     SELECT intent_id FROM eec_effect_intent \
+                     WHERE status = 'completed' \
+                       AND completed_at < now() - make_interval(secs => $1) \
+                     ORDER BY completed_at LIMIT $2)",
+            )
+            .bind(self.config.retention_ms as f64 / 1000.0)
+            .bind(self.config.purge_batch as i64)
+            .execute(&self.pool)
+            .await
+            .context("purging drained intents")?
+            .rows_affected();
+            total += deleted;
+            if deleted < self.config.purge_batch as u64 {
+                break;
+            }
+        }
+        if total > 0 {
+            tracing::debug!(purged = total, "purged drained intents");
+        }
+        Ok(total)
+    }
+
+    /// Updates the backlog gauges; returns when the next pending intent
+    /// falls due, if any.
+    pub async fn observe_backlog(&self) -> anyhow::Result<Option<DateTime<Utc>>> {
+        let row = sqlx::query(
+            "SELECT count(*) AS backlog, \
+                 count(*) FILTER (WHERE not_before <= now()) AS due, \
+                 EXTRACT(EPOCH FROM now() - min(not_before) FILTER (WHERE not_before <= now()))::float8 AS oldest_due_s, \
+                 min(not_before) FILTER (WHERE status = 'pending') AS next_due \
+             FROM eec_effect_intent WHERE status <> 'completed'",
+        )
+        .fetch_one(&self.pool)
+        .await
+        .context("measuring outbox backlog")?;
+        let backlog: i64 = row.try_get("backlog")?;
+        let due: i64 = row.try_get("due")?;
+        let oldest: Option<f64> = row.try_get("oldest_due_s")?;
+        metrics::gauge!("ductor_outbox_backlog").set(backlog as f64);
+        metrics::gauge!("ductor_outbox_due").set(due as f64);
+        metrics::gauge!("ductor_outbox_oldest_due_age_seconds").set(oldest.unwrap_or(0.0));
+        Ok(row.try_get("next_due")?)
+    }
+}
+
+/// The drainer's wake-up sources, shared with the ingress.
+#[derive(Clone, Default)]
+pub struct Wakeup(Arc<Notify>);
+
+impl Wakeup {
+    /// Called after a commit that wrote intents.
+    pub fn wake(&self) {
+        self.0.notify_one();
+    }
+
+    pub async fn woken(&self) {
+        self.0.notified().await
+    }
+}
+
+/// Runs the drainer, its listener, reconciler and retention until shutdown.
+pub async fn run(
+    drainer: Drainer,
+    wakeup: Wakeup,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let drainer = Arc::new(drainer);
+    let tracker = tokio_util::task::TaskTracker::new();
+    {
+        let (pool, wakeup, shutdown) = (drainer.pool.clone(), wakeup.clone(), shutdown.clone());
+        tracker.spawn(async move { listen(pool, wakeup, shutdown).await });
+    }
+    {
+        let (drainer, shutdown) = (drainer.clone(), shutdown.clone());
+        tracker.spawn(async move { maintenance(&drainer, shutdown).await });
+    }
+    tracker.close();
+    let result = drain_loop(&drainer, &wakeup, &shutdown).await;
+    // The helpers stop with the token; make sure they do if the loop failed.
+    shutdown.cancel();
+    tracker.wait().await;
+    result
+}
+
+async fn drain_loop(
+    drainer: &Drainer,
+    wakeup: &Wakeup,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<()> {
+    let poll = Duration::from_millis(drainer.config.poll_interval_ms);
+    let mut failures: u32 = 0;
+    while !shutdown.is_cancelled() {
+        match drainer.drain_once().await {
+            Ok(RoundOutcome::Drained { released, .. }) => {
+                if released == 0 {
+                    failures = 0;
+                    continue;
+                }
+                failures = failures.saturating_add(1);
+            }
+            Ok(RoundOutcome::Idle) => {
+                failures = 0;
+                let next_due = drainer.observe_backlog().await.ok().flatten();
+                let wait = next_due
+                    .map(|t| (t - Utc::now()).to_std().unwrap_or(Duration::ZERO))
+                    .map_or(poll, |d| d.min(poll));
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = wakeup.woken() => {}
+                    _ = tokio::time::sleep(wait) => {}
+                }
+                continue;
+            }
+            Err(e) if drainer.hooks.fail_after_publish => return Err(e),
+            Err(e) => {
+                failures = failures.saturating_add(1);
+                tracing::warn!(error = format!("{e:#}"), "drain round failed");
+            }
+        }
+        // Back off after failures so a broker or database outage is not a
+        // busy loop; any progress resets it.
+        let backoff =
+            Duration::from_millis((50u64 << failures.min(7)).min(drainer.config.max_backoff_ms));
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+    }
+    Ok(())
+}
+
+/// Forwards `NOTIFY ductor_effect_intent` to the wake-up, reconnecting with
+/// backoff when the connection drops.
+async fn listen(pool: PgPool, wakeup: Wakeup, shutdown: CancellationToken) {
+    let mut backoff = Duration::from_millis(100);
+    while !shutdown.is_cancelled() {
+        let mut listener = match PgListener::connect_with(&pool).await {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(error = %e, "outbox listener cannot connect, retrying");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        if let Err(e) = listener.listen(NOTIFY_CHANNEL).await {
+            tracing::warn!(error = %e, "outbox listener cannot LISTEN, retrying");
+            continue;
+        }
+        backoff = Duration::from_millis(100);
+        // A notification may have been missed while disconnected.
+        wakeup.wake();
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                n = listener.try_recv() => match n {
+                    Ok(Some(_)) => wakeup.wake(),
+                    Ok(None) => { wakeup.wake(); }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "outbox listener lost its connection");
+                        break;
+                    }
+                },
+            }
+        }
+    }
+}
+
+async fn maintenance(drainer: &Drainer, shutdown: CancellationToken) {
+    let mut reconcile =
+        tokio::time::interval(Duration::from_millis(drainer.config.reconcile_interval_ms));
+    let mut purge = tokio::time::interval(Duration::from_millis(drainer.config.purge_interval_ms));
+    let mut observe =
+        tokio::time::interval(Duration::from_millis(drainer.config.metrics_interval_ms));
+    for i in [&mut reconcile, &mut purge, &mut observe] {
+        i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    }
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = reconcile.tick() => {
+                if let Err(e) = drainer.reconcile().await {
+                    tracing::warn!(error = format!("{e:#}"), "reconciler round failed");
+                }
+            }
+            _ = purge.tick() => {
+                if let Err(e) = drainer.purge().await {
+                    tracing::warn!(error = format!("{e:#}"), "outbox retention round failed");
+                }
+            }
+            _ = observe.tick() => {
+                if let Err(e) = drainer.observe_backlog().await {
+                    tracing::debug!(error = format!("{e:#}"), "backlog metrics skipped");
+                }
+            }
+        }
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "ductor".to_string())
+}

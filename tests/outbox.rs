@@ -1,0 +1,615 @@
+//! The outbox drainer, the worker library and timers, end to end against
+//! the real Kafka broker and Postgres.
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use common::*;
+use ductor::config::Config;
+use ductor::drainer::{Drainer, RoundOutcome, Wakeup};
+use ductor::ingress::IngressContext;
+use ductor::worker::{StepInput, StepOutcome};
+use futures::future::join_all;
+use rdkafka::message::{Headers, Message, OwnedMessage};
+use rdkafka::producer::FutureProducer;
+use serde_json::json;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(120);
+
+/// The headers every published effect must carry.
+const EFFECT_HEADERS: [&str; 11] = [
+    "idempotency-key",
+    "ductor-run-id",
+    "ductor-seq",
+    "ductor-tenant",
+    "ce_specversion",
+    "ce_id",
+    "ce_source",
+    "ce_type",
+    "ce_time",
+    "ce_subject",
+    "content-type",
+];
+
+struct Env {
+    db: TestDb,
+    config: Config,
+    producer: FutureProducer,
+    _workflows: tempfile::TempDir,
+}
+
+/// A workflow of three steps on pool "p", written for this test with its own
+/// output topic; `retry` is the TOML of every step's retry table.
+fn workflow_toml(output_topic: &str, retry: &str, timeout_ms: u64) -> String {
+    let mut toml = format!("name = \"flow\"\nversion = 1\noutput_topic = \"{output_topic}\"\n");
+    for step in ["a", "b", "c"] {
+        toml.push_str(&format!(
+            "\n[[steps]]\nname = \"{step}\"\npool = \"p\"\ntimeout_ms = {timeout_ms}\n\n[steps.retry]\n{retry}\n"
+        ));
+    }
+    toml
+}
+
+impl Env {
+    async fn new(retry: &str, timeout_ms: u64, tweak: impl FnOnce(&mut Config)) -> Env {
+        let db = TestDb::migrated().await;
+        let mut config = test_config(&db);
+        let output_topic = config.topic("outputs");
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("flow.toml"),
+            workflow_toml(&output_topic, retry, timeout_ms),
+        )
+        .unwrap();
+        config.coordinator.workflows_dir = PathBuf::from(dir.path());
+        config.kafka.step_pools = vec!["p".into()];
+        config.kafka.extra_topics = vec![output_topic];
+        config.drainer.poll_interval_ms = 200;
+        tweak(&mut config);
+        ductor::kafka::create_configured_topics(&config)
+            .await
+            .expect("creating topics");
+        Env {
+            db,
+            config,
+            producer: producer(),
+            _workflows: dir,
+        }
+    }
+
+    fn output_topic(&self) -> String {
+        self.config.topic("outputs")
+    }
+
+    fn serve(&self) -> Task {
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(ductor::serve::run(self.config.clone(), shutdown.clone()));
+        Task { shutdown, task }
+    }
+
+    /// The coordinator's ingress alone, so intents pile up undrained.
+    fn ingress(&self) -> Task {
+        let workflows = ductor::workflows::load_dir(&self.config.coordinator.workflows_dir)
+            .expect("loading workflows");
+        let ctx = IngressContext::new(&self.config, self.db.pool.clone(), workflows)
+            .expect("creating ingress");
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(ductor::ingress::run(ctx, shutdown.clone()));
+        Task { shutdown, task }
+    }
+
+    fn drainer(&self) -> Drainer {
+        Drainer::new(
+            self.db.pool.clone(),
+            ductor::kafka::producer(&self.config.kafka, "test-drainer").unwrap(),
+            self.config.drainer.clone(),
+            Duration::from_millis(self.config.kafka.delivery_timeout_ms),
+        )
+    }
+
+    fn worker<F, Fut>(&self, handler: F) -> Task
+    where
+        F: Fn(StepInput) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = StepOutcome> + Send + 'static,
+    {
+        let options = ductor::worker::WorkerOptions::from_config(&self.config, "p");
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(ductor::worker::run(options, handler, shutdown.clone()));
+        Task { shutdown, task }
+    }
+
+    async fn start_runs(&self, run_ids: &[String]) {
+        let topic = self.config.requests_topic();
+        let sends = run_ids.iter().map(|run_id| {
+            let value = json!({"type": "run.start", "schema_version": 1, "run_id": run_id,
+                               "tenant": "acme", "workflow": "flow", "input": {"n": run_id}});
+            let producer = &self.producer;
+            let topic = &topic;
+            async move {
+                produce(producer, topic, run_id, value.to_string().as_bytes(), &[]).await;
+            }
+        });
+        join_all(sends).await;
+    }
+
+    async fn count_status(&self, status: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM runs WHERE status = $1")
+            .bind(status)
+            .fetch_one(&self.db.pool)
+            .await
+            .unwrap()
+    }
+
+    async fn wait_all(&self, status: &str, n: i64) {
+        eventually(&format!("{n} runs {status}"), WAIT, || async {
+            (self.count_status(status).await == n).then_some(())
+        })
+        .await
+    }
+
+    async fn dispatched_stamp(&self, run_id: &str, step_index: i32) -> uuid::Uuid {
+        eventually(
+            &format!("{run_id} step {step_index} dispatched"),
+            WAIT,
+            || async {
+                sqlx::query_scalar(
+                    "SELECT stamp FROM run_attempts \
+                     WHERE run_id = $1 AND step_index = $2 AND status = 'dispatched'",
+                )
+                .bind(run_id)
+                .bind(step_index)
+                .fetch_optional(&self.db.pool)
+                .await
+                .unwrap()
+            },
+        )
+        .await
+    }
+
+    async fn send_success(&self, run_id: &str, stamp: uuid::Uuid) {
+        let value = json!({"type": "attempt.result", "schema_version": 1, "run_id": run_id,
+                           "tenant": "acme", "stamp": stamp, "outcome": "succeeded", "output": 1});
+        produce(
+            &self.producer,
+            &self.config.attempt_results_topic(),
+            run_id,
+            value.to_string().as_bytes(),
+            &[],
+        )
+        .await;
+    }
+
+    /// Distinct idempotency keys committed per topic.
+    async fn intent_keys(&self) -> HashMap<String, HashSet<String>> {
+        let rows: Vec<(String, String)> =
+            sqlx::query_as("SELECT topic, idempotency_key FROM eec_effect_intent")
+                .fetch_all(&self.db.pool)
+                .await
+                .unwrap();
+        let mut out: HashMap<String, HashSet<String>> = HashMap::new();
+        for (topic, key) in rows {
+            out.entry(topic).or_default().insert(key);
+        }
+        out
+    }
+}
+
+struct Task {
+    shutdown: CancellationToken,
+    task: JoinHandle<anyhow::Result<()>>,
+}
+
+impl Task {
+    async fn stop(self) {
+        self.shutdown.cancel();
+        self.task
+            .await
+            .expect("task panicked")
+            .expect("task stopped with an error");
+    }
+}
+
+fn header(m: &OwnedMessage, name: &str) -> Option<String> {
+    m.headers()
+        .and_then(|hs| hs.iter().find(|h| h.key == name).and_then(|h| h.value))
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+}
+
+/// Reads `topic` from the beginning until every key in `keys` was seen;
+/// returns every message read (duplicates included).
+async fn read_keys(topic: &str, keys: &HashSet<String>) -> Vec<OwnedMessage> {
+    let consumer = reader(&[topic]);
+    let mut seen = HashSet::new();
+    let mut messages = Vec::new();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while seen.len() < keys.len() {
+        let m = match tokio::time::timeout_at(deadline, consumer.recv()).await {
+            Ok(Ok(m)) => m.detach(),
+            Ok(Err(e)) => panic!("consumer error on {topic}: {e}"),
+            Err(_) => panic!(
+                "{topic}: saw {} of {} idempotency keys before timing out",
+                seen.len(),
+                keys.len()
+            ),
+        };
+        if let Some(k) = header(&m, "idempotency-key") {
+            seen.insert(k);
+        }
+        messages.push(m);
+    }
+    messages
+}
+
+/// Asserts that, per run, the first deliveries on a topic follow seq order.
+fn assert_first_deliveries_in_seq_order(topic: &str, messages: &[OwnedMessage]) {
+    let mut seen_keys = HashSet::new();
+    let mut last: HashMap<String, (i64, i64)> = HashMap::new();
+    for m in messages {
+        let key = header(m, "idempotency-key").expect("idempotency-key");
+        if !seen_keys.insert(key.clone()) {
+            continue;
+        }
+        let run = header(m, "ductor-run-id").expect("ductor-run-id");
+        let seq: i64 = header(m, "ductor-seq").unwrap().parse().unwrap();
+        let index: i64 = key.rsplit('/').next().unwrap().parse().unwrap();
+        if let Some(prev) = last.get(&run) {
+            assert!(
+                (seq, index) > *prev,
+                "{topic}: run {run} delivered {seq}/{index} after {prev:?}"
+            );
+        }
+        last.insert(run, (seq, index));
+    }
+}
+
+fn assert_effect_headers(topic: &str, messages: &[OwnedMessage]) {
+    for m in messages {
+        for name in EFFECT_HEADERS {
+            assert!(
+                header(m, name).is_some_and(|v| !v.is_empty()),
+                "{topic}: a message lacks header {name}"
+            );
+        }
+        assert_eq!(header(m, "ce_id"), header(m, "idempotency-key"));
+        assert_eq!(header(m, "ce_specversion").as_deref(), Some("1.0"));
+        assert_eq!(
+            m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
+            header(m, "ductor-run-id"),
+            "{topic}: effects are keyed by run"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_thousand_runs_with_a_flaky_step_all_succeed_with_headers_and_order() {
+    const RUNS: usize = 1000;
+    let env = Env::new(
+        "max_attempts = 5\ninitial_backoff_ms = 20\nmax_backoff_ms = 200\nmultiplier = 2.0\njitter = 0.5",
+        60_000,
+        |_| {},
+    )
+    .await;
+    let serve = env.serve();
+    // Step "b" fails (retryably) on its first attempt for every third run.
+    let worker = env.worker(|step: StepInput| async move {
+        let flaky = step.run_id.ends_with(['0', '3', '6', '9']);
+        if step.step == "b" && step.attempt == 1 && flaky {
+            StepOutcome::Failed {
+                message: "transient".into(),
+                retryable: true,
+            }
+        } else {
+            StepOutcome::Succeeded(json!({"step": step.step, "input": step.input}))
+        }
+    });
+    let runs: Vec<String> = (0..RUNS).map(|i| format!("{}-{i}", unique("r"))).collect();
+    env.start_runs(&runs).await;
+    env.wait_all("succeeded", RUNS as i64).await;
+    let retried: i64 = sqlx::query_scalar("SELECT count(*) FROM run_attempts WHERE attempt > 1")
+        .fetch_one(&env.db.pool)
+        .await
+        .unwrap();
+    assert!(retried > 0, "the flaky step caused retries");
+
+    let keys = env.intent_keys().await;
+    eventually("every intent drained", WAIT, || async {
+        let left: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM eec_effect_intent WHERE status <> 'completed' AND not_before <= now()",
+        )
+        .fetch_one(&env.db.pool)
+        .await
+        .unwrap();
+        (left == 0).then_some(())
+    })
+    .await;
+    let steps_topic = env.config.steps_topic("p");
+    let events_topic = env.config.events_topic();
+    let output_topic = env.output_topic();
+    for topic in [&steps_topic, &events_topic, &output_topic] {
+        let messages = read_keys(topic, &keys[topic.as_str()]).await;
+        assert_effect_headers(topic, &messages);
+        assert_first_deliveries_in_seq_order(topic, &messages);
+    }
+    assert_eq!(keys[&output_topic].len(), RUNS, "one output per run");
+    assert_eq!(
+        keys[&events_topic].len() as i64,
+        env.db.count("run_transitions").await,
+        "one event per transition"
+    );
+    worker.stop().await;
+    serve.stop().await;
+    env.db.drop_db().await;
+}
+
+#[tokio::test]
+async fn a_drainer_stopped_after_publishing_republishes_with_the_same_key_and_dedup_applies_once() {
+    let env = Env::new("max_attempts = 1", 60_000, |c| {
+        c.kafka.delivery_timeout_ms = 2_000;
+        c.drainer.lease_ms = 2_500;
+    })
+    .await;
+    let ingress = env.ingress();
+    let run_id = unique("crash-");
+    env.start_runs(std::slice::from_ref(&run_id)).await;
+    env.dispatched_stamp(&run_id, 0).await;
+
+    let mut crashing = env.drainer();
+    crashing.hooks.fail_after_publish = true;
+    let err = crashing
+        .drain_once()
+        .await
+        .expect_err("the hook stops the drainer after publishing");
+    assert!(err.to_string().contains("after publishing"), "{err:#}");
+    let claimed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM eec_effect_intent WHERE status = 'claimed' AND run_id = $1",
+    )
+    .bind(&run_id)
+    .fetch_one(&env.db.pool)
+    .await
+    .unwrap();
+    assert!(claimed > 0, "published intents stay claimed, not completed");
+
+    // A new drainer cannot take them while the lease holds; once it expires
+    // the reconciler redrives them and they are published again.
+    let restarted = env.drainer();
+    eventually("the claim lease expires", WAIT, || async {
+        (restarted.reconcile().await.unwrap() > 0).then_some(())
+    })
+    .await;
+    assert!(matches!(
+        restarted.drain_once().await.unwrap(),
+        RoundOutcome::Drained { completed, released: 0 } if completed > 0
+    ));
+
+    let events_topic = env.config.events_topic();
+    let consumer = reader(&[&events_topic]);
+    let copies = read_n(&consumer, 2, WAIT).await;
+    assert_eq!(
+        header(&copies[0], "idempotency-key"),
+        header(&copies[1], "idempotency-key"),
+        "a redriven effect carries the key of its first delivery"
+    );
+    assert_eq!(
+        copies[0].payload(),
+        copies[1].payload(),
+        "and the same bytes"
+    );
+
+    // The consumer-side helper applies the effect once.
+    ductor::dedup::ensure_schema(&env.db.pool).await.unwrap();
+    sqlx::query("CREATE TABLE applied (run_id text NOT NULL, key text NOT NULL)")
+        .execute(&env.db.pool)
+        .await
+        .unwrap();
+    for m in &copies {
+        let mut tx = env.db.pool.begin().await.unwrap();
+        if ductor::dedup::claim_message(&mut tx, "test-consumer", m)
+            .await
+            .unwrap()
+            == ductor::dedup::Claim::First
+        {
+            sqlx::query("INSERT INTO applied VALUES ($1, $2)")
+                .bind(header(m, "ductor-run-id"))
+                .bind(header(m, "idempotency-key"))
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+        }
+        tx.commit().await.unwrap();
+    }
+    assert_eq!(env.db.count("applied").await, 1, "applied exactly once");
+    ingress.stop().await;
+    env.db.drop_db().await;
+}
+
+#[tokio::test]
+async fn two_drainers_at_once_lose_nothing_and_keep_per_run_order() {
+    let env = Env::new("max_attempts = 1", 60_000, |c| {
+        // Small batches make the two drainers interleave on the same runs.
+        c.drainer.batch_max_intents = 7;
+        c.drainer.poll_interval_ms = 20;
+    })
+    .await;
+    let ingress = env.ingress();
+    let stop = CancellationToken::new();
+    let drainers: Vec<JoinHandle<anyhow::Result<()>>> = (0..2)
+        .map(|_| {
+            tokio::spawn(ductor::drainer::run(
+                env.drainer(),
+                Wakeup::default(),
+                stop.clone(),
+            ))
+        })
+        .collect();
+    let runs: Vec<String> = (0..40).map(|i| format!("{}-{i}", unique("two-"))).collect();
+    env.start_runs(&runs).await;
+    for step in 0..3 {
+        for run_id in &runs {
+            let stamp = env.dispatched_stamp(run_id, step).await;
+            env.send_success(run_id, stamp).await;
+        }
+    }
+    env.wait_all("succeeded", runs.len() as i64).await;
+    eventually("every due intent completed", WAIT, || async {
+        let left: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM eec_effect_intent WHERE status <> 'completed' AND not_before <= now()",
+        )
+        .fetch_one(&env.db.pool)
+        .await
+        .unwrap();
+        (left == 0).then_some(())
+    })
+    .await;
+    stop.cancel();
+    for d in drainers {
+        d.await.unwrap().expect("drainer stops cleanly");
+    }
+    let keys = env.intent_keys().await;
+    for topic in [env.config.events_topic(), env.config.steps_topic("p")] {
+        let messages = read_keys(&topic, &keys[&topic]).await;
+        assert_effect_headers(&topic, &messages);
+        assert_first_deliveries_in_seq_order(&topic, &messages);
+        let delivered: HashSet<String> = messages
+            .iter()
+            .filter_map(|m| header(m, "idempotency-key"))
+            .collect();
+        assert_eq!(delivered, keys[&topic], "{topic}: nothing lost");
+    }
+    ingress.stop().await;
+    env.db.drop_db().await;
+}
+
+#[tokio::test]
+async fn a_retry_fires_after_its_backoff_and_a_pending_timer_survives_a_restart() {
+    let env = Env::new(
+        "max_attempts = 3\ninitial_backoff_ms = 1500\nmax_backoff_ms = 1500\nmultiplier = 1.0\njitter = 0.0",
+        60_000,
+        |_| {},
+    )
+    .await;
+    let first = env.serve();
+    let worker = env.worker(|step: StepInput| async move {
+        if step.step == "a" && step.attempt == 1 {
+            StepOutcome::Failed {
+                message: "try again".into(),
+                retryable: true,
+            }
+        } else {
+            StepOutcome::Succeeded(json!(step.step))
+        }
+    });
+    let run_id = unique("timer-");
+    env.start_runs(std::slice::from_ref(&run_id)).await;
+    let pool = env.db.pool.clone();
+    // The retry timer: a wakeup intent with a future not_before.
+    let (timer_id, not_before): (i64, chrono::DateTime<chrono::Utc>) =
+        eventually("the retry timer is committed", WAIT, || async {
+            sqlx::query_as(
+                "SELECT intent_id, not_before FROM eec_effect_intent \
+                 WHERE run_id = $1 AND topic = $2 AND convert_from(payload, 'UTF8')::jsonb->>'timer' = 'retry'",
+            )
+            .bind(&run_id)
+            .bind(env.config.wakeups_topic())
+            .fetch_optional(&pool)
+            .await
+            .unwrap()
+        })
+        .await;
+    // Restart serve while the timer is pending.
+    first.stop().await;
+    let status: String =
+        sqlx::query_scalar("SELECT status FROM eec_effect_intent WHERE intent_id = $1")
+            .bind(timer_id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_ne!(
+        status, "completed",
+        "the timer had not fired before the restart"
+    );
+    let second = env.serve();
+    eventually("the run succeeds after the retry", WAIT, || async {
+        let s: Option<String> = sqlx::query_scalar("SELECT status FROM runs WHERE run_id = $1")
+            .bind(&run_id)
+            .fetch_optional(&pool)
+            .await
+            .unwrap();
+        (s.as_deref() == Some("succeeded")).then_some(())
+    })
+    .await;
+
+    let second_attempt: chrono::DateTime<chrono::Utc> = sqlx::query_scalar(
+        "SELECT dispatched_at FROM run_attempts WHERE run_id = $1 AND step_index = 0 AND attempt = 2",
+    )
+    .bind(&run_id)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(
+        second_attempt >= not_before,
+        "attempt 2 at {second_attempt} before the backoff ended at {not_before}"
+    );
+    // The wakeup itself was published no earlier than its not_before.
+    let wakeups = reader(&[&env.config.wakeups_topic()]);
+    let mut fired = None;
+    while fired.is_none() {
+        let m = read_n(&wakeups, 1, WAIT).await.remove(0);
+        if header(&m, "idempotency-key").is_some()
+            && m.payload()
+                .and_then(|p| serde_json::from_slice::<serde_json::Value>(p).ok())
+                .is_some_and(|v| v["timer"] == "retry")
+        {
+            fired = Some(m);
+        }
+    }
+    let fired = fired.unwrap();
+    let published_ms = fired.timestamp().to_millis().expect("broker timestamp");
+    assert!(
+        published_ms >= not_before.timestamp_millis(),
+        "the timer was published at {published_ms} ms, before its not_before {not_before}"
+    );
+    worker.stop().await;
+    second.stop().await;
+    env.db.drop_db().await;
+}
+
+#[tokio::test]
+async fn drained_intents_are_purged_after_retention_and_pending_ones_never() {
+    let env = Env::new("max_attempts = 1", 60_000, |c| c.drainer.retention_ms = 1).await;
+    let ingress = env.ingress();
+    let run_id = unique("purge-");
+    env.start_runs(std::slice::from_ref(&run_id)).await;
+    env.dispatched_stamp(&run_id, 0).await;
+    let drainer = env.drainer();
+    assert!(matches!(
+        drainer.drain_once().await.unwrap(),
+        RoundOutcome::Drained { .. }
+    ));
+    let by_status = |pool: sqlx::PgPool| async move {
+        let rows: Vec<(String, i64)> =
+            sqlx::query_as("SELECT status, count(*) FROM eec_effect_intent GROUP BY status")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        rows.into_iter().collect::<BTreeMap<_, _>>()
+    };
+    let before = by_status(env.db.pool.clone()).await;
+    assert!(before.get("completed").copied().unwrap_or(0) > 0);
+    let pending_before = before.get("pending").copied().unwrap_or(0);
+    assert!(pending_before > 0, "the timeout timer is still pending");
+    eventually("completed intents purged", WAIT, || async {
+        drainer.purge().await.unwrap();
+        let now = by_status(env.db.pool.clone()).await;
+        (!now.contains_key("completed")).then_some(now)
+    })
+    .await;
+    let after = by_status(env.db.pool.clone()).await;
+    assert_eq!(after.get("pending").copied().unwrap_or(0), pending_before);
+    ingress.stop().await;
+    env.db.drop_db().await;
+}
