@@ -119,16 +119,10 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     .fetch_one(&pool)
     .await
     .context("counting retries")?;
+    // Keys in a fixed order, for people reading the line.
     println!(
-        "{}",
-        json!({
-            "runs": args.runs,
-            "succeeded": counts.succeeded,
-            "failed": counts.failed,
-            "cancelled": counts.cancelled,
-            "retries": retries,
-            "seconds": (seconds * 100.0).round() / 100.0,
-        })
+        "{{\"runs\":{},\"succeeded\":{},\"failed\":{},\"cancelled\":{},\"retries\":{},\"seconds\":{:.2}}}",
+        args.runs, counts.succeeded, counts.failed, counts.cancelled, retries, seconds
     );
     Ok(terminal >= args.runs as i64)
 }

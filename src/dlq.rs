@@ -19,6 +19,9 @@ pub enum Stage {
     /// Well-formed, but the coordinator rejected it (unknown run, tenant
     /// mismatch, unknown stamp, unknown workflow, ...).
     Validate,
+    /// A start request the routing plane refused (the same idempotency key
+    /// with a different request).
+    Route,
 }
 
 impl Stage {
@@ -26,6 +29,7 @@ impl Stage {
         match self {
             Stage::Decode => "decode",
             Stage::Validate => "validate",
+            Stage::Route => "route",
         }
     }
 }

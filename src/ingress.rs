@@ -24,7 +24,8 @@ use tokio_util::sync::CancellationToken;
 use crate::config::Config;
 use crate::coordinator::{InputTopic, NoOpReason, Workflows, decode_input};
 use crate::dlq::{DeadLetter, DeadLetterPublisher, Stage};
-use crate::store::{Applier, InputOutcome, PendingInput, Source, TopicNames};
+use crate::routing::{self, RouteOutcome};
+use crate::store::{Applier, InputOutcome, PendingInput, Source};
 
 /// Hooks that let tests stop the ingress at a chosen point, as a crash would.
 #[derive(Debug, Clone, Default)]
@@ -58,14 +59,7 @@ impl IngressContext {
                 .context("creating ingress consumer")?;
         let producer: FutureProducer = crate::kafka::producer(&config.kafka, "dlq")?;
         Ok(Self {
-            applier: Applier {
-                pool,
-                workflows,
-                topics: TopicNames {
-                    prefix: config.kafka.topic_prefix.clone(),
-                },
-                conflict_retries: config.coordinator.conflict_retries,
-            },
+            applier: Applier::new(config, pool, workflows),
             consumer,
             dead_letters: DeadLetterPublisher {
                 producer,
@@ -176,21 +170,53 @@ pub async fn process_batch(
 ) -> anyhow::Result<()> {
     let mut pending = Vec::with_capacity(batch.len());
     let mut pending_msgs = Vec::with_capacity(batch.len());
+    let mut routed = Vec::new();
+    let mut routed_msgs = Vec::new();
     let mut dead = Vec::new();
     for msg in batch {
         let Some(kind) = ctx.topic_kind(msg.topic()) else {
             continue;
         };
         let payload = msg.payload().unwrap_or_default();
+        let source = Source {
+            topic: msg.topic().to_string(),
+            partition: msg.partition(),
+            offset: msg.offset(),
+        };
+        if kind == InputTopic::Requests && payload.len() <= ctx.max_input_bytes {
+            // A start without run_id asks the routing plane for a decision.
+            // Without a key of its own, its position in Kafka is its key, so
+            // a redelivery is never a second run.
+            if let Ok(value) = serde_json::from_slice::<serde_json::Value>(payload) {
+                let default_key = format!(
+                    "kafka:{}:{}:{}",
+                    source.topic, source.partition, source.offset
+                );
+                match routing::decode_route_request(&value, Some(default_key)) {
+                    Ok(Some(mut request)) => {
+                        request.source = Some(source);
+                        routed.push(request);
+                        routed_msgs.push(msg);
+                        continue;
+                    }
+                    Ok(None) => {}
+                    Err(error) => {
+                        dead.push(DeadLetter {
+                            message: msg,
+                            stage: Stage::Decode,
+                            class: error.class.as_str().to_string(),
+                            error: error.message,
+                        });
+                        continue;
+                    }
+                }
+            }
+        }
         match decode_input(kind, payload, ctx.max_input_bytes) {
             Ok(input) => {
                 pending.push(PendingInput {
                     input,
-                    source: Some(Source {
-                        topic: msg.topic().to_string(),
-                        partition: msg.partition(),
-                        offset: msg.offset(),
-                    }),
+                    source: Some(source),
                 });
                 pending_msgs.push(msg);
             }
@@ -205,9 +231,9 @@ pub async fn process_batch(
         }
     }
 
-    if !pending.is_empty() {
+    if !pending.is_empty() || !routed.is_empty() {
         let applier = &ctx.applier;
-        let report = (|| async { applier.apply_batch(&pending).await })
+        let report = (|| async { applier.apply(&pending, &routed).await })
             .retry(
                 ExponentialBuilder::default()
                     .with_min_delay(Duration::from_millis(50))
@@ -245,6 +271,36 @@ pub async fn process_batch(
                     );
                 }
                 InputOutcome::Applied { .. } => {}
+            }
+        }
+        for (outcome, msg) in report.routed.iter().zip(&routed_msgs) {
+            let topic_label = msg.topic().to_string();
+            let (input_label, routing_label) = match outcome {
+                RouteOutcome::Decided { kind, .. } => ("applied", kind.as_str()),
+                RouteOutcome::Duplicate { .. } => ("deduplicated", "duplicate"),
+                RouteOutcome::Mismatch => ("rejected", "mismatch"),
+                RouteOutcome::Rejected(_) => ("rejected", "rejected_request"),
+                // Not produced inside a transaction that reserves for itself.
+                RouteOutcome::InProgress | RouteOutcome::ClaimLost => ("rejected", "in_progress"),
+            };
+            metrics::counter!("ductor_inputs_total", "topic" => topic_label, "outcome" => input_label)
+                .increment(1);
+            routing::count(routing_label);
+            match outcome {
+                RouteOutcome::Mismatch => dead.push(DeadLetter {
+                    message: msg,
+                    stage: Stage::Route,
+                    class: "idempotency_mismatch".to_string(),
+                    error: "the idempotency key was already used for a different request"
+                        .to_string(),
+                }),
+                RouteOutcome::Rejected(message) => dead.push(DeadLetter {
+                    message: msg,
+                    stage: Stage::Validate,
+                    class: "unknown_workflow".to_string(),
+                    error: message.clone(),
+                }),
+                _ => {}
             }
         }
         if report.intents_written > 0

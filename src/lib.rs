@@ -5,6 +5,7 @@
 //! locking; the ingress ([`ingress`]) feeds it from Kafka and stores offsets
 //! only after the commit.
 
+pub mod api;
 pub mod config;
 pub mod coordinator;
 pub mod db;
@@ -15,6 +16,7 @@ pub mod http;
 pub mod ingress;
 pub mod inspect;
 pub mod kafka;
+pub mod routing;
 pub mod serve;
 pub mod store;
 pub mod telemetry;

@@ -41,6 +41,31 @@ enum Command {
     },
     /// Print the effective configuration (secrets redacted).
     Config,
+    /// Start a run through the routing plane and print its decision as JSON.
+    Submit(SubmitArgs),
+}
+
+#[derive(clap::Args)]
+struct SubmitArgs {
+    /// Workflow to start.
+    #[arg(long)]
+    workflow: String,
+    /// The run's input, as JSON.
+    #[arg(long, default_value = "null")]
+    input: String,
+    /// Tenant owning the run.
+    #[arg(long, default_value = "default")]
+    tenant: String,
+    /// Routing pool owning the run.
+    #[arg(long, default_value = "default")]
+    pool: String,
+    /// Workflow version; the latest loaded when absent.
+    #[arg(long)]
+    workflow_version: Option<u32>,
+    /// Requests with the same key (per tenant and pool) get the same run;
+    /// without one, every submit is a new run.
+    #[arg(long)]
+    idempotency_key: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -121,9 +146,42 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
             println!("{}", serde_json::to_string_pretty(&run)?);
             Ok(())
         }
+        Command::Submit(args) => submit(args, config).await,
         Command::Config => {
             println!("{config:#?}");
             Ok(())
         }
     }
+}
+
+async fn submit(args: SubmitArgs, config: Config) -> anyhow::Result<()> {
+    let input: serde_json::Value =
+        serde_json::from_str(&args.input).context("--input is not valid JSON")?;
+    let workflows = ductor::workflows::load_dir(&config.coordinator.workflows_dir)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let pool = ductor::db::connect(&config.database).await?;
+    let applier = ductor::store::Applier::new(&config, pool, workflows);
+    let mut body = serde_json::json!({
+        "workflow": args.workflow,
+        "tenant": args.tenant,
+        "pool": args.pool,
+        "input": input,
+    });
+    if let Some(version) = args.workflow_version {
+        body["workflow_version"] = version.into();
+    }
+    let key = args.idempotency_key.filter(|k| !k.is_empty());
+    let request = ductor::api::route_request_from_body(body, key)
+        .map_err(|e| anyhow::anyhow!("{}: {}", e.code, e.message))?;
+    let submitted = ductor::api::submit(&applier, &config.routing, request)
+        .await
+        .map_err(|e| anyhow::anyhow!("{}: {}", e.code, e.message))?;
+    let status = match submitted {
+        ductor::api::Submitted::Created(_) => "created",
+        ductor::api::Submitted::Duplicate(_) => "duplicate",
+    };
+    let mut out = serde_json::to_value(submitted.decision())?;
+    out["outcome"] = status.into();
+    println!("{out}");
+    Ok(())
 }

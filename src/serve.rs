@@ -15,6 +15,18 @@ use crate::http::{HttpState, router};
 /// Runs until `shutdown` is cancelled, then lets in-flight work finish within
 /// `server.shutdown_grace_ms`.
 pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(config.server.listen)
+        .await
+        .with_context(|| format!("binding http listener on {}", config.server.listen))?;
+    run_on(config, listener, shutdown).await
+}
+
+/// [`run`] on an already bound listener (tests bind port 0 and read it back).
+pub async fn run_on(
+    config: Config,
+    listener: tokio::net::TcpListener,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
     let workflows = crate::workflows::load_dir(&config.coordinator.workflows_dir)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     tracing::info!(
@@ -46,15 +58,24 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
         kafka_probe: Arc::new(kafka_probe),
         readiness_timeout: Duration::from_millis(config.server.readiness_timeout_ms),
     };
-    let listener = tokio::net::TcpListener::bind(config.server.listen)
-        .await
-        .with_context(|| format!("binding http listener on {}", config.server.listen))?;
-    tracing::info!(addr = %config.server.listen, "http listening");
+    let api_state = crate::api::ApiState {
+        applier: Arc::new(crate::store::Applier::new(
+            &config,
+            pool.clone(),
+            workflows.clone(),
+        )),
+        routing: config.routing.clone(),
+    };
+    let addr = listener
+        .local_addr()
+        .context("reading the http listener's address")?;
+    tracing::info!(%addr, "http listening");
     {
         let shutdown = shutdown.clone();
         let failed = failed.clone();
         tracker.spawn(async move {
-            let result = axum::serve(listener, router(http_state))
+            let app = router(http_state).merge(crate::api::router(api_state));
+            let result = axum::serve(listener, app)
                 .with_graceful_shutdown(shutdown.clone().cancelled_owned())
                 .await;
             if let Err(e) = result {
@@ -62,6 +83,13 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
                 shutdown.cancel();
             }
         });
+    }
+
+    {
+        let pool = pool.clone();
+        let routing = config.routing.clone();
+        let shutdown = shutdown.clone();
+        tracker.spawn(async move { routing_maintenance(pool, routing, shutdown).await });
     }
 
     let wakeup = crate::drainer::Wakeup::default();
@@ -115,6 +143,34 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
         None => {
             tracing::info!("stopped");
             Ok(())
+        }
+    }
+}
+
+/// The routing plane's sweeper and retention, each bounded per round.
+async fn routing_maintenance(
+    pool: sqlx::PgPool,
+    config: crate::config::RoutingConfig,
+    shutdown: CancellationToken,
+) {
+    let mut sweep = tokio::time::interval(Duration::from_millis(config.sweep_interval_ms));
+    let mut purge = tokio::time::interval(Duration::from_millis(config.purge_interval_ms));
+    sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    purge.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = sweep.tick() => {
+                if let Err(e) = crate::routing::sweep(&pool, config.sweep_batch).await {
+                    tracing::warn!(error = %e, "routing sweep failed");
+                }
+            }
+            _ = purge.tick() => {
+                let retention = Duration::from_millis(config.retention_ms);
+                if let Err(e) = crate::routing::purge(&pool, retention, config.purge_batch, config.purge_max_rounds).await {
+                    tracing::warn!(error = %e, "routing retention failed");
+                }
+            }
         }
     }
 }

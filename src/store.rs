@@ -10,7 +10,7 @@
 //! from fresh state, so no input of the batch is lost or applied twice.
 
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
@@ -21,6 +21,7 @@ use crate::coordinator::{
     AttemptRecord, AttemptStatus, AttemptWrite, Decision, Effect, EffectTarget, Entropy, Input,
     NoOpReason, Rejection, RunState, RunStatus, Workflows, fold,
 };
+use crate::routing::{self, Reservation, ReserveKind, RouteOutcome, RouteRequest};
 
 /// Where an input came from; kept on its transition row.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,6 +50,8 @@ pub enum InputOutcome {
 pub struct BatchReport {
     /// One outcome per input, in input order.
     pub outcomes: Vec<InputOutcome>,
+    /// One outcome per routed request, in order.
+    pub routed: Vec<RouteOutcome>,
     /// Times the batch was recomputed after losing a race.
     pub conflicts: u32,
     /// Effect intents committed.
@@ -57,6 +60,8 @@ pub struct BatchReport {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApplyError {
+    #[error("an idempotency key of the batch is held by a caller still deciding")]
+    RoutingInProgress,
     #[error("batch still conflicting after {0} recomputations")]
     ConflictsExhausted(u32),
     #[error("database error: {0}")]
@@ -88,6 +93,26 @@ pub struct Applier {
     pub workflows: Workflows,
     pub topics: TopicNames,
     pub conflict_retries: u32,
+    /// How long a routing reservation may stay pending.
+    pub pending_ttl: Duration,
+    /// How long a routing decision stays valid.
+    pub completed_ttl: Duration,
+}
+
+impl Applier {
+    /// An applier configured from `config`.
+    pub fn new(config: &crate::config::Config, pool: PgPool, workflows: Workflows) -> Self {
+        Applier {
+            pool,
+            workflows,
+            topics: TopicNames {
+                prefix: config.kafka.topic_prefix.clone(),
+            },
+            conflict_retries: config.coordinator.conflict_retries,
+            pending_ttl: Duration::from_millis(config.routing.pending_ttl_ms),
+            completed_ttl: Duration::from_millis(config.routing.completed_ttl_ms),
+        }
+    }
 }
 
 /// The deterministic idempotency key of an effect: the same on every
@@ -137,6 +162,8 @@ struct Writes {
     attempt_inserts: Vec<(String, AttemptRecord)>,
     attempt_finishes: Vec<(Uuid, AttemptStatus, DateTime<Utc>, Option<String>)>,
     intents: Vec<IntentRow>,
+    /// A routing row could not be completed: another caller took the key.
+    routing_lost: bool,
 }
 
 struct TransitionRow {
@@ -168,24 +195,50 @@ pub struct IntentRow {
     pub not_before: DateTime<Utc>,
 }
 
+/// How one attempt at a batch ended.
+enum Attempt {
+    Committed(BatchReport),
+    /// A conditional write matched fewer rows than expected: recompute.
+    Conflict,
+    /// A routed request's key is held by another caller that has not decided.
+    Busy,
+}
+
 impl Applier {
     /// Applies `inputs` in order, in one transaction, recomputing on conflict.
     pub async fn apply_batch(&self, inputs: &[PendingInput]) -> Result<BatchReport, ApplyError> {
+        self.apply(inputs, &[]).await
+    }
+
+    /// Applies routed start requests and then `inputs`, in one transaction,
+    /// recomputing on conflict. A routed request whose key is held by another
+    /// caller in flight fails the batch with [`ApplyError::RoutingInProgress`];
+    /// retry it after a pause (the holder decides or is swept).
+    pub async fn apply(
+        &self,
+        inputs: &[PendingInput],
+        routed: &[RouteRequest],
+    ) -> Result<BatchReport, ApplyError> {
         let started = Instant::now();
         let mut conflicts = 0;
         loop {
-            match self.try_apply(inputs).await? {
-                Some((outcomes, intents_written)) => {
+            let mut tx = self.pool.begin().await?;
+            match self.apply_in_tx(&mut tx, inputs, routed).await? {
+                Attempt::Committed(mut report) => {
+                    tx.commit().await?;
                     metrics::histogram!("ductor_apply_seconds")
                         .record(started.elapsed().as_secs_f64());
-                    metrics::histogram!("ductor_apply_batch_size").record(inputs.len() as f64);
-                    return Ok(BatchReport {
-                        outcomes,
-                        conflicts,
-                        intents_written,
-                    });
+                    metrics::histogram!("ductor_apply_batch_size")
+                        .record((inputs.len() + routed.len()) as f64);
+                    report.conflicts = conflicts;
+                    return Ok(report);
                 }
-                None => {
+                Attempt::Busy => {
+                    tx.rollback().await?;
+                    return Err(ApplyError::RoutingInProgress);
+                }
+                Attempt::Conflict => {
+                    tx.rollback().await?;
                     conflicts += 1;
                     metrics::counter!("ductor_apply_conflicts_total").increment(1);
                     tracing::debug!(conflicts, "batch lost an optimistic-lock race, recomputing");
@@ -197,94 +250,224 @@ impl Applier {
         }
     }
 
-    /// One attempt: `Ok(None)` means a conflict (rolled back).
-    async fn try_apply(
+    async fn apply_in_tx(
         &self,
+        tx: &mut PgTx<'_, Postgres>,
         inputs: &[PendingInput],
-    ) -> Result<Option<(Vec<InputOutcome>, usize)>, ApplyError> {
-        let mut tx = self.pool.begin().await?;
-        let mut runs = load_runs(&mut tx, inputs).await?;
+        routed: &[RouteRequest],
+    ) -> Result<Attempt, ApplyError> {
+        let mut runs = load_runs(tx, inputs).await?;
         let now = Utc::now();
-        let mut outcomes = Vec::with_capacity(inputs.len());
         let mut writes = Writes::default();
 
-        for pending in inputs {
-            let input = &pending.input;
-            let loaded = runs
-                .get_mut(input.run_id())
-                .expect("every input's run was looked up");
-            let entropy = fresh_entropy();
-            match fold(loaded.state.as_ref(), input, &self.workflows, now, &entropy) {
-                Decision::NoOp(reason) => outcomes.push(InputOutcome::NoOp(reason)),
-                Decision::Rejection(rejection) => outcomes.push(InputOutcome::Rejected(rejection)),
-                Decision::Transition(transition) => {
-                    let transition = *transition;
-                    let state = transition.state;
-                    let record = transition.record;
-                    let seq = record.seq;
-                    writes.transitions.push(TransitionRow {
-                        run_id: state.run_id.clone(),
-                        seq,
-                        input_ref: record.input_ref,
-                        kind: record.kind,
-                        from_status: record.from_status.map(status_str),
-                        to_status: status_str(record.to_status),
-                        step_index: record.step_index as i32,
-                        detail: serde_json::to_string(&record.detail)?,
-                        source: pending.source.clone(),
-                        at: record.at,
-                    });
-                    for write in transition.attempt_writes {
-                        match write {
-                            AttemptWrite::Insert(attempt) => {
-                                writes.attempt_inserts.push((state.run_id.clone(), attempt))
-                            }
-                            AttemptWrite::Finish {
-                                stamp,
-                                status,
-                                finished_at,
-                                error,
-                            } => {
-                                // An attempt inserted earlier in this batch is
-                                // finished in memory, so each row is written once.
-                                if let Some(row) = writes
-                                    .attempt_inserts
-                                    .iter_mut()
-                                    .map(|(_, a)| a)
-                                    .find(|a| a.stamp == stamp)
-                                {
-                                    row.status = status;
-                                    row.finished_at = Some(finished_at);
-                                    row.error = error;
-                                } else {
-                                    writes.attempt_finishes.push((
-                                        stamp,
-                                        status,
-                                        finished_at,
-                                        error,
-                                    ));
-                                }
-                            }
-                        }
-                    }
-                    for (index, effect) in transition.effects.into_iter().enumerate() {
-                        writes
-                            .intents
-                            .push(self.intent_row(&state, seq, index, effect, record.at)?);
-                    }
-                    loaded.state = Some(state);
-                    loaded.changed = true;
-                    outcomes.push(InputOutcome::Applied { seq });
-                }
+        let mut routed_outcomes = Vec::with_capacity(routed.len());
+        for request in routed {
+            match self
+                .route_one(tx, request, &mut runs, &mut writes, now)
+                .await?
+            {
+                Some(outcome) => routed_outcomes.push(outcome),
+                None => return Ok(Attempt::Busy),
             }
         }
 
-        if !write_all(&mut tx, &runs, &writes).await? {
-            tx.rollback().await?;
-            return Ok(None);
+        let mut outcomes = Vec::with_capacity(inputs.len());
+        for pending in inputs {
+            let (outcome, _) = self.fold_one(
+                &pending.input,
+                pending.source.as_ref(),
+                &mut runs,
+                &mut writes,
+                now,
+            )?;
+            outcomes.push(outcome);
         }
-        tx.commit().await?;
-        Ok(Some((outcomes, writes.intents.len())))
+
+        if writes.routing_lost || !write_all(tx, &runs, &writes).await? {
+            return Ok(Attempt::Conflict);
+        }
+        Ok(Attempt::Committed(BatchReport {
+            outcomes,
+            routed: routed_outcomes,
+            conflicts: 0,
+            intents_written: writes.intents.len(),
+        }))
+    }
+
+    /// Reserves (or checks) a routed request's key and, when it wins, folds
+    /// its start and completes the key with the decision. `None`: the key is
+    /// held by another caller still deciding.
+    async fn route_one(
+        &self,
+        tx: &mut PgTx<'_, Postgres>,
+        request: &RouteRequest,
+        runs: &mut HashMap<String, Loaded>,
+        writes: &mut Writes,
+        now: DateTime<Utc>,
+    ) -> Result<Option<RouteOutcome>, ApplyError> {
+        let start = &request.start;
+        let known = match start.workflow_version {
+            Some(v) => self.workflows.get(&start.workflow, v).is_some(),
+            None => self.workflows.latest(&start.workflow).is_some(),
+        };
+        if !known {
+            // Rejected before reserving, so no reservation is left behind.
+            return Ok(Some(RouteOutcome::Rejected(format!(
+                "unknown workflow {:?}",
+                start.workflow
+            ))));
+        }
+        let kind = match (&request.key, request.reservation) {
+            (None, _) => ReserveKind::Unkeyed,
+            (Some(key), Reservation::InTransaction) => {
+                match routing::reserve_in_tx(tx, request, key, self.pending_ttl).await? {
+                    Ok(kind) => kind,
+                    Err(row) if row.status == "pending" => return Ok(None),
+                    Err(row) => {
+                        return Ok(Some(match row.decision {
+                            Some(decision) if row.fingerprint == request.fingerprint => {
+                                RouteOutcome::Duplicate { decision }
+                            }
+                            _ => RouteOutcome::Mismatch,
+                        }));
+                    }
+                }
+            }
+            (Some(key), Reservation::Held { epoch }) => {
+                if !routing::fence_in_tx(tx, start, key, epoch).await? {
+                    return Ok(Some(RouteOutcome::ClaimLost));
+                }
+                ReserveKind::Fresh
+            }
+        };
+        runs.entry(start.run_id.clone()).or_insert(Loaded {
+            state: None,
+            loaded_version: None,
+            changed: false,
+        });
+        let input = Input::Start(start.clone());
+        let (outcome, effects) =
+            self.fold_one(&input, request.source.as_ref(), runs, writes, now)?;
+        let InputOutcome::Applied { seq } = outcome else {
+            return Ok(Some(RouteOutcome::Rejected(match outcome {
+                InputOutcome::Rejected(r) => r.message,
+                other => format!("start was not applied: {other:?}"),
+            })));
+        };
+        let state = runs
+            .get(&start.run_id)
+            .and_then(|l| l.state.as_ref())
+            .expect("an applied start leaves a run");
+        let decision = routing::Decision {
+            run_id: state.run_id.clone(),
+            tenant: state.tenant.clone(),
+            pool: state.pool.clone(),
+            workflow: state.workflow.clone(),
+            workflow_version: state.workflow_version,
+            idempotency_key: request.key.clone(),
+            decided_at: now,
+        };
+        // The caller learns its decision from a run.accepted event, the last
+        // effect of the run's first transition.
+        let accepted = Effect {
+            target: EffectTarget::Events,
+            ce_type: "ductor.run.accepted".to_string(),
+            payload: serde_json::json!({
+                "type": "run.accepted",
+                "schema_version": 1,
+                "run_id": decision.run_id,
+                "tenant": decision.tenant,
+                "pool": decision.pool,
+                "workflow": decision.workflow,
+                "workflow_version": decision.workflow_version,
+                "idempotency_key": decision.idempotency_key,
+                "correlation_id": start.correlation_id,
+            }),
+            not_before: None,
+        };
+        let row = self.intent_row(state, seq, effects, accepted, now)?;
+        writes.intents.push(row);
+        if let Some(key) = &request.key
+            && !routing::complete_in_tx(tx, &decision, key, self.completed_ttl).await?
+        {
+            writes.routing_lost = true;
+        }
+        Ok(Some(RouteOutcome::Decided { decision, kind }))
+    }
+
+    /// Folds one input into the in-memory runs and collects its writes.
+    /// Returns the outcome and, when applied, how many effects it produced.
+    fn fold_one(
+        &self,
+        input: &Input,
+        source: Option<&Source>,
+        runs: &mut HashMap<String, Loaded>,
+        writes: &mut Writes,
+        now: DateTime<Utc>,
+    ) -> Result<(InputOutcome, usize), ApplyError> {
+        let loaded = runs
+            .get_mut(input.run_id())
+            .expect("every input's run was looked up");
+        let entropy = fresh_entropy();
+        let transition = match fold(loaded.state.as_ref(), input, &self.workflows, now, &entropy) {
+            Decision::NoOp(reason) => return Ok((InputOutcome::NoOp(reason), 0)),
+            Decision::Rejection(rejection) => return Ok((InputOutcome::Rejected(rejection), 0)),
+            Decision::Transition(transition) => *transition,
+        };
+        let state = transition.state;
+        let record = transition.record;
+        let seq = record.seq;
+        writes.transitions.push(TransitionRow {
+            run_id: state.run_id.clone(),
+            seq,
+            input_ref: record.input_ref,
+            kind: record.kind,
+            from_status: record.from_status.map(status_str),
+            to_status: status_str(record.to_status),
+            step_index: record.step_index as i32,
+            detail: serde_json::to_string(&record.detail)?,
+            source: source.cloned(),
+            at: record.at,
+        });
+        for write in transition.attempt_writes {
+            match write {
+                AttemptWrite::Insert(attempt) => {
+                    writes.attempt_inserts.push((state.run_id.clone(), attempt))
+                }
+                AttemptWrite::Finish {
+                    stamp,
+                    status,
+                    finished_at,
+                    error,
+                } => {
+                    // An attempt inserted earlier in this batch is finished
+                    // in memory, so each row is written once.
+                    if let Some(row) = writes
+                        .attempt_inserts
+                        .iter_mut()
+                        .map(|(_, a)| a)
+                        .find(|a| a.stamp == stamp)
+                    {
+                        row.status = status;
+                        row.finished_at = Some(finished_at);
+                        row.error = error;
+                    } else {
+                        writes
+                            .attempt_finishes
+                            .push((stamp, status, finished_at, error));
+                    }
+                }
+            }
+        }
+        let effects = transition.effects.len();
+        for (index, effect) in transition.effects.into_iter().enumerate() {
+            writes
+                .intents
+                .push(self.intent_row(&state, seq, index, effect, record.at)?);
+        }
+        loaded.state = Some(state);
+        loaded.changed = true;
+        Ok((InputOutcome::Applied { seq }, effects))
     }
 
     fn intent_row(

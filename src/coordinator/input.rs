@@ -164,7 +164,7 @@ impl InputErrorClass {
 }
 
 impl InputError {
-    fn new(class: InputErrorClass, message: impl Into<String>) -> Self {
+    pub fn new(class: InputErrorClass, message: impl Into<String>) -> Self {
         Self {
             class,
             message: truncate(message.into(), MAX_INPUT_ERROR_LEN),

@@ -1,0 +1,528 @@
+//! The routing plane: one decision per (tenant, pool, idempotency key),
+//! over HTTP and over Kafka, through crashes, sweeps, TTLs and retention.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::*;
+use ductor::config::{Config, DuplicatePolicy, PoolRouting};
+use ductor::ingress::{IngressContext, TestHooks};
+use ductor::routing::{Reservation, RouteOutcome};
+use ductor::store::Applier;
+use serde_json::{Value, json};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+struct Env {
+    db: TestDb,
+    config: Config,
+}
+
+struct Server {
+    addr: SocketAddr,
+    shutdown: CancellationToken,
+    task: JoinHandle<anyhow::Result<()>>,
+}
+
+impl Server {
+    async fn stop(self) {
+        self.shutdown.cancel();
+        self.task
+            .await
+            .expect("serve panicked")
+            .expect("serve stopped with an error");
+    }
+}
+
+impl Env {
+    async fn new(tweak: impl FnOnce(&mut Config)) -> Env {
+        let db = TestDb::migrated().await;
+        let mut config = test_config(&db);
+        // These tests look at routing only; the drainer stays out of the way.
+        config.drainer.enabled = false;
+        tweak(&mut config);
+        ductor::kafka::create_configured_topics(&config)
+            .await
+            .expect("creating topics");
+        Env { db, config }
+    }
+
+    async fn serve(&self) -> Server {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(ductor::serve::run_on(
+            self.config.clone(),
+            listener,
+            shutdown.clone(),
+        ));
+        let server = Server {
+            addr,
+            shutdown,
+            task,
+        };
+        eventually("serve answers /healthz", WAIT, || async {
+            let connect = tokio::net::TcpStream::connect(addr).await;
+            if connect.is_err() {
+                return None;
+            }
+            (http(addr, "GET", "/healthz", &[], b"").await.0 == 200).then_some(())
+        })
+        .await;
+        server
+    }
+
+    fn applier(&self) -> Applier {
+        let workflows = ductor::workflows::load_dir(&self.config.coordinator.workflows_dir)
+            .expect("loading workflows");
+        Applier::new(&self.config, self.db.pool.clone(), workflows)
+    }
+
+    async fn runs(&self) -> i64 {
+        self.db.count("runs").await
+    }
+}
+
+fn body(input: Value, tenant: &str) -> Vec<u8> {
+    json!({"workflow": "example", "tenant": tenant, "input": input})
+        .to_string()
+        .into_bytes()
+}
+
+async fn post(addr: SocketAddr, key: Option<&str>, body: &[u8]) -> (u16, Value, Vec<u8>) {
+    let headers: Vec<(&str, &str)> = key.map(|k| ("Idempotency-Key", k)).into_iter().collect();
+    let (status, raw) = http(addr, "POST", "/v1/runs", &headers, body).await;
+    let value = serde_json::from_slice(&raw).unwrap_or(Value::Null);
+    (status, value, raw)
+}
+
+#[tokio::test]
+async fn a_hundred_concurrent_requests_with_one_key_make_one_run_and_identical_answers() {
+    let env = Env::new(|_| {}).await;
+    let server = env.serve().await;
+    let addr = server.addr;
+    let request = body(json!({"order": 1}), "acme");
+    let answers = futures::future::join_all((0..100).map(|_| {
+        let request = request.clone();
+        async move { post(addr, Some("order-1"), &request).await }
+    }))
+    .await;
+    let created = answers.iter().filter(|a| a.0 == 201).count();
+    let duplicates = answers.iter().filter(|a| a.0 == 200).count();
+    assert_eq!(
+        (created, duplicates),
+        (1, 99),
+        "statuses: {:?}",
+        answers.iter().map(|a| a.0).collect::<Vec<_>>()
+    );
+    let first = &answers[0].2;
+    assert!(
+        answers.iter().all(|a| &a.2 == first),
+        "every caller gets the same bytes"
+    );
+    assert_eq!(env.runs().await, 1, "one decision");
+    let run_id = answers[0].1["run_id"].as_str().unwrap().to_string();
+    let status: String = sqlx::query_scalar(
+        "SELECT status FROM eec_routing_idempotency WHERE idempotency_key = 'order-1'",
+    )
+    .fetch_one(&env.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(status, "completed");
+    let (code, run) = {
+        let (code, raw) = http(
+            addr,
+            "GET",
+            &format!("/v1/runs/{run_id}"),
+            &[("X-Ductor-Tenant", "acme")],
+            b"",
+        )
+        .await;
+        (code, serde_json::from_slice::<Value>(&raw).unwrap())
+    };
+    assert_eq!(code, 200);
+    assert_eq!(run["run_id"], run_id.as_str());
+    assert_eq!(run["workflow"], "example");
+    server.stop().await;
+    env.db.drop_db().await;
+}
+
+#[tokio::test]
+async fn the_same_keyed_request_through_kafka_redelivered_after_a_crash_makes_one_run() {
+    let env = Env::new(|_| {}).await;
+    let workflows = ductor::workflows::load_dir(&env.config.coordinator.workflows_dir).unwrap();
+    let mut ctx = IngressContext::new(&env.config, env.db.pool.clone(), workflows.clone()).unwrap();
+    ctx.hooks = TestHooks {
+        fail_after_commit: true,
+    };
+    let shutdown = CancellationToken::new();
+    let crashing = tokio::spawn(ductor::ingress::run(ctx, shutdown.clone()));
+    let producer = producer();
+    let requests = env.config.requests_topic();
+    let key = unique("k-");
+    // Both requests share a Kafka key, so they land on one partition in order.
+    let keyed = json!({"type": "run.start", "schema_version": 1, "tenant": "acme",
+                       "workflow": "example", "idempotency_key": "kafka-key-1",
+                       "correlation_id": "corr-1", "input": {"n": 1}});
+    let unkeyed = json!({"type": "run.start", "schema_version": 1, "tenant": "acme",
+                         "workflow": "example", "correlation_id": "corr-2", "input": {"n": 2}});
+    produce(
+        &producer,
+        &requests,
+        &key,
+        keyed.to_string().as_bytes(),
+        &[],
+    )
+    .await;
+    let (partition, last) = produce(
+        &producer,
+        &requests,
+        &key,
+        unkeyed.to_string().as_bytes(),
+        &[],
+    )
+    .await;
+    crashing
+        .await
+        .unwrap()
+        .expect_err("the hook stops the ingress after its first commit");
+    // The first commit may have held one or both requests; wait for both to be
+    // decided by a second pass before comparing.
+    let mut ctx = IngressContext::new(&env.config, env.db.pool.clone(), workflows).unwrap();
+    ctx.hooks = TestHooks::default();
+    let shutdown = CancellationToken::new();
+    let restarted = tokio::spawn(ductor::ingress::run(ctx, shutdown.clone()));
+    eventually("both requests decided", WAIT, || async {
+        (env.runs().await >= 2).then_some(())
+    })
+    .await;
+    // Wait for the restarted ingress to have handled everything, including
+    // the redelivered messages.
+    let group = env.config.kafka.group_id.clone();
+    eventually("offsets committed past the requests", WAIT, || {
+        let (group, topic) = (group.clone(), requests.clone());
+        async move {
+            let committed =
+                tokio::task::spawn_blocking(move || committed(&group, &topic, partition))
+                    .await
+                    .unwrap();
+            (committed > last).then_some(())
+        }
+    })
+    .await;
+    assert_eq!(
+        env.runs().await,
+        2,
+        "one run per request, redelivery or not"
+    );
+    let keys: Vec<String> = sqlx::query_scalar(
+        "SELECT idempotency_key FROM eec_routing_idempotency WHERE status = 'completed' ORDER BY 1",
+    )
+    .fetch_all(&env.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(keys.len(), 2);
+    assert!(keys.contains(&"kafka-key-1".to_string()));
+    assert!(
+        keys.iter().any(|k| k.starts_with("kafka:")),
+        "a request without a key is keyed by its position: {keys:?}"
+    );
+    // Each caller learns its decision from a run.accepted event with its
+    // correlation id.
+    let accepted: Vec<Value> = sqlx::query_scalar(
+        "SELECT convert_from(payload, 'UTF8')::jsonb FROM eec_effect_intent \
+         WHERE ce_type = 'ductor.run.accepted' ORDER BY intent_id",
+    )
+    .fetch_all(&env.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(accepted.len(), 2);
+    let correlations: Vec<&str> = accepted
+        .iter()
+        .map(|a| a["correlation_id"].as_str().unwrap())
+        .collect();
+    assert!(correlations.contains(&"corr-1") && correlations.contains(&"corr-2"));
+    shutdown.cancel();
+    restarted.await.unwrap().unwrap();
+    env.db.drop_db().await;
+}
+
+fn committed(group: &str, topic: &str, partition: i32) -> i64 {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap_servers())
+        .set("group.id", group)
+        .create()
+        .unwrap();
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    tpl.add_partition(topic, partition);
+    let got = consumer
+        .committed_offsets(tpl, Duration::from_secs(10))
+        .unwrap();
+    match got.find_partition(topic, partition).map(|p| p.offset()) {
+        Some(rdkafka::Offset::Offset(o)) => o,
+        _ => -1,
+    }
+}
+
+#[tokio::test]
+async fn killed_after_reserve_the_row_is_swept_and_reclaimed_and_the_late_caller_cannot_complete() {
+    let env = Env::new(|c| c.routing.pending_ttl_ms = 200).await;
+    let applier = env.applier();
+    let late = ductor::api::route_request_from_body(
+        json!({"workflow": "example", "tenant": "acme", "input": {"x": 1}}),
+        Some("swept-key".into()),
+    )
+    .unwrap();
+    // The first caller reserves, then dies before deciding.
+    let epoch = ductor::routing::reserve(
+        &env.db.pool,
+        "acme",
+        "default",
+        "swept-key",
+        &late.fingerprint,
+        Duration::from_millis(200),
+    )
+    .await
+    .unwrap()
+    .expect("the first caller wins the key");
+    // The sweeper marks the expired reservation failed.
+    eventually("the pending row is swept", WAIT, || async {
+        (ductor::routing::sweep(&env.db.pool, 100).await.unwrap() > 0).then_some(())
+    })
+    .await;
+    // The next caller reclaims the key and decides.
+    let next = ductor::api::route_request_from_body(
+        json!({"workflow": "example", "tenant": "acme", "input": {"x": 1}}),
+        Some("swept-key".into()),
+    )
+    .unwrap();
+    let submitted = ductor::api::submit(&applier, &env.config.routing, next)
+        .await
+        .expect("the next caller gets a decision");
+    let ductor::api::Submitted::Created(decision) = submitted else {
+        panic!("a reclaimed key is a new decision: {submitted:?}");
+    };
+    let new_epoch: i64 = sqlx::query_scalar(
+        "SELECT claim_epoch FROM eec_routing_idempotency WHERE idempotency_key = 'swept-key'",
+    )
+    .fetch_one(&env.db.pool)
+    .await
+    .unwrap();
+    assert!(new_epoch > epoch, "a reclaim bumps the claim epoch");
+    // The late first caller comes back with its old epoch: it cannot complete.
+    let mut late = late;
+    late.reservation = Reservation::Held { epoch };
+    let report = applier.apply(&[], &[late]).await.unwrap();
+    assert_eq!(report.routed, vec![RouteOutcome::ClaimLost]);
+    assert_eq!(env.runs().await, 1, "only the new owner's decision exists");
+    let decided: String = sqlx::query_scalar(
+        "SELECT decision_id FROM eec_routing_idempotency WHERE idempotency_key = 'swept-key'",
+    )
+    .fetch_one(&env.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(decided, decision.run_id);
+    env.db.drop_db().await;
+}
+
+#[tokio::test]
+async fn ttl_expiry_gives_a_new_decision_and_retention_never_deletes_pending_rows() {
+    let env = Env::new(|c| c.routing.completed_ttl_ms = 300).await;
+    let server = env.serve().await;
+    let request = body(json!({"ttl": true}), "acme");
+    let (code, first, _) = post(server.addr, Some("ttl-key"), &request).await;
+    assert_eq!(code, 201);
+    let (code, again, _) = post(server.addr, Some("ttl-key"), &request).await;
+    assert_eq!((code, &again["run_id"]), (200, &first["run_id"]));
+    eventually("the decision expires", WAIT, || async {
+        let expired: bool = sqlx::query_scalar(
+            "SELECT expires_at <= now() FROM eec_routing_idempotency WHERE idempotency_key = 'ttl-key'",
+        )
+        .fetch_one(&env.db.pool)
+        .await
+        .unwrap();
+        expired.then_some(())
+    })
+    .await;
+    let (code, renewed, _) = post(server.addr, Some("ttl-key"), &request).await;
+    assert_eq!(code, 201, "an expired decision is replaced: {renewed}");
+    assert_ne!(renewed["run_id"], first["run_id"]);
+    server.stop().await;
+
+    // Retention: long-dead rows go, pending rows stay however old they are.
+    sqlx::query(
+        "INSERT INTO eec_routing_idempotency (tenant_scope, pool_id, idempotency_key, status, \
+             request_fingerprint, reserved_at, pending_expires_at, updated_at) VALUES \
+         ('acme', 'default', 'old-pending', 'pending', 'fp', now() - interval '30 days', \
+             now() - interval '30 days', now() - interval '30 days'), \
+         ('acme', 'default', 'old-failed', 'failed_before_commit', 'fp', now() - interval '30 days', \
+             now() - interval '30 days', now() - interval '30 days')",
+    )
+    .execute(&env.db.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE eec_routing_idempotency SET expires_at = now() - interval '30 days' \
+         WHERE idempotency_key = 'ttl-key'",
+    )
+    .execute(&env.db.pool)
+    .await
+    .unwrap();
+    let purged = ductor::routing::purge(&env.db.pool, Duration::from_secs(86_400), 1, 100)
+        .await
+        .unwrap();
+    assert_eq!(
+        purged, 2,
+        "the failed row and the long-expired completed row"
+    );
+    let left: Vec<(String, String)> =
+        sqlx::query_as("SELECT idempotency_key, status FROM eec_routing_idempotency ORDER BY 1")
+            .fetch_all(&env.db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        left,
+        vec![("old-pending".to_string(), "pending".to_string())]
+    );
+    env.db.drop_db().await;
+}
+
+#[tokio::test]
+async fn a_key_reused_for_another_request_is_rejected_empty_keys_opt_out_and_tenants_are_isolated()
+{
+    let env = Env::new(|_| {}).await;
+    let server = env.serve().await;
+    let addr = server.addr;
+    let (code, original, _) = post(
+        addr,
+        Some("shared"),
+        &body(json!({"secret": "first-payload"}), "acme"),
+    )
+    .await;
+    assert_eq!(code, 201);
+
+    let (code, mismatch, raw) = post(
+        addr,
+        Some("shared"),
+        &body(json!({"secret": "other"}), "acme"),
+    )
+    .await;
+    assert_eq!(code, 422);
+    assert_eq!(mismatch["error"]["code"], "idempotency_key_mismatch");
+    assert!(
+        !String::from_utf8_lossy(&raw).contains("first-payload"),
+        "the earlier request is not echoed"
+    );
+
+    // An envelope field (the correlation id) is not part of the request.
+    let with_correlation = json!({"workflow": "example", "tenant": "acme",
+        "input": {"secret": "first-payload"}, "correlation_id": "another"})
+    .to_string();
+    let (code, same, _) = post(addr, Some("shared"), with_correlation.as_bytes()).await;
+    assert_eq!((code, &same["run_id"]), (200, &original["run_id"]));
+
+    // Empty key: a fresh run every time.
+    let unkeyed = body(json!({"n": 1}), "acme");
+    let (c1, a, _) = post(addr, Some(""), &unkeyed).await;
+    let (c2, b, _) = post(addr, None, &unkeyed).await;
+    assert_eq!((c1, c2), (201, 201));
+    assert_ne!(a["run_id"], b["run_id"]);
+
+    // Another tenant with the same key and body gets its own decision and
+    // cannot see the first tenant's run.
+    let (code, other, _) = post(
+        addr,
+        Some("shared"),
+        &body(json!({"secret": "first-payload"}), "globex"),
+    )
+    .await;
+    assert_eq!(code, 201);
+    assert_ne!(other["run_id"], original["run_id"]);
+    let path = format!("/v1/runs/{}", original["run_id"].as_str().unwrap());
+    assert_eq!(
+        http(addr, "GET", &path, &[("X-Ductor-Tenant", "globex")], b"")
+            .await
+            .0,
+        404
+    );
+    assert_eq!(
+        http(addr, "GET", &path, &[("X-Ductor-Tenant", "acme")], b"")
+            .await
+            .0,
+        200
+    );
+    assert_eq!(http(addr, "GET", &path, &[], b"").await.0, 400);
+    assert_eq!(env.runs().await, 4, "acme keyed, two unkeyed, globex keyed");
+    server.stop().await;
+    env.db.drop_db().await;
+}
+
+#[tokio::test]
+async fn the_reject_policy_answers_in_progress_and_bad_requests_get_json_errors() {
+    let env = Env::new(|c| {
+        c.routing.pools.insert(
+            "strict".into(),
+            PoolRouting {
+                duplicate_policy: Some(DuplicatePolicy::Reject),
+                wait_timeout_ms: None,
+            },
+        );
+        c.routing.max_body_bytes = 2048;
+    })
+    .await;
+    let server = env.serve().await;
+    let addr = server.addr;
+    let request = json!({"workflow": "example", "tenant": "acme", "pool": "strict", "input": 1});
+    let fingerprint = ductor::api::route_request_from_body(request.clone(), Some("busy".into()))
+        .unwrap()
+        .fingerprint;
+    // Another caller holds the key and has not decided.
+    ductor::routing::reserve(
+        &env.db.pool,
+        "acme",
+        "strict",
+        "busy",
+        &fingerprint,
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let (code, answer, _) = post(addr, Some("busy"), request.to_string().as_bytes()).await;
+    assert_eq!(code, 409);
+    assert_eq!(answer["error"]["code"], "in_progress");
+
+    let (code, answer, _) = post(addr, None, b"{not json").await;
+    assert_eq!(
+        (code, answer["error"]["code"].as_str()),
+        (400, Some("invalid_json"))
+    );
+    let (code, answer, _) = post(addr, None, &vec![b' '; 4096]).await;
+    assert_eq!(
+        (code, answer["error"]["code"].as_str()),
+        (413, Some("body_too_large"))
+    );
+    let (code, answer, _) = post(addr, None, br#"{"workflow": "nope", "tenant": "acme"}"#).await;
+    assert_eq!(
+        (code, answer["error"]["code"].as_str()),
+        (422, Some("unknown_workflow"))
+    );
+    let (code, answer, _) = post(addr, None, br#"{"tenant": "acme"}"#).await;
+    assert_eq!(
+        (code, answer["error"]["code"].as_str()),
+        (400, Some("invalid"))
+    );
+    assert_eq!(env.runs().await, 0);
+    assert_eq!(
+        env.db.count("eec_routing_idempotency").await,
+        1,
+        "rejected requests reserve nothing"
+    );
+    server.stop().await;
+    env.db.drop_db().await;
+}
