@@ -243,8 +243,10 @@ pub async fn submit(
                 Some(_) => ReserveKind::Reclaimed,
             };
             request.reservation = Reservation::Held { epoch };
+            crate::crash_point!("routing.after_reserve");
             match decide(applier, &request).await? {
                 RouteOutcome::Decided { decision, .. } => {
+                    crate::crash_point!("api.after_decision");
                     routing::count(kind.as_str());
                     return Ok(Submitted::Created(decision));
                 }

@@ -128,6 +128,9 @@ impl Drainer {
         if self.hooks.fail_after_publish && !delivered.is_empty() {
             anyhow::bail!("test hook: stopped after publishing, before marking completed");
         }
+        if !delivered.is_empty() {
+            crate::crash_point!("drainer.after_publish");
+        }
         let completed = self.complete(&delivered).await?;
         let released = if failed.is_empty() {
             0

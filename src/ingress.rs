@@ -27,6 +27,33 @@ use crate::dlq::{DeadLetter, DeadLetterPublisher, Stage};
 use crate::routing::{self, RouteOutcome};
 use crate::store::{Applier, InputOutcome, PendingInput, Source};
 
+/// The ingress consumer's context: logs rebalances (and is where a chaos
+/// run can crash mid-rebalance).
+pub struct IngressConsumerContext;
+
+impl rdkafka::ClientContext for IngressConsumerContext {}
+
+impl rdkafka::consumer::ConsumerContext for IngressConsumerContext {
+    fn pre_rebalance(
+        &self,
+        _consumer: &rdkafka::consumer::BaseConsumer<Self>,
+        rebalance: &rdkafka::consumer::Rebalance<'_>,
+    ) {
+        match rebalance {
+            rdkafka::consumer::Rebalance::Assign(tpl) => {
+                tracing::info!(partitions = tpl.count(), "partitions assigned")
+            }
+            rdkafka::consumer::Rebalance::Revoke(tpl) => {
+                tracing::info!(partitions = tpl.count(), "partitions revoked")
+            }
+            rdkafka::consumer::Rebalance::Error(e) => {
+                tracing::warn!(error = %e, "rebalance error")
+            }
+        }
+        crate::crash_point!("ingress.rebalance");
+    }
+}
+
 /// Hooks that let tests stop the ingress at a chosen point, as a crash would.
 #[derive(Debug, Clone, Default)]
 pub struct TestHooks {
@@ -37,7 +64,7 @@ pub struct TestHooks {
 
 pub struct IngressContext {
     pub applier: Applier,
-    pub consumer: StreamConsumer,
+    pub consumer: StreamConsumer<IngressConsumerContext>,
     pub dead_letters: DeadLetterPublisher,
     pub requests_topic: String,
     pub wakeups_topic: String,
@@ -53,9 +80,9 @@ pub struct IngressContext {
 
 impl IngressContext {
     pub fn new(config: &Config, pool: PgPool, workflows: Workflows) -> anyhow::Result<Self> {
-        let consumer: StreamConsumer =
+        let consumer: StreamConsumer<IngressConsumerContext> =
             crate::kafka::consumer_config(&config.kafka, &config.kafka.group_id, "ingress")
-                .create()
+                .create_with_context(IngressConsumerContext)
                 .context("creating ingress consumer")?;
         let producer: FutureProducer = crate::kafka::producer(&config.kafka, "dlq")?;
         Ok(Self {
@@ -116,10 +143,15 @@ async fn consume(ctx: &IngressContext, shutdown: &CancellationToken) -> anyhow::
         let Some(batch) = next_batch(ctx, shutdown).await? else {
             return Ok(());
         };
+        // Canary: storing offsets first loses the batch on a crash.
+        #[cfg(feature = "canary-offsets-before-commit")]
+        store_offsets(ctx, &batch);
         process_batch(ctx, &batch, shutdown).await?;
         if ctx.hooks.fail_after_commit {
             anyhow::bail!("test hook: stopped after commit, before storing offsets");
         }
+        crate::crash_point!("ingress.before_offset_store");
+        #[cfg(not(feature = "canary-offsets-before-commit"))]
         store_offsets(ctx, &batch);
     }
 }

@@ -12,6 +12,7 @@ pub mod db;
 pub mod dedup;
 pub mod dlq;
 pub mod drainer;
+pub mod failpoints;
 pub mod http;
 pub mod ingress;
 pub mod inspect;

@@ -81,6 +81,9 @@ enum InspectCommand {
 }
 
 fn main() -> ExitCode {
+    // Fault injection for scripts/chaos; absent from normal builds.
+    #[cfg(feature = "failpoints")]
+    let _failpoints = fail::FailScenario::setup();
     let cli = Cli::parse();
     let config = match Config::load(cli.config.as_deref()) {
         Ok(c) => c,

@@ -60,6 +60,8 @@ pub struct BatchReport {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApplyError {
+    #[error("the commit's reply was lost (injected fault)")]
+    CommitReplyLost,
     #[error("an idempotency key of the batch is held by a caller still deciding")]
     RoutingInProgress,
     #[error("batch still conflicting after {0} recomputations")]
@@ -97,6 +99,9 @@ pub struct Applier {
     pub pending_ttl: Duration,
     /// How long a routing decision stays valid.
     pub completed_ttl: Duration,
+    /// Canary: publishes effects before the commit that decides them.
+    #[cfg(feature = "canary-dispatch-before-commit")]
+    pub canary_producer: Option<rdkafka::producer::FutureProducer>,
 }
 
 impl Applier {
@@ -111,6 +116,8 @@ impl Applier {
             conflict_retries: config.coordinator.conflict_retries,
             pending_ttl: Duration::from_millis(config.routing.pending_ttl_ms),
             completed_ttl: Duration::from_millis(config.routing.completed_ttl_ms),
+            #[cfg(feature = "canary-dispatch-before-commit")]
+            canary_producer: crate::kafka::producer(&config.kafka, "canary").ok(),
         }
     }
 }
@@ -226,6 +233,9 @@ impl Applier {
             match self.apply_in_tx(&mut tx, inputs, routed).await? {
                 Attempt::Committed(mut report) => {
                     tx.commit().await?;
+                    fail::fail_point!("apply.commit_reply_lost", |_| {
+                        Err(ApplyError::CommitReplyLost)
+                    });
                     metrics::histogram!("ductor_apply_seconds")
                         .record(started.elapsed().as_secs_f64());
                     metrics::histogram!("ductor_apply_batch_size")
@@ -283,6 +293,8 @@ impl Applier {
             outcomes.push(outcome);
         }
 
+        #[cfg(feature = "canary-dispatch-before-commit")]
+        self.canary_publish(&writes.intents).await;
         if writes.routing_lost || !write_all(tx, &runs, &writes).await? {
             return Ok(Attempt::Conflict);
         }
@@ -292,6 +304,31 @@ impl Applier {
             conflicts: 0,
             intents_written: writes.intents.len(),
         }))
+    }
+
+    /// Canary: publishes the batch's effects before its transaction commits,
+    /// so a rolled-back or recomputed batch leaks effects that no committed
+    /// intent backs. Only for proving the chaos checker notices.
+    #[cfg(feature = "canary-dispatch-before-commit")]
+    async fn canary_publish(&self, intents: &[IntentRow]) {
+        use rdkafka::message::{Header, OwnedHeaders};
+        let Some(producer) = &self.canary_producer else {
+            return;
+        };
+        for intent in intents {
+            let mut headers = OwnedHeaders::new();
+            for (k, v) in &intent.headers {
+                headers = headers.insert(Header {
+                    key: k,
+                    value: v.as_str().map(str::as_bytes),
+                });
+            }
+            let record = rdkafka::producer::FutureRecord::to(&intent.topic)
+                .key(&intent.message_key)
+                .payload(&intent.payload)
+                .headers(headers);
+            let _ = producer.send(record, Duration::from_secs(5)).await;
+        }
     }
 
     /// Reserves (or checks) a routed request's key and, when it wins, folds
@@ -609,35 +646,27 @@ async fn write_all(
         .execute(&mut **tx)
         .await?
         .rows_affected();
-        if inserted != ins.run_id.len() as u64 {
+        if inserted != ins.run_id.len() as u64 && !CANARY_IGNORES_CONFLICTS {
             return Ok(false);
         }
     }
     if !upd.run_id.is_empty() {
-        let updated = sqlx::query(
-            "UPDATE runs AS r SET status = u.status, record_version = r.record_version + 1, \
-                 last_transition_seq = u.seq, state = u.state::jsonb, updated_at = u.updated_at, \
-                 finished_at = u.finished_at \
-             FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::int8[], $5::text[], \
-                 $6::timestamptz[], $7::timestamptz[]) \
-                 AS u(run_id, expected_version, status, seq, state, updated_at, finished_at) \
-             WHERE r.run_id = u.run_id AND r.record_version = u.expected_version \
-               AND r.last_transition_seq < u.seq",
-        )
-        .bind(&upd.run_id)
-        .bind(&upd.expected_version)
-        .bind(&upd.status)
-        .bind(&upd.seq)
-        .bind(&upd.state)
-        .bind(&upd.updated_at)
-        .bind(&upd.finished_at)
-        .execute(&mut **tx)
-        .await?
-        .rows_affected();
-        if updated != upd.run_id.len() as u64 {
+        let updated = sqlx::query(UPDATE_RUNS_SQL)
+            .bind(&upd.run_id)
+            .bind(&upd.expected_version)
+            .bind(&upd.status)
+            .bind(&upd.seq)
+            .bind(&upd.state)
+            .bind(&upd.updated_at)
+            .bind(&upd.finished_at)
+            .execute(&mut **tx)
+            .await?
+            .rows_affected();
+        if updated != upd.run_id.len() as u64 && !CANARY_IGNORES_CONFLICTS {
             return Ok(false);
         }
     }
+    crate::crash_point!("apply.after_update");
 
     if !writes.transitions.is_empty() {
         let t = &writes.transitions;
@@ -686,10 +715,11 @@ async fn write_all(
         .bind(t.iter().map(|r| r.at).collect::<Vec<_>>())
         .execute(&mut **tx)
         .await?;
-        if result.rows_affected() != t.len() as u64 {
+        if result.rows_affected() != t.len() as u64 && !CANARY_IGNORES_CONFLICTS {
             return Ok(false);
         }
     }
+    crate::crash_point!("apply.mid_batch");
 
     if !writes.attempt_inserts.is_empty() {
         let a = &writes.attempt_inserts;
@@ -723,7 +753,7 @@ async fn write_all(
         .bind(a.iter().map(|(_, r)| r.error.clone()).collect::<Vec<_>>())
         .execute(&mut **tx)
         .await?;
-        if result.rows_affected() != a.len() as u64 {
+        if result.rows_affected() != a.len() as u64 && !CANARY_IGNORES_CONFLICTS {
             return Ok(false);
         }
     }
@@ -746,13 +776,14 @@ async fn write_all(
         .bind(f.iter().map(|r| r.3.clone()).collect::<Vec<_>>())
         .execute(&mut **tx)
         .await?;
-        if result.rows_affected() != f.len() as u64 {
+        if result.rows_affected() != f.len() as u64 && !CANARY_IGNORES_CONFLICTS {
             return Ok(false);
         }
     }
 
     if !writes.intents.is_empty() {
         insert_intents(tx, &writes.intents).await?;
+        crate::crash_point!("apply.after_intents");
         // Wakes drainers in other processes once this transaction commits.
         sqlx::query("SELECT pg_notify('ductor_effect_intent', '')")
             .execute(&mut **tx)
@@ -760,6 +791,36 @@ async fn write_all(
     }
     Ok(true)
 }
+
+/// The conditional UPDATE: zero rows for a run means another writer won.
+#[cfg(not(feature = "canary-no-version-check"))]
+const UPDATE_RUNS_SQL: &str = "UPDATE runs AS r SET status = u.status, \
+         record_version = r.record_version + 1, last_transition_seq = u.seq, \
+         state = u.state::jsonb, updated_at = u.updated_at, finished_at = u.finished_at \
+     FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::int8[], $5::text[], \
+         $6::timestamptz[], $7::timestamptz[]) \
+         AS u(run_id, expected_version, status, seq, state, updated_at, finished_at) \
+     WHERE r.run_id = u.run_id AND r.record_version = u.expected_version \
+       AND r.last_transition_seq < u.seq";
+
+/// Canary: the version check is gone, so a stale writer overwrites a newer
+/// state (a lost update). Only for proving the chaos checker notices.
+#[cfg(feature = "canary-no-version-check")]
+const UPDATE_RUNS_SQL: &str = "UPDATE runs AS r SET status = u.status, \
+         record_version = r.record_version + 1, last_transition_seq = u.seq, \
+         state = u.state::jsonb, updated_at = u.updated_at, finished_at = u.finished_at \
+     FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::int8[], $5::text[], \
+         $6::timestamptz[], $7::timestamptz[]) \
+         AS u(run_id, expected_version, status, seq, state, updated_at, finished_at) \
+     WHERE r.run_id = u.run_id AND u.expected_version IS NOT NULL";
+
+/// Canaries that remove a guarantee also remove the database's second line
+/// of defence (a write matching fewer rows than expected is a conflict), or
+/// the broken guarantee would never show.
+const CANARY_IGNORES_CONFLICTS: bool = cfg!(any(
+    feature = "canary-no-version-check",
+    feature = "canary-no-stamp-dedup"
+));
 
 async fn insert_intents(
     tx: &mut PgTx<'_, Postgres>,

@@ -415,7 +415,7 @@ async fn bad_inputs_go_to_the_dead_letter_topic_and_good_ones_behind_them_apply(
         ),
         (
             "invalid",
-            json!({"type": "run.start", "schema_version": 1, "tenant": "acme", "workflow": "example"})
+            json!({"type": "run.start", "schema_version": 1, "run_id": "no-workflow", "tenant": "acme"})
                 .to_string()
                 .into_bytes(),
         ),

@@ -329,7 +329,14 @@ impl Ctx<'_> {
                 "stamp names no attempt of this run",
             );
         };
-        if !self.is_outstanding(result.stamp) || attempt.status != AttemptStatus::Dispatched {
+        // Canary: without stamp fencing, a duplicate or a late result of an
+        // abandoned attempt changes the run. Only for proving the chaos
+        // checker notices.
+        let fenced =
+            cfg!(not(feature = "canary-no-stamp-dedup")) || self.state.status.is_terminal();
+        if fenced
+            && (!self.is_outstanding(result.stamp) || attempt.status != AttemptStatus::Dispatched)
+        {
             return Decision::NoOp(match attempt.status {
                 AttemptStatus::Succeeded | AttemptStatus::Failed => NoOpReason::DuplicateResult,
                 AttemptStatus::Dispatched | AttemptStatus::TimedOut | AttemptStatus::Cancelled => {
