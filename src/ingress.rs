@@ -146,7 +146,18 @@ async fn consume(ctx: &IngressContext, shutdown: &CancellationToken) -> anyhow::
         // Canary: storing offsets first loses the batch on a crash.
         #[cfg(feature = "canary-offsets-before-commit")]
         store_offsets(ctx, &batch);
-        process_batch(ctx, &batch, shutdown).await?;
+        if let Err(e) = process_batch(ctx, &batch, shutdown).await {
+            if shutdown.is_cancelled() {
+                // Interrupted while retrying: nothing of the batch is stored,
+                // so it is redelivered after the restart.
+                tracing::info!(
+                    error = format!("{e:#}"),
+                    "batch left for redelivery at shutdown"
+                );
+                return Ok(());
+            }
+            return Err(e);
+        }
         if ctx.hooks.fail_after_commit {
             anyhow::bail!("test hook: stopped after commit, before storing offsets");
         }
