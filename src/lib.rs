@@ -6,6 +6,7 @@
 //! only after the commit.
 
 pub mod api;
+pub mod bench;
 pub mod config;
 pub mod coordinator;
 pub mod db;

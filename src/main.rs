@@ -43,6 +43,8 @@ enum Command {
     Config,
     /// Start a run through the routing plane and print its decision as JSON.
     Submit(SubmitArgs),
+    /// Measure capacity, latency and the machine's baselines (see `ductor::bench`).
+    Bench(ductor::bench::BenchArgs),
 }
 
 #[derive(clap::Args)]
@@ -154,6 +156,7 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
             println!("{config:#?}");
             Ok(())
         }
+        Command::Bench(args) => ductor::bench::main(args, config).await,
     }
 }
 

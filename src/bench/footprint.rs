@@ -1,0 +1,633 @@
+//! Baselines B1a and B1b: Ductor's SQL footprint per input, without Kafka,
+//! the fold or any of Ductor's code around it.
+//!
+//! A "typical input" is an attempt result in the middle of a run: load the
+//! run, `UPDATE runs` conditional on `record_version`, insert the transition,
+//! finish the outstanding attempt and insert the next one, insert the three
+//! effect intents (event, dispatch, timeout timer), `pg_notify`, commit; then
+//! the drainer's share: the claim `UPDATE` of the two due intents and the
+//! `completed` `UPDATE`, each its own transaction. The statements are copies
+//! of those in `store.rs` and `drainer.rs` (keep them in step); row contents
+//! and sizes come from the real fold. B1a applies one input per transaction,
+//! B1b `k` inputs per transaction through the same set-based statements.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::{Value, json};
+use sqlx::postgres::{PgConnection, PgPoolOptions};
+use sqlx::{Connection, Row};
+use tokio::task::JoinSet;
+use uuid::Uuid;
+
+use super::env::{BenchEnv, WORKFLOW};
+use super::stats::{CpuCores, CpuTicks, Progress};
+use crate::coordinator::{
+    AttemptOutcome, AttemptResult, Decision, Entropy, Input, RunStart, Transition, fold,
+};
+
+/// Runs seeded at least, so tables and indexes have a realistic size.
+const MIN_SEEDED_RUNS: usize = 2_000;
+/// Rows per seeding statement.
+const SEED_CHUNK: usize = 1_000;
+/// One client iteration may not take longer than this.
+const ITERATION_TIMEOUT: Duration = Duration::from_secs(60);
+/// Lease the claim statement sets, as the drainer's default.
+const LEASE_S: f64 = 90.0;
+
+/// Throughput of one (clients, k) configuration.
+#[derive(Debug, Clone, Serialize)]
+pub struct Point {
+    pub clients: usize,
+    pub k: usize,
+    pub inputs_per_s: f64,
+    pub profile: PointProfile,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PointProfile {
+    pub cpu_cores: CpuCores,
+    /// Mean milliseconds per iteration (one apply transaction of `k` inputs
+    /// and the drainer's two statements), by statement.
+    pub statement_ms: BTreeMap<&'static str, f64>,
+}
+
+/// Row contents taken from the real fold, reused for every input.
+struct Template {
+    state: String,
+    detail: String,
+    /// (topic, ce_type, payload, due now?) of the three intents.
+    effects: Vec<(String, String, Vec<u8>, bool)>,
+    headers: String,
+}
+
+impl Template {
+    /// Folds a start and the first step's result of the bench workflow and
+    /// keeps the second transition's rows: a mid-run state, its transition
+    /// detail, and its event, dispatch and timer intents.
+    fn from_fold(env: &BenchEnv) -> anyhow::Result<Template> {
+        let workflows =
+            crate::workflows::load_dir(&env.workflows_dir()).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let now = Utc::now();
+        let run_id = "b1-template-run".to_string();
+        let request: Value = serde_json::from_str(&super::pipeline::start_request(&run_id, 1))?;
+        let start = Input::Start(RunStart {
+            run_id: run_id.clone(),
+            tenant: "bench".into(),
+            workflow: WORKFLOW.into(),
+            workflow_version: None,
+            pool: "default".into(),
+            input: request["input"].clone(),
+            correlation_id: None,
+        });
+        let first = transition(fold(None, &start, &workflows, now, &entropy()))?;
+        let stamp = first
+            .state
+            .outstanding
+            .as_ref()
+            .context("the start dispatched no attempt")?
+            .stamp;
+        let result = Input::Result(AttemptResult {
+            run_id: run_id.clone(),
+            tenant: "bench".into(),
+            stamp,
+            outcome: AttemptOutcome::Succeeded {
+                output: request["input"].clone(),
+            },
+        });
+        let second = transition(fold(
+            Some(&first.state),
+            &result,
+            &workflows,
+            now,
+            &entropy(),
+        ))?;
+        let topics = crate::store::TopicNames {
+            prefix: env.pipeline_config("b1").kafka.topic_prefix,
+        };
+        let effects = second
+            .effects
+            .iter()
+            .map(|e| {
+                Ok((
+                    topics.for_target(&e.target),
+                    e.ce_type.clone(),
+                    serde_json::to_vec(&e.payload)?,
+                    e.not_before.is_none(),
+                ))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        anyhow::ensure!(effects.len() == 3, "expected event, dispatch and timer");
+        let key = crate::store::idempotency_key(&run_id, 2, 0);
+        let headers = json!({
+            "idempotency-key": key, "ductor-run-id": run_id, "ductor-seq": "2",
+            "ductor-tenant": "bench", "ce_specversion": "1.0", "ce_id": key,
+            "ce_source": format!("/ductor/workflows/{WORKFLOW}/v1"),
+            "ce_type": crate::coordinator::fold::CE_RUN_EVENT,
+            "ce_time": now.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+            "ce_subject": run_id, "content-type": "application/json",
+        });
+        Ok(Template {
+            state: serde_json::to_string(&second.state)?,
+            detail: serde_json::to_string(&second.record.detail)?,
+            effects,
+            headers: headers.to_string(),
+        })
+    }
+}
+
+fn entropy() -> Entropy {
+    Entropy {
+        stamp: Uuid::new_v4(),
+        jitter_unit: 0.5,
+    }
+}
+
+fn transition(decision: Decision) -> anyhow::Result<Transition> {
+    match decision {
+        Decision::Transition(t) => Ok(*t),
+        other => anyhow::bail!("the bench workflow did not transition: {other:?}"),
+    }
+}
+
+/// What each iteration spends its time on, in the order the statements run.
+pub const STATEMENTS: [&str; 10] = [
+    "begin_and_load",
+    "update_runs",
+    "insert_transitions",
+    "insert_attempts",
+    "finish_attempts",
+    "insert_intents",
+    "notify",
+    "commit",
+    "drainer_claim",
+    "drainer_complete",
+];
+
+/// Time per statement, summed over iterations.
+#[derive(Debug, Clone, Default)]
+struct Laps {
+    seconds: [f64; STATEMENTS.len()],
+    iterations: u64,
+}
+
+/// Marks the end of one statement of an iteration.
+struct Lap<'a> {
+    laps: &'a mut Laps,
+    last: Instant,
+}
+
+impl Lap<'_> {
+    fn mark(&mut self, statement: usize) {
+        let now = Instant::now();
+        self.laps.seconds[statement] += now.duration_since(self.last).as_secs_f64();
+        self.last = now;
+    }
+}
+
+/// One run owned by a client: its current version and outstanding stamp.
+struct Slot {
+    run_id: String,
+    version: i64,
+    stamp: Uuid,
+}
+
+/// Measures every `(clients, k)` of the grid for `per_point` each.
+pub async fn grid(
+    env: &BenchEnv,
+    clients: &[usize],
+    ks: &[usize],
+    per_point: Duration,
+    label: &str,
+    progress: &mut Progress,
+) -> anyhow::Result<Vec<Point>> {
+    let template = Arc::new(Template::from_fold(env)?);
+    let mut points = Vec::new();
+    for &k in ks {
+        for &c in clients {
+            progress.update(&format!("{label}: {c} clients, {k} inputs per transaction"));
+            let (inputs_per_s, cpu_cores, statement_ms) =
+                point(env, &template, c, k, per_point).await?;
+            progress.done(&format!(
+                "{label}: {c} clients x {k} inputs/tx: {inputs_per_s:.0} inputs/s \
+                 (cores: postgres {:.2}, client {:.2})",
+                cpu_cores.postgres, cpu_cores.ductor
+            ));
+            points.push(Point {
+                clients: c,
+                k,
+                inputs_per_s,
+                profile: PointProfile {
+                    cpu_cores,
+                    statement_ms,
+                },
+            });
+        }
+    }
+    Ok(points)
+}
+
+async fn point(
+    env: &BenchEnv,
+    template: &Arc<Template>,
+    clients: usize,
+    k: usize,
+    duration: Duration,
+) -> anyhow::Result<(f64, CpuCores, BTreeMap<&'static str, f64>)> {
+    env.truncate().await?;
+    let per_client = (2 * k).max(MIN_SEEDED_RUNS.div_ceil(clients));
+    let mut slots: Vec<Vec<Slot>> = Vec::with_capacity(clients);
+    for c in 0..clients {
+        slots.push(seed(env, template, c, per_client).await?);
+    }
+    sqlx::query("ANALYZE runs, run_transitions, run_attempts, eec_effect_intent")
+        .execute(&env.pool)
+        .await?;
+    let pool = PgPoolOptions::new()
+        .max_connections(clients as u32)
+        .connect_with(super::env::connect_options(&env.base)?)
+        .await
+        .context("connecting the baseline clients")?;
+    let done = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = JoinSet::new();
+    let started = Instant::now();
+    let cpu_before = CpuTicks::sample(&env.cpu);
+    for (c, slots) in slots.into_iter().enumerate() {
+        let mut conn = pool
+            .acquire()
+            .await
+            .context("acquiring a baseline connection")?
+            .detach();
+        let (template, done, stop) = (template.clone(), done.clone(), stop.clone());
+        let claimer = format!("bench-b1-{c}");
+        tasks.spawn(async move {
+            let laps = client(&mut conn, &template, slots, k, &claimer, &done, &stop).await?;
+            // Closed only after the CPU sample, so the backends' time counts.
+            anyhow::Ok((Instant::now(), laps, conn))
+        });
+    }
+    tokio::time::sleep(duration).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut ended = started;
+    let mut laps = Laps::default();
+    let mut connections = Vec::with_capacity(clients);
+    while let Some(joined) = tasks.join_next().await {
+        let (end, client_laps, conn) = joined.context("a baseline client panicked")??;
+        connections.push(conn);
+        ended = ended.max(end);
+        laps.iterations += client_laps.iterations;
+        for (sum, s) in laps.seconds.iter_mut().zip(client_laps.seconds) {
+            *sum += s;
+        }
+    }
+    let statement_ms = STATEMENTS
+        .iter()
+        .zip(laps.seconds)
+        .map(|(name, s)| (*name, 1000.0 * s / laps.iterations.max(1) as f64))
+        .collect();
+    let cpu = cpu_before.cores_until(&CpuTicks::sample(&env.cpu));
+    for conn in connections {
+        conn.close().await.ok();
+    }
+    pool.close().await;
+    let seconds = ended.duration_since(started).as_secs_f64();
+    Ok((
+        done.load(Ordering::Relaxed) as f64 / seconds,
+        cpu,
+        statement_ms,
+    ))
+}
+
+/// Inserts `n` runs of client `c`, each after its start: state, the start
+/// transition and the dispatched first attempt.
+async fn seed(
+    env: &BenchEnv,
+    template: &Template,
+    c: usize,
+    n: usize,
+) -> anyhow::Result<Vec<Slot>> {
+    let now = Utc::now();
+    let slots: Vec<Slot> = (0..n)
+        .map(|i| Slot {
+            run_id: format!("b1-{c}-{i}"),
+            version: 1,
+            stamp: Uuid::new_v4(),
+        })
+        .collect();
+    for chunk in slots.chunks(SEED_CHUNK) {
+        let ids: Vec<&str> = chunk.iter().map(|s| s.run_id.as_str()).collect();
+        let stamps: Vec<Uuid> = chunk.iter().map(|s| s.stamp).collect();
+        sqlx::query(
+            "INSERT INTO runs (run_id, tenant_scope, pool_id, workflow_name, workflow_version, \
+                 status, record_version, last_transition_seq, state, created_at, updated_at) \
+             SELECT u.id, 'bench', 'default', $2, 1, 'running', 1, 1, $3::jsonb, $4, $4 \
+             FROM UNNEST($1::text[]) AS u(id)",
+        )
+        .bind(&ids)
+        .bind(WORKFLOW)
+        .bind(&template.state)
+        .bind(now)
+        .execute(&env.pool)
+        .await
+        .context("seeding runs")?;
+        sqlx::query(
+            "INSERT INTO run_transitions (run_id, seq, input_ref, kind, to_status, step_index, detail, created_at) \
+             SELECT u.id, 1, 'start', 'run.started', 'running', 0, $2::jsonb, $3 \
+             FROM UNNEST($1::text[]) AS u(id)",
+        )
+        .bind(&ids)
+        .bind(&template.detail)
+        .bind(now)
+        .execute(&env.pool)
+        .await
+        .context("seeding transitions")?;
+        sqlx::query(
+            "INSERT INTO run_attempts (stamp, run_id, step_index, attempt, status, dispatched_at, deadline) \
+             SELECT u.stamp, u.id, 0, 1, 'dispatched', $3, $3 + interval '1 hour' \
+             FROM UNNEST($1::text[], $2::uuid[]) AS u(id, stamp)",
+        )
+        .bind(&ids)
+        .bind(&stamps)
+        .bind(now)
+        .execute(&env.pool)
+        .await
+        .context("seeding attempts")?;
+    }
+    Ok(slots)
+}
+
+/// One client: batches of `k` inputs on its own runs, round robin, until
+/// `stop`; the drainer's two statements after each batch.
+async fn client(
+    conn: &mut PgConnection,
+    template: &Template,
+    mut slots: Vec<Slot>,
+    k: usize,
+    claimer: &str,
+    done: &AtomicU64,
+    stop: &AtomicBool,
+) -> anyhow::Result<Laps> {
+    let mut cursor = 0;
+    let mut laps = Laps::default();
+    while !stop.load(Ordering::Relaxed) {
+        let batch: Vec<usize> = (0..k).map(|j| (cursor + j) % slots.len()).collect();
+        cursor = (cursor + k) % slots.len();
+        tokio::time::timeout(
+            ITERATION_TIMEOUT,
+            iteration(conn, template, &mut slots, &batch, claimer, &mut laps),
+        )
+        .await
+        .context("a baseline iteration timed out")??;
+        laps.iterations += 1;
+        done.fetch_add(k as u64, Ordering::Relaxed);
+    }
+    Ok(laps)
+}
+
+async fn iteration(
+    conn: &mut PgConnection,
+    t: &Template,
+    slots: &mut [Slot],
+    batch: &[usize],
+    claimer: &str,
+    laps: &mut Laps,
+) -> anyhow::Result<()> {
+    let now: DateTime<Utc> = Utc::now();
+    let k = batch.len();
+    let ids: Vec<String> = batch.iter().map(|&i| slots[i].run_id.clone()).collect();
+    let versions: Vec<i64> = batch.iter().map(|&i| slots[i].version).collect();
+    let old_stamps: Vec<Uuid> = batch.iter().map(|&i| slots[i].stamp).collect();
+    let new_stamps: Vec<Uuid> = (0..k).map(|_| Uuid::new_v4()).collect();
+    let seqs: Vec<i64> = versions.iter().map(|v| v + 1).collect();
+
+    let mut lap = Lap {
+        laps,
+        last: Instant::now(),
+    };
+    let mut tx = conn.begin().await?;
+    let rows = sqlx::query("SELECT run_id, record_version, state FROM runs WHERE run_id = ANY($1)")
+        .bind(&ids)
+        .fetch_all(&mut *tx)
+        .await?;
+    anyhow::ensure!(rows.len() == k, "loaded {} of {k} runs", rows.len());
+    lap.mark(0);
+
+    let updated = sqlx::query(
+        "UPDATE runs AS r SET status = u.status, record_version = r.record_version + 1, \
+             last_transition_seq = u.seq, state = u.state::jsonb, updated_at = u.updated_at, \
+             finished_at = u.finished_at \
+         FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::int8[], $5::text[], \
+             $6::timestamptz[], $7::timestamptz[]) \
+             AS u(run_id, expected_version, status, seq, state, updated_at, finished_at) \
+         WHERE r.run_id = u.run_id AND r.record_version = u.expected_version \
+           AND r.last_transition_seq < u.seq",
+    )
+    .bind(&ids)
+    .bind(&versions)
+    .bind(vec!["running"; k])
+    .bind(&seqs)
+    .bind(vec![t.state.as_str(); k])
+    .bind(vec![now; k])
+    .bind(vec![None::<DateTime<Utc>>; k])
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    anyhow::ensure!(updated == k as u64, "updated {updated} of {k} runs");
+    lap.mark(1);
+
+    let refs: Vec<String> = old_stamps.iter().map(|s| format!("result:{s}")).collect();
+    let inserted = sqlx::query(
+        "INSERT INTO run_transitions (run_id, seq, input_ref, kind, from_status, to_status, \
+             step_index, detail, source_topic, source_partition, source_offset, created_at) \
+         SELECT u.run_id, u.seq, u.input_ref, u.kind, u.from_status, u.to_status, u.step_index, \
+             u.detail::jsonb, u.source_topic, u.source_partition, u.source_offset, u.at \
+         FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::text[], $5::text[], $6::text[], \
+             $7::int4[], $8::text[], $9::text[], $10::int4[], $11::int8[], $12::timestamptz[]) \
+             AS u(run_id, seq, input_ref, kind, from_status, to_status, step_index, detail, \
+                  source_topic, source_partition, source_offset, at) \
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(&ids)
+    .bind(&seqs)
+    .bind(&refs)
+    .bind(vec!["step.succeeded"; k])
+    .bind(vec![Some("running"); k])
+    .bind(vec!["running"; k])
+    .bind(seqs.iter().map(|s| (*s - 1) as i32).collect::<Vec<_>>())
+    .bind(vec![t.detail.as_str(); k])
+    .bind(vec![Some("bench.attempt-results"); k])
+    .bind(vec![Some(0i32); k])
+    .bind(seqs.iter().map(|s| Some(*s)).collect::<Vec<_>>())
+    .bind(vec![now; k])
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    anyhow::ensure!(
+        inserted == k as u64,
+        "inserted {inserted} of {k} transitions"
+    );
+    lap.mark(2);
+
+    sqlx::query(
+        "INSERT INTO run_attempts (stamp, run_id, step_index, attempt, status, dispatched_at, \
+             deadline, finished_at, error) \
+         SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::int4[], $4::int4[], $5::text[], \
+             $6::timestamptz[], $7::timestamptz[], $8::timestamptz[], $9::text[]) \
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(&new_stamps)
+    .bind(&ids)
+    .bind(versions.iter().map(|v| *v as i32).collect::<Vec<_>>())
+    .bind(vec![1i32; k])
+    .bind(vec!["dispatched"; k])
+    .bind(vec![now; k])
+    .bind(vec![now + chrono::Duration::hours(1); k])
+    .bind(vec![None::<DateTime<Utc>>; k])
+    .bind(vec![None::<String>; k])
+    .execute(&mut *tx)
+    .await?;
+    lap.mark(3);
+
+    let finished = sqlx::query(
+        "UPDATE run_attempts AS a SET status = u.status, finished_at = u.finished_at, error = u.error \
+         FROM UNNEST($1::uuid[], $2::text[], $3::timestamptz[], $4::text[]) \
+             AS u(stamp, status, finished_at, error) \
+         WHERE a.stamp = u.stamp AND a.status = 'dispatched'",
+    )
+    .bind(&old_stamps)
+    .bind(vec!["succeeded"; k])
+    .bind(vec![now; k])
+    .bind(vec![None::<String>; k])
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    anyhow::ensure!(finished == k as u64, "finished {finished} of {k} attempts");
+    lap.mark(4);
+
+    let n = k * t.effects.len();
+    let mut run_ids = Vec::with_capacity(n);
+    let mut seq_col = Vec::with_capacity(n);
+    let mut index_col = Vec::with_capacity(n);
+    let mut keys = Vec::with_capacity(n);
+    let mut topics = Vec::with_capacity(n);
+    let mut message_keys = Vec::with_capacity(n);
+    let mut payloads = Vec::with_capacity(n);
+    let mut ce_types = Vec::with_capacity(n);
+    let mut not_before = Vec::with_capacity(n);
+    for (j, id) in ids.iter().enumerate() {
+        for (index, (topic, ce_type, payload, due_now)) in t.effects.iter().enumerate() {
+            run_ids.push(id.as_str());
+            seq_col.push(seqs[j]);
+            index_col.push(index as i32);
+            keys.push(crate::store::idempotency_key(id, seqs[j], index));
+            topics.push(topic.as_str());
+            message_keys.push(id.as_bytes());
+            payloads.push(payload.as_slice());
+            ce_types.push(ce_type.as_str());
+            not_before.push(if *due_now {
+                now
+            } else {
+                now + chrono::Duration::hours(1)
+            });
+        }
+    }
+    sqlx::query(
+        "INSERT INTO eec_effect_intent (run_id, seq, effect_index, idempotency_key, tenant_scope, \
+             topic, message_key, headers, payload, ce_type, not_before) \
+         SELECT u.run_id, u.seq, u.effect_index, u.key, u.tenant, u.topic, u.message_key, \
+             u.headers::jsonb, u.payload, u.ce_type, u.not_before \
+         FROM UNNEST($1::text[], $2::int8[], $3::int4[], $4::text[], $5::text[], $6::text[], \
+             $7::bytea[], $8::text[], $9::bytea[], $10::text[], $11::timestamptz[]) \
+             AS u(run_id, seq, effect_index, key, tenant, topic, message_key, headers, payload, \
+                  ce_type, not_before)",
+    )
+    .bind(&run_ids)
+    .bind(&seq_col)
+    .bind(&index_col)
+    .bind(&keys)
+    .bind(vec!["bench"; n])
+    .bind(&topics)
+    .bind(&message_keys)
+    .bind(vec![t.headers.as_str(); n])
+    .bind(&payloads)
+    .bind(&ce_types)
+    .bind(&not_before)
+    .execute(&mut *tx)
+    .await?;
+    lap.mark(5);
+    sqlx::query("SELECT pg_notify('ductor_effect_intent', '')")
+        .execute(&mut *tx)
+        .await?;
+    lap.mark(6);
+    tx.commit().await?;
+    lap.mark(7);
+
+    // The drainer's share: claim the due intents, then mark them completed.
+    let due = t.effects.iter().filter(|e| e.3).count() * k;
+    let claimed = sqlx::query(
+        "WITH candidate AS ( \
+             SELECT intent_id, run_id, topic, seq, effect_index \
+             FROM eec_effect_intent \
+             WHERE status = 'pending' AND not_before <= now() \
+             ORDER BY intent_id \
+             LIMIT $1 \
+             FOR UPDATE SKIP LOCKED \
+         ), claimable AS ( \
+             SELECT c.intent_id FROM candidate c \
+             WHERE NOT EXISTS ( \
+                 SELECT 1 FROM eec_effect_intent e \
+                 WHERE e.run_id = c.run_id AND e.topic = c.topic \
+                   AND e.status <> 'completed' AND e.not_before <= now() \
+                   AND (e.seq, e.effect_index) < (c.seq, c.effect_index) \
+                   AND e.intent_id NOT IN (SELECT intent_id FROM candidate)) \
+         ) \
+         UPDATE eec_effect_intent i \
+         SET status = 'claimed', claimed_by = $2, \
+             claim_expires_at = now() + make_interval(secs => $3), \
+             attempts = i.attempts + 1 \
+         FROM claimable \
+         WHERE i.intent_id = claimable.intent_id \
+         RETURNING i.intent_id, i.run_id, i.seq, i.effect_index, i.topic, i.message_key, \
+             i.headers, i.payload, i.not_before, i.created_at",
+    )
+    .bind(due as i64)
+    .bind(claimer)
+    .bind(LEASE_S)
+    .fetch_all(&mut *conn)
+    .await?;
+    let claimed_ids: Vec<i64> = claimed
+        .iter()
+        .map(|r| r.try_get("intent_id"))
+        .collect::<Result<_, _>>()?;
+    lap.mark(8);
+    sqlx::query(
+        "UPDATE eec_effect_intent SET status = 'completed', completed_at = now(), \
+             claimed_by = NULL, claim_expires_at = NULL, last_error = NULL \
+         WHERE intent_id = ANY($1) AND status = 'claimed' AND claimed_by = $2",
+    )
+    .bind(&claimed_ids)
+    .bind(claimer)
+    .execute(&mut *conn)
+    .await?;
+    lap.mark(9);
+
+    for (j, &i) in batch.iter().enumerate() {
+        slots[i].version = seqs[j];
+        slots[i].stamp = new_stamps[j];
+    }
+    Ok(())
+}
+
+/// The best point of a grid.
+pub fn best(points: &[Point]) -> Option<Point> {
+    points
+        .iter()
+        .max_by(|a, b| a.inputs_per_s.total_cmp(&b.inputs_per_s))
+        .cloned()
+}
