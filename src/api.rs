@@ -36,6 +36,8 @@ const MAX_RESERVE_ROUNDS: u32 = 8;
 pub struct ApiState {
     pub applier: Arc<Applier>,
     pub routing: RoutingConfig,
+    /// Pokes the in-process drainer after a decision committed effects.
+    pub wakeup: Option<crate::drainer::Wakeup>,
 }
 
 pub fn router(state: ApiState) -> Router {
@@ -113,7 +115,11 @@ async fn create_run_inner(state: &ApiState, request: Request<Body>) -> Result<Su
         )
     })?;
     let request = route_request_from_body(body, key)?;
-    submit(&state.applier, &state.routing, request).await
+    let submitted = submit(&state.applier, &state.routing, request).await?;
+    if let (Submitted::Created(_), Some(wakeup)) = (&submitted, &state.wakeup) {
+        wakeup.wake();
+    }
+    Ok(submitted)
 }
 
 trait ClassifyStr {

@@ -149,7 +149,7 @@ impl Drainer {
                  SELECT intent_id, run_id, topic, seq, effect_index \
                  FROM eec_effect_intent \
                  WHERE status = 'pending' AND not_before <= now() \
-                 ORDER BY intent_id \
+                 ORDER BY not_before, intent_id \
                  LIMIT $1 \
                  FOR UPDATE SKIP LOCKED \
              ), claimable AS ( \

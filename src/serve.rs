@@ -58,6 +58,7 @@ pub async fn run_on(
         kafka_probe: Arc::new(kafka_probe),
         readiness_timeout: Duration::from_millis(config.server.readiness_timeout_ms),
     };
+    let wakeup = crate::drainer::Wakeup::default();
     let api_state = crate::api::ApiState {
         applier: Arc::new(crate::store::Applier::new(
             &config,
@@ -65,6 +66,7 @@ pub async fn run_on(
             workflows.clone(),
         )),
         routing: config.routing.clone(),
+        wakeup: Some(wakeup.clone()),
     };
     let addr = listener
         .local_addr()
@@ -92,7 +94,6 @@ pub async fn run_on(
         tracker.spawn(async move { routing_maintenance(pool, routing, shutdown).await });
     }
 
-    let wakeup = crate::drainer::Wakeup::default();
     if config.drainer.enabled {
         let producer = crate::kafka::producer(&config.kafka, "drainer")?;
         let drainer = crate::drainer::Drainer::new(

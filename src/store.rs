@@ -99,6 +99,11 @@ pub struct Applier {
     pub pending_ttl: Duration,
     /// How long a routing decision stays valid.
     pub completed_ttl: Duration,
+    /// Send `NOTIFY ductor_effect_intent` with every commit that wrote
+    /// intents. Needed when no drainer runs in this process; a process with
+    /// its own drainer wakes it in-process instead, and leaves the NOTIFY
+    /// out because it serialises commits.
+    pub notify_commits: bool,
     /// Canary: publishes effects before the commit that decides them.
     #[cfg(feature = "canary-dispatch-before-commit")]
     pub canary_producer: Option<rdkafka::producer::FutureProducer>,
@@ -116,10 +121,16 @@ impl Applier {
             conflict_retries: config.coordinator.conflict_retries,
             pending_ttl: Duration::from_millis(config.routing.pending_ttl_ms),
             completed_ttl: Duration::from_millis(config.routing.completed_ttl_ms),
+            notify_commits: !config.drainer.enabled,
             #[cfg(feature = "canary-dispatch-before-commit")]
             canary_producer: crate::kafka::producer(&config.kafka, "canary").ok(),
         }
     }
+}
+
+/// The cancel key of the timeout timer of the attempt `stamp`.
+pub fn timeout_cancel_key(stamp: &str) -> String {
+    format!("timeout:{stamp}")
 }
 
 /// The deterministic idempotency key of an effect: the same on every
@@ -200,6 +211,9 @@ pub struct IntentRow {
     pub payload: Vec<u8>,
     pub ce_type: String,
     pub not_before: DateTime<Utc>,
+    /// Set on a step's timeout timer (`timeout:<stamp>`), so the transition
+    /// that finishes the attempt can delete it while it is still pending.
+    pub cancel_key: Option<String>,
 }
 
 /// How one attempt at a batch ended.
@@ -295,7 +309,7 @@ impl Applier {
 
         #[cfg(feature = "canary-dispatch-before-commit")]
         self.canary_publish(&writes.intents).await;
-        if writes.routing_lost || !write_all(tx, &runs, &writes).await? {
+        if writes.routing_lost || !write_all(tx, &runs, &writes, self.notify_commits).await? {
             return Ok(Attempt::Conflict);
         }
         Ok(Attempt::Committed(BatchReport {
@@ -541,7 +555,16 @@ impl Applier {
         );
         put("ce_subject", state.run_id.clone());
         put("content-type", "application/json".to_string());
+        let cancel_key = match (&effect.target, effect.payload.get("timer")) {
+            (EffectTarget::Wakeups, Some(timer)) if timer == "timeout" => effect
+                .payload
+                .get("stamp")
+                .and_then(Value::as_str)
+                .map(timeout_cancel_key),
+            _ => None,
+        };
         Ok(IntentRow {
+            cancel_key,
             run_id: state.run_id.clone(),
             seq,
             effect_index: index as i32,
@@ -603,6 +626,7 @@ async fn write_all(
     tx: &mut PgTx<'_, Postgres>,
     runs: &HashMap<String, Loaded>,
     writes: &Writes,
+    notify: bool,
 ) -> Result<bool, ApplyError> {
     // Runs: inserts for new ones, conditional updates for existing ones.
     let mut ins = RunColumns::default();
@@ -784,6 +808,30 @@ async fn write_all(
     if !writes.intents.is_empty() {
         insert_intents(tx, &writes.intents).await?;
         crate::crash_point!("apply.after_intents");
+    }
+    // Timeout timers of attempts that finished in this batch will never do
+    // anything: drop them while they are still pending.
+    let finished: Vec<String> = writes
+        .attempt_finishes
+        .iter()
+        .map(|f| timeout_cancel_key(&f.0.to_string()))
+        .chain(
+            writes
+                .attempt_inserts
+                .iter()
+                .filter(|(_, a)| a.status != AttemptStatus::Dispatched)
+                .map(|(_, a)| timeout_cancel_key(&a.stamp.to_string())),
+        )
+        .collect();
+    if !finished.is_empty() {
+        sqlx::query(
+            "DELETE FROM eec_effect_intent WHERE cancel_key = ANY($1) AND status = 'pending'",
+        )
+        .bind(&finished)
+        .execute(&mut **tx)
+        .await?;
+    }
+    if notify && !writes.intents.is_empty() {
         // Wakes drainers in other processes once this transaction commits.
         sqlx::query("SELECT pg_notify('ductor_effect_intent', '')")
             .execute(&mut **tx)
@@ -832,13 +880,13 @@ async fn insert_intents(
         .collect::<Result<_, _>>()?;
     sqlx::query(
         "INSERT INTO eec_effect_intent (run_id, seq, effect_index, idempotency_key, tenant_scope, \
-             topic, message_key, headers, payload, ce_type, not_before) \
+             topic, message_key, headers, payload, ce_type, not_before, cancel_key) \
          SELECT u.run_id, u.seq, u.effect_index, u.key, u.tenant, u.topic, u.message_key, \
-             u.headers::jsonb, u.payload, u.ce_type, u.not_before \
+             u.headers::jsonb, u.payload, u.ce_type, u.not_before, u.cancel_key \
          FROM UNNEST($1::text[], $2::int8[], $3::int4[], $4::text[], $5::text[], $6::text[], \
-             $7::bytea[], $8::text[], $9::bytea[], $10::text[], $11::timestamptz[]) \
+             $7::bytea[], $8::text[], $9::bytea[], $10::text[], $11::timestamptz[], $12::text[]) \
              AS u(run_id, seq, effect_index, key, tenant, topic, message_key, headers, payload, \
-                  ce_type, not_before)",
+                  ce_type, not_before, cancel_key)",
     )
     .bind(intents.iter().map(|i| i.run_id.clone()).collect::<Vec<_>>())
     .bind(intents.iter().map(|i| i.seq).collect::<Vec<_>>())
@@ -871,6 +919,12 @@ async fn insert_intents(
             .collect::<Vec<_>>(),
     )
     .bind(intents.iter().map(|i| i.not_before).collect::<Vec<_>>())
+    .bind(
+        intents
+            .iter()
+            .map(|i| i.cancel_key.clone())
+            .collect::<Vec<_>>(),
+    )
     .execute(&mut **tx)
     .await?;
     Ok(())

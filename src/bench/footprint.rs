@@ -4,7 +4,7 @@
 //! A "typical input" is an attempt result in the middle of a run: load the
 //! run, `UPDATE runs` conditional on `record_version`, insert the transition,
 //! finish the outstanding attempt and insert the next one, insert the three
-//! effect intents (event, dispatch, timeout timer), `pg_notify`, commit; then
+//! effect intents (event, dispatch, timeout timer), the timer cancel, commit; then
 //! the drainer's share: the claim `UPDATE` of the two due intents and the
 //! `completed` `UPDATE`, each its own transaction. The statements are copies
 //! of those in `store.rs` and `drainer.rs` (keep them in step); row contents
@@ -163,7 +163,7 @@ pub const STATEMENTS: [&str; 10] = [
     "insert_attempts",
     "finish_attempts",
     "insert_intents",
-    "notify",
+    "cancel_timers",
     "commit",
     "drainer_claim",
     "drainer_complete",
@@ -520,6 +520,7 @@ async fn iteration(
     let mut payloads = Vec::with_capacity(n);
     let mut ce_types = Vec::with_capacity(n);
     let mut not_before = Vec::with_capacity(n);
+    let mut cancel_keys: Vec<Option<String>> = Vec::with_capacity(n);
     for (j, id) in ids.iter().enumerate() {
         for (index, (topic, ce_type, payload, due_now)) in t.effects.iter().enumerate() {
             run_ids.push(id.as_str());
@@ -535,17 +536,19 @@ async fn iteration(
             } else {
                 now + chrono::Duration::hours(1)
             });
+            // Timers carry a cancel key, like a step's timeout timer.
+            cancel_keys.push((!*due_now).then(|| format!("timeout:{id}/{}", seqs[j])));
         }
     }
     sqlx::query(
         "INSERT INTO eec_effect_intent (run_id, seq, effect_index, idempotency_key, tenant_scope, \
-             topic, message_key, headers, payload, ce_type, not_before) \
+             topic, message_key, headers, payload, ce_type, not_before, cancel_key) \
          SELECT u.run_id, u.seq, u.effect_index, u.key, u.tenant, u.topic, u.message_key, \
-             u.headers::jsonb, u.payload, u.ce_type, u.not_before \
+             u.headers::jsonb, u.payload, u.ce_type, u.not_before, u.cancel_key \
          FROM UNNEST($1::text[], $2::int8[], $3::int4[], $4::text[], $5::text[], $6::text[], \
-             $7::bytea[], $8::text[], $9::bytea[], $10::text[], $11::timestamptz[]) \
+             $7::bytea[], $8::text[], $9::bytea[], $10::text[], $11::timestamptz[], $12::text[]) \
              AS u(run_id, seq, effect_index, key, tenant, topic, message_key, headers, payload, \
-                  ce_type, not_before)",
+                  ce_type, not_before, cancel_key)",
     )
     .bind(&run_ids)
     .bind(&seq_col)
@@ -558,10 +561,15 @@ async fn iteration(
     .bind(&payloads)
     .bind(&ce_types)
     .bind(&not_before)
+    .bind(&cancel_keys)
     .execute(&mut *tx)
     .await?;
     lap.mark(5);
-    sqlx::query("SELECT pg_notify('ductor_effect_intent', '')")
+    // A finished attempt deletes its pending timeout timer (the apply layer
+    // sends no NOTIFY when its drainer runs in-process).
+    let finished: Vec<String> = cancel_keys.iter().flatten().cloned().collect();
+    sqlx::query("DELETE FROM eec_effect_intent WHERE cancel_key = ANY($1) AND status = 'pending'")
+        .bind(&finished)
         .execute(&mut *tx)
         .await?;
     lap.mark(6);
@@ -575,7 +583,7 @@ async fn iteration(
              SELECT intent_id, run_id, topic, seq, effect_index \
              FROM eec_effect_intent \
              WHERE status = 'pending' AND not_before <= now() \
-             ORDER BY intent_id \
+             ORDER BY not_before, intent_id \
              LIMIT $1 \
              FOR UPDATE SKIP LOCKED \
          ), claimable AS ( \
