@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod bench;
+pub mod chaos;
 pub mod config;
 pub mod coordinator;
 pub mod db;

@@ -1,0 +1,146 @@
+//! `ductor-chaos`: the load driver and the checker of `scripts/chaos`
+//! (see `ductor::chaos`).
+//!
+//! Exit status of `check`: 0 no violation, 1 violations (the JSON line says
+//! which), 2 the checker itself failed.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use ductor::chaos::{CheckArgs, LoadArgs};
+use ductor::config::Config;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+#[command(
+    name = "ductor-chaos",
+    about = "Chaos load driver and guarantee checker for Ductor"
+)]
+struct Cli {
+    /// Ductor's configuration file (the one the `serve` processes use);
+    /// `DUCTOR__SECTION__KEY` environment variables override it.
+    #[arg(long, short, global = true, env = "DUCTOR_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Drive a mixed workload (and be the step worker), logging every event.
+    Load(LoadArgs),
+    /// Wait for the system to settle, check every guarantee, print one JSON line.
+    Check(CheckArgs),
+    /// Delete every topic of the configured topic prefix (a chaos run's own
+    /// topics); refuses the default prefix.
+    DeleteTopics,
+    /// Create one topic with its own partition count (left alone if it
+    /// exists), before `ductor topics create` makes the rest.
+    CreateTopic {
+        #[arg(long)]
+        topic: String,
+        #[arg(long)]
+        partitions: i32,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let config = match Config::load(cli.config.as_deref()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    ductor::telemetry::init_logging(&config.log);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: starting the async runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    runtime.block_on(async move {
+        match cli.command {
+            Command::Load(args) => {
+                let (stop, abort) = (CancellationToken::new(), CancellationToken::new());
+                if let Err(e) = stop_then_abort_on_signals(stop.clone(), abort.clone()) {
+                    eprintln!("error: {e:#}");
+                    return ExitCode::from(2);
+                }
+                match ductor::chaos::load::run(args, config, stop, abort).await {
+                    Ok(summary) => {
+                        println!("{}", serde_json::to_string(&summary).unwrap_or_default());
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => {
+                        eprintln!("error: {e:#}");
+                        ExitCode::from(2)
+                    }
+                }
+            }
+            Command::CreateTopic { topic, partitions } => {
+                match ductor::kafka::ensure_topics(&config.kafka, &[topic], partitions).await {
+                    Ok(outcome) => {
+                        println!("{}", serde_json::to_string(&outcome).unwrap_or_default());
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => {
+                        eprintln!("error: {e:#}");
+                        ExitCode::from(2)
+                    }
+                }
+            }
+            Command::DeleteTopics => match ductor::chaos::topics::delete_prefixed(&config).await {
+                Ok(deleted) => {
+                    println!("{}", serde_json::json!({ "deleted": deleted }));
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    ExitCode::from(2)
+                }
+            },
+            Command::Check(args) => match ductor::chaos::check::run(&args, &config).await {
+                Ok(report) => {
+                    println!("{}", serde_json::to_string(&report).unwrap_or_default());
+                    if report.ok() {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::from(1)
+                    }
+                }
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    ExitCode::from(2)
+                }
+            },
+        }
+    })
+}
+
+/// The first SIGINT/SIGTERM ends the load phase (the wind-down follows), the
+/// second ends the wind-down too.
+fn stop_then_abort_on_signals(
+    stop: CancellationToken,
+    abort: CancellationToken,
+) -> std::io::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    tokio::spawn(async move {
+        for token in [stop, abort] {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            token.cancel();
+        }
+    });
+    Ok(())
+}
