@@ -281,6 +281,11 @@ impl Applier {
         routed: &[RouteRequest],
     ) -> Result<Attempt, ApplyError> {
         let mut runs = load_runs(tx, inputs).await?;
+        // Canary: with the version check gone, a read that another writer
+        // overtakes is written back anyway. Widening the gap between read and
+        // write makes such lost updates frequent enough to be seen.
+        #[cfg(feature = "canary-no-version-check")]
+        tokio::time::sleep(Duration::from_millis(50)).await;
         let now = Utc::now();
         let mut writes = Writes::default();
 
