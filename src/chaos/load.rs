@@ -217,6 +217,22 @@ pub async fn run(
         last_activity: std::sync::Mutex::new(Instant::now()),
     });
 
+    // Orphaned (the script that started it was killed outright): stop.
+    {
+        let (stop, abort) = (stop.clone(), abort.clone());
+        let parent = std::os::unix::process::parent_id();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                if std::os::unix::process::parent_id() != parent {
+                    tracing::warn!("parent process gone; stopping");
+                    stop.cancel();
+                    abort.cancel();
+                    return;
+                }
+            }
+        });
+    }
     let background = CancellationToken::new();
     let steps_topics: Vec<String> = pools.iter().map(|p| config.steps_topic(p)).collect();
     let worker_consumer = reader(
