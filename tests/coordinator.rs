@@ -11,11 +11,8 @@ use std::time::Duration;
 use common::*;
 use ductor::config::Config;
 use ductor::ingress::{IngressContext, TestHooks};
-use rdkafka::ClientConfig;
-use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::producer::FutureProducer;
-use rdkafka::{Offset, TopicPartitionList};
 use serde_json::json;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -191,27 +188,6 @@ impl Harness {
             .fetch_all(&self.db.pool)
             .await
             .unwrap()
-    }
-}
-
-fn committed_offset(group: &str, topic: &str, partition: i32) -> i64 {
-    let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap_servers())
-        .set("group.id", group)
-        .set("enable.auto.commit", "false")
-        .create()
-        .expect("creating offset probe");
-    let mut tpl = TopicPartitionList::new();
-    tpl.add_partition(topic, partition);
-    let committed = consumer
-        .committed_offsets(tpl, Duration::from_secs(10))
-        .expect("fetching committed offsets");
-    match committed
-        .find_partition(topic, partition)
-        .map(|p| p.offset())
-    {
-        Some(Offset::Offset(o)) => o,
-        _ => -1,
     }
 }
 

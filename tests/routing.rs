@@ -207,7 +207,7 @@ async fn the_same_keyed_request_through_kafka_redelivered_after_a_crash_makes_on
         let (group, topic) = (group.clone(), requests.clone());
         async move {
             let committed =
-                tokio::task::spawn_blocking(move || committed(&group, &topic, partition))
+                tokio::task::spawn_blocking(move || committed_offset(&group, &topic, partition))
                     .await
                     .unwrap();
             (committed > last).then_some(())
@@ -249,24 +249,6 @@ async fn the_same_keyed_request_through_kafka_redelivered_after_a_crash_makes_on
     shutdown.cancel();
     restarted.await.unwrap().unwrap();
     env.db.drop_db().await;
-}
-
-fn committed(group: &str, topic: &str, partition: i32) -> i64 {
-    use rdkafka::consumer::{BaseConsumer, Consumer};
-    let consumer: BaseConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", bootstrap_servers())
-        .set("group.id", group)
-        .create()
-        .unwrap();
-    let mut tpl = rdkafka::TopicPartitionList::new();
-    tpl.add_partition(topic, partition);
-    let got = consumer
-        .committed_offsets(tpl, Duration::from_secs(10))
-        .unwrap();
-    match got.find_partition(topic, partition).map(|p| p.offset()) {
-        Some(rdkafka::Offset::Offset(o)) => o,
-        _ => -1,
-    }
 }
 
 #[tokio::test]

@@ -16,10 +16,10 @@ use ductor::coordinator::fold::rfc3339;
 use ductor::coordinator::{AttemptOutcome, AttemptResult, Input, InputTopic, decode_input};
 use ductor::dedup::{self, Claim, ClaimError};
 use ductor::worker::{StepInput, StepOutcome, TestHooks, WorkerOptions};
+use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::message::{Header, Message, OwnedHeaders, OwnedMessage, Timestamp};
 use rdkafka::producer::FutureProducer;
-use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -153,28 +153,6 @@ impl Harness {
                 high - low
             })
             .sum()
-    }
-}
-
-/// The group's committed position on the partition, -1 when none.
-fn committed_offset(group: &str, topic: &str, partition: i32) -> i64 {
-    let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap_servers())
-        .set("group.id", group)
-        .set("enable.auto.commit", "false")
-        .create()
-        .expect("creating offset probe");
-    let mut tpl = TopicPartitionList::new();
-    tpl.add_partition(topic, partition);
-    let committed = consumer
-        .committed_offsets(tpl, Duration::from_secs(10))
-        .expect("fetching committed offsets");
-    match committed
-        .find_partition(topic, partition)
-        .map(|p| p.offset())
-    {
-        Some(Offset::Offset(o)) => o,
-        _ => -1,
     }
 }
 

@@ -282,3 +282,27 @@ fn dechunk(mut data: &[u8]) -> Vec<u8> {
         data = &data[start + size + 2..];
     }
 }
+
+/// The offset the consumer group `group` has committed on one partition
+/// (-1 when none). Blocking: call it from `spawn_blocking`.
+pub fn committed_offset(group: &str, topic: &str, partition: i32) -> i64 {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap_servers())
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("creating offset probe");
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    tpl.add_partition(topic, partition);
+    let committed = consumer
+        .committed_offsets(tpl, Duration::from_secs(10))
+        .expect("fetching committed offsets");
+    match committed
+        .find_partition(topic, partition)
+        .map(|p| p.offset())
+    {
+        Some(rdkafka::Offset::Offset(o)) => o,
+        _ => -1,
+    }
+}
