@@ -38,6 +38,33 @@ use crate::config::DrainerConfig;
 /// The channel the apply layer notifies after committing intents.
 pub const NOTIFY_CHANNEL: &str = "ductor_effect_intent";
 
+/// Claims due intents, never past an earlier undelivered intent of the same
+/// run and topic. `ductor bench` runs the same statement for its baseline.
+pub(crate) const CLAIM_SQL: &str = "WITH candidate AS ( \
+     SELECT intent_id, run_id, topic, seq, effect_index \
+     FROM eec_effect_intent \
+     WHERE status = 'pending' AND not_before <= now() \
+     ORDER BY not_before, intent_id \
+     LIMIT $1 \
+     FOR UPDATE SKIP LOCKED \
+ ), claimable AS ( \
+     SELECT c.intent_id FROM candidate c \
+     WHERE NOT EXISTS ( \
+         SELECT 1 FROM eec_effect_intent e \
+         WHERE e.run_id = c.run_id AND e.topic = c.topic \
+           AND e.status <> 'completed' AND e.not_before <= now() \
+           AND (e.seq, e.effect_index) < (c.seq, c.effect_index) \
+           AND e.intent_id NOT IN (SELECT intent_id FROM candidate)) \
+ ) \
+ UPDATE eec_effect_intent i \
+ SET status = 'claimed', claimed_by = $2, \
+     claim_expires_at = now() + make_interval(secs => $3), \
+     attempts = i.attempts + 1 \
+ FROM claimable \
+ WHERE i.intent_id = claimable.intent_id \
+ RETURNING i.intent_id, i.run_id, i.seq, i.effect_index, i.topic, i.message_key, \
+     i.headers, i.payload, i.not_before, i.created_at";
+
 /// Hooks that let tests stop the drainer at a chosen point, as a crash would.
 #[derive(Debug, Clone, Default)]
 pub struct DrainerHooks {
@@ -144,38 +171,13 @@ impl Drainer {
     }
 
     async fn claim(&self) -> anyhow::Result<Vec<ClaimedIntent>> {
-        let rows = sqlx::query(
-            "WITH candidate AS ( \
-                 SELECT intent_id, run_id, topic, seq, effect_index \
-                 FROM eec_effect_intent \
-                 WHERE status = 'pending' AND not_before <= now() \
-                 ORDER BY not_before, intent_id \
-                 LIMIT $1 \
-                 FOR UPDATE SKIP LOCKED \
-             ), claimable AS ( \
-                 SELECT c.intent_id FROM candidate c \
-                 WHERE NOT EXISTS ( \
-                     SELECT 1 FROM eec_effect_intent e \
-                     WHERE e.run_id = c.run_id AND e.topic = c.topic \
-                       AND e.status <> 'completed' AND e.not_before <= now() \
-                       AND (e.seq, e.effect_index) < (c.seq, c.effect_index) \
-                       AND e.intent_id NOT IN (SELECT intent_id FROM candidate)) \
-             ) \
-             UPDATE eec_effect_intent i \
-             SET status = 'claimed', claimed_by = $2, \
-                 claim_expires_at = now() + make_interval(secs => $3), \
-                 attempts = i.attempts + 1 \
-             FROM claimable \
-             WHERE i.intent_id = claimable.intent_id \
-             RETURNING i.intent_id, i.run_id, i.seq, i.effect_index, i.topic, i.message_key, \
-                 i.headers, i.payload, i.not_before, i.created_at",
-        )
-        .bind(self.config.batch_max_intents as i64)
-        .bind(&self.drainer_id)
-        .bind(self.config.lease_ms as f64 / 1000.0)
-        .fetch_all(&self.pool)
-        .await
-        .context("claiming due intents")?;
+        let rows = sqlx::query(CLAIM_SQL)
+            .bind(self.config.batch_max_intents as i64)
+            .bind(&self.drainer_id)
+            .bind(self.config.lease_ms as f64 / 1000.0)
+            .fetch_all(&self.pool)
+            .await
+            .context("claiming due intents")?;
         let mut claimed = Vec::with_capacity(rows.len());
         for row in rows {
             let headers: Value = row.try_get("headers")?;

@@ -578,37 +578,12 @@ async fn iteration(
 
     // The drainer's share: claim the due intents, then mark them completed.
     let due = t.effects.iter().filter(|e| e.3).count() * k;
-    let claimed = sqlx::query(
-        "WITH candidate AS ( \
-             SELECT intent_id, run_id, topic, seq, effect_index \
-             FROM eec_effect_intent \
-             WHERE status = 'pending' AND not_before <= now() \
-             ORDER BY not_before, intent_id \
-             LIMIT $1 \
-             FOR UPDATE SKIP LOCKED \
-         ), claimable AS ( \
-             SELECT c.intent_id FROM candidate c \
-             WHERE NOT EXISTS ( \
-                 SELECT 1 FROM eec_effect_intent e \
-                 WHERE e.run_id = c.run_id AND e.topic = c.topic \
-                   AND e.status <> 'completed' AND e.not_before <= now() \
-                   AND (e.seq, e.effect_index) < (c.seq, c.effect_index) \
-                   AND e.intent_id NOT IN (SELECT intent_id FROM candidate)) \
-         ) \
-         UPDATE eec_effect_intent i \
-         SET status = 'claimed', claimed_by = $2, \
-             claim_expires_at = now() + make_interval(secs => $3), \
-             attempts = i.attempts + 1 \
-         FROM claimable \
-         WHERE i.intent_id = claimable.intent_id \
-         RETURNING i.intent_id, i.run_id, i.seq, i.effect_index, i.topic, i.message_key, \
-             i.headers, i.payload, i.not_before, i.created_at",
-    )
-    .bind(due as i64)
-    .bind(claimer)
-    .bind(LEASE_S)
-    .fetch_all(&mut *conn)
-    .await?;
+    let claimed = sqlx::query(crate::drainer::CLAIM_SQL)
+        .bind(due as i64)
+        .bind(claimer)
+        .bind(LEASE_S)
+        .fetch_all(&mut *conn)
+        .await?;
     let claimed_ids: Vec<i64> = claimed
         .iter()
         .map(|r| r.try_get("intent_id"))
