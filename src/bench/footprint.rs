@@ -540,30 +540,21 @@ async fn iteration(
             cancel_keys.push((!*due_now).then(|| format!("timeout:{id}/{}", seqs[j])));
         }
     }
-    sqlx::query(
-        "INSERT INTO eec_effect_intent (run_id, seq, effect_index, idempotency_key, tenant_scope, \
-             topic, message_key, headers, payload, ce_type, not_before, cancel_key) \
-         SELECT u.run_id, u.seq, u.effect_index, u.key, u.tenant, u.topic, u.message_key, \
-             u.headers::jsonb, u.payload, u.ce_type, u.not_before, u.cancel_key \
-         FROM UNNEST($1::text[], $2::int8[], $3::int4[], $4::text[], $5::text[], $6::text[], \
-             $7::bytea[], $8::text[], $9::bytea[], $10::text[], $11::timestamptz[], $12::text[]) \
-             AS u(run_id, seq, effect_index, key, tenant, topic, message_key, headers, payload, \
-                  ce_type, not_before, cancel_key)",
-    )
-    .bind(&run_ids)
-    .bind(&seq_col)
-    .bind(&index_col)
-    .bind(&keys)
-    .bind(vec!["bench"; n])
-    .bind(&topics)
-    .bind(&message_keys)
-    .bind(vec![t.headers.as_str(); n])
-    .bind(&payloads)
-    .bind(&ce_types)
-    .bind(&not_before)
-    .bind(&cancel_keys)
-    .execute(&mut *tx)
-    .await?;
+    sqlx::query(crate::store::INSERT_INTENTS_SQL)
+        .bind(&run_ids)
+        .bind(&seq_col)
+        .bind(&index_col)
+        .bind(&keys)
+        .bind(vec!["bench"; n])
+        .bind(&topics)
+        .bind(&message_keys)
+        .bind(vec![t.headers.as_str(); n])
+        .bind(&payloads)
+        .bind(&ce_types)
+        .bind(&not_before)
+        .bind(&cancel_keys)
+        .execute(&mut *tx)
+        .await?;
     lap.mark(5);
     // A finished attempt deletes its pending timeout timer (the apply layer
     // sends no NOTIFY when its drainer runs in-process).
