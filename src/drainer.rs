@@ -12,6 +12,15 @@
 //! rest of the chain back to `pending`. Intents are marked `completed` only
 //! after their acknowledgement.
 //!
+//! The fast lane skips the claim for the common case. When the drainer runs
+//! in the coordinator's process, the apply transaction inserts each due
+//! intent that has no earlier undelivered intent of its run and topic
+//! already `claimed` by this drainer, and hands it over in memory right
+//! after the commit ([`Handoff`]): it is published at once, with no claim
+//! statement and no round to wait for, and marked completed after its
+//! acknowledgement like any other claim. If the process dies first, the
+//! lease expires and the reconciler redrives it.
+//!
 //! Rounds are triggered by an in-process wake-up right after a coordinator
 //! commit, by Postgres `LISTEN/NOTIFY` for commits of other processes, by the
 //! next timer falling due, and by a periodic poll as the safety net. A
@@ -20,6 +29,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -30,7 +40,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde_json::Value;
 use sqlx::postgres::PgListener;
 use sqlx::{PgPool, Row};
-use tokio::sync::Notify;
+use tokio::sync::{Notify, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::DrainerConfig;
@@ -39,8 +49,8 @@ use crate::config::DrainerConfig;
 pub const NOTIFY_CHANNEL: &str = "ductor_effect_intent";
 
 /// Claims due intents, never past an earlier undelivered intent of the same
-/// run and topic. `ductor bench` runs the same statement for its baseline.
-pub(crate) const CLAIM_SQL: &str = "WITH candidate AS ( \
+/// run and topic.
+const CLAIM_SQL: &str = "WITH candidate AS ( \
      SELECT intent_id, run_id, topic, seq, effect_index \
      FROM eec_effect_intent \
      WHERE status = 'pending' AND not_before <= now() \
@@ -64,6 +74,12 @@ pub(crate) const CLAIM_SQL: &str = "WITH candidate AS ( \
  WHERE i.intent_id = claimable.intent_id \
  RETURNING i.intent_id, i.run_id, i.seq, i.effect_index, i.topic, i.message_key, \
      i.headers, i.payload, i.not_before, i.created_at";
+
+/// Marks published intents completed, only while this drainer's claim
+/// stands. `ductor bench` runs the same statement for its baseline.
+pub(crate) const COMPLETE_SQL: &str = "UPDATE eec_effect_intent SET status = 'completed', \
+     completed_at = now(), claimed_by = NULL, claim_expires_at = NULL, last_error = NULL \
+     WHERE intent_id = ANY($1) AND status = 'claimed' AND claimed_by = $2";
 
 /// Hooks that let tests stop the drainer at a chosen point, as a crash would.
 #[derive(Debug, Clone, Default)]
@@ -137,21 +153,7 @@ impl Drainer {
         if claimed.is_empty() {
             return Ok(RoundOutcome::Idle);
         }
-        // Chains: one per (run, topic), each in (seq, effect_index) order.
-        let mut chains: BTreeMap<(&str, &str), Vec<&ClaimedIntent>> = BTreeMap::new();
-        for intent in &claimed {
-            chains
-                .entry((intent.run_id.as_str(), intent.topic.as_str()))
-                .or_default()
-                .push(intent);
-        }
-        let results = join_all(chains.into_values().map(|chain| self.publish_chain(chain))).await;
-        let mut delivered = Vec::new();
-        let mut failed = Vec::new();
-        for (ok, err) in results {
-            delivered.extend(ok);
-            failed.extend(err);
-        }
+        let (delivered, failed) = self.publish_all(&claimed).await;
         if self.hooks.fail_after_publish && !delivered.is_empty() {
             anyhow::bail!("test hook: stopped after publishing, before marking completed");
         }
@@ -213,6 +215,30 @@ impl Drainer {
         Ok(claimed)
     }
 
+    /// Publishes `intents` as chains, one per (run, topic) in (seq,
+    /// effect_index) order, the chains concurrently. Returns the delivered
+    /// ids and the ids left undelivered with their reason.
+    async fn publish_all(&self, intents: &[ClaimedIntent]) -> (Vec<i64>, Vec<(i64, String)>) {
+        let mut chains: BTreeMap<(&str, &str), Vec<&ClaimedIntent>> = BTreeMap::new();
+        for intent in intents {
+            chains
+                .entry((intent.run_id.as_str(), intent.topic.as_str()))
+                .or_default()
+                .push(intent);
+        }
+        for chain in chains.values_mut() {
+            chain.sort_by_key(|i| (i.seq, i.effect_index));
+        }
+        let results = join_all(chains.into_values().map(|chain| self.publish_chain(chain))).await;
+        let mut delivered = Vec::new();
+        let mut failed = Vec::new();
+        for (ok, err) in results {
+            delivered.extend(ok);
+            failed.extend(err);
+        }
+        (delivered, failed)
+    }
+
     /// Publishes a chain in order; returns (delivered, not delivered) ids.
     async fn publish_chain(&self, chain: Vec<&ClaimedIntent>) -> (Vec<i64>, Vec<(i64, String)>) {
         let mut delivered = Vec::with_capacity(chain.len());
@@ -268,17 +294,13 @@ impl Drainer {
         if ids.is_empty() {
             return Ok(0);
         }
-        let done = sqlx::query(
-            "UPDATE eec_effect_intent SET status = 'completed', completed_at = now(), \
-                 claimed_by = NULL, claim_expires_at = NULL, last_error = NULL \
-             WHERE intent_id = ANY($1) AND status = 'claimed' AND claimed_by = $2",
-        )
-        .bind(ids)
-        .bind(&self.drainer_id)
-        .execute(&self.pool)
-        .await
-        .context("marking intents completed")?
-        .rows_affected();
+        let done = sqlx::query(COMPLETE_SQL)
+            .bind(ids)
+            .bind(&self.drainer_id)
+            .execute(&self.pool)
+            .await
+            .context("marking intents completed")?
+            .rows_affected();
         if done as usize != ids.len() {
             // Our lease expired and the reconciler handed some to another
             // drainer: they will be published again, with the same key.
@@ -400,14 +422,200 @@ impl Wakeup {
     }
 }
 
+/// Batches handed over at once before the apply waits for the fast lane.
+const HANDOFF_QUEUE: usize = 64;
+/// Handed-over batches being published at once.
+const FAST_LANE_IN_FLIGHT: usize = 64;
+
+/// The apply layer's side of the fast lane: who claims at insert, for how
+/// long, and where the committed claims go.
+#[derive(Clone)]
+pub struct Handoff {
+    drainer_id: String,
+    lease_s: f64,
+    poll_interval: chrono::Duration,
+    sender: mpsc::Sender<Handed>,
+    wakeup: Wakeup,
+    /// Due intents committed as `pending` (they wait behind an undelivered
+    /// one) since the fast lane last completed something.
+    pending_behind: Arc<AtomicUsize>,
+}
+
+/// What the apply layer hands over after a transaction ended.
+enum Handed {
+    /// Committed and claimed by this drainer: publish now.
+    Publish(Vec<ClaimedIntent>),
+    /// The commit's outcome is unknown: give the claims back (a no-op if
+    /// the transaction in fact rolled back).
+    Release(Vec<i64>),
+}
+
+/// The drainer's side of the fast lane.
+pub struct FastLane {
+    receiver: mpsc::Receiver<Handed>,
+    pending_behind: Arc<AtomicUsize>,
+}
+
+impl Handoff {
+    /// The claimer named in intents inserted as `claimed`.
+    pub fn drainer_id(&self) -> &str {
+        &self.drainer_id
+    }
+
+    /// The claim lease, in seconds.
+    pub fn lease_s(&self) -> f64 {
+        self.lease_s
+    }
+
+    /// After a commit: publish `claimed` now; wake the claim rounds when
+    /// other due intents were committed as `pending`, or a timer falls due
+    /// before their next poll would notice it.
+    pub async fn committed(
+        &self,
+        claimed: Vec<ClaimedIntent>,
+        pending_due: usize,
+        next_timer: Option<DateTime<Utc>>,
+    ) {
+        if pending_due > 0 {
+            self.pending_behind
+                .fetch_add(pending_due, Ordering::Relaxed);
+            self.wakeup.wake();
+        } else if next_timer.is_some_and(|t| t < Utc::now() + self.poll_interval) {
+            self.wakeup.wake();
+        }
+        if claimed.is_empty() {
+            return;
+        }
+        if self.sender.send(Handed::Publish(claimed)).await.is_err() {
+            // The drainer stopped: the claims expire and are redriven.
+            tracing::debug!("fast lane closed; claims are left to the reconciler");
+        }
+    }
+
+    /// After a commit whose outcome is unknown: hand the claims back.
+    pub async fn uncertain(&self, claimed: Vec<i64>) {
+        if !claimed.is_empty() && self.sender.send(Handed::Release(claimed)).await.is_err() {
+            tracing::debug!("fast lane closed; claims are left to the reconciler");
+        }
+    }
+}
+
+impl Drainer {
+    /// The fast lane of this drainer: give the [`Handoff`] to the apply
+    /// layer and the [`FastLane`] to [`run_with_fast_lane`].
+    pub fn fast_lane(&self, wakeup: &Wakeup) -> (Handoff, FastLane) {
+        let (sender, receiver) = mpsc::channel(HANDOFF_QUEUE);
+        let pending_behind = Arc::new(AtomicUsize::new(0));
+        (
+            Handoff {
+                drainer_id: self.drainer_id.clone(),
+                lease_s: self.config.lease_ms as f64 / 1000.0,
+                poll_interval: chrono::Duration::milliseconds(self.config.poll_interval_ms as i64),
+                sender,
+                wakeup: wakeup.clone(),
+                pending_behind: pending_behind.clone(),
+            },
+            FastLane {
+                receiver,
+                pending_behind,
+            },
+        )
+    }
+
+    /// Publishes one handed-over batch and marks it completed.
+    async fn publish_handed(&self, claimed: Vec<ClaimedIntent>, lane: &FastLaneShared) {
+        let (delivered, failed) = self.publish_all(&claimed).await;
+        metrics::counter!("ductor_outbox_fast_lane_total").increment(delivered.len() as u64);
+        if !delivered.is_empty() {
+            crate::crash_point!("drainer.after_publish");
+        }
+        if let Err(e) = self.complete(&delivered).await {
+            // Left claimed: after the lease they are published again, with
+            // the same key and bytes.
+            tracing::warn!(
+                error = format!("{e:#}"),
+                "marking published intents completed failed"
+            );
+        }
+        if !failed.is_empty()
+            && let Err(e) = self.release(&failed).await
+        {
+            tracing::warn!(error = format!("{e:#}"), "releasing failed intents failed");
+        }
+        // Intents committed behind these may be claimable now.
+        if lane.pending_behind.swap(0, Ordering::Relaxed) > 0 || !failed.is_empty() {
+            lane.wakeup.wake();
+        }
+    }
+}
+
+struct FastLaneShared {
+    pending_behind: Arc<AtomicUsize>,
+    wakeup: Wakeup,
+}
+
+/// Publishes what the apply layer hands over until every [`Handoff`] is
+/// gone (the ingress and the API stopped, so a batch committed during
+/// shutdown is still published), then waits for the publishes in flight.
+async fn fast_lane(drainer: Arc<Drainer>, mut lane: FastLane, wakeup: Wakeup) {
+    let shared = Arc::new(FastLaneShared {
+        pending_behind: lane.pending_behind.clone(),
+        wakeup,
+    });
+    let in_flight = Arc::new(Semaphore::new(FAST_LANE_IN_FLIGHT));
+    let tasks = tokio_util::task::TaskTracker::new();
+    while let Some(handed) = lane.receiver.recv().await {
+        match handed {
+            Handed::Publish(claimed) => {
+                let Ok(permit) = in_flight.clone().acquire_owned().await else {
+                    break;
+                };
+                let (drainer, shared) = (drainer.clone(), shared.clone());
+                tasks.spawn(async move {
+                    drainer.publish_handed(claimed, &shared).await;
+                    drop(permit);
+                });
+            }
+            Handed::Release(ids) => {
+                let failed: Vec<(i64, String)> = ids
+                    .into_iter()
+                    .map(|id| (id, "the commit's outcome was unknown".to_string()))
+                    .collect();
+                if let Err(e) = drainer.release(&failed).await {
+                    tracing::debug!(
+                        error = format!("{e:#}"),
+                        "giving back uncertain claims failed"
+                    );
+                }
+            }
+        }
+    }
+    tasks.close();
+    tasks.wait().await;
+}
+
 /// Runs the drainer, its listener, reconciler and retention until shutdown.
 pub async fn run(
     drainer: Drainer,
     wakeup: Wakeup,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    run_with_fast_lane(drainer, wakeup, None, shutdown).await
+}
+
+/// [`run`], plus the fast lane for intents the apply layer hands over.
+pub async fn run_with_fast_lane(
+    drainer: Drainer,
+    wakeup: Wakeup,
+    lane: Option<FastLane>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
     let drainer = Arc::new(drainer);
     let tracker = tokio_util::task::TaskTracker::new();
+    if let Some(lane) = lane {
+        let (drainer, wakeup) = (drainer.clone(), wakeup.clone());
+        tracker.spawn(async move { fast_lane(drainer, lane, wakeup).await });
+    }
     {
         let (pool, wakeup, shutdown) = (drainer.pool.clone(), wakeup.clone(), shutdown.clone());
         tracker.spawn(async move { listen(pool, wakeup, shutdown).await });

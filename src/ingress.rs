@@ -346,7 +346,9 @@ pub async fn process_batch(
                 _ => {}
             }
         }
+        // With a fast lane the applier hands over and wakes by itself.
         if report.intents_written > 0
+            && ctx.applier.handoff.is_none()
             && let Some(wakeup) = &ctx.wakeup
         {
             wakeup.wake();

@@ -59,14 +59,28 @@ pub async fn run_on(
         readiness_timeout: Duration::from_millis(config.server.readiness_timeout_ms),
     };
     let wakeup = crate::drainer::Wakeup::default();
-    let api_state = crate::api::ApiState {
-        applier: Arc::new(crate::store::Applier::new(
-            &config,
+    // The drainer runs in this process: the apply layer hands it the
+    // intents it may publish at once (its fast lane).
+    let drainer = if config.drainer.enabled {
+        let producer = crate::kafka::producer(&config.kafka, "drainer")?;
+        let drainer = crate::drainer::Drainer::new(
             pool.clone(),
-            workflows.clone(),
-        )),
+            producer,
+            config.drainer.clone(),
+            Duration::from_millis(config.kafka.delivery_timeout_ms),
+        );
+        let (handoff, lane) = drainer.fast_lane(&wakeup);
+        Some((drainer, handoff, lane))
+    } else {
+        None
+    };
+    let handoff = drainer.as_ref().map(|(_, handoff, _)| handoff.clone());
+    let mut api_applier = crate::store::Applier::new(&config, pool.clone(), workflows.clone());
+    api_applier.handoff = handoff.clone();
+    let api_state = crate::api::ApiState {
+        applier: Arc::new(api_applier),
         routing: config.routing.clone(),
-        wakeup: Some(wakeup.clone()),
+        wakeup: handoff.is_none().then(|| wakeup.clone()),
     };
     let addr = listener
         .local_addr()
@@ -94,20 +108,19 @@ pub async fn run_on(
         tracker.spawn(async move { routing_maintenance(pool, routing, shutdown).await });
     }
 
-    if config.drainer.enabled {
-        let producer = crate::kafka::producer(&config.kafka, "drainer")?;
-        let drainer = crate::drainer::Drainer::new(
-            pool.clone(),
-            producer,
-            config.drainer.clone(),
-            Duration::from_millis(config.kafka.delivery_timeout_ms),
-        );
+    if let Some((drainer, own_handoff, lane)) = drainer {
+        // The lane ends when the last handoff (the ingress's, the API's) is
+        // gone, so that batches committed during shutdown are published.
+        drop(own_handoff);
         tracing::info!(drainer_id = %drainer.drainer_id, "outbox drainer starting");
         let shutdown = shutdown.clone();
         let failed = failed.clone();
         let wakeup = wakeup.clone();
         tracker.spawn(async move {
-            if let Err(e) = crate::drainer::run(drainer, wakeup, shutdown.clone()).await {
+            let result =
+                crate::drainer::run_with_fast_lane(drainer, wakeup, Some(lane), shutdown.clone())
+                    .await;
+            if let Err(e) = result {
                 record_failure(&failed, e.context("outbox drainer"));
                 shutdown.cancel();
             }
@@ -117,6 +130,7 @@ pub async fn run_on(
     {
         let mut ctx = crate::ingress::IngressContext::new(&config, pool.clone(), workflows)?;
         ctx.wakeup = Some(wakeup.clone());
+        ctx.applier.handoff = handoff;
         let shutdown = shutdown.clone();
         let failed = failed.clone();
         tracker.spawn(async move {

@@ -56,6 +56,8 @@ pub struct BatchReport {
     pub conflicts: u32,
     /// Effect intents committed.
     pub intents_written: usize,
+    /// Of those, how many went to the drainer's fast lane.
+    pub intents_handed_off: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -104,6 +106,10 @@ pub struct Applier {
     /// its own drainer wakes it in-process instead, and leaves the NOTIFY
     /// out because it serialises commits.
     pub notify_commits: bool,
+    /// The fast lane of the drainer running in this process, if any: due
+    /// intents that wait behind nothing are inserted already claimed by it
+    /// and handed over right after the commit.
+    pub handoff: Option<crate::drainer::Handoff>,
     /// Canary: publishes effects before the commit that decides them.
     #[cfg(feature = "canary-dispatch-before-commit")]
     pub canary_producer: Option<rdkafka::producer::FutureProducer>,
@@ -122,6 +128,7 @@ impl Applier {
             pending_ttl: Duration::from_millis(config.routing.pending_ttl_ms),
             completed_ttl: Duration::from_millis(config.routing.completed_ttl_ms),
             notify_commits: !config.drainer.enabled,
+            handoff: None,
             #[cfg(feature = "canary-dispatch-before-commit")]
             canary_producer: crate::kafka::producer(&config.kafka, "canary").ok(),
         }
@@ -214,11 +221,13 @@ pub struct IntentRow {
     /// Set on a step's timeout timer (`timeout:<stamp>`), so the transition
     /// that finishes the attempt can delete it while it is still pending.
     pub cancel_key: Option<String>,
+    /// Due at once (no `not_before` of its own): the fast lane may take it.
+    pub due: bool,
 }
 
 /// How one attempt at a batch ended.
 enum Attempt {
-    Committed(BatchReport),
+    Committed(BatchReport, Handed),
     /// A conditional write matched fewer rows than expected: recompute.
     Conflict,
     /// A routed request's key is held by another caller that has not decided.
@@ -245,11 +254,25 @@ impl Applier {
         loop {
             let mut tx = self.pool.begin().await?;
             match self.apply_in_tx(&mut tx, inputs, routed).await? {
-                Attempt::Committed(mut report) => {
-                    tx.commit().await?;
-                    fail::fail_point!("apply.commit_reply_lost", |_| {
-                        Err(ApplyError::CommitReplyLost)
-                    });
+                Attempt::Committed(mut report, handed) => {
+                    let committed = tx.commit().await;
+                    let lost = committed.is_ok() && commit_reply_lost();
+                    if let Some(handoff) = &self.handoff {
+                        if committed.is_ok() && !lost {
+                            handoff
+                                .committed(handed.claimed, handed.pending_due, handed.next_timer)
+                                .await;
+                        } else {
+                            // Committed or not, nobody else may hold these
+                            // claims for a lease: give them back.
+                            let ids = handed.claimed.iter().map(|c| c.intent_id).collect();
+                            handoff.uncertain(ids).await;
+                        }
+                    }
+                    committed?;
+                    if lost {
+                        return Err(ApplyError::CommitReplyLost);
+                    }
                     metrics::histogram!("ductor_apply_seconds")
                         .record(started.elapsed().as_secs_f64());
                     metrics::histogram!("ductor_apply_batch_size")
@@ -309,15 +332,30 @@ impl Applier {
 
         #[cfg(feature = "canary-dispatch-before-commit")]
         self.canary_publish(&writes.intents).await;
-        if writes.routing_lost || !write_all(tx, &runs, &writes, self.notify_commits).await? {
+        if writes.routing_lost {
             return Ok(Attempt::Conflict);
         }
-        Ok(Attempt::Committed(BatchReport {
-            outcomes,
-            routed: routed_outcomes,
-            conflicts: 0,
-            intents_written: writes.intents.len(),
-        }))
+        let Some(handed) = write_all(
+            tx,
+            &runs,
+            &writes,
+            self.notify_commits,
+            self.handoff.as_ref(),
+        )
+        .await?
+        else {
+            return Ok(Attempt::Conflict);
+        };
+        Ok(Attempt::Committed(
+            BatchReport {
+                outcomes,
+                routed: routed_outcomes,
+                conflicts: 0,
+                intents_written: writes.intents.len(),
+                intents_handed_off: handed.claimed.len(),
+            },
+            handed,
+        ))
     }
 
     /// Canary: publishes the batch's effects before its transaction commits,
@@ -575,6 +613,7 @@ impl Applier {
             headers,
             payload: serde_json::to_vec(&effect.payload)?,
             ce_type: effect.ce_type,
+            due: effect.not_before.is_none_or(|t| t <= at),
             not_before: effect.not_before.unwrap_or(at),
         })
     }
@@ -621,13 +660,31 @@ async fn load_runs(
     Ok(runs)
 }
 
-/// Writes everything; `Ok(false)` when a conditional write lost a race.
+/// Failpoint `apply.commit_reply_lost`: the commit went through and its
+/// reply is lost, so the caller cannot know.
+fn commit_reply_lost() -> bool {
+    fail::fail_point!("apply.commit_reply_lost", |_| true);
+    false
+}
+
+/// Intents a transaction inserted already claimed for the fast lane.
+#[derive(Default)]
+struct Handed {
+    claimed: Vec<crate::drainer::ClaimedIntent>,
+    /// Due intents inserted as `pending` (behind an undelivered one).
+    pending_due: usize,
+    /// The earliest `not_before` of the timers inserted.
+    next_timer: Option<DateTime<Utc>>,
+}
+
+/// Writes everything; `Ok(None)` when a conditional write lost a race.
 async fn write_all(
     tx: &mut PgTx<'_, Postgres>,
     runs: &HashMap<String, Loaded>,
     writes: &Writes,
     notify: bool,
-) -> Result<bool, ApplyError> {
+    handoff: Option<&crate::drainer::Handoff>,
+) -> Result<Option<Handed>, ApplyError> {
     // Runs: inserts for new ones, conditional updates for existing ones.
     let mut ins = RunColumns::default();
     let mut upd = RunColumns::default();
@@ -671,7 +728,7 @@ async fn write_all(
         .await?
         .rows_affected();
         if inserted != ins.run_id.len() as u64 && !CANARY_IGNORES_CONFLICTS {
-            return Ok(false);
+            return Ok(None);
         }
     }
     if !upd.run_id.is_empty() {
@@ -687,7 +744,7 @@ async fn write_all(
             .await?
             .rows_affected();
         if updated != upd.run_id.len() as u64 && !CANARY_IGNORES_CONFLICTS {
-            return Ok(false);
+            return Ok(None);
         }
     }
     crate::crash_point!("apply.after_update");
@@ -740,7 +797,7 @@ async fn write_all(
         .execute(&mut **tx)
         .await?;
         if result.rows_affected() != t.len() as u64 && !CANARY_IGNORES_CONFLICTS {
-            return Ok(false);
+            return Ok(None);
         }
     }
     crate::crash_point!("apply.mid_batch");
@@ -778,7 +835,7 @@ async fn write_all(
         .execute(&mut **tx)
         .await?;
         if result.rows_affected() != a.len() as u64 && !CANARY_IGNORES_CONFLICTS {
-            return Ok(false);
+            return Ok(None);
         }
     }
 
@@ -801,12 +858,13 @@ async fn write_all(
         .execute(&mut **tx)
         .await?;
         if result.rows_affected() != f.len() as u64 && !CANARY_IGNORES_CONFLICTS {
-            return Ok(false);
+            return Ok(None);
         }
     }
 
+    let mut handed = Handed::default();
     if !writes.intents.is_empty() {
-        insert_intents(tx, &writes.intents).await?;
+        handed = insert_intents(tx, &writes.intents, handoff).await?;
         crate::crash_point!("apply.after_intents");
     }
     // Timeout timers of attempts that finished in this batch will never do
@@ -837,7 +895,7 @@ async fn write_all(
             .execute(&mut **tx)
             .await?;
     }
-    Ok(true)
+    Ok(Some(handed))
 }
 
 /// The conditional UPDATE: zero rows for a run means another writer won.
@@ -885,67 +943,171 @@ macro_rules! insert_intents_sql {
     };
 }
 
-/// The set-based intent insert, shared with the benchmark's footprint
-/// baseline so that both measure the same statement. A duplicate intent is
-/// an error: the transaction that wrote it first already owns that effect.
-#[cfg(not(feature = "canary-no-version-check"))]
-pub(crate) const INSERT_INTENTS_SQL: &str = insert_intents_sql!();
-
 /// Canary: a stale writer re-emits effects that the winner already wrote;
 /// swallowing the duplicate rows lets its lost update commit.
 #[cfg(feature = "canary-no-version-check")]
-pub(crate) const INSERT_INTENTS_SQL: &str =
-    concat!(insert_intents_sql!(), " ON CONFLICT DO NOTHING");
+macro_rules! canary_on_conflict {
+    () => {
+        " ON CONFLICT DO NOTHING"
+    };
+}
+#[cfg(not(feature = "canary-no-version-check"))]
+macro_rules! canary_on_conflict {
+    () => {
+        ""
+    };
+}
+
+/// The set-based intent insert, shared with the benchmark's footprint
+/// baseline so that both measure the same statement. A duplicate intent is
+/// an error: the transaction that wrote it first already owns that effect.
+pub(crate) const INSERT_INTENTS_SQL: &str = concat!(insert_intents_sql!(), canary_on_conflict!());
+
+/// The fast lane's intent insert: the same rows, but a due intent with no
+/// earlier undelivered (due, not completed) intent of its run and topic is
+/// inserted `claimed` by the in-process drainer. Rows of one statement do
+/// not see each other, so two intents of one run and topic in the same batch
+/// are both claimed; the drainer publishes them as one chain, in order.
+/// Every other writer of this run waits on the run's row lock taken by the
+/// UPDATE before this statement, so no earlier intent can appear unseen.
+pub(crate) const INSERT_INTENTS_CLAIMING_SQL: &str = concat!(
+    "WITH u AS ( \
+         SELECT * FROM UNNEST($1::text[], $2::int8[], $3::int4[], $4::text[], $5::text[], \
+             $6::text[], $7::bytea[], $8::text[], $9::bytea[], $10::text[], \
+             $11::timestamptz[], $12::text[], $13::bool[]) \
+             AS u(run_id, seq, effect_index, key, tenant, topic, message_key, headers, payload, \
+                  ce_type, not_before, cancel_key, due) \
+     ), c AS ( \
+         SELECT u.*, u.due AND NOT EXISTS ( \
+             SELECT 1 FROM eec_effect_intent e \
+             WHERE e.run_id = u.run_id AND e.topic = u.topic \
+               AND e.status <> 'completed' AND e.not_before <= clock_timestamp()) AS fast \
+         FROM u \
+     ) \
+     INSERT INTO eec_effect_intent (run_id, seq, effect_index, idempotency_key, tenant_scope, \
+         topic, message_key, headers, payload, ce_type, not_before, cancel_key, \
+         status, claimed_by, claim_expires_at, attempts) \
+     SELECT c.run_id, c.seq, c.effect_index, c.key, c.tenant, c.topic, c.message_key, \
+         c.headers::jsonb, c.payload, c.ce_type, c.not_before, c.cancel_key, \
+         CASE WHEN c.fast THEN 'claimed' ELSE 'pending' END, \
+         CASE WHEN c.fast THEN $14 END, \
+         CASE WHEN c.fast THEN clock_timestamp() + make_interval(secs => $15) END, \
+         CASE WHEN c.fast THEN 1 ELSE 0 END \
+     FROM c",
+    canary_on_conflict!(),
+    " RETURNING intent_id, run_id, seq, effect_index, status = 'claimed' AS claimed, created_at"
+);
 
 async fn insert_intents(
     tx: &mut PgTx<'_, Postgres>,
     intents: &[IntentRow],
-) -> Result<(), ApplyError> {
+    handoff: Option<&crate::drainer::Handoff>,
+) -> Result<Handed, ApplyError> {
     let headers: Vec<String> = intents
         .iter()
         .map(|i| serde_json::to_string(&i.headers))
         .collect::<Result<_, _>>()?;
-    sqlx::query(INSERT_INTENTS_SQL)
-        .bind(intents.iter().map(|i| i.run_id.clone()).collect::<Vec<_>>())
-        .bind(intents.iter().map(|i| i.seq).collect::<Vec<_>>())
-        .bind(intents.iter().map(|i| i.effect_index).collect::<Vec<_>>())
-        .bind(
-            intents
-                .iter()
-                .map(|i| i.idempotency_key.clone())
-                .collect::<Vec<_>>(),
-        )
-        .bind(intents.iter().map(|i| i.tenant.clone()).collect::<Vec<_>>())
-        .bind(intents.iter().map(|i| i.topic.clone()).collect::<Vec<_>>())
-        .bind(
-            intents
-                .iter()
-                .map(|i| i.message_key.clone())
-                .collect::<Vec<_>>(),
-        )
-        .bind(headers)
-        .bind(
-            intents
-                .iter()
-                .map(|i| i.payload.clone())
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            intents
-                .iter()
-                .map(|i| i.ce_type.clone())
-                .collect::<Vec<_>>(),
-        )
-        .bind(intents.iter().map(|i| i.not_before).collect::<Vec<_>>())
-        .bind(
-            intents
-                .iter()
-                .map(|i| i.cancel_key.clone())
-                .collect::<Vec<_>>(),
-        )
-        .execute(&mut **tx)
+    let query = sqlx::query(match handoff {
+        Some(_) => INSERT_INTENTS_CLAIMING_SQL,
+        None => INSERT_INTENTS_SQL,
+    })
+    .bind(
+        intents
+            .iter()
+            .map(|i| i.run_id.as_str())
+            .collect::<Vec<_>>(),
+    )
+    .bind(intents.iter().map(|i| i.seq).collect::<Vec<_>>())
+    .bind(intents.iter().map(|i| i.effect_index).collect::<Vec<_>>())
+    .bind(
+        intents
+            .iter()
+            .map(|i| i.idempotency_key.as_str())
+            .collect::<Vec<_>>(),
+    )
+    .bind(
+        intents
+            .iter()
+            .map(|i| i.tenant.as_str())
+            .collect::<Vec<_>>(),
+    )
+    .bind(intents.iter().map(|i| i.topic.as_str()).collect::<Vec<_>>())
+    .bind(
+        intents
+            .iter()
+            .map(|i| i.message_key.as_slice())
+            .collect::<Vec<_>>(),
+    )
+    .bind(headers)
+    .bind(
+        intents
+            .iter()
+            .map(|i| i.payload.as_slice())
+            .collect::<Vec<_>>(),
+    )
+    .bind(
+        intents
+            .iter()
+            .map(|i| i.ce_type.as_str())
+            .collect::<Vec<_>>(),
+    )
+    .bind(intents.iter().map(|i| i.not_before).collect::<Vec<_>>())
+    .bind(
+        intents
+            .iter()
+            .map(|i| i.cancel_key.as_deref())
+            .collect::<Vec<_>>(),
+    );
+    let Some(handoff) = handoff else {
+        query.execute(&mut **tx).await?;
+        return Ok(Handed::default());
+    };
+    let rows = query
+        .bind(intents.iter().map(|i| i.due).collect::<Vec<_>>())
+        .bind(handoff.drainer_id())
+        .bind(handoff.lease_s())
+        .fetch_all(&mut **tx)
         .await?;
-    Ok(())
+    let by_position: HashMap<(&str, i64, i32), &IntentRow> = intents
+        .iter()
+        .map(|i| ((i.run_id.as_str(), i.seq, i.effect_index), i))
+        .collect();
+    let mut handed = Handed::default();
+    for row in rows {
+        let claimed: bool = row.try_get("claimed")?;
+        let run_id: String = row.try_get("run_id")?;
+        let seq: i64 = row.try_get("seq")?;
+        let effect_index: i32 = row.try_get("effect_index")?;
+        let Some(&intent) = by_position.get(&(run_id.as_str(), seq, effect_index)) else {
+            continue;
+        };
+        if !claimed {
+            if intent.due {
+                handed.pending_due += 1;
+            } else {
+                let t = intent.not_before;
+                handed.next_timer = Some(handed.next_timer.map_or(t, |n| n.min(t)));
+            }
+            continue;
+        }
+        handed.claimed.push(crate::drainer::ClaimedIntent {
+            intent_id: row.try_get("intent_id")?,
+            run_id,
+            seq,
+            effect_index,
+            topic: intent.topic.clone(),
+            message_key: intent.message_key.clone(),
+            headers: intent
+                .headers
+                .iter()
+                .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string()))
+                .collect(),
+            payload: intent.payload.clone(),
+            not_before: intent.not_before,
+            created_at: row.try_get("created_at")?,
+        });
+    }
+    Ok(handed)
 }
 
 #[derive(Default)]

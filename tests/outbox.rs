@@ -285,6 +285,52 @@ fn assert_effect_headers(topic: &str, messages: &[OwnedMessage]) {
     }
 }
 
+/// `ductor_outbox_fast_lane_total` as this process's metrics render it.
+fn fast_lane_total() -> u64 {
+    ductor::telemetry::metrics_handle()
+        .render()
+        .lines()
+        .find_map(|l| l.strip_prefix("ductor_outbox_fast_lane_total "))
+        .map_or(0, |v| v.trim().parse::<f64>().unwrap_or(0.0) as u64)
+}
+
+#[tokio::test]
+async fn committed_effects_take_the_fast_lane_and_runs_finish_without_polling() {
+    const RUNS: usize = 20;
+    // With a ten-minute poll, only the fast lane and the wake-ups it sends
+    // for intents queued behind others move effects in the test's time.
+    let env = Env::new(
+        "max_attempts = 1\ninitial_backoff_ms = 20\nmax_backoff_ms = 20\nmultiplier = 1.0\njitter = 0.0",
+        60_000,
+        |c| c.drainer.poll_interval_ms = 600_000,
+    )
+    .await;
+    let serve = env.serve();
+    let worker =
+        env.worker(
+            |step: StepInput| async move { StepOutcome::Succeeded(json!({"step": step.step})) },
+        );
+    let before = fast_lane_total();
+    let runs: Vec<String> = (0..RUNS).map(|i| format!("{}-{i}", unique("f"))).collect();
+    env.start_runs(&runs).await;
+    env.wait_all("succeeded", RUNS as i64).await;
+    // Every run's first transition has nothing undelivered ahead of it, so
+    // at least its event and its first dispatch went through the fast lane.
+    let handed = fast_lane_total() - before;
+    assert!(
+        handed >= 2 * RUNS as u64,
+        "only {handed} effects took the fast lane for {RUNS} fresh runs"
+    );
+    let keys = env.intent_keys().await;
+    let events_topic = env.config.events_topic();
+    let messages = read_keys(&events_topic, &keys[events_topic.as_str()]).await;
+    assert_effect_headers(&events_topic, &messages);
+    assert_first_deliveries_in_seq_order(&events_topic, &messages);
+    worker.stop().await;
+    serve.stop().await;
+    env.db.drop_db().await;
+}
+
 #[tokio::test]
 async fn a_thousand_runs_with_a_flaky_step_all_succeed_with_headers_and_order() {
     const RUNS: usize = 1000;

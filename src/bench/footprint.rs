@@ -4,11 +4,12 @@
 //! A "typical input" is an attempt result in the middle of a run: load the
 //! run, `UPDATE runs` conditional on `record_version`, insert the transition,
 //! finish the outstanding attempt and insert the next one, insert the three
-//! effect intents (event, dispatch, timeout timer), the timer cancel, commit; then
-//! the drainer's share: the claim `UPDATE` of the two due intents and the
-//! `completed` `UPDATE`, each its own transaction. The statements are copies
-//! of those in `store.rs` and `drainer.rs` (keep them in step); row contents
-//! and sizes come from the real fold. B1a applies one input per transaction,
+//! effect intents (event, dispatch, timeout timer; the two due ones claimed at
+//! insert, as `ductor serve`'s fast lane does), the timer cancel, commit; then
+//! the drainer's share: the `completed` `UPDATE` of the two claimed intents,
+//! its own transaction. The intent insert is the apply layer's own statement;
+//! the others are copies of those in `store.rs` and `drainer.rs` (keep them in
+//! step); row contents and sizes come from the real fold. B1a applies one input per transaction,
 //! B1b `k` inputs per transaction through the same set-based statements.
 
 use std::collections::BTreeMap;
@@ -37,7 +38,7 @@ const MIN_SEEDED_RUNS: usize = 2_000;
 const SEED_CHUNK: usize = 1_000;
 /// One client iteration may not take longer than this.
 const ITERATION_TIMEOUT: Duration = Duration::from_secs(60);
-/// Lease the claim statement sets, as the drainer's default.
+/// Lease of a claim taken at insert, as the drainer's default.
 const LEASE_S: f64 = 90.0;
 
 /// Throughput of one (clients, k) configuration.
@@ -156,7 +157,7 @@ fn transition(decision: Decision) -> anyhow::Result<Transition> {
 }
 
 /// What each iteration spends its time on, in the order the statements run.
-pub const STATEMENTS: [&str; 10] = [
+pub const STATEMENTS: [&str; 9] = [
     "begin_and_load",
     "update_runs",
     "insert_transitions",
@@ -165,7 +166,6 @@ pub const STATEMENTS: [&str; 10] = [
     "insert_intents",
     "cancel_timers",
     "commit",
-    "drainer_claim",
     "drainer_complete",
 ];
 
@@ -540,7 +540,8 @@ async fn iteration(
             cancel_keys.push((!*due_now).then(|| format!("timeout:{id}/{}", seqs[j])));
         }
     }
-    sqlx::query(crate::store::INSERT_INTENTS_SQL)
+    let due: Vec<bool> = not_before.iter().map(|t| *t <= now).collect();
+    let inserted = sqlx::query(crate::store::INSERT_INTENTS_CLAIMING_SQL)
         .bind(&run_ids)
         .bind(&seq_col)
         .bind(&index_col)
@@ -553,8 +554,17 @@ async fn iteration(
         .bind(&ce_types)
         .bind(&not_before)
         .bind(&cancel_keys)
-        .execute(&mut *tx)
+        .bind(&due)
+        .bind(claimer)
+        .bind(LEASE_S)
+        .fetch_all(&mut *tx)
         .await?;
+    let mut claimed_ids = Vec::with_capacity(inserted.len());
+    for row in &inserted {
+        if row.try_get::<bool, _>("claimed")? {
+            claimed_ids.push(row.try_get::<i64, _>("intent_id")?);
+        }
+    }
     lap.mark(5);
     // A finished attempt deletes its pending timeout timer (the apply layer
     // sends no NOTIFY when its drainer runs in-process).
@@ -567,29 +577,13 @@ async fn iteration(
     tx.commit().await?;
     lap.mark(7);
 
-    // The drainer's share: claim the due intents, then mark them completed.
-    let due = t.effects.iter().filter(|e| e.3).count() * k;
-    let claimed = sqlx::query(crate::drainer::CLAIM_SQL)
-        .bind(due as i64)
+    // The drainer's share: mark the published intents completed.
+    sqlx::query(crate::drainer::COMPLETE_SQL)
+        .bind(&claimed_ids)
         .bind(claimer)
-        .bind(LEASE_S)
-        .fetch_all(&mut *conn)
+        .execute(&mut *conn)
         .await?;
-    let claimed_ids: Vec<i64> = claimed
-        .iter()
-        .map(|r| r.try_get("intent_id"))
-        .collect::<Result<_, _>>()?;
     lap.mark(8);
-    sqlx::query(
-        "UPDATE eec_effect_intent SET status = 'completed', completed_at = now(), \
-             claimed_by = NULL, claim_expires_at = NULL, last_error = NULL \
-         WHERE intent_id = ANY($1) AND status = 'claimed' AND claimed_by = $2",
-    )
-    .bind(&claimed_ids)
-    .bind(claimer)
-    .execute(&mut *conn)
-    .await?;
-    lap.mark(9);
 
     for (j, &i) in batch.iter().enumerate() {
         slots[i].version = seqs[j];
