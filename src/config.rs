@@ -154,6 +154,10 @@ pub struct CoordinatorConfig {
     pub batch_max_inputs: usize,
     /// How long the ingress waits to fill a batch once it has one input.
     pub batch_linger_ms: u64,
+    /// Batches applied at once, each on its own connection: input partition
+    /// `p` goes to lane `p % apply_lanes`, so one partition stays in order
+    /// while one lane's commit overlaps another's work.
+    pub apply_lanes: usize,
     /// Inputs larger than this go to the dead-letter topic.
     pub max_input_bytes: usize,
     /// Times a batch is recomputed after losing an optimistic-lock race
@@ -356,6 +360,18 @@ impl Config {
             return Err(invalid(
                 "kafka.extra_topics",
                 format!("{topic:?} is not a valid topic name"),
+            ));
+        }
+        if self.coordinator.apply_lanes == 0 || self.coordinator.apply_lanes > 64 {
+            return Err(invalid(
+                "coordinator.apply_lanes",
+                "must be between 1 and 64",
+            ));
+        }
+        if self.coordinator.apply_lanes >= self.database.max_connections as usize {
+            return Err(invalid(
+                "coordinator.apply_lanes",
+                "must be below database.max_connections (each lane holds a connection while it applies)",
             ));
         }
         if self.coordinator.batch_max_inputs == 0 || self.coordinator.batch_max_inputs > 10_000 {

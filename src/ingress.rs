@@ -2,7 +2,12 @@
 //!
 //! One consumer group reads `requests`, `wakeups` and `attempt-results`.
 //! Messages are gathered into bounded batches, decoded, and applied in one
-//! Postgres transaction by the [`Applier`]. Inputs that cannot be decoded or
+//! Postgres transaction by the [`Applier`]. With `coordinator.apply_lanes`
+//! above one, partition `p` is applied by lane `p % apply_lanes`: each lane
+//! keeps its partitions in order and stores only their offsets, and the
+//! lanes' transactions overlap (one commits while another loads and folds).
+//! A run's inputs share its key and so its partition number; a run touched
+//! by two lanes anyway is fenced by `record_version` like any other race. Inputs that cannot be decoded or
 //! that the coordinator rejects go to the dead-letter topic. Offsets are
 //! stored (`enable.auto.offset.store=false`) only after the transaction and
 //! the dead-letter publishes have succeeded, so a crash anywhere leads to a
@@ -71,6 +76,7 @@ pub struct IngressContext {
     pub results_topic: String,
     pub batch_max_inputs: usize,
     pub batch_linger: Duration,
+    pub apply_lanes: usize,
     pub max_input_bytes: usize,
     pub hooks: TestHooks,
     /// Poked after a commit that wrote effect intents, so the in-process
@@ -99,6 +105,7 @@ impl IngressContext {
             results_topic: config.attempt_results_topic(),
             batch_max_inputs: config.coordinator.batch_max_inputs,
             batch_linger: Duration::from_millis(config.coordinator.batch_linger_ms),
+            apply_lanes: config.coordinator.apply_lanes,
             max_input_bytes: config.coordinator.max_input_bytes,
             hooks: TestHooks::default(),
             wakeup: None,
@@ -139,32 +146,133 @@ pub async fn run(ctx: IngressContext, shutdown: CancellationToken) -> anyhow::Re
 }
 
 async fn consume(ctx: &IngressContext, shutdown: &CancellationToken) -> anyhow::Result<()> {
-    loop {
-        let Some(batch) = next_batch(ctx, shutdown).await? else {
-            return Ok(());
-        };
-        // Canary: storing offsets first loses the batch on a crash.
-        #[cfg(feature = "canary-offsets-before-commit")]
-        store_offsets(ctx, &batch);
-        if let Err(e) = process_batch(ctx, &batch, shutdown).await {
-            if shutdown.is_cancelled() {
-                // Interrupted while retrying: nothing of the batch is stored,
-                // so it is redelivered after the restart.
-                tracing::info!(
-                    error = format!("{e:#}"),
-                    "batch left for redelivery at shutdown"
-                );
+    if ctx.apply_lanes <= 1 {
+        loop {
+            let Some(batch) = next_batch(ctx, shutdown).await? else {
+                return Ok(());
+            };
+            if !handle_batch(ctx, &batch, shutdown).await? {
                 return Ok(());
             }
-            return Err(e);
         }
-        if ctx.hooks.fail_after_commit {
-            anyhow::bail!("test hook: stopped after commit, before storing offsets");
-        }
-        crate::crash_point!("ingress.before_offset_store");
-        #[cfg(not(feature = "canary-offsets-before-commit"))]
-        store_offsets(ctx, &batch);
     }
+    // Lanes: the reader hands each message to its partition's lane; a lane
+    // batches, applies and stores offsets on its own. A failing lane stops
+    // the ingress (the error is returned); stopping leaves what the lanes
+    // have not applied unstored, so it is redelivered.
+    let stop = shutdown.child_token();
+    let mut senders = Vec::with_capacity(ctx.apply_lanes);
+    let mut lanes = Vec::with_capacity(ctx.apply_lanes);
+    for _ in 0..ctx.apply_lanes {
+        let (tx, rx) = tokio::sync::mpsc::channel(ctx.batch_max_inputs * 2);
+        senders.push(tx);
+        lanes.push(lane(ctx, rx, &stop));
+    }
+    let reader = async {
+        loop {
+            let msg = tokio::select! {
+                biased;
+                _ = stop.cancelled() => return Ok::<(), anyhow::Error>(()),
+                msg = ctx.consumer.recv() => msg,
+            };
+            match msg {
+                Ok(m) => {
+                    let index = m.partition().unsigned_abs() as usize % senders.len();
+                    tokio::select! {
+                        biased;
+                        _ = stop.cancelled() => return Ok(()),
+                        sent = senders[index].send(m.detach()) => {
+                            if sent.is_err() {
+                                return Ok(());
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "kafka consumer error");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    };
+    let lanes = async {
+        let result = futures::future::try_join_all(lanes).await.map(|_| ());
+        // One lane failed or every lane stopped: stop the reader too.
+        stop.cancel();
+        result
+    };
+    let (read, applied) = tokio::join!(reader, lanes);
+    applied.and(read)
+}
+
+/// One apply lane: batches from its channel until shutdown or a failure.
+async fn lane(
+    ctx: &IngressContext,
+    mut messages: tokio::sync::mpsc::Receiver<OwnedMessage>,
+    stop: &CancellationToken,
+) -> anyhow::Result<()> {
+    loop {
+        let mut batch = Vec::new();
+        tokio::select! {
+            biased;
+            _ = stop.cancelled() => return Ok(()),
+            m = messages.recv() => match m {
+                Some(m) => batch.push(m),
+                None => return Ok(()),
+            },
+        }
+        let deadline = Instant::now() + ctx.batch_linger;
+        while batch.len() < ctx.batch_max_inputs {
+            tokio::select! {
+                biased;
+                m = messages.recv() => match m {
+                    Some(m) => batch.push(m),
+                    None => break,
+                },
+                _ = tokio::time::sleep_until(deadline) => break,
+            }
+        }
+        let handled = handle_batch(ctx, &batch, stop).await;
+        match handled {
+            Ok(true) => {}
+            Ok(false) => return Ok(()),
+            Err(e) => {
+                stop.cancel();
+                return Err(e);
+            }
+        }
+    }
+}
+
+/// Applies one batch and stores its offsets. `Ok(false)` when shutdown
+/// interrupted it (nothing of it stored, so it is redelivered).
+async fn handle_batch(
+    ctx: &IngressContext,
+    batch: &[OwnedMessage],
+    shutdown: &CancellationToken,
+) -> anyhow::Result<bool> {
+    // Canary: storing offsets first loses the batch on a crash.
+    #[cfg(feature = "canary-offsets-before-commit")]
+    store_offsets(ctx, batch);
+    if let Err(e) = process_batch(ctx, batch, shutdown).await {
+        if shutdown.is_cancelled() {
+            // Interrupted while retrying: nothing of the batch is stored,
+            // so it is redelivered after the restart.
+            tracing::info!(
+                error = format!("{e:#}"),
+                "batch left for redelivery at shutdown"
+            );
+            return Ok(false);
+        }
+        return Err(e);
+    }
+    if ctx.hooks.fail_after_commit {
+        anyhow::bail!("test hook: stopped after commit, before storing offsets");
+    }
+    crate::crash_point!("ingress.before_offset_store");
+    #[cfg(not(feature = "canary-offsets-before-commit"))]
+    store_offsets(ctx, batch);
+    Ok(true)
 }
 
 /// Waits for one message, then gathers more until the batch is full or the

@@ -84,6 +84,21 @@ fn a_bad_value_is_an_error_that_names_the_key() {
         .to_string();
     assert!(err.contains("coordinator.batch_max_inputs"), "{err}");
 
+    let err = Config::load_from(None, env(&[("DUCTOR__COORDINATOR__APPLY_LANES", "0")]))
+        .expect_err("zero apply lanes are rejected")
+        .to_string();
+    assert!(err.contains("coordinator.apply_lanes"), "{err}");
+    let err = Config::load_from(
+        None,
+        env(&[
+            ("DUCTOR__COORDINATOR__APPLY_LANES", "4"),
+            ("DUCTOR__DATABASE__MAX_CONNECTIONS", "4"),
+        ]),
+    )
+    .expect_err("a lane per connection leaves none for the rest")
+    .to_string();
+    assert!(err.contains("database.max_connections"), "{err}");
+
     let err = Config::load_from(None, env(&[("DATABASE_URL", "mysql://x@y/z")]))
         .expect_err("a non-postgres url is rejected")
         .to_string();

@@ -361,7 +361,13 @@ async fn a_coordinator_stopped_after_commit_before_offsets_gets_redeliveries_tha
 
 #[tokio::test]
 async fn bad_inputs_go_to_the_dead_letter_topic_and_good_ones_behind_them_apply() {
-    let h = Harness::with_config(|c| c.coordinator.max_input_bytes = 4096).await;
+    // One apply lane: the serial ingress (the other tests run the default
+    // of several lanes).
+    let h = Harness::with_config(|c| {
+        c.coordinator.max_input_bytes = 4096;
+        c.coordinator.apply_lanes = 1;
+    })
+    .await;
     let coordinator = h.start_coordinator(TestHooks::default());
     let requests = h.config.requests_topic();
     let wakeups = h.config.wakeups_topic();
