@@ -678,6 +678,12 @@ struct Handed {
 }
 
 /// Writes everything; `Ok(None)` when a conditional write lost a race.
+///
+/// Two statements: the runs (inserts and conditional updates), then the
+/// history and effects (transitions, attempts, timer cancels and intents),
+/// each set-based over the whole batch, so a batch costs the same few round
+/// trips whatever its size. Every count that falls short of what was sent is
+/// a lost race: the caller rolls back and recomputes.
 async fn write_all(
     tx: &mut PgTx<'_, Postgres>,
     runs: &HashMap<String, Loaded>,
@@ -702,37 +708,19 @@ async fn write_all(
             }
         }
     }
-    if !ins.run_id.is_empty() {
-        let inserted = sqlx::query(
-            "INSERT INTO runs (run_id, tenant_scope, pool_id, workflow_name, workflow_version, \
-                 status, record_version, last_transition_seq, state, created_at, updated_at, finished_at) \
-             SELECT u.run_id, u.tenant, u.pool, u.workflow, u.version, u.status, 1, u.seq, \
-                 u.state::jsonb, u.created_at, u.updated_at, u.finished_at \
-             FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::int4[], $6::text[], \
-                 $7::int8[], $8::text[], $9::timestamptz[], $10::timestamptz[], $11::timestamptz[]) \
-                 AS u(run_id, tenant, pool, workflow, version, status, seq, state, created_at, updated_at, finished_at) \
-             ON CONFLICT (run_id) DO NOTHING",
-        )
-        .bind(&ins.run_id)
-        .bind(&ins.tenant)
-        .bind(&ins.pool)
-        .bind(&ins.workflow)
-        .bind(&ins.version)
-        .bind(&ins.status)
-        .bind(&ins.seq)
-        .bind(&ins.state)
-        .bind(&ins.created_at)
-        .bind(&ins.updated_at)
-        .bind(&ins.finished_at)
-        .execute(&mut **tx)
-        .await?
-        .rows_affected();
-        if inserted != ins.run_id.len() as u64 && !CANARY_IGNORES_CONFLICTS {
-            return Ok(None);
-        }
-    }
-    if !upd.run_id.is_empty() {
-        let updated = sqlx::query(UPDATE_RUNS_SQL)
+    if !ins.run_id.is_empty() || !upd.run_id.is_empty() {
+        let row = sqlx::query(WRITE_RUNS_SQL)
+            .bind(&ins.run_id)
+            .bind(&ins.tenant)
+            .bind(&ins.pool)
+            .bind(&ins.workflow)
+            .bind(&ins.version)
+            .bind(&ins.status)
+            .bind(&ins.seq)
+            .bind(&ins.state)
+            .bind(&ins.created_at)
+            .bind(&ins.updated_at)
+            .bind(&ins.finished_at)
             .bind(&upd.run_id)
             .bind(&upd.expected_version)
             .bind(&upd.status)
@@ -740,154 +728,37 @@ async fn write_all(
             .bind(&upd.state)
             .bind(&upd.updated_at)
             .bind(&upd.finished_at)
-            .execute(&mut **tx)
-            .await?
-            .rows_affected();
-        if updated != upd.run_id.len() as u64 && !CANARY_IGNORES_CONFLICTS {
+            .fetch_one(&mut **tx)
+            .await?;
+        let inserted: i64 = row.try_get("inserted")?;
+        let updated: i64 = row.try_get("updated")?;
+        if (inserted as usize != ins.run_id.len() || updated as usize != upd.run_id.len())
+            && !CANARY_IGNORES_CONFLICTS
+        {
             return Ok(None);
         }
     }
     crate::crash_point!("apply.after_update");
 
-    if !writes.transitions.is_empty() {
-        let t = &writes.transitions;
-        let result = sqlx::query(
-            "INSERT INTO run_transitions (run_id, seq, input_ref, kind, from_status, to_status, \
-                 step_index, detail, source_topic, source_partition, source_offset, created_at) \
-             SELECT u.run_id, u.seq, u.input_ref, u.kind, u.from_status, u.to_status, u.step_index, \
-                 u.detail::jsonb, u.source_topic, u.source_partition, u.source_offset, u.at \
-             FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::text[], $5::text[], $6::text[], \
-                 $7::int4[], $8::text[], $9::text[], $10::int4[], $11::int8[], $12::timestamptz[]) \
-                 AS u(run_id, seq, input_ref, kind, from_status, to_status, step_index, detail, \
-                      source_topic, source_partition, source_offset, at) \
-             ON CONFLICT DO NOTHING",
-        )
-        .bind(t.iter().map(|r| r.run_id.clone()).collect::<Vec<_>>())
-        .bind(t.iter().map(|r| r.seq).collect::<Vec<_>>())
-        .bind(t.iter().map(|r| r.input_ref.clone()).collect::<Vec<_>>())
-        .bind(t.iter().map(|r| r.kind.clone()).collect::<Vec<_>>())
-        .bind(
-            t.iter()
-                .map(|r| r.from_status.map(str::to_string))
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            t.iter()
-                .map(|r| r.to_status.to_string())
-                .collect::<Vec<_>>(),
-        )
-        .bind(t.iter().map(|r| r.step_index).collect::<Vec<_>>())
-        .bind(t.iter().map(|r| r.detail.clone()).collect::<Vec<_>>())
-        .bind(
-            t.iter()
-                .map(|r| r.source.as_ref().map(|s| s.topic.clone()))
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            t.iter()
-                .map(|r| r.source.as_ref().map(|s| s.partition))
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            t.iter()
-                .map(|r| r.source.as_ref().map(|s| s.offset))
-                .collect::<Vec<_>>(),
-        )
-        .bind(t.iter().map(|r| r.at).collect::<Vec<_>>())
-        .execute(&mut **tx)
-        .await?;
-        if result.rows_affected() != t.len() as u64 && !CANARY_IGNORES_CONFLICTS {
-            return Ok(None);
-        }
-    }
+    let history = HistoryColumns::new(writes, handoff)?;
     crate::crash_point!("apply.mid_batch");
-
-    if !writes.attempt_inserts.is_empty() {
-        let a = &writes.attempt_inserts;
-        let result = sqlx::query(
-            "INSERT INTO run_attempts (stamp, run_id, step_index, attempt, status, dispatched_at, \
-                 deadline, finished_at, error) \
-             SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::int4[], $4::int4[], $5::text[], \
-                 $6::timestamptz[], $7::timestamptz[], $8::timestamptz[], $9::text[]) \
-             ON CONFLICT DO NOTHING",
-        )
-        .bind(a.iter().map(|(_, r)| r.stamp).collect::<Vec<_>>())
-        .bind(
-            a.iter()
-                .map(|(run_id, _)| run_id.clone())
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            a.iter()
-                .map(|(_, r)| r.step_index as i32)
-                .collect::<Vec<_>>(),
-        )
-        .bind(a.iter().map(|(_, r)| r.attempt as i32).collect::<Vec<_>>())
-        .bind(
-            a.iter()
-                .map(|(_, r)| attempt_status_str(r.status).to_string())
-                .collect::<Vec<_>>(),
-        )
-        .bind(a.iter().map(|(_, r)| r.dispatched_at).collect::<Vec<_>>())
-        .bind(a.iter().map(|(_, r)| r.deadline).collect::<Vec<_>>())
-        .bind(a.iter().map(|(_, r)| r.finished_at).collect::<Vec<_>>())
-        .bind(a.iter().map(|(_, r)| r.error.clone()).collect::<Vec<_>>())
-        .execute(&mut **tx)
+    let row = history
+        .bind(sqlx::query(WRITE_HISTORY_SQL))
+        .fetch_one(&mut **tx)
         .await?;
-        if result.rows_affected() != a.len() as u64 && !CANARY_IGNORES_CONFLICTS {
-            return Ok(None);
-        }
+    let transitions: i64 = row.try_get("transitions")?;
+    let attempts_inserted: i64 = row.try_get("attempts_inserted")?;
+    let attempts_finished: i64 = row.try_get("attempts_finished")?;
+    if (transitions as usize != writes.transitions.len()
+        || attempts_inserted as usize != writes.attempt_inserts.len()
+        || attempts_finished as usize != writes.attempt_finishes.len())
+        && !CANARY_IGNORES_CONFLICTS
+    {
+        return Ok(None);
     }
-
-    if !writes.attempt_finishes.is_empty() {
-        let f = &writes.attempt_finishes;
-        let result = sqlx::query(
-            "UPDATE run_attempts AS a SET status = u.status, finished_at = u.finished_at, error = u.error \
-             FROM UNNEST($1::uuid[], $2::text[], $3::timestamptz[], $4::text[]) \
-                 AS u(stamp, status, finished_at, error) \
-             WHERE a.stamp = u.stamp AND a.status = 'dispatched'",
-        )
-        .bind(f.iter().map(|r| r.0).collect::<Vec<_>>())
-        .bind(
-            f.iter()
-                .map(|r| attempt_status_str(r.1).to_string())
-                .collect::<Vec<_>>(),
-        )
-        .bind(f.iter().map(|r| r.2).collect::<Vec<_>>())
-        .bind(f.iter().map(|r| r.3.clone()).collect::<Vec<_>>())
-        .execute(&mut **tx)
-        .await?;
-        if result.rows_affected() != f.len() as u64 && !CANARY_IGNORES_CONFLICTS {
-            return Ok(None);
-        }
-    }
-
-    let mut handed = Handed::default();
+    let handed = history.handed(&row)?;
     if !writes.intents.is_empty() {
-        handed = insert_intents(tx, &writes.intents, handoff).await?;
         crate::crash_point!("apply.after_intents");
-    }
-    // Timeout timers of attempts that finished in this batch will never do
-    // anything: drop them while they are still pending.
-    let finished: Vec<String> = writes
-        .attempt_finishes
-        .iter()
-        .map(|f| timeout_cancel_key(&f.0.to_string()))
-        .chain(
-            writes
-                .attempt_inserts
-                .iter()
-                .filter(|(_, a)| a.status != AttemptStatus::Dispatched)
-                .map(|(_, a)| timeout_cancel_key(&a.stamp.to_string())),
-        )
-        .collect();
-    if !finished.is_empty() {
-        sqlx::query(
-            "DELETE FROM eec_effect_intent WHERE cancel_key = ANY($1) AND status = 'pending'",
-        )
-        .bind(&finished)
-        .execute(&mut **tx)
-        .await?;
     }
     if notify && !writes.intents.is_empty() {
         // Wakes drainers in other processes once this transaction commits.
@@ -898,48 +769,20 @@ async fn write_all(
     Ok(Some(handed))
 }
 
-/// The conditional UPDATE: zero rows for a run means another writer won.
+/// The optimistic lock of the runs update.
 #[cfg(not(feature = "canary-no-version-check"))]
-const UPDATE_RUNS_SQL: &str = "UPDATE runs AS r SET status = u.status, \
-         record_version = r.record_version + 1, last_transition_seq = u.seq, \
-         state = u.state::jsonb, updated_at = u.updated_at, finished_at = u.finished_at \
-     FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::int8[], $5::text[], \
-         $6::timestamptz[], $7::timestamptz[]) \
-         AS u(run_id, expected_version, status, seq, state, updated_at, finished_at) \
-     WHERE r.run_id = u.run_id AND r.record_version = u.expected_version \
-       AND r.last_transition_seq < u.seq";
+macro_rules! version_check {
+    () => {
+        "r.record_version = u.expected_version AND r.last_transition_seq < u.seq"
+    };
+}
 
 /// Canary: the version check is gone, so a stale writer overwrites a newer
 /// state (a lost update). Only for proving the chaos checker notices.
 #[cfg(feature = "canary-no-version-check")]
-const UPDATE_RUNS_SQL: &str = "UPDATE runs AS r SET status = u.status, \
-         record_version = r.record_version + 1, last_transition_seq = u.seq, \
-         state = u.state::jsonb, updated_at = u.updated_at, finished_at = u.finished_at \
-     FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::int8[], $5::text[], \
-         $6::timestamptz[], $7::timestamptz[]) \
-         AS u(run_id, expected_version, status, seq, state, updated_at, finished_at) \
-     WHERE r.run_id = u.run_id AND u.expected_version IS NOT NULL";
-
-/// Canaries that remove a guarantee also remove the database's second line
-/// of defence (a write matching fewer rows than expected is a conflict), or
-/// the broken guarantee would never show.
-const CANARY_IGNORES_CONFLICTS: bool = cfg!(any(
-    feature = "canary-no-version-check",
-    feature = "canary-no-stamp-dedup"
-));
-
-/// The text of the set-based intent insert (one macro so that the canary
-/// variant below differs from it only by its conflict clause).
-macro_rules! insert_intents_sql {
+macro_rules! version_check {
     () => {
-        "INSERT INTO eec_effect_intent (run_id, seq, effect_index, idempotency_key, tenant_scope, \
-             topic, message_key, headers, payload, ce_type, not_before, cancel_key) \
-         SELECT u.run_id, u.seq, u.effect_index, u.key, u.tenant, u.topic, u.message_key, \
-             u.headers::jsonb, u.payload, u.ce_type, u.not_before, u.cancel_key \
-         FROM UNNEST($1::text[], $2::int8[], $3::int4[], $4::text[], $5::text[], $6::text[], \
-             $7::bytea[], $8::text[], $9::bytea[], $10::text[], $11::timestamptz[], $12::text[]) \
-             AS u(run_id, seq, effect_index, key, tenant, topic, message_key, headers, payload, \
-                  ce_type, not_before, cancel_key)"
+        "u.expected_version IS NOT NULL"
     };
 }
 
@@ -958,156 +801,322 @@ macro_rules! canary_on_conflict {
     };
 }
 
-/// The set-based intent insert, shared with the benchmark's footprint
-/// baseline so that both measure the same statement. A duplicate intent is
-/// an error: the transaction that wrote it first already owns that effect.
-pub(crate) const INSERT_INTENTS_SQL: &str = concat!(insert_intents_sql!(), canary_on_conflict!());
-
-/// The fast lane's intent insert: the same rows, but a due intent with no
-/// earlier undelivered (due, not completed) intent of its run and topic is
-/// inserted `claimed` by the in-process drainer. Rows of one statement do
-/// not see each other, so two intents of one run and topic in the same batch
-/// are both claimed; the drainer publishes them as one chain, in order.
-/// Every other writer of this run waits on the run's row lock taken by the
-/// UPDATE before this statement, so no earlier intent can appear unseen.
-pub(crate) const INSERT_INTENTS_CLAIMING_SQL: &str = concat!(
-    "WITH u AS ( \
-         SELECT * FROM UNNEST($1::text[], $2::int8[], $3::int4[], $4::text[], $5::text[], \
-             $6::text[], $7::bytea[], $8::text[], $9::bytea[], $10::text[], \
-             $11::timestamptz[], $12::text[], $13::bool[]) \
-             AS u(run_id, seq, effect_index, key, tenant, topic, message_key, headers, payload, \
-                  ce_type, not_before, cancel_key, due) \
-     ), c AS ( \
-         SELECT u.*, u.due AND NOT EXISTS ( \
-             SELECT 1 FROM eec_effect_intent e \
-             WHERE e.run_id = u.run_id AND e.topic = u.topic \
-               AND e.status <> 'completed' AND e.not_before <= clock_timestamp()) AS fast \
-         FROM u \
+/// The runs of a batch: new ones inserted, changed ones updated only where
+/// `record_version` is still the one loaded (zero rows for a run means
+/// another writer won). Returns how many of each were written.
+pub(crate) const WRITE_RUNS_SQL: &str = concat!(
+    "WITH ins AS ( \
+         INSERT INTO runs (run_id, tenant_scope, pool_id, workflow_name, workflow_version, \
+             status, record_version, last_transition_seq, state, created_at, updated_at, finished_at) \
+         SELECT u.run_id, u.tenant, u.pool, u.workflow, u.version, u.status, 1, u.seq, \
+             u.state::jsonb, u.created_at, u.updated_at, u.finished_at \
+         FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::int4[], $6::text[], \
+             $7::int8[], $8::text[], $9::timestamptz[], $10::timestamptz[], $11::timestamptz[]) \
+             AS u(run_id, tenant, pool, workflow, version, status, seq, state, created_at, \
+                  updated_at, finished_at) \
+         ON CONFLICT (run_id) DO NOTHING \
+         RETURNING 1 \
+     ), upd AS ( \
+         UPDATE runs AS r SET status = u.status, \
+             record_version = r.record_version + 1, last_transition_seq = u.seq, \
+             state = u.state::jsonb, updated_at = u.updated_at, finished_at = u.finished_at \
+         FROM UNNEST($12::text[], $13::int8[], $14::text[], $15::int8[], $16::text[], \
+             $17::timestamptz[], $18::timestamptz[]) \
+             AS u(run_id, expected_version, status, seq, state, updated_at, finished_at) \
+         WHERE r.run_id = u.run_id AND ",
+    version_check!(),
+    " RETURNING 1 \
      ) \
-     INSERT INTO eec_effect_intent (run_id, seq, effect_index, idempotency_key, tenant_scope, \
-         topic, message_key, headers, payload, ce_type, not_before, cancel_key, \
-         status, claimed_by, claim_expires_at, attempts) \
-     SELECT c.run_id, c.seq, c.effect_index, c.key, c.tenant, c.topic, c.message_key, \
-         c.headers::jsonb, c.payload, c.ce_type, c.not_before, c.cancel_key, \
-         CASE WHEN c.fast THEN 'claimed' ELSE 'pending' END, \
-         CASE WHEN c.fast THEN $14 END, \
-         CASE WHEN c.fast THEN clock_timestamp() + make_interval(secs => $15) END, \
-         CASE WHEN c.fast THEN 1 ELSE 0 END \
-     FROM c",
-    canary_on_conflict!(),
-    " RETURNING intent_id, run_id, seq, effect_index, status = 'claimed' AS claimed, created_at"
+     SELECT (SELECT count(*) FROM ins) AS inserted, (SELECT count(*) FROM upd) AS updated"
 );
 
-async fn insert_intents(
-    tx: &mut PgTx<'_, Postgres>,
-    intents: &[IntentRow],
-    handoff: Option<&crate::drainer::Handoff>,
-) -> Result<Handed, ApplyError> {
-    let headers: Vec<String> = intents
-        .iter()
-        .map(|i| serde_json::to_string(&i.headers))
-        .collect::<Result<_, _>>()?;
-    let query = sqlx::query(match handoff {
-        Some(_) => INSERT_INTENTS_CLAIMING_SQL,
-        None => INSERT_INTENTS_SQL,
-    })
-    .bind(
-        intents
+/// A batch's history and effects in one statement: transitions, attempts
+/// (inserted, and finished only while still `dispatched`), the cancel of the
+/// pending timeout timers of finished attempts, and the effect intents.
+///
+/// With a fast lane (`$40` names its drainer), a due intent with no earlier
+/// undelivered (due, not completed) intent of its run and topic is inserted
+/// `claimed` by that drainer. Rows of one statement do not see each other,
+/// so two intents of one run and topic in the same batch are both claimed;
+/// the drainer publishes them as one chain, in order. An intent of another
+/// writer can only appear with a newer `record_version` of its run, which
+/// makes this transaction's runs update fall short and roll back.
+pub(crate) const WRITE_HISTORY_SQL: &str = concat!(
+    "WITH t AS ( \
+         INSERT INTO run_transitions (run_id, seq, input_ref, kind, from_status, to_status, \
+             step_index, detail, source_topic, source_partition, source_offset, created_at) \
+         SELECT u.run_id, u.seq, u.input_ref, u.kind, u.from_status, u.to_status, u.step_index, \
+             u.detail::jsonb, u.source_topic, u.source_partition, u.source_offset, u.at \
+         FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::text[], $5::text[], $6::text[], \
+             $7::int4[], $8::text[], $9::text[], $10::int4[], $11::int8[], $12::timestamptz[]) \
+             AS u(run_id, seq, input_ref, kind, from_status, to_status, step_index, detail, \
+                  source_topic, source_partition, source_offset, at) \
+         ON CONFLICT DO NOTHING \
+         RETURNING 1 \
+     ), ai AS ( \
+         INSERT INTO run_attempts (stamp, run_id, step_index, attempt, status, dispatched_at, \
+             deadline, finished_at, error) \
+         SELECT * FROM UNNEST($13::uuid[], $14::text[], $15::int4[], $16::int4[], $17::text[], \
+             $18::timestamptz[], $19::timestamptz[], $20::timestamptz[], $21::text[]) \
+         ON CONFLICT DO NOTHING \
+         RETURNING 1 \
+     ), af AS ( \
+         UPDATE run_attempts AS a \
+         SET status = u.status, finished_at = u.finished_at, error = u.error \
+         FROM UNNEST($22::uuid[], $23::text[], $24::timestamptz[], $25::text[]) \
+             AS u(stamp, status, finished_at, error) \
+         WHERE a.stamp = u.stamp AND a.status = 'dispatched' \
+         RETURNING 1 \
+     ), d AS ( \
+         DELETE FROM eec_effect_intent WHERE cancel_key = ANY($26::text[]) AND status = 'pending' \
+         RETURNING 1 \
+     ), iu AS ( \
+         SELECT * FROM UNNEST($27::text[], $28::int8[], $29::int4[], $30::text[], $31::text[], \
+             $32::text[], $33::bytea[], $34::text[], $35::bytea[], $36::text[], \
+             $37::timestamptz[], $38::text[], $39::bool[]) \
+             AS u(run_id, seq, effect_index, key, tenant, topic, message_key, headers, payload, \
+                  ce_type, not_before, cancel_key, due) \
+     ), ic AS ( \
+         SELECT iu.*, iu.due AND $40::text IS NOT NULL AND NOT EXISTS ( \
+             SELECT 1 FROM eec_effect_intent e \
+             WHERE e.run_id = iu.run_id AND e.topic = iu.topic \
+               AND e.status <> 'completed' AND e.not_before <= clock_timestamp()) AS fast \
+         FROM iu \
+     ), i AS ( \
+         INSERT INTO eec_effect_intent (run_id, seq, effect_index, idempotency_key, tenant_scope, \
+             topic, message_key, headers, payload, ce_type, not_before, cancel_key, \
+             status, claimed_by, claim_expires_at, attempts) \
+         SELECT ic.run_id, ic.seq, ic.effect_index, ic.key, ic.tenant, ic.topic, ic.message_key, \
+             ic.headers::jsonb, ic.payload, ic.ce_type, ic.not_before, ic.cancel_key, \
+             CASE WHEN ic.fast THEN 'claimed' ELSE 'pending' END, \
+             CASE WHEN ic.fast THEN $40::text END, \
+             CASE WHEN ic.fast THEN clock_timestamp() + make_interval(secs => $41::float8) END, \
+             CASE WHEN ic.fast THEN 1 ELSE 0 END \
+         FROM ic",
+    canary_on_conflict!(),
+    " RETURNING intent_id, run_id, seq, effect_index, status = 'claimed' AS claimed, created_at \
+     ) \
+     SELECT (SELECT count(*) FROM t) AS transitions, \
+         (SELECT count(*) FROM ai) AS attempts_inserted, \
+         (SELECT count(*) FROM af) AS attempts_finished, \
+         (SELECT count(*) FROM d) AS timers_cancelled, \
+         (SELECT count(*) FROM i) AS intents, \
+         ARRAY(SELECT intent_id FROM i WHERE claimed ORDER BY intent_id) AS claimed_ids, \
+         ARRAY(SELECT run_id FROM i WHERE claimed ORDER BY intent_id) AS claimed_runs, \
+         ARRAY(SELECT seq FROM i WHERE claimed ORDER BY intent_id) AS claimed_seqs, \
+         ARRAY(SELECT effect_index FROM i WHERE claimed ORDER BY intent_id) AS claimed_indexes, \
+         ARRAY(SELECT created_at FROM i WHERE claimed ORDER BY intent_id) AS claimed_created, \
+         (SELECT count(*) FROM i JOIN iu ON iu.run_id = i.run_id AND iu.seq = i.seq \
+             AND iu.effect_index = i.effect_index WHERE NOT i.claimed AND iu.due) AS pending_due, \
+         (SELECT min(iu.not_before) FROM iu WHERE NOT iu.due) AS next_timer"
+);
+
+/// Canaries that remove a guarantee also remove the database's second line
+/// of defence (a write matching fewer rows than expected is a conflict), or
+/// the broken guarantee would never show.
+const CANARY_IGNORES_CONFLICTS: bool = cfg!(any(
+    feature = "canary-no-version-check",
+    feature = "canary-no-stamp-dedup"
+));
+
+/// The bind columns of [`WRITE_HISTORY_SQL`], built from a batch's writes.
+pub(crate) struct HistoryColumns<'a> {
+    transitions: &'a [TransitionRow],
+    attempts: &'a [(String, AttemptRecord)],
+    finishes: &'a [(Uuid, AttemptStatus, DateTime<Utc>, Option<String>)],
+    cancel_keys: Vec<String>,
+    /// The intents written: all but the timeout timers of attempts that
+    /// were dispatched and finished within this batch (pointless at once).
+    intents: Vec<&'a IntentRow>,
+    headers: Vec<String>,
+    claimer: Option<&'a str>,
+    lease_s: f64,
+}
+
+impl<'a> HistoryColumns<'a> {
+    fn new(
+        writes: &'a Writes,
+        handoff: Option<&'a crate::drainer::Handoff>,
+    ) -> Result<HistoryColumns<'a>, ApplyError> {
+        let finished_here: Vec<String> = writes
+            .attempt_inserts
             .iter()
-            .map(|i| i.run_id.as_str())
-            .collect::<Vec<_>>(),
-    )
-    .bind(intents.iter().map(|i| i.seq).collect::<Vec<_>>())
-    .bind(intents.iter().map(|i| i.effect_index).collect::<Vec<_>>())
-    .bind(
-        intents
+            .filter(|(_, a)| a.status != AttemptStatus::Dispatched)
+            .map(|(_, a)| timeout_cancel_key(&a.stamp.to_string()))
+            .collect();
+        let intents: Vec<&IntentRow> = writes
+            .intents
             .iter()
-            .map(|i| i.idempotency_key.as_str())
-            .collect::<Vec<_>>(),
-    )
-    .bind(
-        intents
+            .filter(|i| {
+                i.cancel_key
+                    .as_ref()
+                    .is_none_or(|k| !finished_here.contains(k))
+            })
+            .collect();
+        let headers = intents
             .iter()
-            .map(|i| i.tenant.as_str())
-            .collect::<Vec<_>>(),
-    )
-    .bind(intents.iter().map(|i| i.topic.as_str()).collect::<Vec<_>>())
-    .bind(
-        intents
+            .map(|i| serde_json::to_string(&i.headers))
+            .collect::<Result<_, _>>()?;
+        // Timeout timers of attempts finished by this batch will never do
+        // anything: drop them while they are still pending.
+        let cancel_keys = writes
+            .attempt_finishes
             .iter()
-            .map(|i| i.message_key.as_slice())
-            .collect::<Vec<_>>(),
-    )
-    .bind(headers)
-    .bind(
-        intents
-            .iter()
-            .map(|i| i.payload.as_slice())
-            .collect::<Vec<_>>(),
-    )
-    .bind(
-        intents
-            .iter()
-            .map(|i| i.ce_type.as_str())
-            .collect::<Vec<_>>(),
-    )
-    .bind(intents.iter().map(|i| i.not_before).collect::<Vec<_>>())
-    .bind(
-        intents
-            .iter()
-            .map(|i| i.cancel_key.as_deref())
-            .collect::<Vec<_>>(),
-    );
-    let Some(handoff) = handoff else {
-        query.execute(&mut **tx).await?;
-        return Ok(Handed::default());
-    };
-    let rows = query
-        .bind(intents.iter().map(|i| i.due).collect::<Vec<_>>())
-        .bind(handoff.drainer_id())
-        .bind(handoff.lease_s())
-        .fetch_all(&mut **tx)
-        .await?;
-    let by_position: HashMap<(&str, i64, i32), &IntentRow> = intents
-        .iter()
-        .map(|i| ((i.run_id.as_str(), i.seq, i.effect_index), i))
-        .collect();
-    let mut handed = Handed::default();
-    for row in rows {
-        let claimed: bool = row.try_get("claimed")?;
-        let run_id: String = row.try_get("run_id")?;
-        let seq: i64 = row.try_get("seq")?;
-        let effect_index: i32 = row.try_get("effect_index")?;
-        let Some(&intent) = by_position.get(&(run_id.as_str(), seq, effect_index)) else {
-            continue;
-        };
-        if !claimed {
-            if intent.due {
-                handed.pending_due += 1;
-            } else {
-                let t = intent.not_before;
-                handed.next_timer = Some(handed.next_timer.map_or(t, |n| n.min(t)));
-            }
-            continue;
-        }
-        handed.claimed.push(crate::drainer::ClaimedIntent {
-            intent_id: row.try_get("intent_id")?,
-            run_id,
-            seq,
-            effect_index,
-            topic: intent.topic.clone(),
-            message_key: intent.message_key.clone(),
-            headers: intent
-                .headers
-                .iter()
-                .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string()))
-                .collect(),
-            payload: intent.payload.clone(),
-            not_before: intent.not_before,
-            created_at: row.try_get("created_at")?,
-        });
+            .map(|f| timeout_cancel_key(&f.0.to_string()))
+            .collect();
+        Ok(HistoryColumns {
+            transitions: &writes.transitions,
+            attempts: &writes.attempt_inserts,
+            finishes: &writes.attempt_finishes,
+            cancel_keys,
+            intents,
+            headers,
+            claimer: handoff.map(|h| h.drainer_id()),
+            lease_s: handoff.map_or(0.0, |h| h.lease_s()),
+        })
     }
-    Ok(handed)
+
+    fn bind<'q>(
+        &'q self,
+        query: sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
+    ) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
+        let t = self.transitions;
+        let a = self.attempts;
+        let f = self.finishes;
+        let i = &self.intents;
+        query
+            .bind(t.iter().map(|r| r.run_id.as_str()).collect::<Vec<_>>())
+            .bind(t.iter().map(|r| r.seq).collect::<Vec<_>>())
+            .bind(t.iter().map(|r| r.input_ref.as_str()).collect::<Vec<_>>())
+            .bind(t.iter().map(|r| r.kind.as_str()).collect::<Vec<_>>())
+            .bind(t.iter().map(|r| r.from_status).collect::<Vec<_>>())
+            .bind(t.iter().map(|r| r.to_status).collect::<Vec<_>>())
+            .bind(t.iter().map(|r| r.step_index).collect::<Vec<_>>())
+            .bind(t.iter().map(|r| r.detail.as_str()).collect::<Vec<_>>())
+            .bind(
+                t.iter()
+                    .map(|r| r.source.as_ref().map(|s| s.topic.as_str()))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                t.iter()
+                    .map(|r| r.source.as_ref().map(|s| s.partition))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                t.iter()
+                    .map(|r| r.source.as_ref().map(|s| s.offset))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(t.iter().map(|r| r.at).collect::<Vec<_>>())
+            .bind(a.iter().map(|(_, r)| r.stamp).collect::<Vec<_>>())
+            .bind(
+                a.iter()
+                    .map(|(run_id, _)| run_id.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                a.iter()
+                    .map(|(_, r)| r.step_index as i32)
+                    .collect::<Vec<_>>(),
+            )
+            .bind(a.iter().map(|(_, r)| r.attempt as i32).collect::<Vec<_>>())
+            .bind(
+                a.iter()
+                    .map(|(_, r)| attempt_status_str(r.status))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(a.iter().map(|(_, r)| r.dispatched_at).collect::<Vec<_>>())
+            .bind(a.iter().map(|(_, r)| r.deadline).collect::<Vec<_>>())
+            .bind(a.iter().map(|(_, r)| r.finished_at).collect::<Vec<_>>())
+            .bind(
+                a.iter()
+                    .map(|(_, r)| r.error.as_deref())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(f.iter().map(|r| r.0).collect::<Vec<_>>())
+            .bind(
+                f.iter()
+                    .map(|r| attempt_status_str(r.1))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(f.iter().map(|r| r.2).collect::<Vec<_>>())
+            .bind(f.iter().map(|r| r.3.as_deref()).collect::<Vec<_>>())
+            .bind(&self.cancel_keys)
+            .bind(i.iter().map(|r| r.run_id.as_str()).collect::<Vec<_>>())
+            .bind(i.iter().map(|r| r.seq).collect::<Vec<_>>())
+            .bind(i.iter().map(|r| r.effect_index).collect::<Vec<_>>())
+            .bind(
+                i.iter()
+                    .map(|r| r.idempotency_key.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(i.iter().map(|r| r.tenant.as_str()).collect::<Vec<_>>())
+            .bind(i.iter().map(|r| r.topic.as_str()).collect::<Vec<_>>())
+            .bind(
+                i.iter()
+                    .map(|r| r.message_key.as_slice())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(&self.headers)
+            .bind(i.iter().map(|r| r.payload.as_slice()).collect::<Vec<_>>())
+            .bind(i.iter().map(|r| r.ce_type.as_str()).collect::<Vec<_>>())
+            .bind(i.iter().map(|r| r.not_before).collect::<Vec<_>>())
+            .bind(
+                i.iter()
+                    .map(|r| r.cancel_key.as_deref())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(i.iter().map(|r| r.due).collect::<Vec<_>>())
+            .bind(self.claimer)
+            .bind(self.lease_s)
+    }
+
+    /// The claimed intents in the statement's answer, ready to publish, and
+    /// what the drainer's claim rounds must be told.
+    fn handed(&self, row: &sqlx::postgres::PgRow) -> Result<Handed, ApplyError> {
+        let ids: Vec<i64> = row.try_get("claimed_ids")?;
+        let runs: Vec<String> = row.try_get("claimed_runs")?;
+        let seqs: Vec<i64> = row.try_get("claimed_seqs")?;
+        let indexes: Vec<i32> = row.try_get("claimed_indexes")?;
+        let created: Vec<DateTime<Utc>> = row.try_get("claimed_created")?;
+        let by_position: HashMap<(&str, i64, i32), &IntentRow> = self
+            .intents
+            .iter()
+            .map(|i| ((i.run_id.as_str(), i.seq, i.effect_index), *i))
+            .collect();
+        let mut handed = Handed::default();
+        for (k, intent_id) in ids.into_iter().enumerate() {
+            let Some(&intent) = by_position.get(&(runs[k].as_str(), seqs[k], indexes[k])) else {
+                continue;
+            };
+            handed.claimed.push(crate::drainer::ClaimedIntent {
+                intent_id,
+                run_id: intent.run_id.clone(),
+                seq: intent.seq,
+                effect_index: intent.effect_index,
+                topic: intent.topic.clone(),
+                message_key: intent.message_key.clone(),
+                headers: intent
+                    .headers
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string()))
+                    .collect(),
+                payload: intent.payload.clone(),
+                not_before: intent.not_before,
+                created_at: created[k],
+            });
+        }
+        let due = self.intents.iter().filter(|i| i.due).count();
+        handed.pending_due = due.saturating_sub(handed.claimed.len());
+        handed.next_timer = self
+            .intents
+            .iter()
+            .filter(|i| !i.due)
+            .map(|i| i.not_before)
+            .min();
+        Ok(handed)
+    }
 }
 
 #[derive(Default)]

@@ -2,14 +2,14 @@
 //! the fold or any of Ductor's code around it.
 //!
 //! A "typical input" is an attempt result in the middle of a run: load the
-//! run, `UPDATE runs` conditional on `record_version`, insert the transition,
-//! finish the outstanding attempt and insert the next one, insert the three
-//! effect intents (event, dispatch, timeout timer; the two due ones claimed at
-//! insert, as `ductor serve`'s fast lane does), the timer cancel, commit; then
-//! the drainer's share: the `completed` `UPDATE` of the two claimed intents,
-//! its own transaction. The intent insert is the apply layer's own statement;
-//! the others are copies of those in `store.rs` and `drainer.rs` (keep them in
-//! step); row contents and sizes come from the real fold. B1a applies one input per transaction,
+//! run, then the apply layer's own two statements (`store::WRITE_RUNS_SQL`:
+//! the `UPDATE runs` conditional on `record_version`; `WRITE_HISTORY_SQL`:
+//! the transition, the next attempt, the finished one, the cancel of its
+//! timeout timer, and the three effect intents: event, dispatch, timeout
+//! timer, the two due ones claimed at insert as `ductor serve`'s fast lane
+//! does), commit; then the drainer's share, `drainer::COMPLETE_SQL` of the
+//! two published intents in its own transaction. Row contents and sizes come
+//! from the real fold. B1a applies one input per transaction,
 //! B1b `k` inputs per transaction through the same set-based statements.
 
 use std::collections::BTreeMap;
@@ -157,14 +157,10 @@ fn transition(decision: Decision) -> anyhow::Result<Transition> {
 }
 
 /// What each iteration spends its time on, in the order the statements run.
-pub const STATEMENTS: [&str; 9] = [
+pub const STATEMENTS: [&str; 5] = [
     "begin_and_load",
-    "update_runs",
-    "insert_transitions",
-    "insert_attempts",
-    "finish_attempts",
-    "insert_intents",
-    "cancel_timers",
+    "write_runs",
+    "write_history",
     "commit",
     "drainer_complete",
 ];
@@ -418,98 +414,40 @@ async fn iteration(
     anyhow::ensure!(rows.len() == k, "loaded {} of {k} runs", rows.len());
     lap.mark(0);
 
-    let updated = sqlx::query(
-        "UPDATE runs AS r SET status = u.status, record_version = r.record_version + 1, \
-             last_transition_seq = u.seq, state = u.state::jsonb, updated_at = u.updated_at, \
-             finished_at = u.finished_at \
-         FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::int8[], $5::text[], \
-             $6::timestamptz[], $7::timestamptz[]) \
-             AS u(run_id, expected_version, status, seq, state, updated_at, finished_at) \
-         WHERE r.run_id = u.run_id AND r.record_version = u.expected_version \
-           AND r.last_transition_seq < u.seq",
-    )
-    .bind(&ids)
-    .bind(&versions)
-    .bind(vec!["running"; k])
-    .bind(&seqs)
-    .bind(vec![t.state.as_str(); k])
-    .bind(vec![now; k])
-    .bind(vec![None::<DateTime<Utc>>; k])
-    .execute(&mut *tx)
-    .await?
-    .rows_affected();
-    anyhow::ensure!(updated == k as u64, "updated {updated} of {k} runs");
+    let none_text: Vec<String> = Vec::new();
+    let none_int: Vec<i32> = Vec::new();
+    let none_big: Vec<i64> = Vec::new();
+    let none_time: Vec<DateTime<Utc>> = Vec::new();
+    let none_opt_time: Vec<Option<DateTime<Utc>>> = Vec::new();
+    let row = sqlx::query(crate::store::WRITE_RUNS_SQL)
+        .bind(&none_text)
+        .bind(&none_text)
+        .bind(&none_text)
+        .bind(&none_text)
+        .bind(&none_int)
+        .bind(&none_text)
+        .bind(&none_big)
+        .bind(&none_text)
+        .bind(&none_time)
+        .bind(&none_time)
+        .bind(&none_opt_time)
+        .bind(&ids)
+        .bind(&versions)
+        .bind(vec!["running"; k])
+        .bind(&seqs)
+        .bind(vec![t.state.as_str(); k])
+        .bind(vec![now; k])
+        .bind(vec![None::<DateTime<Utc>>; k])
+        .fetch_one(&mut *tx)
+        .await?;
+    let updated: i64 = row.try_get("updated")?;
+    anyhow::ensure!(updated == k as i64, "updated {updated} of {k} runs");
     lap.mark(1);
 
+    // The history and effects: the transition, the next attempt, the
+    // finished one, the cancel of its timer, and the three intents (the two
+    // due ones claimed at insert for the fast lane).
     let refs: Vec<String> = old_stamps.iter().map(|s| format!("result:{s}")).collect();
-    let inserted = sqlx::query(
-        "INSERT INTO run_transitions (run_id, seq, input_ref, kind, from_status, to_status, \
-             step_index, detail, source_topic, source_partition, source_offset, created_at) \
-         SELECT u.run_id, u.seq, u.input_ref, u.kind, u.from_status, u.to_status, u.step_index, \
-             u.detail::jsonb, u.source_topic, u.source_partition, u.source_offset, u.at \
-         FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::text[], $5::text[], $6::text[], \
-             $7::int4[], $8::text[], $9::text[], $10::int4[], $11::int8[], $12::timestamptz[]) \
-             AS u(run_id, seq, input_ref, kind, from_status, to_status, step_index, detail, \
-                  source_topic, source_partition, source_offset, at) \
-         ON CONFLICT DO NOTHING",
-    )
-    .bind(&ids)
-    .bind(&seqs)
-    .bind(&refs)
-    .bind(vec!["step.succeeded"; k])
-    .bind(vec![Some("running"); k])
-    .bind(vec!["running"; k])
-    .bind(seqs.iter().map(|s| (*s - 1) as i32).collect::<Vec<_>>())
-    .bind(vec![t.detail.as_str(); k])
-    .bind(vec![Some("bench.attempt-results"); k])
-    .bind(vec![Some(0i32); k])
-    .bind(seqs.iter().map(|s| Some(*s)).collect::<Vec<_>>())
-    .bind(vec![now; k])
-    .execute(&mut *tx)
-    .await?
-    .rows_affected();
-    anyhow::ensure!(
-        inserted == k as u64,
-        "inserted {inserted} of {k} transitions"
-    );
-    lap.mark(2);
-
-    sqlx::query(
-        "INSERT INTO run_attempts (stamp, run_id, step_index, attempt, status, dispatched_at, \
-             deadline, finished_at, error) \
-         SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::int4[], $4::int4[], $5::text[], \
-             $6::timestamptz[], $7::timestamptz[], $8::timestamptz[], $9::text[]) \
-         ON CONFLICT DO NOTHING",
-    )
-    .bind(&new_stamps)
-    .bind(&ids)
-    .bind(versions.iter().map(|v| *v as i32).collect::<Vec<_>>())
-    .bind(vec![1i32; k])
-    .bind(vec!["dispatched"; k])
-    .bind(vec![now; k])
-    .bind(vec![now + chrono::Duration::hours(1); k])
-    .bind(vec![None::<DateTime<Utc>>; k])
-    .bind(vec![None::<String>; k])
-    .execute(&mut *tx)
-    .await?;
-    lap.mark(3);
-
-    let finished = sqlx::query(
-        "UPDATE run_attempts AS a SET status = u.status, finished_at = u.finished_at, error = u.error \
-         FROM UNNEST($1::uuid[], $2::text[], $3::timestamptz[], $4::text[]) \
-             AS u(stamp, status, finished_at, error) \
-         WHERE a.stamp = u.stamp AND a.status = 'dispatched'",
-    )
-    .bind(&old_stamps)
-    .bind(vec!["succeeded"; k])
-    .bind(vec![now; k])
-    .bind(vec![None::<String>; k])
-    .execute(&mut *tx)
-    .await?
-    .rows_affected();
-    anyhow::ensure!(finished == k as u64, "finished {finished} of {k} attempts");
-    lap.mark(4);
-
     let n = k * t.effects.len();
     let mut run_ids = Vec::with_capacity(n);
     let mut seq_col = Vec::with_capacity(n);
@@ -521,6 +459,7 @@ async fn iteration(
     let mut ce_types = Vec::with_capacity(n);
     let mut not_before = Vec::with_capacity(n);
     let mut cancel_keys: Vec<Option<String>> = Vec::with_capacity(n);
+    let mut due = Vec::with_capacity(n);
     for (j, id) in ids.iter().enumerate() {
         for (index, (topic, ce_type, payload, due_now)) in t.effects.iter().enumerate() {
             run_ids.push(id.as_str());
@@ -536,12 +475,42 @@ async fn iteration(
             } else {
                 now + chrono::Duration::hours(1)
             });
+            due.push(*due_now);
             // Timers carry a cancel key, like a step's timeout timer.
-            cancel_keys.push((!*due_now).then(|| format!("timeout:{id}/{}", seqs[j])));
+            cancel_keys.push((!*due_now).then(|| format!("timeout:{}", new_stamps[j])));
         }
     }
-    let due: Vec<bool> = not_before.iter().map(|t| *t <= now).collect();
-    let inserted = sqlx::query(crate::store::INSERT_INTENTS_CLAIMING_SQL)
+    let finished_timers: Vec<String> = old_stamps
+        .iter()
+        .map(|s| crate::store::timeout_cancel_key(&s.to_string()))
+        .collect();
+    let row = sqlx::query(crate::store::WRITE_HISTORY_SQL)
+        .bind(&ids)
+        .bind(&seqs)
+        .bind(&refs)
+        .bind(vec!["step.succeeded"; k])
+        .bind(vec![Some("running"); k])
+        .bind(vec!["running"; k])
+        .bind(seqs.iter().map(|s| (*s - 1) as i32).collect::<Vec<_>>())
+        .bind(vec![t.detail.as_str(); k])
+        .bind(vec![Some("bench.attempt-results"); k])
+        .bind(vec![Some(0i32); k])
+        .bind(seqs.iter().map(|s| Some(*s)).collect::<Vec<_>>())
+        .bind(vec![now; k])
+        .bind(&new_stamps)
+        .bind(&ids)
+        .bind(versions.iter().map(|v| *v as i32).collect::<Vec<_>>())
+        .bind(vec![1i32; k])
+        .bind(vec!["dispatched"; k])
+        .bind(vec![now; k])
+        .bind(vec![now + chrono::Duration::hours(1); k])
+        .bind(vec![None::<DateTime<Utc>>; k])
+        .bind(vec![None::<String>; k])
+        .bind(&old_stamps)
+        .bind(vec!["succeeded"; k])
+        .bind(vec![now; k])
+        .bind(vec![None::<String>; k])
+        .bind(&finished_timers)
         .bind(&run_ids)
         .bind(&seq_col)
         .bind(&index_col)
@@ -557,25 +526,18 @@ async fn iteration(
         .bind(&due)
         .bind(claimer)
         .bind(LEASE_S)
-        .fetch_all(&mut *tx)
+        .fetch_one(&mut *tx)
         .await?;
-    let mut claimed_ids = Vec::with_capacity(inserted.len());
-    for row in &inserted {
-        if row.try_get::<bool, _>("claimed")? {
-            claimed_ids.push(row.try_get::<i64, _>("intent_id")?);
-        }
-    }
-    lap.mark(5);
-    // A finished attempt deletes its pending timeout timer (the apply layer
-    // sends no NOTIFY when its drainer runs in-process).
-    let finished: Vec<String> = cancel_keys.iter().flatten().cloned().collect();
-    sqlx::query("DELETE FROM eec_effect_intent WHERE cancel_key = ANY($1) AND status = 'pending'")
-        .bind(&finished)
-        .execute(&mut *tx)
-        .await?;
-    lap.mark(6);
+    let transitions: i64 = row.try_get("transitions")?;
+    let finished: i64 = row.try_get("attempts_finished")?;
+    anyhow::ensure!(
+        transitions == k as i64 && finished == k as i64,
+        "wrote {transitions} transitions and finished {finished} attempts of {k}"
+    );
+    let claimed_ids: Vec<i64> = row.try_get("claimed_ids")?;
+    lap.mark(2);
     tx.commit().await?;
-    lap.mark(7);
+    lap.mark(3);
 
     // The drainer's share: mark the published intents completed.
     sqlx::query(crate::drainer::COMPLETE_SQL)
@@ -583,7 +545,7 @@ async fn iteration(
         .bind(claimer)
         .execute(&mut *conn)
         .await?;
-    lap.mark(8);
+    lap.mark(4);
 
     for (j, &i) in batch.iter().enumerate() {
         slots[i].version = seqs[j];
