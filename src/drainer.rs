@@ -122,6 +122,9 @@ pub struct Drainer {
     pub drainer_id: String,
     pub publish_timeout: Duration,
     pub hooks: DrainerHooks,
+    /// Due intents committed as `pending` behind an undelivered one, as the
+    /// fast lane was told; cleared when a claim round finds none due.
+    pending_behind: Arc<AtomicUsize>,
 }
 
 impl Drainer {
@@ -144,6 +147,7 @@ impl Drainer {
             drainer_id,
             publish_timeout,
             hooks: DrainerHooks::default(),
+            pending_behind: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -505,7 +509,7 @@ impl Drainer {
     /// layer and the [`FastLane`] to [`run_with_fast_lane`].
     pub fn fast_lane(&self, wakeup: &Wakeup) -> (Handoff, FastLane) {
         let (sender, receiver) = mpsc::channel(HANDOFF_QUEUE);
-        let pending_behind = Arc::new(AtomicUsize::new(0));
+        let pending_behind = self.pending_behind.clone();
         (
             Handoff {
                 drainer_id: self.drainer_id.clone(),
@@ -543,7 +547,7 @@ impl Drainer {
             tracing::warn!(error = format!("{e:#}"), "releasing failed intents failed");
         }
         // Intents committed behind these may be claimable now.
-        if lane.pending_behind.swap(0, Ordering::Relaxed) > 0 || !failed.is_empty() {
+        if lane.pending_behind.load(Ordering::Relaxed) > 0 || !failed.is_empty() {
             lane.wakeup.wake();
         }
     }
@@ -650,7 +654,13 @@ async fn drain_loop(
             }
             Ok(RoundOutcome::Idle) => {
                 failures = 0;
-                let next_due = drainer.observe_backlog().await.ok().flatten();
+                let observed = drainer.observe_backlog().await;
+                let next_due = observed.as_ref().ok().copied().flatten();
+                if observed.is_ok() && next_due.is_none_or(|t| t > Utc::now()) {
+                    // Nothing pending is due: nothing waits behind the
+                    // fast lane any more.
+                    drainer.pending_behind.store(0, Ordering::Relaxed);
+                }
                 let wait = next_due
                     .map(|t| (t - Utc::now()).to_std().unwrap_or(Duration::ZERO))
                     .map_or(poll, |d| d.min(poll));
