@@ -163,6 +163,11 @@ pub struct CoordinatorConfig {
     /// Times a batch is recomputed after losing an optimistic-lock race
     /// before the batch fails (and is retried from Kafka).
     pub conflict_retries: u32,
+    /// Run states kept in memory after a commit, so the next batch of a run
+    /// skips loading it (the conditional UPDATE still checks its
+    /// `record_version`; a stale entry costs one recomputation). 0 turns the
+    /// cache off.
+    pub run_cache_size: usize,
     /// Bound on error messages written to dead-letter headers.
     pub max_error_message_bytes: usize,
 }

@@ -10,6 +10,7 @@
 //! from fresh state, so no input of the batch is lost or applied twice.
 
 use std::collections::HashMap;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -110,6 +111,8 @@ pub struct Applier {
     /// intents that wait behind nothing are inserted already claimed by it
     /// and handed over right after the commit.
     pub handoff: Option<crate::drainer::Handoff>,
+    /// The states this applier committed last, by run.
+    pub cache: RunCache,
     /// Canary: publishes effects before the commit that decides them.
     #[cfg(feature = "canary-dispatch-before-commit")]
     pub canary_producer: Option<rdkafka::producer::FutureProducer>,
@@ -129,8 +132,73 @@ impl Applier {
             completed_ttl: Duration::from_millis(config.routing.completed_ttl_ms),
             notify_commits: !config.drainer.enabled,
             handoff: None,
+            cache: RunCache::new(config.coordinator.run_cache_size),
             #[cfg(feature = "canary-dispatch-before-commit")]
             canary_producer: crate::kafka::producer(&config.kafka, "canary").ok(),
+        }
+    }
+}
+
+/// Run states as this applier last committed them, so that the next batch
+/// of a run need not load it. An entry is only a guess: the runs UPDATE is
+/// conditional on the `record_version` it carries, so an entry made stale by
+/// another writer loses the race, is dropped, and the batch is recomputed
+/// from the database. Terminal runs are not kept; when full, the cache starts
+/// over (bounded memory, no bookkeeping on the hot path).
+pub struct RunCache {
+    capacity: usize,
+    states: Mutex<HashMap<String, RunState>>,
+}
+
+impl RunCache {
+    pub fn new(capacity: usize) -> Self {
+        RunCache {
+            capacity,
+            states: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The cached state of each of `ids` that has one.
+    fn get_many<'a>(&self, ids: impl Iterator<Item = &'a str>) -> HashMap<String, RunState> {
+        if self.capacity == 0 {
+            return HashMap::new();
+        }
+        let Ok(states) = self.states.lock() else {
+            return HashMap::new();
+        };
+        ids.filter_map(|id| states.get(id).map(|s| (id.to_string(), s.clone())))
+            .collect()
+    }
+
+    /// Remembers committed states (their `record_version` is the new one).
+    fn put_many(&self, committed: Vec<RunState>) {
+        if self.capacity == 0 {
+            return;
+        }
+        let Ok(mut states) = self.states.lock() else {
+            return;
+        };
+        for state in committed {
+            if state.status.is_terminal() {
+                states.remove(&state.run_id);
+                continue;
+            }
+            if states.len() >= self.capacity && !states.contains_key(&state.run_id) {
+                states.clear();
+            }
+            states.insert(state.run_id.clone(), state);
+        }
+    }
+
+    /// Forgets `ids`: their batch lost a race or its outcome is unknown.
+    fn forget<'a>(&self, ids: impl Iterator<Item = &'a str>) {
+        if self.capacity == 0 {
+            return;
+        }
+        if let Ok(mut states) = self.states.lock() {
+            for id in ids {
+                states.remove(id);
+            }
         }
     }
 }
@@ -178,6 +246,8 @@ struct Loaded {
     state: Option<RunState>,
     loaded_version: Option<i64>,
     changed: bool,
+    /// The state came from the cache, not from the database.
+    cached: bool,
 }
 
 /// Everything one attempt at committing a batch will write.
@@ -232,6 +302,9 @@ enum Attempt {
     Conflict,
     /// A routed request's key is held by another caller that has not decided.
     Busy,
+    /// An input changed nothing on a state taken from the cache: that
+    /// verdict is only trusted on a state read from the database.
+    Unsure,
 }
 
 impl Applier {
@@ -251,12 +324,26 @@ impl Applier {
     ) -> Result<BatchReport, ApplyError> {
         let started = Instant::now();
         let mut conflicts = 0;
+        let batch_runs = || inputs.iter().map(|p| p.input.run_id());
+        let mut use_cache = true;
         loop {
             let mut tx = self.pool.begin().await?;
-            match self.apply_in_tx(&mut tx, inputs, routed).await? {
+            let attempt = match self.apply_in_tx(&mut tx, inputs, routed, use_cache).await {
+                Ok(attempt) => attempt,
+                Err(e) => {
+                    self.cache.forget(batch_runs());
+                    return Err(e);
+                }
+            };
+            match attempt {
                 Attempt::Committed(mut report, handed) => {
                     let committed = tx.commit().await;
                     let lost = committed.is_ok() && commit_reply_lost();
+                    if committed.is_ok() && !lost {
+                        self.cache.put_many(handed.states);
+                    } else {
+                        self.cache.forget(batch_runs());
+                    }
                     if let Some(handoff) = &self.handoff {
                         if committed.is_ok() && !lost {
                             handoff
@@ -284,7 +371,14 @@ impl Applier {
                     tx.rollback().await?;
                     return Err(ApplyError::RoutingInProgress);
                 }
+                Attempt::Unsure => {
+                    // Recompute from the database.
+                    self.cache.forget(batch_runs());
+                    use_cache = false;
+                    tx.rollback().await?;
+                }
                 Attempt::Conflict => {
+                    self.cache.forget(batch_runs());
                     tx.rollback().await?;
                     conflicts += 1;
                     metrics::counter!("ductor_apply_conflicts_total").increment(1);
@@ -302,8 +396,10 @@ impl Applier {
         tx: &mut PgTx<'_, Postgres>,
         inputs: &[PendingInput],
         routed: &[RouteRequest],
+        use_cache: bool,
     ) -> Result<Attempt, ApplyError> {
-        let mut runs = load_runs(tx, inputs).await?;
+        let cache = use_cache.then_some(&self.cache);
+        let mut runs = load_runs(tx, inputs, cache).await?;
         let now = Utc::now();
         let mut writes = Writes::default();
 
@@ -328,6 +424,19 @@ impl Applier {
                 now,
             )?;
             outcomes.push(outcome);
+        }
+
+        // A cached state that is stale (another writer moved the run on)
+        // would make its UPDATE lose the race, but a verdict that writes
+        // nothing (a duplicate, a stale or unknown stamp) would go unchecked.
+        let unsure = inputs.iter().zip(&outcomes).any(|(pending, outcome)| {
+            !matches!(outcome, InputOutcome::Applied { .. })
+                && runs
+                    .get(pending.input.run_id())
+                    .is_some_and(|loaded| loaded.cached)
+        });
+        if unsure {
+            return Ok(Attempt::Unsure);
         }
 
         #[cfg(feature = "canary-dispatch-before-commit")]
@@ -433,6 +542,7 @@ impl Applier {
             state: None,
             loaded_version: None,
             changed: false,
+            cached: false,
         });
         let input = Input::Start(start.clone());
         let (outcome, effects) =
@@ -622,6 +732,7 @@ impl Applier {
 async fn load_runs(
     tx: &mut PgTx<'_, Postgres>,
     inputs: &[PendingInput],
+    cache: Option<&RunCache>,
 ) -> Result<HashMap<String, Loaded>, ApplyError> {
     let mut ids: Vec<String> = inputs
         .iter()
@@ -629,23 +740,33 @@ async fn load_runs(
         .collect();
     ids.sort();
     ids.dedup();
+    let mut cached = cache
+        .map(|c| c.get_many(ids.iter().map(String::as_str)))
+        .unwrap_or_default();
+    let mut runs: HashMap<String, Loaded> = HashMap::with_capacity(ids.len());
+    let mut missing = Vec::with_capacity(ids.len() - cached.len());
+    for id in ids {
+        let state = cached.remove(&id);
+        if state.is_none() {
+            missing.push(id.clone());
+        }
+        runs.insert(
+            id,
+            Loaded {
+                loaded_version: state.as_ref().map(|s| s.record_version),
+                cached: state.is_some(),
+                state,
+                changed: false,
+            },
+        );
+    }
+    if missing.is_empty() {
+        return Ok(runs);
+    }
     let rows = sqlx::query("SELECT run_id, record_version, state FROM runs WHERE run_id = ANY($1)")
-        .bind(&ids)
+        .bind(&missing)
         .fetch_all(&mut **tx)
         .await?;
-    let mut runs: HashMap<String, Loaded> = ids
-        .into_iter()
-        .map(|id| {
-            (
-                id,
-                Loaded {
-                    state: None,
-                    loaded_version: None,
-                    changed: false,
-                },
-            )
-        })
-        .collect();
     for row in rows {
         let run_id: String = row.try_get("run_id")?;
         let version: i64 = row.try_get("record_version")?;
@@ -675,6 +796,8 @@ struct Handed {
     pending_due: usize,
     /// The earliest `not_before` of the timers inserted.
     next_timer: Option<DateTime<Utc>>,
+    /// The runs as written, for the cache once committed.
+    states: Vec<RunState>,
 }
 
 /// Writes everything; `Ok(None)` when a conditional write lost a race.
@@ -694,6 +817,7 @@ async fn write_all(
     // Runs: inserts for new ones, conditional updates for existing ones.
     let mut ins = RunColumns::default();
     let mut upd = RunColumns::default();
+    let mut states = Vec::new();
     for loaded in runs.values().filter(|l| l.changed) {
         let Some(state) = &loaded.state else { continue };
         let mut state = state.clone();
@@ -707,6 +831,7 @@ async fn write_all(
                 upd.push(&state, version)?;
             }
         }
+        states.push(state);
     }
     if !ins.run_id.is_empty() || !upd.run_id.is_empty() {
         let row = sqlx::query(WRITE_RUNS_SQL)
@@ -756,7 +881,8 @@ async fn write_all(
     {
         return Ok(None);
     }
-    let handed = history.handed(&row)?;
+    let mut handed = history.handed(&row)?;
+    handed.states = states;
     if !writes.intents.is_empty() {
         crate::crash_point!("apply.after_intents");
     }

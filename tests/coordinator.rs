@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use common::*;
 use ductor::config::Config;
+use ductor::coordinator::{InputTopic, decode_input};
 use ductor::ingress::{IngressContext, TestHooks};
+use ductor::store::{InputOutcome, PendingInput};
 use rdkafka::message::{Headers, Message};
 use rdkafka::producer::FutureProducer;
 use serde_json::json;
@@ -526,5 +528,63 @@ async fn bad_inputs_go_to_the_dead_letter_topic_and_good_ones_behind_them_apply(
     );
     assert!(good_offset > expected[0].1);
     coordinator.stop().await.expect("clean stop");
+    h.db.drop_db().await;
+}
+
+#[tokio::test]
+async fn a_cached_state_made_stale_by_another_writer_never_decides_an_input() {
+    let h = Harness::new().await;
+    let workflows = ductor::workflows::load_dir(&h.config.coordinator.workflows_dir)
+        .expect("loading workflows");
+    // Two appliers on one database: `a` caches what it commits, `b` moves
+    // the run on behind its back (as a new owner after a rebalance would).
+    let a = ductor::store::Applier::new(&h.config, h.db.pool.clone(), workflows.clone());
+    let b = ductor::store::Applier::new(&h.config, h.db.pool.clone(), workflows);
+    let decode = |topic: InputTopic, value: serde_json::Value| PendingInput {
+        input: decode_input(topic, value.to_string().as_bytes(), 1 << 20).expect("a valid input"),
+        source: None,
+    };
+    let run_id = unique("cached-");
+    let start = json!({
+        "type": "run.start", "schema_version": 1, "run_id": run_id,
+        "tenant": "acme", "workflow": "example", "input": {"order": run_id},
+    });
+    let report = a
+        .apply_batch(&[decode(InputTopic::Requests, start)])
+        .await
+        .expect("applying the start");
+    assert_eq!(report.outcomes, vec![InputOutcome::Applied { seq: 1 }]);
+
+    let first = h.dispatched_stamp(&run_id, 0).await;
+    let first_result = Harness::result_json(&run_id, "acme", first);
+    let report = b
+        .apply_batch(&[decode(InputTopic::AttemptResults, first_result.clone())])
+        .await
+        .expect("applying the first result elsewhere");
+    assert_eq!(report.outcomes, vec![InputOutcome::Applied { seq: 2 }]);
+
+    // `a` still holds the run at seq 1, which knows nothing of the second
+    // attempt: its result must be applied all the same, not rejected.
+    let second = h.dispatched_stamp(&run_id, 1).await;
+    let report = a
+        .apply_batch(&[decode(
+            InputTopic::AttemptResults,
+            Harness::result_json(&run_id, "acme", second),
+        )])
+        .await
+        .expect("applying the second result");
+    assert_eq!(report.outcomes, vec![InputOutcome::Applied { seq: 3 }]);
+
+    // And the first result again is a duplicate there too.
+    let report = a
+        .apply_batch(&[decode(InputTopic::AttemptResults, first_result)])
+        .await
+        .expect("applying a duplicate");
+    assert!(
+        matches!(report.outcomes[..], [InputOutcome::NoOp(_)]),
+        "{:?}",
+        report.outcomes
+    );
+    assert_eq!(h.transitions(&run_id).await.len(), 3);
     h.db.drop_db().await;
 }
