@@ -526,14 +526,48 @@ impl Drainer {
         )
     }
 
-    /// Publishes one handed-over batch and marks it completed.
+    /// Publishes one handed-over batch and passes what was delivered to
+    /// the completer.
     async fn publish_handed(&self, claimed: Vec<ClaimedIntent>, lane: &FastLaneShared) {
         let (delivered, failed) = self.publish_all(&claimed).await;
         metrics::counter!("ductor_outbox_fast_lane_total").increment(delivered.len() as u64);
         if !delivered.is_empty() {
             crate::crash_point!("drainer.after_publish");
+            // The completer outlives every publish task.
+            let _ = lane.completions.send(delivered);
         }
-        if let Err(e) = self.complete(&delivered).await {
+        if !failed.is_empty() {
+            if let Err(e) = self.release(&failed).await {
+                tracing::warn!(error = format!("{e:#}"), "releasing failed intents failed");
+            }
+            lane.wakeup.wake();
+        }
+    }
+}
+
+struct FastLaneShared {
+    completions: mpsc::UnboundedSender<Vec<i64>>,
+    wakeup: Wakeup,
+}
+
+/// Marks what the fast lane delivered completed: everything that arrived
+/// while the previous statement ran goes into the next one, so a busy lane
+/// makes few, large updates instead of one per batch.
+async fn completer(
+    drainer: Arc<Drainer>,
+    mut completions: mpsc::UnboundedReceiver<Vec<i64>>,
+    pending_behind: Arc<AtomicUsize>,
+    wakeup: Wakeup,
+) {
+    while let Some(first) = completions.recv().await {
+        let mut ids = first;
+        while ids.len() < drainer.config.batch_max_intents {
+            match completions.try_recv() {
+                Ok(more) => ids.extend(more),
+                Err(_) => break,
+            }
+        }
+        if let Err(e) = drainer.complete(&ids).await {
             // Left claimed: after the lease they are published again, with
             // the same key and bytes.
             tracing::warn!(
@@ -541,29 +575,27 @@ impl Drainer {
                 "marking published intents completed failed"
             );
         }
-        if !failed.is_empty()
-            && let Err(e) = self.release(&failed).await
-        {
-            tracing::warn!(error = format!("{e:#}"), "releasing failed intents failed");
-        }
         // Intents committed behind these may be claimable now.
-        if lane.pending_behind.load(Ordering::Relaxed) > 0 || !failed.is_empty() {
-            lane.wakeup.wake();
+        if pending_behind.load(Ordering::Relaxed) > 0 {
+            wakeup.wake();
         }
     }
 }
 
-struct FastLaneShared {
-    pending_behind: Arc<AtomicUsize>,
-    wakeup: Wakeup,
-}
-
 /// Publishes what the apply layer hands over until every [`Handoff`] is
 /// gone (the ingress and the API stopped, so a batch committed during
-/// shutdown is still published), then waits for the publishes in flight.
+/// shutdown is still published), then waits for the publishes in flight
+/// and their completion.
 async fn fast_lane(drainer: Arc<Drainer>, mut lane: FastLane, wakeup: Wakeup) {
+    let (completions, completed) = mpsc::unbounded_channel();
+    let completing = tokio::spawn(completer(
+        drainer.clone(),
+        completed,
+        lane.pending_behind.clone(),
+        wakeup.clone(),
+    ));
     let shared = Arc::new(FastLaneShared {
-        pending_behind: lane.pending_behind.clone(),
+        completions,
         wakeup,
     });
     let in_flight = Arc::new(Semaphore::new(FAST_LANE_IN_FLIGHT));
@@ -596,6 +628,8 @@ async fn fast_lane(drainer: Arc<Drainer>, mut lane: FastLane, wakeup: Wakeup) {
     }
     tasks.close();
     tasks.wait().await;
+    drop(shared);
+    let _ = completing.await;
 }
 
 /// Runs the drainer, its listener, reconciler and retention until shutdown.

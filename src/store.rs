@@ -1031,10 +1031,7 @@ pub(crate) const WRITE_HISTORY_SQL: &str = concat!(
          ARRAY(SELECT run_id FROM i WHERE claimed ORDER BY intent_id) AS claimed_runs, \
          ARRAY(SELECT seq FROM i WHERE claimed ORDER BY intent_id) AS claimed_seqs, \
          ARRAY(SELECT effect_index FROM i WHERE claimed ORDER BY intent_id) AS claimed_indexes, \
-         ARRAY(SELECT created_at FROM i WHERE claimed ORDER BY intent_id) AS claimed_created, \
-         (SELECT count(*) FROM i JOIN iu ON iu.run_id = i.run_id AND iu.seq = i.seq \
-             AND iu.effect_index = i.effect_index WHERE NOT i.claimed AND iu.due) AS pending_due, \
-         (SELECT min(iu.not_before) FROM iu WHERE NOT iu.due) AS next_timer"
+         ARRAY(SELECT created_at FROM i WHERE claimed ORDER BY intent_id) AS claimed_created"
 );
 
 /// Canaries that remove a guarantee also remove the database's second line

@@ -168,6 +168,18 @@ impl BenchEnv {
         Ok(())
     }
 
+    /// Refreshes the planner statistics of Ductor's tables. A running
+    /// system has autovacuum keep them current; a bench phase is shorter
+    /// than its first round, and plans made for empty tables would measure
+    /// the planner, not Ductor.
+    pub async fn analyze(&self) -> anyhow::Result<()> {
+        sqlx::query("ANALYZE runs, run_transitions, run_attempts, eec_effect_intent")
+            .execute(&self.pool)
+            .await
+            .context("analysing the bench tables")?;
+        Ok(())
+    }
+
     /// Drops the database and deletes the topics; reports what it could not do.
     pub async fn cleanup(self) -> anyhow::Result<()> {
         self.pool.close().await;

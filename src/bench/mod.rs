@@ -413,6 +413,7 @@ async fn phases(
         "capacity (synchronous_commit on): {:.0} inputs/s, {:.1} runs/s",
         capacity.inputs_per_s, capacity.runs_per_s
     ));
+    env.analyze().await?;
     let latency = pipeline::latency(
         env,
         &mut on,

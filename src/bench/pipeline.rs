@@ -333,6 +333,7 @@ pub async fn capacity(
         )
         .await?;
     pipeline.wait_drained(env, label).await?;
+    env.analyze().await?;
 
     let topics = pipeline.config.all_topics();
     let offsets_before = topic_offsets(&pipeline.config.kafka, &topics).await?;
