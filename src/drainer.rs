@@ -426,6 +426,10 @@ impl Wakeup {
     }
 }
 
+/// How soon an idle round looks again when due intents are blocked behind
+/// ones in flight (their completion wakes it sooner).
+const BLOCKED_RETRY: Duration = Duration::from_millis(100);
+
 /// Batches handed over at once before the apply waits for the fast lane.
 const HANDOFF_QUEUE: usize = 64;
 /// Handed-over batches being published at once.
@@ -447,8 +451,9 @@ pub struct Handoff {
 
 /// What the apply layer hands over after a transaction ended.
 enum Handed {
-    /// Committed and claimed by this drainer: publish now.
-    Publish(Vec<ClaimedIntent>),
+    /// Committed and claimed by this drainer, the lease running since the
+    /// instant given: publish now.
+    Publish(Vec<ClaimedIntent>, Instant),
     /// The commit's outcome is unknown: give the claims back (a no-op if
     /// the transaction in fact rolled back).
     Release(Vec<i64>),
@@ -477,6 +482,7 @@ impl Handoff {
     pub async fn committed(
         &self,
         claimed: Vec<ClaimedIntent>,
+        leased_at: Instant,
         pending_due: usize,
         next_timer: Option<DateTime<Utc>>,
     ) {
@@ -490,7 +496,12 @@ impl Handoff {
         if claimed.is_empty() {
             return;
         }
-        if self.sender.send(Handed::Publish(claimed)).await.is_err() {
+        if self
+            .sender
+            .send(Handed::Publish(claimed, leased_at))
+            .await
+            .is_err()
+        {
             // The drainer stopped: the claims expire and are redriven.
             tracing::debug!("fast lane closed; claims are left to the reconciler");
         }
@@ -528,7 +539,28 @@ impl Drainer {
 
     /// Publishes one handed-over batch and passes what was delivered to
     /// the completer.
-    async fn publish_handed(&self, claimed: Vec<ClaimedIntent>, lane: &FastLaneShared) {
+    async fn publish_handed(
+        &self,
+        claimed: Vec<ClaimedIntent>,
+        leased_at: Instant,
+        lane: &FastLaneShared,
+    ) {
+        // A publish must end before the lease does, or the reconciler could
+        // hand the intent to another drainer while it is still in flight
+        // (a duplicate that may land after a later effect). One that waited
+        // too long in the lane goes back to the claim rounds instead.
+        let lease = Duration::from_millis(self.config.lease_ms);
+        if leased_at.elapsed() + self.publish_timeout >= lease {
+            let late: Vec<(i64, String)> = claimed
+                .iter()
+                .map(|c| (c.intent_id, "waited too long in the fast lane".to_string()))
+                .collect();
+            if let Err(e) = self.release(&late).await {
+                tracing::warn!(error = format!("{e:#}"), "releasing late intents failed");
+            }
+            lane.wakeup.wake();
+            return;
+        }
         let (delivered, failed) = self.publish_all(&claimed).await;
         metrics::counter!("ductor_outbox_fast_lane_total").increment(delivered.len() as u64);
         if !delivered.is_empty() {
@@ -602,13 +634,13 @@ async fn fast_lane(drainer: Arc<Drainer>, mut lane: FastLane, wakeup: Wakeup) {
     let tasks = tokio_util::task::TaskTracker::new();
     while let Some(handed) = lane.receiver.recv().await {
         match handed {
-            Handed::Publish(claimed) => {
+            Handed::Publish(claimed, leased_at) => {
                 let Ok(permit) = in_flight.clone().acquire_owned().await else {
                     break;
                 };
                 let (drainer, shared) = (drainer.clone(), shared.clone());
                 tasks.spawn(async move {
-                    drainer.publish_handed(claimed, &shared).await;
+                    drainer.publish_handed(claimed, leased_at, &shared).await;
                     drop(permit);
                 });
             }
@@ -623,6 +655,7 @@ async fn fast_lane(drainer: Arc<Drainer>, mut lane: FastLane, wakeup: Wakeup) {
                         "giving back uncertain claims failed"
                     );
                 }
+                shared.wakeup.wake();
             }
         }
     }
@@ -695,8 +728,15 @@ async fn drain_loop(
                     // fast lane any more.
                     drainer.pending_behind.store(0, Ordering::Relaxed);
                 }
+                // Something due but unclaimable waits behind an intent in
+                // flight: its completion wakes this loop, so do not spin.
                 let wait = next_due
-                    .map(|t| (t - Utc::now()).to_std().unwrap_or(Duration::ZERO))
+                    .map(|t| {
+                        (t - Utc::now())
+                            .to_std()
+                            .unwrap_or(BLOCKED_RETRY)
+                            .max(Duration::from_millis(1))
+                    })
                     .map_or(poll, |d| d.min(poll));
                 tokio::select! {
                     _ = shutdown.cancelled() => break,

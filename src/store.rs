@@ -327,6 +327,8 @@ impl Applier {
         let batch_runs = || inputs.iter().map(|p| p.input.run_id());
         let mut use_cache = true;
         loop {
+            // The fast lane's leases start inside this transaction.
+            let leased_at = Instant::now();
             let mut tx = self.pool.begin().await?;
             let attempt = match self.apply_in_tx(&mut tx, inputs, routed, use_cache).await {
                 Ok(attempt) => attempt,
@@ -347,7 +349,12 @@ impl Applier {
                     if let Some(handoff) = &self.handoff {
                         if committed.is_ok() && !lost {
                             handoff
-                                .committed(handed.claimed, handed.pending_due, handed.next_timer)
+                                .committed(
+                                    handed.claimed,
+                                    leased_at,
+                                    handed.pending_due,
+                                    handed.next_timer,
+                                )
                                 .await;
                         } else {
                             // Committed or not, nobody else may hold these
@@ -865,6 +872,14 @@ async fn write_all(
     }
     crate::crash_point!("apply.after_update");
 
+    if writes.transitions.is_empty()
+        && writes.attempt_inserts.is_empty()
+        && writes.attempt_finishes.is_empty()
+        && writes.intents.is_empty()
+    {
+        // Every input was a no-op or a rejection: nothing to write.
+        return Ok(Some(Handed::default()));
+    }
     let history = HistoryColumns::new(writes, handoff)?;
     crate::crash_point!("apply.mid_batch");
     let row = history
@@ -961,8 +976,9 @@ pub(crate) const WRITE_RUNS_SQL: &str = concat!(
 /// pending timeout timers of finished attempts, and the effect intents.
 ///
 /// With a fast lane (`$40` names its drainer), a due intent with no earlier
-/// undelivered (due, not completed) intent of its run and topic is inserted
-/// `claimed` by that drainer. Rows of one statement do not see each other,
+/// undelivered intent of its run and topic (one due by now or by its own
+/// `not_before`, so that a clock running ahead of the database's cannot
+/// hide it) is inserted `claimed` by that drainer. Rows of one statement do not see each other,
 /// so two intents of one run and topic in the same batch are both claimed;
 /// the drainer publishes them as one chain, in order. An intent of another
 /// writer can only appear with a newer `record_version` of its run, which
@@ -1006,7 +1022,8 @@ pub(crate) const WRITE_HISTORY_SQL: &str = concat!(
          SELECT iu.*, iu.due AND $40::text IS NOT NULL AND NOT EXISTS ( \
              SELECT 1 FROM eec_effect_intent e \
              WHERE e.run_id = iu.run_id AND e.topic = iu.topic \
-               AND e.status <> 'completed' AND e.not_before <= clock_timestamp()) AS fast \
+               AND e.status <> 'completed' \
+               AND e.not_before <= GREATEST(clock_timestamp(), iu.not_before)) AS fast \
          FROM iu \
      ), i AS ( \
          INSERT INTO eec_effect_intent (run_id, seq, effect_index, idempotency_key, tenant_scope, \
