@@ -113,15 +113,12 @@ impl IngressContext {
     }
 
     fn topic_kind(&self, topic: &str) -> Option<InputTopic> {
-        if topic == self.requests_topic {
-            Some(InputTopic::Requests)
-        } else if topic == self.wakeups_topic {
-            Some(InputTopic::Wakeups)
-        } else if topic == self.results_topic {
-            Some(InputTopic::AttemptResults)
-        } else {
-            None
-        }
+        InputTopic::classify(
+            topic,
+            &self.requests_topic,
+            &self.wakeups_topic,
+            &self.results_topic,
+        )
     }
 }
 

@@ -134,15 +134,12 @@ pub struct Context<'a> {
 
 impl Context<'_> {
     fn input_topic(&self, topic: &str) -> Option<InputTopic> {
-        if topic == self.requests_topic {
-            Some(InputTopic::Requests)
-        } else if topic == self.wakeups_topic {
-            Some(InputTopic::Wakeups)
-        } else if topic == self.results_topic {
-            Some(InputTopic::AttemptResults)
-        } else {
-            None
-        }
+        InputTopic::classify(
+            topic,
+            self.requests_topic,
+            self.wakeups_topic,
+            self.results_topic,
+        )
     }
 }
 

@@ -38,6 +38,19 @@ pub enum InputTopic {
 }
 
 impl InputTopic {
+    /// Which input topic `topic` is, given the three configured names.
+    pub fn classify(topic: &str, requests: &str, wakeups: &str, results: &str) -> Option<Self> {
+        if topic == requests {
+            Some(InputTopic::Requests)
+        } else if topic == wakeups {
+            Some(InputTopic::Wakeups)
+        } else if topic == results {
+            Some(InputTopic::AttemptResults)
+        } else {
+            None
+        }
+    }
+
     /// The default topic suffix: `requests`, `wakeups`, `attempt-results`.
     pub fn as_str(self) -> &'static str {
         match self {
