@@ -17,9 +17,7 @@ pub async fn connect(config: &DatabaseConfig) -> anyhow::Result<PgPool> {
         .expose()
         .parse()
         .with_context(|| format!("parsing database url {}", config.url))?;
-    let options = options
-        .options([("statement_timeout", config.statement_timeout_ms.to_string())])
-        .application_name("ductor");
+    let options = session_options(options, config).application_name("ductor");
     PgPoolOptions::new()
         .max_connections(config.max_connections)
         .min_connections(config.min_connections)
@@ -27,6 +25,11 @@ pub async fn connect(config: &DatabaseConfig) -> anyhow::Result<PgPool> {
         .connect_with(options)
         .await
         .with_context(|| format!("connecting to postgres at {}", config.url))
+}
+
+/// The settings every Ductor connection starts with.
+pub fn session_options(options: PgConnectOptions, config: &DatabaseConfig) -> PgConnectOptions {
+    options.options([("statement_timeout", config.statement_timeout_ms.to_string())])
 }
 
 pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {

@@ -50,6 +50,13 @@ pub const NOTIFY_CHANNEL: &str = "ductor_effect_intent";
 
 /// Claims due intents, never past an earlier undelivered intent of the same
 /// run and topic.
+///
+/// The `OFFSET 0` keeps the ordering check a per-candidate probe of the
+/// run-order index on (run_id, topic, seq, effect_index). Without it Postgres
+/// may turn the check into an anti-join, and with an estimate of one
+/// candidate (statistics lag behind a queue table) it chose an inner scan of
+/// the whole index with no index condition, once per candidate: 60 ms claim
+/// rounds with 200 undelivered intents, and quadratic beyond.
 const CLAIM_SQL: &str = "WITH candidate AS ( \
      SELECT intent_id, run_id, topic, seq, effect_index \
      FROM eec_effect_intent \
@@ -64,7 +71,8 @@ const CLAIM_SQL: &str = "WITH candidate AS ( \
          WHERE e.run_id = c.run_id AND e.topic = c.topic \
            AND e.status <> 'completed' AND e.not_before <= now() \
            AND (e.seq, e.effect_index) < (c.seq, c.effect_index) \
-           AND e.intent_id NOT IN (SELECT intent_id FROM candidate)) \
+           AND e.intent_id NOT IN (SELECT intent_id FROM candidate) \
+         OFFSET 0) \
  ) \
  UPDATE eec_effect_intent i \
  SET status = 'claimed', claimed_by = $2, \

@@ -174,6 +174,7 @@ async fn consume(ctx: &IngressContext, shutdown: &CancellationToken) -> anyhow::
             };
             match msg {
                 Ok(m) => {
+                    record_age("ductor_ingress_fetch_age_seconds", &m);
                     let index = m.partition().unsigned_abs() as usize % senders.len();
                     tokio::select! {
                         biased;
@@ -284,7 +285,11 @@ async fn next_batch(
             biased;
             _ = shutdown.cancelled() => return Ok(None),
             msg = ctx.consumer.recv() => match msg {
-                Ok(m) => { batch.push(m.detach()); break; }
+                Ok(m) => {
+                    record_age("ductor_ingress_fetch_age_seconds", &m);
+                    batch.push(m.detach());
+                    break;
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "kafka consumer error");
                     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -297,7 +302,10 @@ async fn next_batch(
         tokio::select! {
             biased;
             msg = ctx.consumer.recv() => match msg {
-                Ok(m) => batch.push(m.detach()),
+                Ok(m) => {
+                    record_age("ductor_ingress_fetch_age_seconds", &m);
+                    batch.push(m.detach());
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "kafka consumer error");
                     break;
@@ -316,6 +324,9 @@ pub async fn process_batch(
     batch: &[OwnedMessage],
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
+    for msg in batch {
+        record_age("ductor_ingress_apply_age_seconds", msg);
+    }
     let mut pending = Vec::with_capacity(batch.len());
     let mut pending_msgs = Vec::with_capacity(batch.len());
     let mut routed = Vec::new();
@@ -472,6 +483,15 @@ pub async fn process_batch(
             .increment(1);
     }
     Ok(())
+}
+
+/// Records how long ago `msg` was produced (its Kafka timestamp), when the
+/// ingress fetched it or began to apply it: the input's age, in seconds.
+fn record_age<M: Message>(name: &'static str, msg: &M) {
+    if let Some(ms) = msg.timestamp().to_millis() {
+        let now_ms = chrono::Utc::now().timestamp_millis();
+        metrics::histogram!(name).record((now_ms - ms).max(0) as f64 / 1000.0);
+    }
 }
 
 /// Stores the next offset of every partition in the batch. A partition that

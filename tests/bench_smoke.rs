@@ -47,6 +47,7 @@ async fn the_quick_bench_reports_every_figure_positive() {
         runs: 30,
         duration_s: 0.5,
         quick: true,
+        ..BenchArgs::default()
     };
     let report: Report = ductor::bench::run(&args, &config, &CancellationToken::new())
         .await

@@ -189,13 +189,23 @@ impl BenchEnv {
         }
         match admin_pool(&self.admin_url).await {
             Ok(admin) => {
-                if let Err(e) = sqlx::query(&format!(
-                    "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-                    self.db_name
-                ))
-                .execute(&admin)
-                .await
-                {
+                // A plain DROP first: it stops an autovacuum worker in the
+                // database by itself, where FORCE would refuse to signal a
+                // process of another role. FORCE then ends the bench's own
+                // sessions that are still closing.
+                let plain = format!("DROP DATABASE IF EXISTS {}", self.db_name);
+                let forced = format!("{plain} WITH (FORCE)");
+                let mut last = None;
+                for statement in [&plain, &forced, &plain] {
+                    match sqlx::query(statement).execute(&admin).await {
+                        Ok(_) => {
+                            last = None;
+                            break;
+                        }
+                        Err(e) => last = Some(e),
+                    }
+                }
+                if let Some(e) = last {
                     problems.push(format!("dropping database {}: {e}", self.db_name));
                 }
                 admin.close().await;
@@ -248,10 +258,6 @@ pub fn connect_options(config: &Config) -> anyhow::Result<PgConnectOptions> {
         .expose()
         .parse()
         .context("parsing the bench database url")?;
-    Ok(options
-        .options([(
-            "statement_timeout",
-            config.database.statement_timeout_ms.to_string(),
-        )])
-        .application_name("ductor-bench"))
+    // The baselines run Ductor's statements with Ductor's session settings.
+    Ok(crate::db::session_options(options, &config.database).application_name("ductor-bench"))
 }

@@ -56,6 +56,15 @@ pub struct BenchArgs {
     /// baseline grid. Its figures are not meaningful as measurements.
     #[arg(long)]
     pub quick: bool,
+    /// Only the latency phases, with RUNS_PER_S as 100 % instead of a
+    /// measured capacity (for comparing settings quickly at a known rate).
+    /// Prints the latency rows and a JSON line of them.
+    #[arg(long = "latency-at", value_name = "RUNS_PER_S")]
+    pub latency_at: Option<f64>,
+    /// The loads of the latency phases, in percent of the reference rate.
+    /// A full run must include 50 (its p99 is a headline ratio).
+    #[arg(long = "loads", value_delimiter = ',', default_values_t = [25, 50, 75, 90])]
+    pub loads: Vec<u32>,
 }
 
 impl Default for BenchArgs {
@@ -64,6 +73,8 @@ impl Default for BenchArgs {
             runs: 2000,
             duration_s: 10.0,
             quick: false,
+            latency_at: None,
+            loads: vec![25, 50, 75, 90],
         }
     }
 }
@@ -87,6 +98,14 @@ impl Plan {
     fn from_args(args: &BenchArgs) -> anyhow::Result<Plan> {
         anyhow::ensure!(args.runs >= 1, "--runs must be at least 1");
         anyhow::ensure!(
+            !args.loads.is_empty() && args.loads.iter().all(|&p| (1..=100).contains(&p)),
+            "--loads must be percentages between 1 and 100"
+        );
+        anyhow::ensure!(
+            args.latency_at.is_some() || args.loads.contains(&50),
+            "--loads must include 50 unless --latency-at is given"
+        );
+        anyhow::ensure!(
             args.duration_s > 0.0 && args.duration_s <= 3600.0,
             "--duration-s must be in (0, 3600]"
         );
@@ -96,7 +115,7 @@ impl Plan {
                 runs: args.runs.min(60),
                 warmup_runs: 3,
                 latency: Duration::from_secs_f64(args.duration_s.min(0.5)),
-                load_pcts: vec![25, 50, 75, 90],
+                load_pcts: args.loads.clone(),
                 b1_point: Duration::from_millis(300),
                 b1a_clients: vec![1, 4],
                 b1b_ks: vec![64],
@@ -109,7 +128,7 @@ impl Plan {
                 runs: args.runs,
                 warmup_runs: 20,
                 latency: Duration::from_secs_f64(args.duration_s),
-                load_pcts: vec![25, 50, 75, 90],
+                load_pcts: args.loads.clone(),
                 b1_point: Duration::from_secs_f64((args.duration_s / 4.0).clamp(1.0, 3.0)),
                 b1a_clients: vec![1, 2, 4, 8, 16],
                 b1b_ks: vec![16, 64, 256],
@@ -159,12 +178,14 @@ pub struct Report {
     pub profile: ReportProfile,
 }
 
-/// Processes outside the bench (compilers, other test suites) competing for
-/// the cores: cores they used during each phase. Above a few tenths, the
-/// phases were not measured under the same conditions.
+/// Processes outside the bench (compilers, other test suites) and, on a
+/// virtual machine, the hypervisor's other guests competing for the cores:
+/// cores taken from the bench during each phase (other processes' CPU plus
+/// steal). Above a few tenths, the phases were not measured under the same
+/// conditions.
 #[derive(Debug, Clone, Serialize)]
 pub struct ReportProfile {
-    pub other_cores: BTreeMap<&'static str, f64>,
+    pub other_cores: BTreeMap<String, f64>,
 }
 
 /// Other processes' load above which the table warns.
@@ -235,36 +256,7 @@ impl Report {
             "L = 1/(1/B1b + 1/B2)", self.limit_inputs_per_s
         );
         let _ = writeln!(t);
-        let _ = writeln!(
-            t,
-            "{:<10} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9}",
-            "load", "runs/s", "inputs/s", "p50 ms", "p99 ms", "p99.9 ms", "max ms"
-        );
-        for l in &self.latency {
-            let _ = writeln!(
-                t,
-                "{:<10} {:>10.1} {:>10.0} {:>9.1} {:>9.1} {:>9.1} {:>9.1}",
-                format!("{}%", l.load_pct),
-                l.runs_per_s,
-                l.inputs_per_s,
-                l.p50_ms,
-                l.p99_ms,
-                l.p999_ms,
-                l.max_ms
-            );
-        }
-        for l in &self.latency {
-            let p = &l.profile;
-            let _ = writeln!(
-                t,
-                "profile latency {}%: request -> fold p50 {:.1} / p99 {:.1} ms, fold -> event consumed p50 {:.1} / p99 {:.1} ms",
-                l.load_pct,
-                p.to_fold_p50_ms,
-                p.to_fold_p99_ms,
-                p.fold_to_event_p50_ms,
-                p.fold_to_event_p99_ms
-            );
-        }
+        t.push_str(&latency_table(&self.latency));
         let r = &self.ratios;
         let contended: Vec<String> = self
             .profile
@@ -277,7 +269,7 @@ impl Report {
             let _ = writeln!(t);
             let _ = writeln!(
                 t,
-                "WARNING: other processes used CPU during: {} cores; those figures are not comparable",
+                "WARNING: other processes or the hypervisor took CPU during: {} cores; those figures are not comparable",
                 contended.join(", ")
             );
         }
@@ -299,7 +291,7 @@ impl Report {
                 t,
                 "profile {name}: {:.0} tx x {:.1} inputs, apply {:.1} ms avg ({:.0}% of the window), publish ack {:.1} ms; \
                  per input: {:.2} commits, {:.3} WAL fsyncs, {:.0} WAL bytes, {:.1} WAL records; \
-                 cores: ductor {:.2}, postgres {:.2}, kafka {:.2}, other {:.2}; {:.2} msgs/input",
+                 cores: ductor {:.2}, postgres {:.2}, kafka {:.2}, other {:.2}, steal {:.2}; {:.2} msgs/input",
                 p.batches,
                 p.inputs_per_batch,
                 p.apply_ms_avg,
@@ -313,6 +305,7 @@ impl Report {
                 p.cpu_cores.postgres,
                 p.cpu_cores.kafka,
                 p.cpu_cores.other,
+                p.cpu_cores.steal,
                 cap.msgs_per_input
             );
         }
@@ -330,22 +323,79 @@ impl Report {
                 let cpu = &best.profile.cpu_cores;
                 let _ = writeln!(
                     t,
-                    "profile {name} best: ms per transaction: {}; cores: client {:.2}, postgres {:.2}, other {:.2}",
+                    "profile {name} best: ms per transaction: {}; cores: client {:.2}, postgres {:.2}, other {:.2}, steal {:.2}",
                     statements.join(", "),
                     cpu.ductor,
                     cpu.postgres,
-                    cpu.other
+                    cpu.other,
+                    cpu.steal
                 );
             }
         }
         let b2 = &self.b2.profile.cpu_cores;
         let _ = writeln!(
             t,
-            "profile B2: cores: ductor {:.2}, postgres {:.2}, kafka {:.2}, other {:.2}; {:.2} msgs/input",
-            b2.ductor, b2.postgres, b2.kafka, b2.other, self.b2.msgs_per_input
+            "profile B2: cores: ductor {:.2}, postgres {:.2}, kafka {:.2}, other {:.2}, steal {:.2}; {:.2} msgs/input",
+            b2.ductor, b2.postgres, b2.kafka, b2.other, b2.steal, self.b2.msgs_per_input
         );
         t
     }
+}
+
+/// The latency rows and their profile lines.
+fn latency_table(latency: &[Latency]) -> String {
+    let mut t = String::new();
+    let _ = writeln!(
+        t,
+        "{:<10} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9}",
+        "load", "runs/s", "inputs/s", "p50 ms", "p99 ms", "p99.9 ms", "max ms"
+    );
+    for l in latency {
+        let _ = writeln!(
+            t,
+            "{:<10} {:>10.1} {:>10.0} {:>9.1} {:>9.1} {:>9.1} {:>9.1}",
+            format!("{}%", l.load_pct),
+            l.runs_per_s,
+            l.inputs_per_s,
+            l.p50_ms,
+            l.p99_ms,
+            l.p999_ms,
+            l.max_ms
+        );
+    }
+    for l in latency {
+        let p = &l.profile;
+        let _ = writeln!(
+            t,
+            "profile latency {}%: request -> fold p50 {:.1} / p99 {:.1} ms, fold -> event consumed p50 {:.1} / p99 {:.1} ms \
+                 (fold -> event produced p50 {:.1} / p99 {:.1}, produced -> consumed p50 {:.1} / p99 {:.1})",
+            l.load_pct,
+            p.to_fold_p50_ms,
+            p.to_fold_p99_ms,
+            p.fold_to_event_p50_ms,
+            p.fold_to_event_p99_ms,
+            p.fold_to_produce_p50_ms,
+            p.fold_to_produce_p99_ms,
+            p.produce_to_consume_p50_ms,
+            p.produce_to_consume_p99_ms
+        );
+        let _ = writeln!(
+            t,
+            "    means: input age at fetch {:.1} ms, at apply {:.1} ms; apply {:.1} ms for {:.1} inputs; publish ack {:.1} ms; \
+             cores: ductor {:.2}, postgres {:.2}, kafka {:.2}, other {:.2}, steal {:.2}",
+            p.fetch_age_ms_avg,
+            p.apply_age_ms_avg,
+            p.apply_ms_avg,
+            p.inputs_per_batch,
+            p.publish_ms_avg,
+            p.cpu_cores.ductor,
+            p.cpu_cores.postgres,
+            p.cpu_cores.kafka,
+            p.cpu_cores.other,
+            p.cpu_cores.steal
+        );
+    }
+    t
 }
 
 /// The CLI entry point: runs the bench until done or SIGINT/SIGTERM, prints
@@ -353,10 +403,81 @@ impl Report {
 pub async fn main(args: BenchArgs, config: Config) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     crate::serve::cancel_on_signals(shutdown.clone())?;
+    if let Some(rate) = args.latency_at {
+        let latency = run_latency_only(&args, &config, rate, &shutdown).await?;
+        print!("{}", latency_table(&latency));
+        println!(
+            "{}",
+            serde_json::json!({ "reference_runs_per_s": rate, "latency": latency })
+        );
+        return Ok(());
+    }
     let report = run(&args, &config, &shutdown).await?;
     print!("{}", report.table());
     println!("{}", report.json_line());
     Ok(())
+}
+
+/// The latency phases alone, at percentages of `rate` runs/s.
+pub async fn run_latency_only(
+    args: &BenchArgs,
+    config: &Config,
+    rate: f64,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Vec<Latency>> {
+    anyhow::ensure!(
+        rate.is_finite() && rate > 0.0,
+        "--latency-at must be a positive number of runs/s"
+    );
+    let plan = Plan::from_args(args)?;
+    let mut progress = Progress::default();
+    let env = BenchEnv::create(config).await?;
+    let result = tokio::select! {
+        r = async {
+            // The capacity backlog fills the tables as in a full run; its
+            // figure is shown but not used.
+            let sync = env.set_synchronous_commit(true).await?;
+            let mut on = Pipeline::start(&env, "on", plan.worker_in_flight, shutdown).await?;
+            let capacity = pipeline::capacity(
+                &env,
+                &mut on,
+                "on",
+                sync,
+                plan.runs,
+                plan.warmup_runs,
+                &mut progress,
+            )
+            .await?;
+            progress.done(&format!(
+                "capacity (synchronous_commit on, not used): {:.0} inputs/s, {:.1} runs/s",
+                capacity.inputs_per_s, capacity.runs_per_s
+            ));
+            env.analyze().await?;
+            let latency = pipeline::latency(
+                &env,
+                &mut on,
+                rate,
+                &plan.load_pcts,
+                plan.latency,
+                shutdown,
+                &mut progress,
+            )
+            .await?;
+            on.stop().await?;
+            Ok::<_, anyhow::Error>(latency)
+        } => r,
+        _ = shutdown.cancelled() => Err(anyhow::anyhow!("bench interrupted")),
+    };
+    if result.is_err() {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let cleanup = env.cleanup().await;
+    match (result, cleanup) {
+        (Ok(latency), Ok(())) => Ok(latency),
+        (Ok(_), Err(e)) => Err(e),
+        (Err(e), Ok(())) => Err(e),
+        (Err(e), Err(c)) => Err(e.context(format!("and then {c:#}"))),
+    }
 }
 
 /// Runs every phase against the stack `config` points at, in a database and
@@ -492,18 +613,24 @@ async fn phases(
         b.grid
             .iter()
             .find(|p| p.clients == b.clients && p.k == b.k)
-            .map_or(0.0, |p| p.profile.cpu_cores.other)
+            .map_or(0.0, |p| taken(&p.profile.cpu_cores))
     };
-    let other_cores = BTreeMap::from([
-        ("capacity", capacity.profile.cpu_cores.other),
+    let mut other_cores = BTreeMap::from([
+        ("capacity".to_string(), taken(&capacity.profile.cpu_cores)),
         (
-            "capacity_sync_off",
-            capacity_sync_off.profile.cpu_cores.other,
+            "capacity_sync_off".to_string(),
+            taken(&capacity_sync_off.profile.cpu_cores),
         ),
-        ("b1a", best_cpu(&b1a)),
-        ("b1b", best_cpu(&b1b)),
-        ("b2", b2.profile.cpu_cores.other),
+        ("b1a".to_string(), best_cpu(&b1a)),
+        ("b1b".to_string(), best_cpu(&b1b)),
+        ("b2".to_string(), taken(&b2.profile.cpu_cores)),
     ]);
+    for l in &latency {
+        other_cores.insert(
+            format!("latency_{}", l.load_pct),
+            taken(&l.profile.cpu_cores),
+        );
+    }
     Ok(Report {
         quick: plan.quick,
         steps_per_run: STEPS,
@@ -518,6 +645,11 @@ async fn phases(
         ratios,
         profile: ReportProfile { other_cores },
     })
+}
+
+/// Cores taken from the bench by other processes and the hypervisor.
+fn taken(cores: &stats::CpuCores) -> f64 {
+    cores.other + cores.steal
 }
 
 fn baseline(grid: Vec<Point>) -> anyhow::Result<Baseline> {

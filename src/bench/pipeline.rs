@@ -446,13 +446,30 @@ pub struct Latency {
 /// The latency split at the coordinator's fold (the `at` of the event, the
 /// wall-clock time of the apply): before it, producing, fetching, batching
 /// and loading; after it, the rest of the apply and its commit, the drainer
-/// round and the publish, and the bench's fetch.
+/// round and the publish, and the bench's fetch. The part after the fold is
+/// split again at the event's produce time (its Kafka timestamp, in whole
+/// milliseconds): commit and hand-over before it, the Kafka hop after.
 #[derive(Debug, Clone, Serialize)]
 pub struct LatencyProfile {
     pub to_fold_p50_ms: f64,
     pub to_fold_p99_ms: f64,
     pub fold_to_event_p50_ms: f64,
     pub fold_to_event_p99_ms: f64,
+    pub fold_to_produce_p50_ms: f64,
+    pub fold_to_produce_p99_ms: f64,
+    pub produce_to_consume_p50_ms: f64,
+    pub produce_to_consume_p99_ms: f64,
+    /// Means over every input and batch of the phase (starts and results):
+    /// an input's age when the ingress fetched it and when its batch began
+    /// to apply, the apply transactions' size and duration, and the broker
+    /// acknowledgement time of a drainer publish.
+    pub fetch_age_ms_avg: f64,
+    pub apply_age_ms_avg: f64,
+    pub inputs_per_batch: f64,
+    pub apply_ms_avg: f64,
+    pub publish_ms_avg: f64,
+    /// Cores used while the phase's requests were sent and started.
+    pub cpu_cores: CpuCores,
 }
 
 /// Reads the events topic from its current end and forwards `(run_id,
@@ -470,6 +487,8 @@ struct Arrival {
     at_wall: DateTime<Utc>,
     /// The coordinator's `now` when it folded the start (the event's `at`).
     folded: Option<DateTime<Utc>>,
+    /// When the drainer produced the event (its Kafka timestamp).
+    produced: Option<DateTime<Utc>>,
 }
 
 impl EventsReader {
@@ -524,11 +543,16 @@ impl EventsReader {
                             .and_then(|a| DateTime::parse_from_rfc3339(a).ok())
                     })
                     .map(|t| t.with_timezone(&Utc));
+                let produced = message
+                    .timestamp()
+                    .to_millis()
+                    .and_then(DateTime::from_timestamp_millis);
                 let arrival = Arrival {
                     run_id,
                     at: arrived,
                     at_wall: arrived_wall,
                     folded,
+                    produced,
                 };
                 if tx.send(arrival).await.is_err() {
                     return Ok(());
@@ -666,9 +690,13 @@ async fn one_rate(
     let mut histogram = new_histogram()?;
     let mut to_fold = new_histogram()?;
     let mut fold_to_event = new_histogram()?;
+    let mut fold_to_produce = new_histogram()?;
+    let mut produce_to_consume = new_histogram()?;
     let record = |h: &mut Histogram<u64>, us: i64| {
         h.saturating_record((us.max(1) as u64).min(MAX_LATENCY_US));
     };
+    let hist_before = Histograms::sample();
+    let cpu_before = CpuTicks::sample(&env.cpu);
     let mut seen = vec![false; n];
     let mut count = 0usize;
     let mut watchdog = Watchdog::new(label.clone(), duration + Duration::from_secs(60), STALL);
@@ -700,6 +728,10 @@ async fn one_rate(
                         let micros = |d: chrono::Duration| d.num_microseconds().unwrap_or(0);
                         record(&mut to_fold, micros(folded - intended_wall));
                         record(&mut fold_to_event, micros(arrival.at_wall - folded));
+                        if let Some(produced) = arrival.produced {
+                            record(&mut fold_to_produce, micros(produced - folded));
+                            record(&mut produce_to_consume, micros(arrival.at_wall - produced));
+                        }
                     }
                 }
             }
@@ -713,6 +745,13 @@ async fn one_rate(
         watchdog.check(count as u64, n as u64)?;
     }
     sender.await.context("the latency sender panicked")??;
+    let hist_after = Histograms::sample();
+    let cpu_after = CpuTicks::sample(&env.cpu);
+    let mean_ms = |name: &str| {
+        let (count, sum) = hist_before.delta(&hist_after, name);
+        1000.0 * sum / count.max(1.0)
+    };
+    let (batches, batch_inputs) = hist_before.delta(&hist_after, "ductor_apply_batch_size");
     // Let the phase's runs finish, so the next rate starts from a quiet pipeline.
     pipeline
         .wait_finished(env, &prefix, n, Duration::from_secs(120), progress, &label)
@@ -732,6 +771,16 @@ async fn one_rate(
             to_fold_p99_ms: to_fold.value_at_quantile(0.99) as f64 / 1000.0,
             fold_to_event_p50_ms: fold_to_event.value_at_quantile(0.5) as f64 / 1000.0,
             fold_to_event_p99_ms: fold_to_event.value_at_quantile(0.99) as f64 / 1000.0,
+            fold_to_produce_p50_ms: fold_to_produce.value_at_quantile(0.5) as f64 / 1000.0,
+            fold_to_produce_p99_ms: fold_to_produce.value_at_quantile(0.99) as f64 / 1000.0,
+            produce_to_consume_p50_ms: produce_to_consume.value_at_quantile(0.5) as f64 / 1000.0,
+            produce_to_consume_p99_ms: produce_to_consume.value_at_quantile(0.99) as f64 / 1000.0,
+            fetch_age_ms_avg: mean_ms("ductor_ingress_fetch_age_seconds"),
+            apply_age_ms_avg: mean_ms("ductor_ingress_apply_age_seconds"),
+            inputs_per_batch: batch_inputs / batches.max(1.0),
+            apply_ms_avg: mean_ms("ductor_apply_seconds"),
+            publish_ms_avg: mean_ms("ductor_outbox_publish_seconds"),
+            cpu_cores: cpu_before.cores_until(&cpu_after),
         },
     })
 }

@@ -31,8 +31,11 @@ enum Group {
 #[derive(Debug, Clone, Default)]
 pub struct CpuTicks {
     processes: BTreeMap<(Group, u32), u64>,
-    /// Busy ticks of the whole machine (`/proc/stat`), all CPUs summed.
+    /// Busy ticks of the whole machine (`/proc/stat`), all CPUs summed,
+    /// steal excluded.
     machine: u64,
+    /// Steal ticks of the whole machine.
+    steal: u64,
     at: Option<Instant>,
 }
 
@@ -46,6 +49,10 @@ pub struct CpuCores {
     /// Everything else on the machine (compilers, other tests): contention
     /// that the figures do not account for.
     pub other: f64,
+    /// CPU time the hypervisor gave to other guests while this machine's
+    /// threads were ready to run (`steal` in `/proc/stat`): not counted in
+    /// `other`, and as disturbing.
+    pub steal: f64,
 }
 
 /// Which processes count as whose: the stack's Kafka broker is the process
@@ -118,7 +125,7 @@ impl CpuTicks {
             at: Some(Instant::now()),
             ..CpuTicks::default()
         };
-        ticks.machine = machine_busy_ticks().unwrap_or(0);
+        (ticks.machine, ticks.steal) = machine_busy_ticks().unwrap_or((0, 0));
         let me = std::process::id().to_string();
         let Ok(dir) = std::fs::read_dir("/proc") else {
             return ticks;
@@ -188,6 +195,7 @@ impl CpuTicks {
             kafka,
             other: (cores(later.machine.saturating_sub(self.machine)) - ductor - postgres - kafka)
                 .max(0.0),
+            steal: cores(later.steal.saturating_sub(self.steal)),
         }
     }
 }
@@ -201,7 +209,8 @@ fn other_database_backend(title: &str, db_name: &str) -> bool {
 }
 
 /// Busy ticks of all CPUs: the first line of `/proc/stat` less idle and iowait.
-fn machine_busy_ticks() -> Option<u64> {
+/// `(busy, steal)` ticks of the whole machine; busy excludes steal.
+fn machine_busy_ticks() -> Option<(u64, u64)> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
     let line = stat.lines().next()?.strip_prefix("cpu ")?;
     let fields: Vec<u64> = line
@@ -211,7 +220,8 @@ fn machine_busy_ticks() -> Option<u64> {
     // user nice system idle iowait irq softirq steal (guest time is in user).
     let total: u64 = fields.iter().take(8).sum();
     let idle = fields.get(3)? + fields.get(4)?;
-    Some(total.saturating_sub(idle))
+    let steal = fields.get(7).copied().unwrap_or(0);
+    Some((total.saturating_sub(idle).saturating_sub(steal), steal))
 }
 
 /// `(comm, utime + stime)` of one `/proc/<pid>/stat` line.
