@@ -330,6 +330,7 @@ impl Applier {
             // The fast lane's leases start inside this transaction.
             let leased_at = Instant::now();
             let mut tx = self.pool.begin().await?;
+            record_phase("begin", leased_at);
             let attempt = match self.apply_in_tx(&mut tx, inputs, routed, use_cache).await {
                 Ok(attempt) => attempt,
                 Err(e) => {
@@ -339,7 +340,9 @@ impl Applier {
             };
             match attempt {
                 Attempt::Committed(mut report, handed) => {
+                    let committing = Instant::now();
                     let committed = tx.commit().await;
+                    record_phase("commit", committing);
                     let lost = committed.is_ok() && commit_reply_lost();
                     if committed.is_ok() && !lost {
                         self.cache.put_many(handed.states);
@@ -406,7 +409,10 @@ impl Applier {
         use_cache: bool,
     ) -> Result<Attempt, ApplyError> {
         let cache = use_cache.then_some(&self.cache);
+        let loading = Instant::now();
         let mut runs = load_runs(tx, inputs, cache).await?;
+        record_phase("load", loading);
+        let folding = Instant::now();
         let now = Utc::now();
         let mut writes = Writes::default();
 
@@ -451,15 +457,18 @@ impl Applier {
         if writes.routing_lost {
             return Ok(Attempt::Conflict);
         }
-        let Some(handed) = write_all(
+        record_phase("fold", folding);
+        let writing = Instant::now();
+        let written = write_all(
             tx,
             &runs,
             &writes,
             self.notify_commits,
             self.handoff.as_ref(),
         )
-        .await?
-        else {
+        .await;
+        record_phase("write", writing);
+        let Some(handed) = written? else {
             return Ok(Attempt::Conflict);
         };
         Ok(Attempt::Committed(
@@ -786,6 +795,15 @@ async fn load_runs(
         }
     }
     Ok(runs)
+}
+
+/// Time spent in one phase of an apply transaction, whatever the attempt's
+/// outcome: `begin` (with the wait for a pooled connection), `load`, `fold`
+/// (with the routing plane's decisions), `write` (the runs and history
+/// statements) and `commit`.
+fn record_phase(phase: &'static str, since: Instant) {
+    metrics::histogram!("ductor_apply_phase_seconds", "phase" => phase)
+        .record(since.elapsed().as_secs_f64());
 }
 
 /// Failpoint `apply.commit_reply_lost`: the commit went through and its

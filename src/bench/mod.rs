@@ -394,6 +394,15 @@ fn latency_table(latency: &[Latency]) -> String {
             p.cpu_cores.other,
             p.cpu_cores.steal
         );
+        let phases: Vec<String> = pipeline::APPLY_PHASES
+            .iter()
+            .filter_map(|phase| {
+                p.apply_phase_ms_avg
+                    .get(*phase)
+                    .map(|ms| format!("{phase} {ms:.1}"))
+            })
+            .collect();
+        let _ = writeln!(t, "    apply phases, mean ms: {}", phases.join(", "));
     }
     t
 }

@@ -1,6 +1,7 @@
 //! The real pipeline in-process (`serve::run` plus an echo worker), measured
 //! closed-loop for capacity and open-loop for latency.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -426,6 +427,9 @@ pub async fn capacity(
     })
 }
 
+/// The phases of an apply transaction, in order.
+pub const APPLY_PHASES: [&str; 5] = ["begin", "load", "fold", "write", "commit"];
+
 /// Open-loop latency at one rate.
 #[derive(Debug, Clone, Serialize)]
 pub struct Latency {
@@ -467,6 +471,9 @@ pub struct LatencyProfile {
     pub apply_age_ms_avg: f64,
     pub inputs_per_batch: f64,
     pub apply_ms_avg: f64,
+    /// Mean time of each phase of an apply transaction (`begin`, `load`,
+    /// `fold`, `write`, `commit`; see `ductor_apply_phase_seconds`).
+    pub apply_phase_ms_avg: BTreeMap<String, f64>,
     pub publish_ms_avg: f64,
     /// Cores used while the phase's requests were sent and started.
     pub cpu_cores: CpuCores,
@@ -779,6 +786,13 @@ async fn one_rate(
             apply_age_ms_avg: mean_ms("ductor_ingress_apply_age_seconds"),
             inputs_per_batch: batch_inputs / batches.max(1.0),
             apply_ms_avg: mean_ms("ductor_apply_seconds"),
+            apply_phase_ms_avg: APPLY_PHASES
+                .iter()
+                .map(|phase| {
+                    let series = format!("ductor_apply_phase_seconds{{phase=\"{phase}\"}}");
+                    (phase.to_string(), mean_ms(&series))
+                })
+                .collect(),
             publish_ms_avg: mean_ms("ductor_outbox_publish_seconds"),
             cpu_cores: cpu_before.cores_until(&cpu_after),
         },

@@ -294,23 +294,35 @@ pub struct Histograms(BTreeMap<String, f64>);
 
 impl Histograms {
     pub fn sample() -> Histograms {
-        let text = crate::telemetry::metrics_handle().render();
+        Histograms::parse(&crate::telemetry::metrics_handle().render())
+    }
+
+    /// The `_sum` and `_count` series of a Prometheus text exposition.
+    pub fn parse(text: &str) -> Histograms {
         let mut values = BTreeMap::new();
         for line in text.lines() {
             let Some((name, value)) = line.split_once(' ') else {
                 continue;
             };
-            if (name.ends_with("_sum") || name.ends_with("_count"))
-                && !name.contains('{')
-                && let Ok(v) = value.trim().parse::<f64>()
-            {
-                values.insert(name.to_string(), v);
+            // `name_sum{labels}` is kept as `name{labels}_sum`.
+            let (base, labels) = match name.split_once('{') {
+                Some((base, rest)) => (base, format!("{{{rest}")),
+                None => (name, String::new()),
+            };
+            let Ok(v) = value.trim().parse::<f64>() else {
+                continue;
+            };
+            for suffix in ["_sum", "_count"] {
+                if let Some(metric) = base.strip_suffix(suffix) {
+                    values.insert(format!("{metric}{labels}{suffix}"), v);
+                }
             }
         }
         Histograms(values)
     }
 
-    /// `(count, sum)` of `name` between `self` and `later`.
+    /// `(count, sum)` of `name` between `self` and `later`; a labelled
+    /// series is named as in the exposition, `name{label="value"}`.
     pub fn delta(&self, later: &Histograms, name: &str) -> (f64, f64) {
         let get = |h: &Histograms, suffix: &str| {
             h.0.get(&format!("{name}{suffix}")).copied().unwrap_or(0.0)
@@ -473,6 +485,36 @@ mod tests {
         let line =
             "42 (postgres: ductor x) S 1 42 42 0 -1 4194560 100 0 0 0 7 3 0 0 20 0 1 0 5 0 0";
         assert_eq!(parse_stat(line), Some(("postgres: ductor x", 10)));
+    }
+
+    #[test]
+    fn histogram_deltas_cover_plain_and_labelled_series() {
+        let before = Histograms::parse(
+            "# TYPE ductor_apply_seconds summary\n\
+             ductor_apply_seconds{quantile=\"0.5\"} 0.01\n\
+             ductor_apply_seconds_sum 1.5\n\
+             ductor_apply_seconds_count 10\n\
+             ductor_apply_phase_seconds_sum{phase=\"load\"} 0.25\n\
+             ductor_apply_phase_seconds_count{phase=\"load\"} 10\n",
+        );
+        let after = Histograms::parse(
+            "ductor_apply_seconds_sum 2.5\n\
+             ductor_apply_seconds_count 30\n\
+             ductor_apply_phase_seconds_sum{phase=\"load\"} 0.75\n\
+             ductor_apply_phase_seconds_count{phase=\"load\"} 30\n\
+             ductor_apply_phase_seconds_sum{phase=\"write\"} 4\n\
+             ductor_apply_phase_seconds_count{phase=\"write\"} 20\n",
+        );
+        assert_eq!(before.delta(&after, "ductor_apply_seconds"), (20.0, 1.0));
+        assert_eq!(
+            before.delta(&after, "ductor_apply_phase_seconds{phase=\"load\"}"),
+            (20.0, 0.5)
+        );
+        assert_eq!(
+            before.delta(&after, "ductor_apply_phase_seconds{phase=\"write\"}"),
+            (20.0, 4.0)
+        );
+        assert_eq!(before.delta(&after, "ductor_missing_seconds"), (0.0, 0.0));
     }
 
     #[test]
