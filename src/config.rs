@@ -152,7 +152,10 @@ pub struct CoordinatorConfig {
     pub workflows_dir: PathBuf,
     /// Most inputs applied in one Postgres transaction.
     pub batch_max_inputs: usize,
-    /// How long the ingress waits to fill a batch once it has one input.
+    /// How long an idle apply lane waits for more inputs after its first
+    /// one. Inputs that queued while the lane was applying form the next
+    /// batch at once, without this wait. (With `apply_lanes = 1` the single
+    /// ingress loop always waits this long to fill a batch.)
     pub batch_linger_ms: u64,
     /// Batches applied at once, each on its own connection: input partition
     /// `p` goes to lane `p % apply_lanes`, so one partition stays in order

@@ -219,15 +219,26 @@ async fn lane(
                 None => return Ok(()),
             },
         }
-        let deadline = Instant::now() + ctx.batch_linger;
+        // What queued up while the previous batch was applied is a batch
+        // already: take it without waiting. Only a lone message, one that
+        // found the lane idle, lingers for company.
         while batch.len() < ctx.batch_max_inputs {
-            tokio::select! {
-                biased;
-                m = messages.recv() => match m {
-                    Some(m) => batch.push(m),
-                    None => break,
-                },
-                _ = tokio::time::sleep_until(deadline) => break,
+            match messages.try_recv() {
+                Ok(m) => batch.push(m),
+                Err(_) => break,
+            }
+        }
+        if batch.len() == 1 {
+            let deadline = Instant::now() + ctx.batch_linger;
+            while batch.len() < ctx.batch_max_inputs {
+                tokio::select! {
+                    biased;
+                    m = messages.recv() => match m {
+                        Some(m) => batch.push(m),
+                        None => break,
+                    },
+                    _ = tokio::time::sleep_until(deadline) => break,
+                }
             }
         }
         let handled = handle_batch(ctx, &batch, stop).await;
