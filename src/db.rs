@@ -32,6 +32,34 @@ pub fn session_options(options: PgConnectOptions, config: &DatabaseConfig) -> Pg
     options.options([("statement_timeout", config.statement_timeout_ms.to_string())])
 }
 
+/// Drops database `name` (a trusted identifier) if it exists.
+///
+/// `WITH (FORCE)` would refuse when an autovacuum worker is busy in the
+/// database (a process of another role), so instead: end the sessions of
+/// our own role still connected to it, then a plain DROP, which stops
+/// autovacuum workers by itself and waits up to 5 s for other sessions to
+/// leave. Tried three times, for a session that connected meanwhile.
+pub async fn drop_database(admin: &PgPool, name: &str) -> Result<(), sqlx::Error> {
+    let mut result = Ok(());
+    for _ in 0..3 {
+        sqlx::query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE datname = $1 AND usename = current_user AND pid <> pg_backend_pid()",
+        )
+        .bind(name)
+        .execute(admin)
+        .await?;
+        result = sqlx::query(&format!("DROP DATABASE IF EXISTS {name}"))
+            .execute(admin)
+            .await
+            .map(|_| ());
+        if result.is_ok() {
+            break;
+        }
+    }
+    result
+}
+
 pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
     MIGRATOR
         .run(pool)

@@ -189,23 +189,7 @@ impl BenchEnv {
         }
         match admin_pool(&self.admin_url).await {
             Ok(admin) => {
-                // A plain DROP first: it stops an autovacuum worker in the
-                // database by itself, where FORCE would refuse to signal a
-                // process of another role. FORCE then ends the bench's own
-                // sessions that are still closing.
-                let plain = format!("DROP DATABASE IF EXISTS {}", self.db_name);
-                let forced = format!("{plain} WITH (FORCE)");
-                let mut last = None;
-                for statement in [&plain, &forced, &plain] {
-                    match sqlx::query(statement).execute(&admin).await {
-                        Ok(_) => {
-                            last = None;
-                            break;
-                        }
-                        Err(e) => last = Some(e),
-                    }
-                }
-                if let Some(e) = last {
+                if let Err(e) = crate::db::drop_database(&admin, &self.db_name).await {
                     problems.push(format!("dropping database {}: {e}", self.db_name));
                 }
                 admin.close().await;

@@ -76,13 +76,9 @@ impl TestDb {
             .connect(&database_url())
             .await
             .expect("connecting to the test postgres");
-        sqlx::query(&format!(
-            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-            self.name
-        ))
-        .execute(&admin)
-        .await
-        .expect("dropping test database");
+        ductor::db::drop_database(&admin, &self.name)
+            .await
+            .expect("dropping test database");
     }
 
     pub async fn count(&self, table: &str) -> i64 {
