@@ -58,6 +58,8 @@ pub struct BenchArgs {
     pub quick: bool,
     /// Only the latency phases, with RUNS_PER_S as 100 % instead of a
     /// measured capacity (for comparing settings quickly at a known rate).
+    /// A capacity backlog still runs first, to fill the tables as in a full
+    /// run; its figure is shown, not used. No baselines, no sync-off phase.
     /// Prints the latency rows and a JSON line of them.
     #[arg(long = "latency-at", value_name = "RUNS_PER_S")]
     pub latency_at: Option<f64>,
