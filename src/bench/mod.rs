@@ -441,54 +441,11 @@ pub async fn run_latency_only(
         "--latency-at must be a positive number of runs/s"
     );
     let plan = Plan::from_args(args)?;
-    let mut progress = Progress::default();
-    let env = BenchEnv::create(config).await?;
-    let result = tokio::select! {
-        r = async {
-            // The capacity backlog fills the tables as in a full run; its
-            // figure is shown but not used.
-            let sync = env.set_synchronous_commit(true).await?;
-            let mut on = Pipeline::start(&env, "on", plan.worker_in_flight, shutdown).await?;
-            let capacity = pipeline::capacity(
-                &env,
-                &mut on,
-                "on",
-                sync,
-                plan.runs,
-                plan.warmup_runs,
-                &mut progress,
-            )
-            .await?;
-            progress.done(&format!(
-                "capacity (synchronous_commit on, not used): {:.0} inputs/s, {:.1} runs/s",
-                capacity.inputs_per_s, capacity.runs_per_s
-            ));
-            env.analyze().await?;
-            let latency = pipeline::latency(
-                &env,
-                &mut on,
-                rate,
-                &plan.load_pcts,
-                plan.latency,
-                shutdown,
-                &mut progress,
-            )
-            .await?;
-            on.stop().await?;
-            Ok::<_, anyhow::Error>(latency)
-        } => r,
-        _ = shutdown.cancelled() => Err(anyhow::anyhow!("bench interrupted")),
-    };
-    if result.is_err() {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    let cleanup = env.cleanup().await;
-    match (result, cleanup) {
-        (Ok(latency), Ok(())) => Ok(latency),
-        (Ok(_), Err(e)) => Err(e),
-        (Err(e), Ok(())) => Err(e),
-        (Err(e), Err(c)) => Err(e.context(format!("and then {c:#}"))),
-    }
+    in_own_env(config, shutdown, async |env, progress| {
+        let (_, latency) = sync_on_phases(env, &plan, Some(rate), shutdown, progress).await?;
+        Ok(latency)
+    })
+    .await
 }
 
 /// Runs every phase against the stack `config` points at, in a database and
@@ -499,6 +456,19 @@ pub async fn run(
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Report> {
     let plan = Plan::from_args(args)?;
+    in_own_env(config, shutdown, async |env, progress| {
+        phases(env, &plan, shutdown, progress).await
+    })
+    .await
+}
+
+/// Runs `body` in a bench database and topics of its own, removed at the
+/// end whatever happened; SIGINT/SIGTERM (`shutdown`) interrupts it.
+async fn in_own_env<T>(
+    config: &Config,
+    shutdown: &CancellationToken,
+    body: impl AsyncFnOnce(&BenchEnv, &mut Progress) -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
     let mut progress = Progress::default();
     let env = BenchEnv::create(config).await?;
     progress.done(&format!(
@@ -506,7 +476,7 @@ pub async fn run(
         env.db_name, env.tag
     ));
     let result = tokio::select! {
-        r = phases(&env, &plan, shutdown, &mut progress) => r,
+        r = body(&env, &mut progress) => r,
         _ = shutdown.cancelled() => Err(anyhow::anyhow!("bench interrupted")),
     };
     // Give cancelled pipelines a moment to let go of their connections.
@@ -515,20 +485,22 @@ pub async fn run(
     }
     let cleanup = env.cleanup().await;
     match (result, cleanup) {
-        (Ok(report), Ok(())) => Ok(report),
+        (Ok(value), Ok(())) => Ok(value),
         (Ok(_), Err(e)) => Err(e),
         (Err(e), Ok(())) => Err(e),
         (Err(e), Err(c)) => Err(e.context(format!("and then {c:#}"))),
     }
 }
 
-async fn phases(
+/// Capacity and then latency with synchronous commit on. The latency rates
+/// are percentages of `reference` runs/s, or of the measured capacity.
+async fn sync_on_phases(
     env: &BenchEnv,
     plan: &Plan,
+    reference: Option<f64>,
     shutdown: &CancellationToken,
     progress: &mut Progress,
-) -> anyhow::Result<Report> {
-    // 1 and 2: capacity and latency with synchronous commit on.
+) -> anyhow::Result<(Capacity, Vec<Latency>)> {
     let sync = env.set_synchronous_commit(true).await?;
     let mut on = Pipeline::start(env, "on", plan.worker_in_flight, shutdown).await?;
     let capacity = pipeline::capacity(
@@ -542,14 +514,20 @@ async fn phases(
     )
     .await?;
     progress.done(&format!(
-        "capacity (synchronous_commit on): {:.0} inputs/s, {:.1} runs/s",
-        capacity.inputs_per_s, capacity.runs_per_s
+        "capacity (synchronous_commit on{}): {:.0} inputs/s, {:.1} runs/s",
+        if reference.is_some() {
+            ", not used"
+        } else {
+            ""
+        },
+        capacity.inputs_per_s,
+        capacity.runs_per_s
     ));
     env.analyze().await?;
     let latency = pipeline::latency(
         env,
         &mut on,
-        capacity.runs_per_s,
+        reference.unwrap_or(capacity.runs_per_s),
         &plan.load_pcts,
         plan.latency,
         shutdown,
@@ -557,6 +535,17 @@ async fn phases(
     )
     .await?;
     on.stop().await?;
+    Ok((capacity, latency))
+}
+
+async fn phases(
+    env: &BenchEnv,
+    plan: &Plan,
+    shutdown: &CancellationToken,
+    progress: &mut Progress,
+) -> anyhow::Result<Report> {
+    // 1 and 2: capacity and latency with synchronous commit on.
+    let (capacity, latency) = sync_on_phases(env, plan, None, shutdown, progress).await?;
 
     // 3: the SQL footprint alone.
     let b1a_grid =
