@@ -10,12 +10,12 @@
 //! from fresh state, so no input of the batch is lost or applied twice.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
-use sqlx::{PgPool, Postgres, Row, Transaction as PgTx};
+use sqlx::{PgConnection, PgPool, Postgres, Row, Transaction as PgTx};
 use uuid::Uuid;
 
 use crate::coordinator::{
@@ -295,6 +295,51 @@ pub struct IntentRow {
     pub due: bool,
 }
 
+/// Where one attempt at a batch runs. A batch with routed requests needs a
+/// transaction: the routing plane's reserve and complete statements commit
+/// with the batch. Any other batch is written by one statement, which is its
+/// own transaction, so it saves the BEGIN and COMMIT round trips; its loads
+/// read outside any transaction, which the optimistic lock makes safe (the
+/// write only lands on the `record_version` that was read).
+enum Session {
+    Transaction(PgTx<'static, Postgres>),
+    Statement(sqlx::pool::PoolConnection<Postgres>),
+}
+
+impl Session {
+    async fn open(pool: &PgPool, single_statement: bool) -> Result<Session, sqlx::Error> {
+        Ok(if single_statement {
+            Session::Statement(pool.acquire().await?)
+        } else {
+            Session::Transaction(pool.begin().await?)
+        })
+    }
+
+    fn conn(&mut self) -> &mut PgConnection {
+        match self {
+            Session::Transaction(tx) => tx,
+            Session::Statement(conn) => conn,
+        }
+    }
+
+    /// Commits the transaction; the single statement has already committed.
+    async fn commit(self) -> Result<(), sqlx::Error> {
+        match self {
+            Session::Transaction(tx) => tx.commit().await,
+            Session::Statement(_) => Ok(()),
+        }
+    }
+
+    /// Rolls the transaction back; a single statement that failed left
+    /// nothing behind.
+    async fn rollback(self) -> Result<(), sqlx::Error> {
+        match self {
+            Session::Transaction(tx) => tx.rollback().await,
+            Session::Statement(_) => Ok(()),
+        }
+    }
+}
+
 /// How one attempt at a batch ended.
 enum Attempt {
     Committed(BatchReport, Handed),
@@ -327,11 +372,11 @@ impl Applier {
         let batch_runs = || inputs.iter().map(|p| p.input.run_id());
         let mut use_cache = true;
         loop {
-            // The fast lane's leases start inside this transaction.
+            // The fast lane's leases start inside this attempt.
             let leased_at = Instant::now();
-            let mut tx = self.pool.begin().await?;
+            let mut session = Session::open(&self.pool, routed.is_empty()).await?;
             record_phase("begin", leased_at);
-            let attempt = match self.apply_in_tx(&mut tx, inputs, routed, use_cache).await {
+            let attempt = match self.apply_in(&mut session, inputs, routed, use_cache).await {
                 Ok(attempt) => attempt,
                 Err(e) => {
                     self.cache.forget(batch_runs());
@@ -341,8 +386,11 @@ impl Applier {
             match attempt {
                 Attempt::Committed(mut report, handed) => {
                     let committing = Instant::now();
-                    let committed = tx.commit().await;
-                    record_phase("commit", committing);
+                    let in_transaction = matches!(session, Session::Transaction(_));
+                    let committed = session.commit().await;
+                    if in_transaction {
+                        record_phase("commit", committing);
+                    }
                     let lost = committed.is_ok() && commit_reply_lost();
                     if committed.is_ok() && !lost {
                         self.cache.put_many(handed.states);
@@ -378,18 +426,18 @@ impl Applier {
                     return Ok(report);
                 }
                 Attempt::Busy => {
-                    tx.rollback().await?;
+                    session.rollback().await?;
                     return Err(ApplyError::RoutingInProgress);
                 }
                 Attempt::Unsure => {
                     // Recompute from the database.
                     self.cache.forget(batch_runs());
                     use_cache = false;
-                    tx.rollback().await?;
+                    session.rollback().await?;
                 }
                 Attempt::Conflict => {
                     self.cache.forget(batch_runs());
-                    tx.rollback().await?;
+                    session.rollback().await?;
                     conflicts += 1;
                     metrics::counter!("ductor_apply_conflicts_total").increment(1);
                     tracing::debug!(conflicts, "batch lost an optimistic-lock race, recomputing");
@@ -401,16 +449,16 @@ impl Applier {
         }
     }
 
-    async fn apply_in_tx(
+    async fn apply_in(
         &self,
-        tx: &mut PgTx<'_, Postgres>,
+        session: &mut Session,
         inputs: &[PendingInput],
         routed: &[RouteRequest],
         use_cache: bool,
     ) -> Result<Attempt, ApplyError> {
         let cache = use_cache.then_some(&self.cache);
         let loading = Instant::now();
-        let mut runs = load_runs(tx, inputs, cache).await?;
+        let mut runs = load_runs(session.conn(), inputs, cache).await?;
         record_phase("load", loading);
         let folding = Instant::now();
         let now = Utc::now();
@@ -418,6 +466,9 @@ impl Applier {
 
         let mut routed_outcomes = Vec::with_capacity(routed.len());
         for request in routed {
+            let Session::Transaction(tx) = session else {
+                unreachable!("a batch with routed requests has its own transaction")
+            };
             match self
                 .route_one(tx, request, &mut runs, &mut writes, now)
                 .await?
@@ -460,7 +511,7 @@ impl Applier {
         record_phase("fold", folding);
         let writing = Instant::now();
         let written = write_all(
-            tx,
+            session.conn(),
             &runs,
             &writes,
             self.notify_commits,
@@ -746,7 +797,7 @@ impl Applier {
 }
 
 async fn load_runs(
-    tx: &mut PgTx<'_, Postgres>,
+    conn: &mut PgConnection,
     inputs: &[PendingInput],
     cache: Option<&RunCache>,
 ) -> Result<HashMap<String, Loaded>, ApplyError> {
@@ -781,7 +832,7 @@ async fn load_runs(
     }
     let rows = sqlx::query("SELECT run_id, record_version, state FROM runs WHERE run_id = ANY($1)")
         .bind(&missing)
-        .fetch_all(&mut **tx)
+        .fetch_all(&mut *conn)
         .await?;
     for row in rows {
         let run_id: String = row.try_get("run_id")?;
@@ -797,10 +848,11 @@ async fn load_runs(
     Ok(runs)
 }
 
-/// Time spent in one phase of an apply transaction, whatever the attempt's
-/// outcome: `begin` (with the wait for a pooled connection), `load`, `fold`
-/// (with the routing plane's decisions), `write` (the runs and history
-/// statements) and `commit`.
+/// Time spent in one phase of an apply, whatever the attempt's outcome:
+/// `begin` (the wait for a pooled connection, and BEGIN when the batch has a
+/// transaction), `load`, `fold` (with the routing plane's decisions),
+/// `write` (the batch statement, which is also the commit of a batch without
+/// a transaction) and `commit` (only batches with a transaction).
 fn record_phase(phase: &'static str, since: Instant) {
     metrics::histogram!("ductor_apply_phase_seconds", "phase" => phase)
         .record(since.elapsed().as_secs_f64());
@@ -827,13 +879,13 @@ struct Handed {
 
 /// Writes everything; `Ok(None)` when a conditional write lost a race.
 ///
-/// Two statements: the runs (inserts and conditional updates), then the
-/// history and effects (transitions, attempts, timer cancels and intents),
-/// each set-based over the whole batch, so a batch costs the same few round
-/// trips whatever its size. Every count that falls short of what was sent is
-/// a lost race: the caller rolls back and recomputes.
+/// One statement, [`WRITE_BATCH_SQL`]: the runs (inserts and conditional
+/// updates), the history and the effects (transitions, attempts, timer
+/// cancels and intents), each set-based over the whole batch, so a batch
+/// costs one round trip whatever its size. A count that falls short of what
+/// was sent is a lost race, and the statement rolls back on its own.
 async fn write_all(
-    tx: &mut PgTx<'_, Postgres>,
+    conn: &mut PgConnection,
     runs: &HashMap<String, Loaded>,
     writes: &Writes,
     notify: bool,
@@ -858,39 +910,9 @@ async fn write_all(
         }
         states.push(state);
     }
-    if !ins.run_id.is_empty() || !upd.run_id.is_empty() {
-        let row = sqlx::query(WRITE_RUNS_SQL)
-            .bind(&ins.run_id)
-            .bind(&ins.tenant)
-            .bind(&ins.pool)
-            .bind(&ins.workflow)
-            .bind(&ins.version)
-            .bind(&ins.status)
-            .bind(&ins.seq)
-            .bind(&ins.state)
-            .bind(&ins.created_at)
-            .bind(&ins.updated_at)
-            .bind(&ins.finished_at)
-            .bind(&upd.run_id)
-            .bind(&upd.expected_version)
-            .bind(&upd.status)
-            .bind(&upd.seq)
-            .bind(&upd.state)
-            .bind(&upd.updated_at)
-            .bind(&upd.finished_at)
-            .fetch_one(&mut **tx)
-            .await?;
-        let inserted: i64 = row.try_get("inserted")?;
-        let updated: i64 = row.try_get("updated")?;
-        if (inserted as usize != ins.run_id.len() || updated as usize != upd.run_id.len())
-            && !CANARY_IGNORES_CONFLICTS
-        {
-            return Ok(None);
-        }
-    }
-    crate::crash_point!("apply.after_update");
-
-    if writes.transitions.is_empty()
+    if ins.run_id.is_empty()
+        && upd.run_id.is_empty()
+        && writes.transitions.is_empty()
         && writes.attempt_inserts.is_empty()
         && writes.attempt_finishes.is_empty()
         && writes.intents.is_empty()
@@ -899,30 +921,43 @@ async fn write_all(
         return Ok(Some(Handed::default()));
     }
     let history = HistoryColumns::new(writes, handoff)?;
-    crate::crash_point!("apply.mid_batch");
-    let row = history
-        .bind(sqlx::query(WRITE_HISTORY_SQL))
-        .fetch_one(&mut **tx)
-        .await?;
-    let transitions: i64 = row.try_get("transitions")?;
-    let attempts_inserted: i64 = row.try_get("attempts_inserted")?;
-    let attempts_finished: i64 = row.try_get("attempts_finished")?;
-    if (transitions as usize != writes.transitions.len()
-        || attempts_inserted as usize != writes.attempt_inserts.len()
-        || attempts_finished as usize != writes.attempt_finishes.len())
-        && !CANARY_IGNORES_CONFLICTS
-    {
-        return Ok(None);
-    }
+    // Nothing of the batch has reached the database yet.
+    crate::crash_point!("apply.after_update");
+    let expected = (!CANARY_IGNORES_CONFLICTS).then(|| {
+        [
+            ins.run_id.len(),
+            upd.run_id.len(),
+            history.transitions.len(),
+            history.attempts.len(),
+            history.finishes.len(),
+        ]
+        .map(|n| n as i64)
+        .to_vec()
+    });
+    let query = history.bind(upd.bind_update(ins.bind_insert(sqlx::query(&WRITE_BATCH_SQL))));
+    let written = {
+        let fetch = std::pin::pin!(query.bind(expected).fetch_one(&mut *conn));
+        // Sent, and the process dies before the reply: whether the batch
+        // committed is up to the database.
+        #[cfg(feature = "failpoints")]
+        let fetch = crate::failpoints::send_then_crash("apply.mid_batch", fetch).await;
+        fetch.await
+    };
+    let row = match written {
+        Ok(row) => row,
+        Err(e) if lost_race(&e) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
     let mut handed = history.handed(&row)?;
     handed.states = states;
     if !writes.intents.is_empty() {
         crate::crash_point!("apply.after_intents");
     }
     if notify && !writes.intents.is_empty() {
-        // Wakes drainers in other processes once this transaction commits.
+        // Wakes drainers in other processes at the commit (which, without a
+        // transaction around the batch, has just happened).
         sqlx::query("SELECT pg_notify('ductor_effect_intent', '')")
-            .execute(&mut **tx)
+            .execute(&mut *conn)
             .await?;
     }
     Ok(Some(handed))
@@ -960,11 +995,12 @@ macro_rules! canary_on_conflict {
     };
 }
 
-/// The runs of a batch: new ones inserted, changed ones updated only where
-/// `record_version` is still the one loaded (zero rows for a run means
-/// another writer won). Returns how many of each were written.
-pub(crate) const WRITE_RUNS_SQL: &str = concat!(
-    "WITH ins AS ( \
+/// The runs of a batch, as the common table expressions `ins` and `upd` of
+/// [`WRITE_BATCH_SQL`] (parameters `$1`..`$18`): new ones inserted, changed
+/// ones updated only where `record_version` is still the one loaded (zero
+/// rows for a run means another writer won).
+const RUNS_CTES: &str = concat!(
+    "ins AS ( \
          INSERT INTO runs (run_id, tenant_scope, pool_id, workflow_name, workflow_version, \
              status, record_version, last_transition_seq, state, created_at, updated_at, finished_at) \
          SELECT u.run_id, u.tenant, u.pool, u.workflow, u.version, u.status, 1, u.seq, \
@@ -985,13 +1021,17 @@ pub(crate) const WRITE_RUNS_SQL: &str = concat!(
          WHERE r.run_id = u.run_id AND ",
     version_check!(),
     " RETURNING 1 \
-     ) \
-     SELECT (SELECT count(*) FROM ins) AS inserted, (SELECT count(*) FROM upd) AS updated"
+     )"
 );
 
-/// A batch's history and effects in one statement: transitions, attempts
-/// (inserted, and finished only while still `dispatched`), the cancel of the
-/// pending timeout timers of finished attempts, and the effect intents.
+/// Parameters of [`RUNS_CTES`].
+const RUNS_PARAMS: usize = 18;
+
+/// A batch's history and effects, as the common table expressions `t` to
+/// `i` of [`WRITE_BATCH_SQL`] (written with parameters `$1`..`$41`, shifted
+/// behind the runs' there): transitions, attempts (inserted, and finished
+/// only while still `dispatched`), the cancel of the pending timeout timers
+/// of finished attempts, and the effect intents.
 ///
 /// With a fast lane (`$40` names its drainer), a due intent with no earlier
 /// undelivered intent of its run and topic (one due by now or by its own
@@ -1000,9 +1040,9 @@ pub(crate) const WRITE_RUNS_SQL: &str = concat!(
 /// so two intents of one run and topic in the same batch are both claimed;
 /// the drainer publishes them as one chain, in order. An intent of another
 /// writer can only appear with a newer `record_version` of its run, which
-/// makes this transaction's runs update fall short and roll back.
-pub(crate) const WRITE_HISTORY_SQL: &str = concat!(
-    "WITH t AS ( \
+/// makes this statement's runs update fall short and roll back.
+const HISTORY_CTES: &str = concat!(
+    "t AS ( \
          INSERT INTO run_transitions (run_id, seq, input_ref, kind, from_status, to_status, \
              step_index, detail, source_topic, source_partition, source_offset, created_at) \
          SELECT u.run_id, u.seq, u.input_ref, u.kind, u.from_status, u.to_status, u.step_index, \
@@ -1056,18 +1096,73 @@ pub(crate) const WRITE_HISTORY_SQL: &str = concat!(
          FROM ic",
     canary_on_conflict!(),
     " RETURNING intent_id, run_id, seq, effect_index, status = 'claimed' AS claimed, created_at \
-     ) \
-     SELECT (SELECT count(*) FROM t) AS transitions, \
-         (SELECT count(*) FROM ai) AS attempts_inserted, \
-         (SELECT count(*) FROM af) AS attempts_finished, \
+     )"
+);
+
+/// Parameters of [`HISTORY_CTES`].
+const HISTORY_PARAMS: usize = 41;
+
+/// A whole batch in one statement: [`RUNS_CTES`], then [`HISTORY_CTES`],
+/// then `ductor_write_guard` over what each conditional write matched
+/// (inserted runs, updated runs, transitions, attempts inserted, attempts
+/// finished) against what was sent, the last parameter (`NULL`: no check).
+/// Any shortfall is a lost race: the guard raises [`CONFLICT_SQLSTATE`] and
+/// nothing of the statement is kept. Without a transaction around it, the
+/// statement is the batch's commit.
+pub(crate) static WRITE_BATCH_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH {RUNS_CTES}, {history} \
+         SELECT ductor_write_guard(${guard}::int8[], ARRAY[(SELECT count(*) FROM ins), \
+             (SELECT count(*) FROM upd), (SELECT count(*) FROM t), (SELECT count(*) FROM ai), \
+             (SELECT count(*) FROM af)]) AS guarded, \
          (SELECT count(*) FROM d) AS timers_cancelled, \
          (SELECT count(*) FROM i) AS intents, \
          ARRAY(SELECT intent_id FROM i WHERE claimed ORDER BY intent_id) AS claimed_ids, \
          ARRAY(SELECT run_id FROM i WHERE claimed ORDER BY intent_id) AS claimed_runs, \
          ARRAY(SELECT seq FROM i WHERE claimed ORDER BY intent_id) AS claimed_seqs, \
          ARRAY(SELECT effect_index FROM i WHERE claimed ORDER BY intent_id) AS claimed_indexes, \
-         ARRAY(SELECT created_at FROM i WHERE claimed ORDER BY intent_id) AS claimed_created"
-);
+         ARRAY(SELECT created_at FROM i WHERE claimed ORDER BY intent_id) AS claimed_created",
+        history = shift_params(HISTORY_CTES, RUNS_PARAMS),
+        guard = RUNS_PARAMS + HISTORY_PARAMS + 1,
+    )
+});
+
+/// Raised by `ductor_write_guard` when a conditional write of the batch
+/// statement fell short.
+pub(crate) const CONFLICT_SQLSTATE: &str = "DU409";
+
+/// `sql` with every placeholder `$n` renumbered `$(n + by)`.
+fn shift_params(sql: &str, by: usize) -> String {
+    let mut out = String::with_capacity(sql.len() + 16);
+    let mut rest = sql;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..=at]);
+        rest = &rest[at + 1..];
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        if digits > 0 {
+            let n: usize = rest[..digits].parse().expect("digits");
+            out.push_str(&(n + by).to_string());
+            rest = &rest[digits..];
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Whether the batch statement failed because another writer won: the
+/// guard's shortfall, or an intent position another writer took first
+/// (rows of one statement are written in no set order, so the intents may
+/// meet the other writer's before the runs update does).
+fn lost_race(error: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = error else {
+        return false;
+    };
+    match db.code().as_deref() {
+        Some(CONFLICT_SQLSTATE) => true,
+        Some("23505") => db.constraint() == Some("eec_effect_intent_position_unique"),
+        _ => false,
+    }
+}
 
 /// Canaries that remove a guarantee also remove the database's second line
 /// of defence (a write matching fewer rows than expected is a conflict), or
@@ -1077,7 +1172,7 @@ const CANARY_IGNORES_CONFLICTS: bool = cfg!(any(
     feature = "canary-no-stamp-dedup"
 ));
 
-/// The bind columns of [`WRITE_HISTORY_SQL`], built from a batch's writes.
+/// The bind columns of [`HISTORY_CTES`], built from a batch's writes.
 pub(crate) struct HistoryColumns<'a> {
     transitions: &'a [TransitionRow],
     attempts: &'a [(String, AttemptRecord)],
@@ -1134,10 +1229,7 @@ impl<'a> HistoryColumns<'a> {
         })
     }
 
-    fn bind<'q>(
-        &'q self,
-        query: sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
-    ) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
+    fn bind<'q>(&'q self, query: BatchQuery<'q>) -> BatchQuery<'q> {
         let t = self.transitions;
         let a = self.attempts;
         let f = self.finishes;
@@ -1293,7 +1385,39 @@ struct RunColumns {
     finished_at: Vec<Option<DateTime<Utc>>>,
 }
 
+/// A query of [`WRITE_BATCH_SQL`] being bound, parameter by parameter.
+type BatchQuery<'q> = sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>;
+
 impl RunColumns {
+    /// Binds these runs as the inserts of [`RUNS_CTES`] (`$1`..`$11`).
+    fn bind_insert<'q>(&'q self, query: BatchQuery<'q>) -> BatchQuery<'q> {
+        query
+            .bind(&self.run_id)
+            .bind(&self.tenant)
+            .bind(&self.pool)
+            .bind(&self.workflow)
+            .bind(&self.version)
+            .bind(&self.status)
+            .bind(&self.seq)
+            .bind(&self.state)
+            .bind(&self.created_at)
+            .bind(&self.updated_at)
+            .bind(&self.finished_at)
+    }
+
+    /// Binds these runs as the conditional updates of [`RUNS_CTES`]
+    /// (`$12`..`$18`).
+    fn bind_update<'q>(&'q self, query: BatchQuery<'q>) -> BatchQuery<'q> {
+        query
+            .bind(&self.run_id)
+            .bind(&self.expected_version)
+            .bind(&self.status)
+            .bind(&self.seq)
+            .bind(&self.state)
+            .bind(&self.updated_at)
+            .bind(&self.finished_at)
+    }
+
     fn push(&mut self, state: &RunState, expected_version: i64) -> Result<(), ApplyError> {
         self.run_id.push(state.run_id.clone());
         self.tenant.push(state.tenant.clone());

@@ -588,3 +588,59 @@ async fn a_cached_state_made_stale_by_another_writer_never_decides_an_input() {
     assert_eq!(h.transitions(&run_id).await.len(), 3);
     h.db.drop_db().await;
 }
+
+#[tokio::test]
+async fn a_batch_written_over_a_run_another_writer_moved_on_is_recomputed_once() {
+    let h = Harness::new().await;
+    let workflows = ductor::workflows::load_dir(&h.config.coordinator.workflows_dir)
+        .expect("loading workflows");
+    // `a` caches the run at seq 1; `b` moves it to seq 2. A cancel applies to
+    // either state, so `a` folds it on its stale copy and writes: the batch
+    // statement must fall short on `record_version`, roll back whole, and be
+    // recomputed from the database.
+    let a = ductor::store::Applier::new(&h.config, h.db.pool.clone(), workflows.clone());
+    let b = ductor::store::Applier::new(&h.config, h.db.pool.clone(), workflows);
+    let decode = |topic: InputTopic, value: serde_json::Value| PendingInput {
+        input: decode_input(topic, value.to_string().as_bytes(), 1 << 20).expect("a valid input"),
+        source: None,
+    };
+    let run_id = unique("raced-");
+    let start = json!({
+        "type": "run.start", "schema_version": 1, "run_id": run_id,
+        "tenant": "acme", "workflow": "example", "input": {"order": run_id},
+    });
+    a.apply_batch(&[decode(InputTopic::Requests, start)])
+        .await
+        .expect("applying the start");
+    let first = h.dispatched_stamp(&run_id, 0).await;
+    let report = b
+        .apply_batch(&[decode(
+            InputTopic::AttemptResults,
+            Harness::result_json(&run_id, "acme", first),
+        )])
+        .await
+        .expect("applying the first result elsewhere");
+    assert_eq!(report.outcomes, vec![InputOutcome::Applied { seq: 2 }]);
+
+    let cancel = json!({
+        "type": "wakeup.cancel", "schema_version": 1, "run_id": run_id, "tenant": "acme",
+    });
+    let report = a
+        .apply_batch(&[decode(InputTopic::Wakeups, cancel)])
+        .await
+        .expect("applying the cancel");
+    assert_eq!(
+        report.conflicts, 1,
+        "the stale write must lose the race once"
+    );
+    assert_eq!(report.outcomes, vec![InputOutcome::Applied { seq: 3 }]);
+    let seqs: Vec<i64> = h
+        .transitions(&run_id)
+        .await
+        .into_iter()
+        .map(|(seq, _)| seq)
+        .collect();
+    assert_eq!(seqs, vec![1, 2, 3], "nothing of the lost attempt is kept");
+    assert_eq!(h.run_status(&run_id).await.as_deref(), Some("cancelled"));
+    h.db.drop_db().await;
+}
