@@ -161,6 +161,13 @@ pub struct CoordinatorConfig {
     /// `p` goes to lane `p % apply_lanes`, so one partition stays in order
     /// while one lane's commit overlaps another's work.
     pub apply_lanes: usize,
+    /// With several lanes, a batch smaller than this waits for its turn:
+    /// under light load the lanes apply one at a time, and what arrives
+    /// meanwhile joins the waiting batch, so the traffic is not split into
+    /// many small transactions that each pay a statement, a WAL flush and
+    /// their round trips. A batch this large (a backlog) applies at once,
+    /// alongside the others. 1 lets every batch apply at once.
+    pub concurrent_batch_min_inputs: usize,
     /// Inputs larger than this go to the dead-letter topic.
     pub max_input_bytes: usize,
     /// Times a batch is recomputed after losing an optimistic-lock race
@@ -380,6 +387,12 @@ impl Config {
             return Err(invalid(
                 "coordinator.apply_lanes",
                 "must be below database.max_connections (each lane holds a connection while it applies)",
+            ));
+        }
+        if self.coordinator.concurrent_batch_min_inputs == 0 {
+            return Err(invalid(
+                "coordinator.concurrent_batch_min_inputs",
+                "must be at least 1",
             ));
         }
         if self.coordinator.batch_max_inputs == 0 || self.coordinator.batch_max_inputs > 10_000 {

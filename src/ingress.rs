@@ -77,6 +77,7 @@ pub struct IngressContext {
     pub batch_max_inputs: usize,
     pub batch_linger: Duration,
     pub apply_lanes: usize,
+    pub concurrent_batch_min_inputs: usize,
     pub max_input_bytes: usize,
     pub hooks: TestHooks,
     /// Poked after a commit that wrote effect intents, so the in-process
@@ -106,6 +107,7 @@ impl IngressContext {
             batch_max_inputs: config.coordinator.batch_max_inputs,
             batch_linger: Duration::from_millis(config.coordinator.batch_linger_ms),
             apply_lanes: config.coordinator.apply_lanes,
+            concurrent_batch_min_inputs: config.coordinator.concurrent_batch_min_inputs,
             max_input_bytes: config.coordinator.max_input_bytes,
             hooks: TestHooks::default(),
             wakeup: None,
@@ -158,12 +160,13 @@ async fn consume(ctx: &IngressContext, shutdown: &CancellationToken) -> anyhow::
     // the ingress (the error is returned); stopping leaves what the lanes
     // have not applied unstored, so it is redelivered.
     let stop = shutdown.child_token();
+    let turn = tokio::sync::Semaphore::new(1);
     let mut senders = Vec::with_capacity(ctx.apply_lanes);
     let mut lanes = Vec::with_capacity(ctx.apply_lanes);
     for _ in 0..ctx.apply_lanes {
         let (tx, rx) = tokio::sync::mpsc::channel(ctx.batch_max_inputs * 2);
         senders.push(tx);
-        lanes.push(lane(ctx, rx, &stop));
+        lanes.push(lane(ctx, rx, &turn, &stop));
     }
     let reader = async {
         loop {
@@ -204,9 +207,11 @@ async fn consume(ctx: &IngressContext, shutdown: &CancellationToken) -> anyhow::
 }
 
 /// One apply lane: batches from its channel until shutdown or a failure.
+/// A small batch applies only with `turn`, which the lanes share.
 async fn lane(
     ctx: &IngressContext,
     mut messages: tokio::sync::mpsc::Receiver<OwnedMessage>,
+    turn: &tokio::sync::Semaphore,
     stop: &CancellationToken,
 ) -> anyhow::Result<()> {
     loop {
@@ -241,6 +246,24 @@ async fn lane(
                 }
             }
         }
+        // Light load: the lanes take turns, and what arrives while this one
+        // waits joins its batch. A backlog applies at once.
+        let _turn = if batch.len() < ctx.concurrent_batch_min_inputs {
+            let permit = tokio::select! {
+                biased;
+                _ = stop.cancelled() => return Ok(()),
+                permit = turn.acquire() => permit.context("the lanes' turn was closed")?,
+            };
+            while batch.len() < ctx.batch_max_inputs {
+                match messages.try_recv() {
+                    Ok(m) => batch.push(m),
+                    Err(_) => break,
+                }
+            }
+            Some(permit)
+        } else {
+            None
+        };
         let handled = handle_batch(ctx, &batch, stop).await;
         match handled {
             Ok(true) => {}

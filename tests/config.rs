@@ -90,6 +90,16 @@ fn a_bad_value_is_an_error_that_names_the_key() {
     assert!(err.contains("coordinator.apply_lanes"), "{err}");
     let err = Config::load_from(
         None,
+        env(&[("DUCTOR__COORDINATOR__CONCURRENT_BATCH_MIN_INPUTS", "0")]),
+    )
+    .expect_err("a zero threshold for concurrent batches is rejected")
+    .to_string();
+    assert!(
+        err.contains("coordinator.concurrent_batch_min_inputs"),
+        "{err}"
+    );
+    let err = Config::load_from(
+        None,
         env(&[
             ("DUCTOR__COORDINATOR__APPLY_LANES", "4"),
             ("DUCTOR__DATABASE__MAX_CONNECTIONS", "4"),

@@ -54,8 +54,8 @@ pub struct Point {
 #[derive(Debug, Clone, Serialize)]
 pub struct PointProfile {
     pub cpu_cores: CpuCores,
-    /// Mean milliseconds per iteration (one apply transaction of `k` inputs
-    /// and the drainer's two statements), by statement.
+    /// Mean milliseconds per iteration (the load and the batch statement of
+    /// `k` inputs, and the drainer's completion), by statement.
     pub statement_ms: BTreeMap<&'static str, f64>,
 }
 
@@ -354,7 +354,7 @@ async fn seed(
 }
 
 /// One client: batches of `k` inputs on its own runs, round robin, until
-/// `stop`; the drainer's two statements after each batch.
+/// `stop`; the drainer's completion after each batch.
 async fn client(
     conn: &mut PgConnection,
     template: &Template,
