@@ -191,6 +191,33 @@ impl Harness {
             .await
             .unwrap()
     }
+
+    /// Two appliers on the test database, as two coordinators (one of them
+    /// a new owner after a rebalance) would hold them.
+    fn two_appliers(&self) -> (ductor::store::Applier, ductor::store::Applier) {
+        let workflows = ductor::workflows::load_dir(&self.config.coordinator.workflows_dir)
+            .expect("loading workflows");
+        (
+            ductor::store::Applier::new(&self.config, self.db.pool.clone(), workflows.clone()),
+            ductor::store::Applier::new(&self.config, self.db.pool.clone(), workflows),
+        )
+    }
+}
+
+/// An input as the ingress would hand it to the apply layer.
+fn pending(topic: InputTopic, value: serde_json::Value) -> PendingInput {
+    PendingInput {
+        input: decode_input(topic, value.to_string().as_bytes(), 1 << 20).expect("a valid input"),
+        source: None,
+    }
+}
+
+/// A start of the `example` workflow for tenant `acme`.
+fn start_json(run_id: &str) -> serde_json::Value {
+    json!({
+        "type": "run.start", "schema_version": 1, "run_id": run_id,
+        "tenant": "acme", "workflow": "example", "input": {"order": run_id},
+    })
 }
 
 #[tokio::test]
@@ -534,23 +561,12 @@ async fn bad_inputs_go_to_the_dead_letter_topic_and_good_ones_behind_them_apply(
 #[tokio::test]
 async fn a_cached_state_made_stale_by_another_writer_never_decides_an_input() {
     let h = Harness::new().await;
-    let workflows = ductor::workflows::load_dir(&h.config.coordinator.workflows_dir)
-        .expect("loading workflows");
     // Two appliers on one database: `a` caches what it commits, `b` moves
     // the run on behind its back (as a new owner after a rebalance would).
-    let a = ductor::store::Applier::new(&h.config, h.db.pool.clone(), workflows.clone());
-    let b = ductor::store::Applier::new(&h.config, h.db.pool.clone(), workflows);
-    let decode = |topic: InputTopic, value: serde_json::Value| PendingInput {
-        input: decode_input(topic, value.to_string().as_bytes(), 1 << 20).expect("a valid input"),
-        source: None,
-    };
+    let (a, b) = h.two_appliers();
     let run_id = unique("cached-");
-    let start = json!({
-        "type": "run.start", "schema_version": 1, "run_id": run_id,
-        "tenant": "acme", "workflow": "example", "input": {"order": run_id},
-    });
     let report = a
-        .apply_batch(&[decode(InputTopic::Requests, start)])
+        .apply_batch(&[pending(InputTopic::Requests, start_json(&run_id))])
         .await
         .expect("applying the start");
     assert_eq!(report.outcomes, vec![InputOutcome::Applied { seq: 1 }]);
@@ -558,7 +574,7 @@ async fn a_cached_state_made_stale_by_another_writer_never_decides_an_input() {
     let first = h.dispatched_stamp(&run_id, 0).await;
     let first_result = Harness::result_json(&run_id, "acme", first);
     let report = b
-        .apply_batch(&[decode(InputTopic::AttemptResults, first_result.clone())])
+        .apply_batch(&[pending(InputTopic::AttemptResults, first_result.clone())])
         .await
         .expect("applying the first result elsewhere");
     assert_eq!(report.outcomes, vec![InputOutcome::Applied { seq: 2 }]);
@@ -567,7 +583,7 @@ async fn a_cached_state_made_stale_by_another_writer_never_decides_an_input() {
     // attempt: its result must be applied all the same, not rejected.
     let second = h.dispatched_stamp(&run_id, 1).await;
     let report = a
-        .apply_batch(&[decode(
+        .apply_batch(&[pending(
             InputTopic::AttemptResults,
             Harness::result_json(&run_id, "acme", second),
         )])
@@ -577,7 +593,7 @@ async fn a_cached_state_made_stale_by_another_writer_never_decides_an_input() {
 
     // And the first result again is a duplicate there too.
     let report = a
-        .apply_batch(&[decode(InputTopic::AttemptResults, first_result)])
+        .apply_batch(&[pending(InputTopic::AttemptResults, first_result)])
         .await
         .expect("applying a duplicate");
     assert!(
@@ -592,29 +608,18 @@ async fn a_cached_state_made_stale_by_another_writer_never_decides_an_input() {
 #[tokio::test]
 async fn a_batch_written_over_a_run_another_writer_moved_on_is_recomputed_once() {
     let h = Harness::new().await;
-    let workflows = ductor::workflows::load_dir(&h.config.coordinator.workflows_dir)
-        .expect("loading workflows");
     // `a` caches the run at seq 1; `b` moves it to seq 2. A cancel applies to
     // either state, so `a` folds it on its stale copy and writes: the batch
     // statement must fall short on `record_version`, roll back whole, and be
     // recomputed from the database.
-    let a = ductor::store::Applier::new(&h.config, h.db.pool.clone(), workflows.clone());
-    let b = ductor::store::Applier::new(&h.config, h.db.pool.clone(), workflows);
-    let decode = |topic: InputTopic, value: serde_json::Value| PendingInput {
-        input: decode_input(topic, value.to_string().as_bytes(), 1 << 20).expect("a valid input"),
-        source: None,
-    };
+    let (a, b) = h.two_appliers();
     let run_id = unique("raced-");
-    let start = json!({
-        "type": "run.start", "schema_version": 1, "run_id": run_id,
-        "tenant": "acme", "workflow": "example", "input": {"order": run_id},
-    });
-    a.apply_batch(&[decode(InputTopic::Requests, start)])
+    a.apply_batch(&[pending(InputTopic::Requests, start_json(&run_id))])
         .await
         .expect("applying the start");
     let first = h.dispatched_stamp(&run_id, 0).await;
     let report = b
-        .apply_batch(&[decode(
+        .apply_batch(&[pending(
             InputTopic::AttemptResults,
             Harness::result_json(&run_id, "acme", first),
         )])
@@ -626,7 +631,7 @@ async fn a_batch_written_over_a_run_another_writer_moved_on_is_recomputed_once()
         "type": "wakeup.cancel", "schema_version": 1, "run_id": run_id, "tenant": "acme",
     });
     let report = a
-        .apply_batch(&[decode(InputTopic::Wakeups, cancel)])
+        .apply_batch(&[pending(InputTopic::Wakeups, cancel)])
         .await
         .expect("applying the cancel");
     assert_eq!(
