@@ -348,6 +348,30 @@ impl Drainer {
         Ok(released as usize)
     }
 
+    /// Gives back this drainer's claims at the given positions, if any.
+    async fn release_at(&self, positions: &[(String, i64, i32)]) -> anyhow::Result<usize> {
+        let runs: Vec<&str> = positions.iter().map(|p| p.0.as_str()).collect();
+        let seqs: Vec<i64> = positions.iter().map(|p| p.1).collect();
+        let indexes: Vec<i32> = positions.iter().map(|p| p.2).collect();
+        let released = sqlx::query(
+            "UPDATE eec_effect_intent i SET status = 'pending', claimed_by = NULL, \
+                 claim_expires_at = NULL, last_error = $4 \
+             FROM UNNEST($1::text[], $2::int8[], $3::int4[]) AS u(run_id, seq, effect_index) \
+             WHERE i.run_id = u.run_id AND i.seq = u.seq AND i.effect_index = u.effect_index \
+               AND i.status = 'claimed' AND i.claimed_by = $5",
+        )
+        .bind(&runs)
+        .bind(&seqs)
+        .bind(&indexes)
+        .bind("the batch statement's outcome was unknown")
+        .bind(&self.drainer_id)
+        .execute(&self.pool)
+        .await
+        .context("releasing the claims of an uncertain batch")?
+        .rows_affected();
+        Ok(released as usize)
+    }
+
     /// Returns intents whose claim lease has expired to `pending`. Their
     /// drainer died or stalled; they are published again with the same key.
     pub async fn reconcile(&self) -> anyhow::Result<u64> {
@@ -465,6 +489,10 @@ enum Handed {
     /// The commit's outcome is unknown: give the claims back (a no-op if
     /// the transaction in fact rolled back).
     Release(Vec<i64>),
+    /// A batch statement failed without its reply, which would have named
+    /// the intents it claimed: give back, by position (run, seq, effect
+    /// index), whatever it claimed if it committed after all.
+    ReleaseAt(Vec<(String, i64, i32)>),
 }
 
 /// The drainer's side of the fast lane.
@@ -518,6 +546,22 @@ impl Handoff {
     /// After a commit whose outcome is unknown: hand the claims back.
     pub async fn uncertain(&self, claimed: Vec<i64>) {
         if !claimed.is_empty() && self.sender.send(Handed::Release(claimed)).await.is_err() {
+            tracing::debug!("fast lane closed; claims are left to the reconciler");
+        }
+    }
+
+    /// After a batch statement that failed without its reply: whatever it
+    /// may have claimed at these positions goes back to the claim rounds at
+    /// once, instead of waiting for the lease. Nothing of it was handed over,
+    /// so nothing of it is in flight.
+    pub async fn uncertain_at(&self, positions: Vec<(String, i64, i32)>) {
+        if !positions.is_empty()
+            && self
+                .sender
+                .send(Handed::ReleaseAt(positions))
+                .await
+                .is_err()
+        {
             tracing::debug!("fast lane closed; claims are left to the reconciler");
         }
     }
@@ -661,6 +705,15 @@ async fn fast_lane(drainer: Arc<Drainer>, mut lane: FastLane, wakeup: Wakeup) {
                     tracing::debug!(
                         error = format!("{e:#}"),
                         "giving back uncertain claims failed"
+                    );
+                }
+                shared.wakeup.wake();
+            }
+            Handed::ReleaseAt(positions) => {
+                if let Err(e) = drainer.release_at(&positions).await {
+                    tracing::debug!(
+                        error = format!("{e:#}"),
+                        "giving back the claims of an uncertain batch failed"
                     );
                 }
                 shared.wakeup.wake();

@@ -946,7 +946,21 @@ async fn write_all(
     let row = match written {
         Ok(row) => row,
         Err(e) if lost_race(&e) => return Ok(None),
-        Err(e) => return Err(e.into()),
+        Err(e) => {
+            // Without a transaction around it, a statement whose reply never
+            // came (the connection broke) may still have committed, claims
+            // and all: they are nobody's, so give them back.
+            if let Some(handoff) = handoff {
+                let positions = history
+                    .intents
+                    .iter()
+                    .filter(|i| i.due)
+                    .map(|i| (i.run_id.clone(), i.seq, i.effect_index))
+                    .collect();
+                handoff.uncertain_at(positions).await;
+            }
+            return Err(e.into());
+        }
     };
     let mut handed = history.handed(&row)?;
     handed.states = states;

@@ -659,3 +659,70 @@ async fn drained_intents_are_purged_after_retention_and_pending_ones_never() {
     ingress.stop().await;
     env.db.drop_db().await;
 }
+
+#[tokio::test]
+async fn claims_of_a_batch_statement_whose_reply_was_lost_go_back_without_waiting_for_the_lease() {
+    // A lease far longer than the test: only the hand-back can free them.
+    let env = Env::new("max_attempts = 1", 60_000, |c| c.drainer.lease_ms = 600_000).await;
+    let ingress = env.ingress();
+    let run_id = unique("orphan-");
+    env.start_runs(std::slice::from_ref(&run_id)).await;
+    env.dispatched_stamp(&run_id, 0).await;
+    ingress.stop().await;
+
+    // As a batch statement that committed its fast-lane claims and whose
+    // reply never came back leaves them: claimed by a live drainer that
+    // never heard of them.
+    let drainer = env.drainer();
+    let positions: Vec<(String, i64, i32)> = sqlx::query_as(
+        "UPDATE eec_effect_intent SET status = 'claimed', claimed_by = $2, \
+             claim_expires_at = now() + interval '10 minutes', attempts = 1 \
+         WHERE run_id = $1 AND status = 'pending' AND not_before <= now() \
+         RETURNING run_id, seq, effect_index",
+    )
+    .bind(&run_id)
+    .bind(&drainer.drainer_id)
+    .fetch_all(&env.db.pool)
+    .await
+    .unwrap();
+    assert!(!positions.is_empty(), "the start committed due intents");
+
+    let wakeup = Wakeup::default();
+    let (handoff, lane) = drainer.fast_lane(&wakeup);
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn(ductor::drainer::run_with_fast_lane(
+        drainer,
+        wakeup,
+        Some(lane),
+        shutdown.clone(),
+    ));
+    handoff.uncertain_at(positions.clone()).await;
+
+    let runs: Vec<String> = positions.iter().map(|p| p.0.clone()).collect();
+    let seqs: Vec<i64> = positions.iter().map(|p| p.1).collect();
+    let indexes: Vec<i32> = positions.iter().map(|p| p.2).collect();
+    eventually("the handed-back intents are published", WAIT, || async {
+        let completed: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM eec_effect_intent i \
+             JOIN UNNEST($1::text[], $2::int8[], $3::int4[]) AS u(run_id, seq, effect_index) \
+               USING (run_id, seq, effect_index) \
+             WHERE i.status = 'completed'",
+        )
+        .bind(&runs)
+        .bind(&seqs)
+        .bind(&indexes)
+        .fetch_one(&env.db.pool)
+        .await
+        .unwrap();
+        (completed as usize == positions.len()).then_some(())
+    })
+    .await;
+
+    drop(handoff);
+    shutdown.cancel();
+    running
+        .await
+        .expect("drainer panicked")
+        .expect("drainer stopped with an error");
+    env.db.drop_db().await;
+}
