@@ -4,7 +4,8 @@
 //! against the runs it touches and committed in one Postgres transaction:
 //! new runs are inserted, changed runs updated with
 //! `WHERE run_id = .. AND record_version = ..`, and their transition rows,
-//! attempt rows and effect intents are written with set-based statements.
+//! attempt rows and effect intents are written, all by one set-based
+//! statement. Without routed requests that statement is the transaction.
 //! If any conditional write matches fewer rows than expected, another writer
 //! won a race: the transaction is rolled back and the whole batch recomputed
 //! from fresh state, so no input of the batch is lost or applied twice.
