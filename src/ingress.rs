@@ -227,12 +227,7 @@ async fn lane(
         // What queued up while the previous batch was applied is a batch
         // already: take it without waiting. Only a lone message, one that
         // found the lane idle, lingers for company.
-        while batch.len() < ctx.batch_max_inputs {
-            match messages.try_recv() {
-                Ok(m) => batch.push(m),
-                Err(_) => break,
-            }
-        }
+        take_queued(&mut messages, &mut batch, ctx.batch_max_inputs);
         if batch.len() == 1 {
             let deadline = Instant::now() + ctx.batch_linger;
             while batch.len() < ctx.batch_max_inputs {
@@ -254,12 +249,7 @@ async fn lane(
                 _ = stop.cancelled() => return Ok(()),
                 permit = turn.acquire() => permit.context("the lanes' turn was closed")?,
             };
-            while batch.len() < ctx.batch_max_inputs {
-                match messages.try_recv() {
-                    Ok(m) => batch.push(m),
-                    Err(_) => break,
-                }
-            }
+            take_queued(&mut messages, &mut batch, ctx.batch_max_inputs);
             Some(permit)
         } else {
             None
@@ -272,6 +262,20 @@ async fn lane(
                 stop.cancel();
                 return Err(e);
             }
+        }
+    }
+}
+
+/// Moves what is already queued in `messages` into `batch`, up to `max`.
+fn take_queued(
+    messages: &mut tokio::sync::mpsc::Receiver<OwnedMessage>,
+    batch: &mut Vec<OwnedMessage>,
+    max: usize,
+) {
+    while batch.len() < max {
+        match messages.try_recv() {
+            Ok(m) => batch.push(m),
+            Err(_) => break,
         }
     }
 }
