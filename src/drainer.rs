@@ -85,9 +85,19 @@ const CLAIM_SQL: &str = "WITH candidate AS ( \
 
 /// Marks published intents completed, only while this drainer's claim
 /// stands. `ductor bench` runs the same statement for its baseline.
-pub(crate) const COMPLETE_SQL: &str = "UPDATE eec_effect_intent SET status = 'completed', \
+///
+/// The status test is written as a `CASE` on purpose. A plain
+/// `status = 'claimed'` implies the predicate of the partial index
+/// `eec_effect_intent_run_order_idx` (`status <> 'completed'`), whose live
+/// part is small, so the planner scanned all of it (with every entry left by
+/// completed intents until the next vacuum) instead of probing the primary
+/// key a few times: 250-550 buffers per call under load instead of about 20.
+/// The `CASE` hides the implication, which leaves the primary key as the
+/// only index that fits.
+pub const COMPLETE_SQL: &str = "UPDATE eec_effect_intent SET status = 'completed', \
      completed_at = now(), claimed_by = NULL, claim_expires_at = NULL, last_error = NULL \
-     WHERE intent_id = ANY($1) AND status = 'claimed' AND claimed_by = $2";
+     WHERE intent_id = ANY($1) AND claimed_by = $2 \
+       AND CASE WHEN status = 'claimed' THEN true END";
 
 /// Hooks that let tests stop the drainer at a chosen point, as a crash would.
 #[derive(Debug, Clone, Default)]
@@ -336,7 +346,8 @@ impl Drainer {
             "UPDATE eec_effect_intent i SET status = 'pending', claimed_by = NULL, \
                  claim_expires_at = NULL, last_error = u.error \
              FROM UNNEST($1::int8[], $2::text[]) AS u(intent_id, error) \
-             WHERE i.intent_id = u.intent_id AND i.status = 'claimed' AND i.claimed_by = $3",
+             WHERE i.intent_id = u.intent_id AND i.claimed_by = $3 \
+               AND CASE WHEN i.status = 'claimed' THEN true END",
         )
         .bind(&ids)
         .bind(&errors)

@@ -1048,6 +1048,15 @@ const RUNS_PARAMS: usize = 18;
 /// only while still `dispatched`), the cancel of the pending timeout timers
 /// of finished attempts, and the effect intents.
 ///
+/// The attempts update and the cancel test the status in a `CASE`, so that
+/// the planner cannot take an equality on the status as a sign that only a
+/// few rows qualify (see [`crate::drainer::COMPLETE_SQL`]). On a young table,
+/// whose statistics are older than its rows, `a.status = 'dispatched'` was
+/// estimated at one row: the attempts update scanned the whole table once per
+/// attempt of the batch (over a second for 256 attempts), and the cancel
+/// scanned the pending-intent index instead of probing
+/// `eec_effect_intent_cancel_idx`.
+///
 /// With a fast lane (`$40` names its drainer), a due intent with no earlier
 /// undelivered intent of its run and topic (one due by now or by its own
 /// `not_before`, so that a clock running ahead of the database's cannot
@@ -1080,10 +1089,11 @@ const HISTORY_CTES: &str = concat!(
          SET status = u.status, finished_at = u.finished_at, error = u.error \
          FROM UNNEST($22::uuid[], $23::text[], $24::timestamptz[], $25::text[]) \
              AS u(stamp, status, finished_at, error) \
-         WHERE a.stamp = u.stamp AND a.status = 'dispatched' \
+         WHERE a.stamp = u.stamp AND CASE WHEN a.status = 'dispatched' THEN true END \
          RETURNING 1 \
      ), d AS ( \
-         DELETE FROM eec_effect_intent WHERE cancel_key = ANY($26::text[]) AND status = 'pending' \
+         DELETE FROM eec_effect_intent WHERE cancel_key = ANY($26::text[]) \
+             AND CASE WHEN status = 'pending' THEN true END \
          RETURNING 1 \
      ), iu AS ( \
          SELECT * FROM UNNEST($27::text[], $28::int8[], $29::int4[], $30::text[], $31::text[], \

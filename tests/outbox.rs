@@ -726,3 +726,76 @@ async fn claims_of_a_batch_statement_whose_reply_was_lost_go_back_without_waitin
         .expect("drainer stopped with an error");
     env.db.drop_db().await;
 }
+
+#[tokio::test]
+async fn completing_claims_probes_the_primary_key_after_the_outbox_was_analyzed_drained() {
+    // Statistics taken while the outbox was drained say that no intent is
+    // undelivered, while the partial index of undelivered intents still holds
+    // an entry for every intent until a vacuum. Then new claims arrive.
+    let db = TestDb::migrated().await;
+    let insert_claimed = |from: i32, to: i32| {
+        sqlx::query_scalar::<_, i64>(
+            "INSERT INTO eec_effect_intent (run_id, seq, effect_index, idempotency_key, \
+                 tenant_scope, topic, message_key, headers, payload, ce_type, not_before, \
+                 status, claimed_by, claim_expires_at, attempts) \
+             SELECT 'run-' || g, 1, 0, 'key-' || g, 'acme', 'events', '\\x00', '{}', \
+                 '\\x00', 'run.started', now(), 'claimed', 'me', \
+                 now() + interval '1 minute', 1 \
+             FROM generate_series($1::int4, $2::int4) AS g \
+             RETURNING intent_id",
+        )
+        .bind(from)
+        .bind(to)
+        .fetch_all(&db.pool)
+    };
+    insert_claimed(1, 3000).await.unwrap();
+    sqlx::query(
+        "UPDATE eec_effect_intent SET status = 'completed', completed_at = now(), \
+             claimed_by = NULL, claim_expires_at = NULL",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query("ANALYZE eec_effect_intent")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let claimed = insert_claimed(3001, 3005).await.unwrap();
+    assert_eq!(claimed.len(), 5);
+
+    let explain = format!("EXPLAIN {}", ductor::drainer::COMPLETE_SQL);
+    let plan: Vec<String> = sqlx::query_scalar(&explain)
+        .bind(&claimed[..3])
+        .bind("me")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    let plan = plan.join("\n");
+    assert!(plan.contains("eec_effect_intent_pkey"), "{plan}");
+    assert!(!plan.contains("run_order_idx"), "{plan}");
+
+    // And it completes exactly this drainer's claims among the ids given.
+    let mut ids = claimed[..3].to_vec();
+    ids.push(100); // delivered already
+    let other = sqlx::query(ductor::drainer::COMPLETE_SQL)
+        .bind(&ids)
+        .bind("someone-else")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(other.rows_affected(), 0);
+    let done = sqlx::query(ductor::drainer::COMPLETE_SQL)
+        .bind(&ids)
+        .bind("me")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(done.rows_affected(), 3);
+    let still_claimed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM eec_effect_intent WHERE status = 'claimed'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(still_claimed, 2);
+    db.drop_db().await;
+}
