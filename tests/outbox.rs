@@ -777,20 +777,17 @@ async fn completing_claims_probes_the_primary_key_after_the_outbox_was_analyzed_
     // And it completes exactly this drainer's claims among the ids given.
     let mut ids = claimed[..3].to_vec();
     ids.push(100); // delivered already
-    let other = sqlx::query(ductor::drainer::COMPLETE_SQL)
-        .bind(&ids)
-        .bind("someone-else")
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    assert_eq!(other.rows_affected(), 0);
-    let done = sqlx::query(ductor::drainer::COMPLETE_SQL)
-        .bind(&ids)
-        .bind("me")
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    assert_eq!(done.rows_affected(), 3);
+    let complete_as = |drainer: &'static str| {
+        sqlx::query(ductor::drainer::COMPLETE_SQL)
+            .bind(ids.clone())
+            .bind(drainer)
+            .execute(&db.pool)
+    };
+    assert_eq!(
+        complete_as("someone-else").await.unwrap().rows_affected(),
+        0
+    );
+    assert_eq!(complete_as("me").await.unwrap().rows_affected(), 3);
     let still_claimed: i64 =
         sqlx::query_scalar("SELECT count(*) FROM eec_effect_intent WHERE status = 'claimed'")
             .fetch_one(&db.pool)
