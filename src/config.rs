@@ -162,11 +162,15 @@ pub struct CoordinatorConfig {
     /// while one lane's commit overlaps another's work.
     pub apply_lanes: usize,
     /// With several lanes, a batch smaller than this waits for its turn:
-    /// under light load the lanes apply one at a time, and what arrives
-    /// meanwhile joins the waiting batch, so the traffic is not split into
-    /// many small transactions that each pay a statement, a WAL flush and
-    /// their round trips. A batch this large (a backlog) applies at once,
-    /// alongside the others. 1 lets every batch apply at once.
+    /// the lanes apply one at a time, and what arrives meanwhile joins the
+    /// waiting batch, so the traffic is not split into many small
+    /// transactions that each pay a statement, a WAL flush and their round
+    /// trips. A batch this large (a backlog) applies at once, alongside the
+    /// others. The default, 1, lets every batch apply at once: taking turns
+    /// saves CPU per input, but once the one turn is busy most of the time
+    /// every input waits a whole batch for it. On two cores at half of the
+    /// capacity, turns (64) used about 15 % less CPU per input and raised
+    /// the p99 latency by about half.
     pub concurrent_batch_min_inputs: usize,
     /// Inputs larger than this go to the dead-letter topic.
     pub max_input_bytes: usize,

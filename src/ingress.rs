@@ -241,8 +241,9 @@ async fn lane(
                 }
             }
         }
-        // Light load: the lanes take turns, and what arrives while this one
-        // waits joins its batch. A backlog applies at once.
+        // A batch below the threshold (none by default) takes turns with the
+        // other lanes' small batches, and what arrives while it waits joins
+        // it. A batch at or above it applies at once.
         let _turn = if batch.len() < ctx.concurrent_batch_min_inputs {
             let permit = tokio::select! {
                 biased;
