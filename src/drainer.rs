@@ -91,7 +91,7 @@ const CLAIM_SQL: &str = "WITH candidate AS ( \
 /// `eec_effect_intent_run_order_idx` (`status <> 'completed'`), whose live
 /// part is small, so the planner scanned all of it (with every entry left by
 /// completed intents until the next vacuum) instead of probing the primary
-/// key a few times: 250-550 buffers per call under load instead of about 20.
+/// key a few times: 250-700 buffers per call instead of about 20.
 /// The `CASE` hides the implication, which leaves the primary key as the
 /// only index that fits.
 pub const COMPLETE_SQL: &str = "UPDATE eec_effect_intent SET status = 'completed', \
