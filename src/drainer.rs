@@ -280,7 +280,17 @@ impl Drainer {
                 .headers(headers);
             let started = Instant::now();
             match self.producer.send(record, self.publish_timeout).await {
-                Ok(_) => {
+                Ok(delivery) => {
+                    // Where the broker says the effect landed: with it, an
+                    // effect that is completed but missing from its topic can
+                    // be looked for at its partition and offset.
+                    tracing::debug!(
+                        intent_id = intent.intent_id,
+                        topic = %intent.topic,
+                        partition = delivery.partition,
+                        offset = delivery.offset,
+                        "effect delivered"
+                    );
                     metrics::histogram!("ductor_outbox_publish_seconds")
                         .record(started.elapsed().as_secs_f64());
                     let due = intent.not_before.max(intent.created_at);
