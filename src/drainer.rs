@@ -379,7 +379,7 @@ impl Drainer {
                  claim_expires_at = NULL, last_error = $4 \
              FROM UNNEST($1::text[], $2::int8[], $3::int4[]) AS u(run_id, seq, effect_index) \
              WHERE i.run_id = u.run_id AND i.seq = u.seq AND i.effect_index = u.effect_index \
-               AND i.status = 'claimed' AND i.claimed_by = $5",
+               AND i.claimed_by = $5 AND CASE WHEN i.status = 'claimed' THEN true END",
         )
         .bind(&runs)
         .bind(&seqs)
