@@ -112,7 +112,11 @@ pub struct KafkaConfig {
     pub properties: KafkaProperties,
     /// librdkafka properties for consumers only.
     pub consumer_properties: KafkaProperties,
-    /// librdkafka properties for producers only.
+    /// librdkafka properties for producers only. Neither this map nor
+    /// `properties` may change `enable.idempotence`, `acks` or
+    /// `max.in.flight.requests.per.connection` from Ductor's values
+    /// ([`crate::kafka::PRODUCER_GUARANTEES`]): the outbox trusts delivery
+    /// reports, and those settings are what make them true.
     pub producer_properties: KafkaProperties,
 }
 
@@ -414,6 +418,14 @@ impl Config {
                 "must be at least 32",
             ));
         }
+        for (key, props) in [
+            ("kafka.properties", &self.kafka.properties),
+            ("kafka.producer_properties", &self.kafka.producer_properties),
+        ] {
+            if let Some(message) = props.weakened_producer_guarantee() {
+                return Err(invalid(key, message));
+            }
+        }
         let d = &self.drainer;
         if d.batch_max_intents == 0 || d.batch_max_intents > 10_000 {
             return Err(invalid(
@@ -611,6 +623,34 @@ impl KafkaProperties {
 
     pub fn iter(&self) -> impl Iterator<Item = (&String, &String)> {
         self.0.iter()
+    }
+
+    /// Why these properties would change a producer setting that the outbox
+    /// relies on ([`crate::kafka::PRODUCER_GUARANTEES`]), if they do. A
+    /// delivery report is what marks an effect completed, so a producer that
+    /// may report a message delivered that is not in the log (without
+    /// idempotence, with `acks` below `all`, or with more than one request in
+    /// flight) would lose effects. librdkafka's aliases count as the keys
+    /// they stand for; stating Ductor's own value is allowed.
+    pub fn weakened_producer_guarantee(&self) -> Option<String> {
+        self.0.iter().find_map(|(key, value)| {
+            let name = match key.trim() {
+                "request.required.acks" => "acks",
+                "max.in.flight" => "max.in.flight.requests.per.connection",
+                other => other,
+            };
+            let (name, required) = crate::kafka::PRODUCER_GUARANTEES
+                .into_iter()
+                .find(|(guarded, _)| *guarded == name)?;
+            let same = value.trim() == required || (name == "acks" && value.trim() == "-1");
+            (!same).then(|| {
+                format!(
+                    "sets {key:?} = {value:?}, but Ductor's producers need {name} = {required}: \
+                     an effect is marked completed on its delivery report, and with this \
+                     setting a report may claim a message the log does not hold"
+                )
+            })
+        })
     }
 }
 

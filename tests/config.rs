@@ -154,3 +154,45 @@ fn secrets_never_appear_in_debug_output() {
     // The real value is still there for connecting.
     assert!(config.database.url.expose().contains("pg-hunter2"));
 }
+
+fn load_toml(text: &str) -> Result<Config, ductor::config::ConfigError> {
+    let mut file = tempfile::NamedTempFile::new().unwrap();
+    file.write_all(text.as_bytes()).unwrap();
+    Config::load_from(Some(file.path()), env(&[]))
+}
+
+#[test]
+fn properties_may_not_weaken_what_a_delivery_report_promises() {
+    for (section, key, value) in [
+        (
+            "producer_properties",
+            "max.in.flight.requests.per.connection",
+            "5",
+        ),
+        ("producer_properties", "max.in.flight", "2"),
+        ("producer_properties", "acks", "1"),
+        ("properties", "request.required.acks", "0"),
+        ("properties", "enable.idempotence", "false"),
+    ] {
+        let err = load_toml(&format!("[kafka.{section}]\n{key:?} = {value:?}\n"))
+            .expect_err("a weaker producer setting is rejected")
+            .to_string();
+        assert!(err.contains(&format!("kafka.{section}")), "{err}");
+        assert!(err.contains(key), "{err}");
+    }
+
+    let config = load_toml(
+        "[kafka.producer_properties]\n\
+         \"acks\" = \"-1\"\n\
+         \"max.in.flight\" = \"1\"\n\
+         \"linger.ms\" = \"7\"\n",
+    )
+    .expect("Ductor's own values and unrelated keys are accepted");
+    let producer = ductor::kafka::producer_config(&config.kafka, "test");
+    assert_eq!(
+        producer.get("max.in.flight.requests.per.connection"),
+        Some("1")
+    );
+    assert_eq!(producer.get("enable.idempotence"), Some("true"));
+    assert_eq!(producer.get("linger.ms"), Some("7"));
+}
