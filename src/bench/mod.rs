@@ -133,7 +133,7 @@ impl Plan {
                 load_pcts: args.loads.clone(),
                 b1_point: Duration::from_secs_f64((args.duration_s / 4.0).clamp(1.0, 3.0)),
                 b1a_clients: vec![1, 2, 4, 8, 16],
-                b1b_ks: vec![16, 64, 256],
+                b1b_ks: vec![16, 64, 256, 512],
                 b1b_clients: vec![1, 2, 4, 8],
                 worker_in_flight: 256,
             }
