@@ -4,11 +4,14 @@
 
 #![allow(dead_code)]
 
+use std::sync::Mutex;
 use std::time::Duration;
 
 use ductor::config::{Config, KafkaConfig};
 use rdkafka::ClientConfig;
+use rdkafka::admin::AdminOptions;
 use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use sqlx::PgPool;
@@ -29,11 +32,13 @@ pub fn unique(prefix: &str) -> String {
     format!("{prefix}{}", uuid::Uuid::new_v4().simple())
 }
 
-/// A fresh database on the test server, dropped by [`TestDb::drop_db`].
+/// A fresh database on the test server, dropped by [`TestDb::drop_db`]
+/// together with the topics of every [`test_config`] made for it.
 pub struct TestDb {
     pub name: String,
     pub url: String,
     pub pool: PgPool,
+    topics: Mutex<Vec<String>>,
 }
 
 impl TestDb {
@@ -59,7 +64,12 @@ impl TestDb {
             .connect(&url)
             .await
             .expect("connecting to the test database");
-        TestDb { name, url, pool }
+        TestDb {
+            name,
+            url,
+            pool,
+            topics: Mutex::new(Vec::new()),
+        }
     }
 
     /// A fresh database with Ductor's migrations applied.
@@ -69,7 +79,19 @@ impl TestDb {
         db
     }
 
+    /// Drops the database and deletes the topics of the test's
+    /// configurations, so that a test run leaves the broker as it found it.
+    /// A topic that cannot be deleted is reported, not failed on: the test
+    /// itself has passed by now.
     pub async fn drop_db(self) {
+        let mut topics = std::mem::take(&mut *self.topics.lock().unwrap());
+        topics.sort();
+        topics.dedup();
+        if !topics.is_empty()
+            && let Err(e) = delete_topics(&topics).await
+        {
+            eprintln!("test topics {topics:?} were not deleted: {e:#}");
+        }
         self.pool.close().await;
         let admin = PgPoolOptions::new()
             .max_connections(1)
@@ -118,7 +140,23 @@ pub fn test_config(db: &TestDb) -> Config {
             concat!(env!("CARGO_MANIFEST_DIR"), "/config/workflows").to_string(),
         ),
     ];
-    Config::load_from(None, env).expect("test configuration is valid")
+    let config = Config::load_from(None, env).expect("test configuration is valid");
+    db.topics.lock().unwrap().extend(config.all_topics());
+    config
+}
+
+/// Deletes `topics`; one that does not exist (never created) is fine.
+async fn delete_topics(topics: &[String]) -> anyhow::Result<()> {
+    let admin = ductor::kafka::admin(&kafka_config())?;
+    let names: Vec<&str> = topics.iter().map(String::as_str).collect();
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    for result in admin.delete_topics(&names, &opts).await? {
+        match result {
+            Ok(_) | Err((_, RDKafkaErrorCode::UnknownTopicOrPartition)) => {}
+            Err((topic, code)) => anyhow::bail!("deleting {topic}: {code}"),
+        }
+    }
+    Ok(())
 }
 
 pub fn kafka_config() -> KafkaConfig {
