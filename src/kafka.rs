@@ -162,6 +162,31 @@ pub async fn ensure_topics(
     Ok(outcomes)
 }
 
+/// Deletes the given topics. One that does not exist is not an error (it was
+/// never created, or is already gone); any other failure names its topics.
+pub async fn delete_topics(kafka: &KafkaConfig, topics: &[String]) -> anyhow::Result<()> {
+    let admin = admin(kafka)?;
+    let names: Vec<&str> = topics.iter().map(String::as_str).collect();
+    let timeout = Duration::from_millis(kafka.admin_timeout_ms);
+    let opts = AdminOptions::new()
+        .operation_timeout(Some(timeout))
+        .request_timeout(Some(timeout));
+    let failed: Vec<String> = admin
+        .delete_topics(&names, &opts)
+        .await
+        .context("deleting topics")?
+        .into_iter()
+        .filter_map(|result| match result {
+            Ok(_) | Err((_, RDKafkaErrorCode::UnknownTopicOrPartition)) => None,
+            Err((topic, code)) => Some(format!("{topic}: {code}")),
+        })
+        .collect();
+    if !failed.is_empty() {
+        bail!("deleting topics: {}", failed.join(", "));
+    }
+    Ok(())
+}
+
 /// Creates every topic the configuration names.
 pub async fn create_configured_topics(config: &Config) -> anyhow::Result<Vec<TopicOutcome>> {
     ensure_topics(&config.kafka, &config.all_topics(), config.kafka.partitions).await

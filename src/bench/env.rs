@@ -4,10 +4,8 @@
 
 use std::path::PathBuf;
 use std::sync::Mutex;
-use std::time::Duration;
 
 use anyhow::Context;
-use rdkafka::admin::AdminOptions;
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
@@ -198,32 +196,13 @@ impl BenchEnv {
         }
         let topics = self.topics.lock().map(|t| t.clone()).unwrap_or_default();
         if !topics.is_empty()
-            && let Err(e) = delete_topics(&self.base, &topics).await
+            && let Err(e) = crate::kafka::delete_topics(&self.base.kafka, &topics).await
         {
             problems.push(format!("{e:#}"));
         }
         anyhow::ensure!(problems.is_empty(), "cleanup: {}", problems.join("; "));
         Ok(())
     }
-}
-
-async fn delete_topics(config: &Config, topics: &[String]) -> anyhow::Result<()> {
-    let admin = crate::kafka::admin(&config.kafka)?;
-    let names: Vec<&str> = topics.iter().map(String::as_str).collect();
-    let timeout = Duration::from_millis(config.kafka.admin_timeout_ms);
-    let opts = AdminOptions::new()
-        .operation_timeout(Some(timeout))
-        .request_timeout(Some(timeout));
-    let results = admin
-        .delete_topics(&names, &opts)
-        .await
-        .context("deleting bench topics")?;
-    let failed: Vec<String> = results
-        .into_iter()
-        .filter_map(|r| r.err().map(|(topic, code)| format!("{topic}: {code}")))
-        .collect();
-    anyhow::ensure!(failed.is_empty(), "deleting topics: {}", failed.join(", "));
-    Ok(())
 }
 
 async fn admin_pool(url: &str) -> anyhow::Result<PgPool> {

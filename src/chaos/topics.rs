@@ -225,17 +225,8 @@ pub async fn delete_prefixed(config: &crate::config::Config) -> anyhow::Result<V
     if names.is_empty() {
         return Ok(names);
     }
-    let admin = crate::kafka::admin(&config.kafka)?;
-    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-    let opts = rdkafka::admin::AdminOptions::new().operation_timeout(Some(KAFKA_TIMEOUT));
-    for result in admin
-        .delete_topics(&refs, &opts)
-        .await
-        .context("deleting topics")?
-    {
-        if let Err((topic, code)) = result {
-            tracing::warn!(topic, error = %code, "deleting a topic failed");
-        }
+    if let Err(e) = crate::kafka::delete_topics(&config.kafka, &names).await {
+        tracing::warn!(error = %format!("{e:#}"), "deleting the run's topics failed");
     }
     Ok(names)
 }

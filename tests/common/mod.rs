@@ -9,9 +9,7 @@ use std::time::Duration;
 
 use ductor::config::{Config, KafkaConfig};
 use rdkafka::ClientConfig;
-use rdkafka::admin::AdminOptions;
 use rdkafka::consumer::{Consumer, StreamConsumer};
-use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use sqlx::PgPool;
@@ -88,7 +86,7 @@ impl TestDb {
         topics.sort();
         topics.dedup();
         if !topics.is_empty()
-            && let Err(e) = delete_topics(&topics).await
+            && let Err(e) = ductor::kafka::delete_topics(&kafka_config(), &topics).await
         {
             eprintln!("test topics {topics:?} were not deleted: {e:#}");
         }
@@ -143,20 +141,6 @@ pub fn test_config(db: &TestDb) -> Config {
     let config = Config::load_from(None, env).expect("test configuration is valid");
     db.topics.lock().unwrap().extend(config.all_topics());
     config
-}
-
-/// Deletes `topics`; one that does not exist (never created) is fine.
-async fn delete_topics(topics: &[String]) -> anyhow::Result<()> {
-    let admin = ductor::kafka::admin(&kafka_config())?;
-    let names: Vec<&str> = topics.iter().map(String::as_str).collect();
-    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
-    for result in admin.delete_topics(&names, &opts).await? {
-        match result {
-            Ok(_) | Err((_, RDKafkaErrorCode::UnknownTopicOrPartition)) => {}
-            Err((topic, code)) => anyhow::bail!("deleting {topic}: {code}"),
-        }
-    }
-    Ok(())
 }
 
 pub fn kafka_config() -> KafkaConfig {
