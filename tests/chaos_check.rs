@@ -54,13 +54,15 @@ fn config(db: &TestDb, workflows: &std::path::Path) -> Config {
             workflows.display().to_string(),
         ),
     ];
-    Config::load_from(
+    let config = Config::load_from(
         None,
         env.into_iter()
             .map(|(k, v)| (k.to_string(), v))
             .collect::<Vec<_>>(),
     )
-    .expect("test configuration is valid")
+    .expect("test configuration is valid");
+    db.owns_topics(config.all_topics());
+    config
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -83,6 +83,18 @@ impl Harness {
         }
     }
 
+    /// Deletes the harness' topics. Called at the end of a passing test; a
+    /// failing one leaves them on the broker to be looked at.
+    async fn finish(self) {
+        let topics = [
+            self.options.steps_topic.clone(),
+            self.options.results_topic.clone(),
+        ];
+        if let Err(e) = ductor::kafka::delete_topics(&self.options.kafka, &topics).await {
+            eprintln!("test topics {topics:?} were not deleted: {e:#}");
+        }
+    }
+
     fn start<F, Fut>(&self, options: WorkerOptions, handler: F) -> RunningWorker
     where
         F: Fn(StepInput) -> Fut + Send + Sync + 'static,
@@ -233,6 +245,7 @@ async fn dispatches_are_handled_and_exactly_their_results_published_keyed_by_run
     }
     worker.stop().await.expect("clean stop");
     assert_eq!(h.results_count(), 6, "one result per dispatch, no more");
+    h.finish().await;
 }
 
 #[tokio::test]
@@ -270,6 +283,7 @@ async fn a_failing_handler_publishes_failed_with_the_retryable_flag_it_returned(
         );
     }
     worker.stop().await.expect("clean stop");
+    h.finish().await;
 }
 
 #[tokio::test]
@@ -315,6 +329,7 @@ async fn a_worker_stopped_before_publishing_leaves_the_dispatch_to_the_next_work
     h.wait_committed_past(partition, offset).await;
     second.stop().await.expect("clean stop");
     assert_eq!(h.results_count(), 1);
+    h.finish().await;
 }
 
 #[tokio::test]
@@ -354,6 +369,7 @@ async fn expired_and_undecodable_dispatches_are_skipped_and_the_one_behind_them_
         "only the live dispatch reached the handler"
     );
     assert_eq!(h.results_count(), 1);
+    h.finish().await;
 }
 
 #[tokio::test]
@@ -399,6 +415,7 @@ async fn a_later_dispatch_finishing_first_does_not_move_the_offset_past_an_unfin
         .collect();
     assert_eq!(redelivered, BTreeSet::from([stuck, after]));
     next.stop().await.expect("clean stop");
+    h.finish().await;
 }
 
 #[tokio::test]
@@ -445,6 +462,7 @@ async fn a_panicking_or_overrunning_handler_reports_a_retryable_failure() {
         .stop()
         .await
         .expect("the worker survives its handler");
+    h.finish().await;
 }
 
 // ---------------------------------------------------------------------------

@@ -77,6 +77,12 @@ impl TestDb {
         db
     }
 
+    /// Adds `topics` to those [`TestDb::drop_db`] deletes, for a test that
+    /// builds its configuration itself.
+    pub fn owns_topics(&self, topics: impl IntoIterator<Item = String>) {
+        self.topics.lock().unwrap().extend(topics);
+    }
+
     /// Drops the database and deletes the topics of the test's
     /// configurations, so that a test run leaves the broker as it found it.
     /// A topic that cannot be deleted is reported, not failed on: the test
@@ -139,7 +145,7 @@ pub fn test_config(db: &TestDb) -> Config {
         ),
     ];
     let config = Config::load_from(None, env).expect("test configuration is valid");
-    db.topics.lock().unwrap().extend(config.all_topics());
+    db.owns_topics(config.all_topics());
     config
 }
 
