@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{Connection, PgPool};
 
 use crate::config::DatabaseConfig;
 
@@ -18,10 +18,22 @@ pub async fn connect(config: &DatabaseConfig) -> anyhow::Result<PgPool> {
         .parse()
         .with_context(|| format!("parsing database url {}", config.url))?;
     let options = session_options(options, config).application_name("ductor");
+    // Tests only connections that have waited in the pool (see
+    // `DatabaseConfig::test_idle_after_ms`).
+    let test_idle_after = Duration::from_millis(config.test_idle_after_ms);
     PgPoolOptions::new()
         .max_connections(config.max_connections)
         .min_connections(config.min_connections)
         .acquire_timeout(Duration::from_millis(config.acquire_timeout_ms))
+        .test_before_acquire(false)
+        .before_acquire(move |conn, meta| {
+            Box::pin(async move {
+                if meta.idle_for >= test_idle_after {
+                    conn.ping().await?;
+                }
+                Ok(true)
+            })
+        })
         .connect_with(options)
         .await
         .with_context(|| format!("connecting to postgres at {}", config.url))
