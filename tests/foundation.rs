@@ -31,9 +31,7 @@ async fn kafka_round_trip_through_a_random_topic() {
     assert_eq!(got[0].key(), Some(&b"k1"[..]));
     let headers = got[0].headers().expect("headers kept");
     assert_eq!(headers.get(0).key, "h");
-    ductor::kafka::delete_topics(&kafka_config(), std::slice::from_ref(&topic))
-        .await
-        .expect("deleting the topic");
+    delete_test_topics(std::slice::from_ref(&topic)).await;
 }
 
 #[tokio::test]

@@ -86,13 +86,11 @@ impl Harness {
     /// Deletes the harness' topics. Called at the end of a passing test; a
     /// failing one leaves them on the broker to be looked at.
     async fn finish(self) {
-        let topics = [
+        delete_test_topics(&[
             self.options.steps_topic.clone(),
             self.options.results_topic.clone(),
-        ];
-        if let Err(e) = ductor::kafka::delete_topics(&self.options.kafka, &topics).await {
-            eprintln!("test topics {topics:?} were not deleted: {e:#}");
-        }
+        ])
+        .await;
     }
 
     fn start<F, Fut>(&self, options: WorkerOptions, handler: F) -> RunningWorker

@@ -85,17 +85,11 @@ impl TestDb {
 
     /// Drops the database and deletes the topics of the test's
     /// configurations, so that a test run leaves the broker as it found it.
-    /// A topic that cannot be deleted is reported, not failed on: the test
-    /// itself has passed by now.
     pub async fn drop_db(self) {
         let mut topics = std::mem::take(&mut *self.topics.lock().unwrap());
         topics.sort();
         topics.dedup();
-        if !topics.is_empty()
-            && let Err(e) = ductor::kafka::delete_topics(&kafka_config(), &topics).await
-        {
-            eprintln!("test topics {topics:?} were not deleted: {e:#}");
-        }
+        delete_test_topics(&topics).await;
         self.pool.close().await;
         let admin = PgPoolOptions::new()
             .max_connections(1)
@@ -147,6 +141,16 @@ pub fn test_config(db: &TestDb) -> Config {
     let config = Config::load_from(None, env).expect("test configuration is valid");
     db.owns_topics(config.all_topics());
     config
+}
+
+/// Deletes a passing test's topics. A topic that cannot be deleted is
+/// reported, not failed on: the test itself has passed by now.
+pub async fn delete_test_topics(topics: &[String]) {
+    if !topics.is_empty()
+        && let Err(e) = ductor::kafka::delete_topics(&kafka_config(), topics).await
+    {
+        eprintln!("test topics {topics:?} were not deleted: {e:#}");
+    }
 }
 
 pub fn kafka_config() -> KafkaConfig {
