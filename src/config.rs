@@ -213,8 +213,11 @@ pub struct CoordinatorConfig {
     pub conflict_retries: u32,
     /// Run states kept in memory after a commit, so the next batch of a run
     /// skips loading it (the conditional UPDATE still checks its
-    /// `record_version`; a stale entry costs one recomputation). 0 turns the
-    /// cache off.
+    /// `record_version`; a stale entry costs one recomputation). With the
+    /// cache on, a run that a batch names only in `run.start` inputs, and
+    /// that the cache does not hold, is taken to be new without a read; a
+    /// redelivered start costs one recomputation. 0 turns the cache, and
+    /// that guess, off.
     pub run_cache_size: usize,
     /// Bound on error messages written to dead-letter headers.
     pub max_error_message_bytes: usize,

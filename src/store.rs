@@ -10,7 +10,7 @@
 //! won a race: the transaction is rolled back and the whole batch recomputed
 //! from fresh state, so no input of the batch is lost or applied twice.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
@@ -159,6 +159,11 @@ impl RunCache {
         }
     }
 
+    /// Whether the cache keeps states at all (`run_cache_size` above 0).
+    fn enabled(&self) -> bool {
+        self.capacity > 0
+    }
+
     /// The cached state of each of `ids` that has one.
     fn get_many<'a>(&self, ids: impl Iterator<Item = &'a str>) -> HashMap<String, RunState> {
         if self.capacity == 0 {
@@ -247,7 +252,8 @@ struct Loaded {
     state: Option<RunState>,
     loaded_version: Option<i64>,
     changed: bool,
-    /// The state came from the cache, not from the database.
+    /// The state was not read from the database: it came from the cache,
+    /// or the run was taken to be new (see [`load_runs`]).
     cached: bool,
 }
 
@@ -437,7 +443,10 @@ impl Applier {
                     session.rollback().await?;
                 }
                 Attempt::Conflict => {
+                    // Recompute from the database: the cache's states, or
+                    // the guess that a started run is new, lost the race.
                     self.cache.forget(batch_runs());
+                    use_cache = false;
                     session.rollback().await?;
                     conflicts += 1;
                     metrics::counter!("ductor_apply_conflicts_total").increment(1);
@@ -797,6 +806,18 @@ impl Applier {
     }
 }
 
+/// The runs of a batch's inputs: from the cache when it has them, else
+/// from the database.
+///
+/// With the cache on, a run that the batch names only in `run.start`
+/// inputs, and that the cache does not hold, is taken to be new without a
+/// query: a start is almost always the first input of its run. The guess is
+/// checked where it matters. If the run exists after all (a redelivered
+/// start), its insert matches no row, the batch statement counts a lost
+/// race, and the batch is recomputed from the database, where the start is
+/// found a duplicate. A start that changes nothing on the guess (a
+/// rejection) is recomputed the same way, like any verdict on a state not
+/// read from the database.
 async fn load_runs(
     conn: &mut PgConnection,
     inputs: &[PendingInput],
@@ -811,18 +832,26 @@ async fn load_runs(
     let mut cached = cache
         .map(|c| c.get_many(ids.iter().map(String::as_str)))
         .unwrap_or_default();
+    let guess = cache.is_some_and(RunCache::enabled);
+    // Runs that an input other than a start names are always read.
+    let named_otherwise: HashSet<&str> = inputs
+        .iter()
+        .filter(|p| !matches!(p.input, Input::Start(_)))
+        .map(|p| p.input.run_id())
+        .collect();
     let mut runs: HashMap<String, Loaded> = HashMap::with_capacity(ids.len());
     let mut missing = Vec::with_capacity(ids.len() - cached.len());
     for id in ids {
         let state = cached.remove(&id);
-        if state.is_none() {
+        let guessed = guess && state.is_none() && !named_otherwise.contains(id.as_str());
+        if state.is_none() && !guessed {
             missing.push(id.clone());
         }
         runs.insert(
             id,
             Loaded {
                 loaded_version: state.as_ref().map(|s| s.record_version),
-                cached: state.is_some(),
+                cached: state.is_some() || guessed,
                 state,
                 changed: false,
             },

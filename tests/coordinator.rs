@@ -192,6 +192,15 @@ impl Harness {
             .unwrap()
     }
 
+    /// The seqs of a run's transitions, in order.
+    async fn seqs(&self, run_id: &str) -> Vec<i64> {
+        self.transitions(run_id)
+            .await
+            .into_iter()
+            .map(|(seq, _)| seq)
+            .collect()
+    }
+
     /// Two appliers on the test database, as two coordinators (one of them
     /// a new owner after a rebalance) would hold them.
     fn two_appliers(&self) -> (ductor::store::Applier, ductor::store::Applier) {
@@ -606,6 +615,91 @@ async fn a_cached_state_made_stale_by_another_writer_never_decides_an_input() {
 }
 
 #[tokio::test]
+async fn a_start_redelivered_to_an_applier_that_never_saw_its_run_is_a_duplicate() {
+    let h = Harness::new().await;
+    // `a` takes a start it has not cached for a new run, without reading the
+    // database. `b` never saw the run, so it makes the same guess on a
+    // redelivery: its insert must fall short, and the recomputation from
+    // the database must find the start a duplicate that writes nothing.
+    let (a, b) = h.two_appliers();
+    let run_id = unique("guessed-");
+    let report = a
+        .apply_batch(&[pending(InputTopic::Requests, start_json(&run_id))])
+        .await
+        .expect("applying the start");
+    assert_eq!(report.outcomes, vec![InputOutcome::Applied { seq: 1 }]);
+    assert_eq!(report.conflicts, 0, "a new run needs no recomputation");
+    let before = h.footprint().await;
+
+    let report = b
+        .apply_batch(&[pending(InputTopic::Requests, start_json(&run_id))])
+        .await
+        .expect("applying the redelivered start");
+    assert!(
+        matches!(report.outcomes[..], [InputOutcome::NoOp(_)]),
+        "{:?}",
+        report.outcomes
+    );
+    assert_eq!(
+        report.conflicts, 1,
+        "the guess that the run is new loses once"
+    );
+    assert_eq!(h.footprint().await, before, "the duplicate wrote rows");
+
+    // A result of the run in the same batch as a second redelivery makes
+    // `b` read the run instead of guessing: the start is a duplicate and
+    // the result applies, with no recomputation.
+    let stamp = h.dispatched_stamp(&run_id, 0).await;
+    let report = b
+        .apply_batch(&[
+            pending(InputTopic::Requests, start_json(&run_id)),
+            pending(
+                InputTopic::AttemptResults,
+                Harness::result_json(&run_id, "acme", stamp),
+            ),
+        ])
+        .await
+        .expect("applying a start and a result");
+    assert!(
+        matches!(
+            report.outcomes[..],
+            [InputOutcome::NoOp(_), InputOutcome::Applied { seq: 2 }]
+        ),
+        "{:?}",
+        report.outcomes
+    );
+    assert_eq!(report.conflicts, 0);
+    assert_eq!(h.seqs(&run_id).await, vec![1, 2]);
+    h.db.drop_db().await;
+}
+
+#[tokio::test]
+async fn without_the_run_cache_a_redelivered_start_is_read_not_guessed() {
+    let h = Harness::with_config(|c| c.coordinator.run_cache_size = 0).await;
+    let (a, b) = h.two_appliers();
+    let run_id = unique("uncached-");
+    a.apply_batch(&[pending(InputTopic::Requests, start_json(&run_id))])
+        .await
+        .expect("applying the start");
+    let before = h.footprint().await;
+    let report = b
+        .apply_batch(&[pending(InputTopic::Requests, start_json(&run_id))])
+        .await
+        .expect("applying the redelivered start");
+    assert!(
+        matches!(report.outcomes[..], [InputOutcome::NoOp(_)]),
+        "{:?}",
+        report.outcomes
+    );
+    assert_eq!(
+        report.conflicts, 0,
+        "the run was read, so nothing is retried"
+    );
+    assert_eq!(h.footprint().await, before);
+    h.db.drop_db().await;
+}
+
+#[tokio::test]
 async fn a_batch_written_over_a_run_another_writer_moved_on_is_recomputed_once() {
     let h = Harness::new().await;
     // `a` caches the run at seq 1; `b` moves it to seq 2. A cancel applies to
@@ -639,13 +733,11 @@ async fn a_batch_written_over_a_run_another_writer_moved_on_is_recomputed_once()
         "the stale write must lose the race once"
     );
     assert_eq!(report.outcomes, vec![InputOutcome::Applied { seq: 3 }]);
-    let seqs: Vec<i64> = h
-        .transitions(&run_id)
-        .await
-        .into_iter()
-        .map(|(seq, _)| seq)
-        .collect();
-    assert_eq!(seqs, vec![1, 2, 3], "nothing of the lost attempt is kept");
+    assert_eq!(
+        h.seqs(&run_id).await,
+        vec![1, 2, 3],
+        "nothing of the lost attempt is kept"
+    );
     assert_eq!(h.run_status(&run_id).await.as_deref(), Some("cancelled"));
     h.db.drop_db().await;
 }
