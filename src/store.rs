@@ -166,7 +166,7 @@ impl RunCache {
 
     /// The cached state of each of `ids` that has one.
     fn get_many<'a>(&self, ids: impl Iterator<Item = &'a str>) -> HashMap<String, RunState> {
-        if self.capacity == 0 {
+        if !self.enabled() {
             return HashMap::new();
         }
         let Ok(states) = self.states.lock() else {
@@ -178,7 +178,7 @@ impl RunCache {
 
     /// Remembers committed states (their `record_version` is the new one).
     fn put_many(&self, committed: Vec<RunState>) {
-        if self.capacity == 0 {
+        if !self.enabled() {
             return;
         }
         let Ok(mut states) = self.states.lock() else {
@@ -198,7 +198,7 @@ impl RunCache {
 
     /// Forgets `ids`: their batch lost a race or its outcome is unknown.
     fn forget<'a>(&self, ids: impl Iterator<Item = &'a str>) {
-        if self.capacity == 0 {
+        if !self.enabled() {
             return;
         }
         if let Ok(mut states) = self.states.lock() {

@@ -221,6 +221,18 @@ fn pending(topic: InputTopic, value: serde_json::Value) -> PendingInput {
     }
 }
 
+/// Applies a lone start of `run_id` on `applier`, as one batch.
+async fn apply_start(
+    applier: &ductor::store::Applier,
+    run_id: &str,
+    what: &str,
+) -> ductor::store::BatchReport {
+    applier
+        .apply_batch(&[pending(InputTopic::Requests, start_json(run_id))])
+        .await
+        .expect(what)
+}
+
 /// A start of the `example` workflow for tenant `acme`.
 fn start_json(run_id: &str) -> serde_json::Value {
     json!({
@@ -574,10 +586,7 @@ async fn a_cached_state_made_stale_by_another_writer_never_decides_an_input() {
     // the run on behind its back (as a new owner after a rebalance would).
     let (a, b) = h.two_appliers();
     let run_id = unique("cached-");
-    let report = a
-        .apply_batch(&[pending(InputTopic::Requests, start_json(&run_id))])
-        .await
-        .expect("applying the start");
+    let report = apply_start(&a, &run_id, "applying the start").await;
     assert_eq!(report.outcomes, vec![InputOutcome::Applied { seq: 1 }]);
 
     let first = h.dispatched_stamp(&run_id, 0).await;
@@ -623,18 +632,12 @@ async fn a_start_redelivered_to_an_applier_that_never_saw_its_run_is_a_duplicate
     // the database must find the start a duplicate that writes nothing.
     let (a, b) = h.two_appliers();
     let run_id = unique("guessed-");
-    let report = a
-        .apply_batch(&[pending(InputTopic::Requests, start_json(&run_id))])
-        .await
-        .expect("applying the start");
+    let report = apply_start(&a, &run_id, "applying the start").await;
     assert_eq!(report.outcomes, vec![InputOutcome::Applied { seq: 1 }]);
     assert_eq!(report.conflicts, 0, "a new run needs no recomputation");
     let before = h.footprint().await;
 
-    let report = b
-        .apply_batch(&[pending(InputTopic::Requests, start_json(&run_id))])
-        .await
-        .expect("applying the redelivered start");
+    let report = apply_start(&b, &run_id, "applying the redelivered start").await;
     assert!(
         matches!(report.outcomes[..], [InputOutcome::NoOp(_)]),
         "{:?}",
@@ -678,14 +681,9 @@ async fn without_the_run_cache_a_redelivered_start_is_read_not_guessed() {
     let h = Harness::with_config(|c| c.coordinator.run_cache_size = 0).await;
     let (a, b) = h.two_appliers();
     let run_id = unique("uncached-");
-    a.apply_batch(&[pending(InputTopic::Requests, start_json(&run_id))])
-        .await
-        .expect("applying the start");
+    apply_start(&a, &run_id, "applying the start").await;
     let before = h.footprint().await;
-    let report = b
-        .apply_batch(&[pending(InputTopic::Requests, start_json(&run_id))])
-        .await
-        .expect("applying the redelivered start");
+    let report = apply_start(&b, &run_id, "applying the redelivered start").await;
     assert!(
         matches!(report.outcomes[..], [InputOutcome::NoOp(_)]),
         "{:?}",
@@ -708,9 +706,7 @@ async fn a_batch_written_over_a_run_another_writer_moved_on_is_recomputed_once()
     // recomputed from the database.
     let (a, b) = h.two_appliers();
     let run_id = unique("raced-");
-    a.apply_batch(&[pending(InputTopic::Requests, start_json(&run_id))])
-        .await
-        .expect("applying the start");
+    apply_start(&a, &run_id, "applying the start").await;
     let first = h.dispatched_stamp(&run_id, 0).await;
     let report = b
         .apply_batch(&[pending(
