@@ -25,6 +25,7 @@ use sqlx::Row;
 use tokio::time::Instant;
 
 use crate::config::{DuplicatePolicy, RoutingConfig};
+use crate::coordinator::{InputError, InputErrorClass, InputLimits, parse_value};
 use crate::routing::{self, Decision, Reservation, ReserveKind, RouteOutcome, RouteRequest};
 use crate::store::Applier;
 
@@ -36,6 +37,8 @@ const MAX_RESERVE_ROUNDS: u32 = 8;
 pub struct ApiState {
     pub applier: Arc<Applier>,
     pub routing: RoutingConfig,
+    /// The bounds a body keeps, as every input does on Kafka.
+    pub limits: InputLimits,
     /// Pokes the in-process drainer after a decision committed effects.
     pub wakeup: Option<crate::drainer::Wakeup>,
 }
@@ -107,13 +110,7 @@ async fn create_run_inner(state: &ApiState, request: Request<Body>) -> Result<Su
                 format!("the request body exceeds {limit} bytes"),
             )
         })?;
-    let body: Value = serde_json::from_slice(&bytes).map_err(|e| {
-        ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_json",
-            format!("the body is not JSON: {}", e.classify_str()),
-        )
-    })?;
+    let body = parse_value(&bytes, &state.limits).map_err(body_error)?;
     let request = route_request_from_body(body, key)?;
     let submitted = submit(&state.applier, &state.routing, request).await?;
     if let (Submitted::Created(_), Some(wakeup)) = (&submitted, &state.wakeup) {
@@ -122,18 +119,26 @@ async fn create_run_inner(state: &ApiState, request: Request<Body>) -> Result<Su
     Ok(submitted)
 }
 
-trait ClassifyStr {
-    fn classify_str(&self) -> &'static str;
-}
-
-impl ClassifyStr for serde_json::Error {
-    fn classify_str(&self) -> &'static str {
-        match self.classify() {
-            serde_json::error::Category::Io => "i/o error",
-            serde_json::error::Category::Syntax => "syntax error",
-            serde_json::error::Category::Data => "unexpected data",
-            serde_json::error::Category::Eof => "unexpected end of input",
-        }
+/// The answer to a body that is no acceptable JSON: 422 with the
+/// screen's class for valid JSON that cannot be kept as sent, 413 for one
+/// over the size limit, 400 for anything else.
+pub fn body_error(error: InputError) -> ApiError {
+    match error.class {
+        InputErrorClass::Refused(violation) => ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            violation.as_str(),
+            error.message,
+        ),
+        InputErrorClass::TooLarge => ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            error.message,
+        ),
+        _ => ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_json",
+            format!("the body is {}", error.message),
+        ),
     }
 }
 
@@ -336,6 +341,16 @@ async fn decide(applier: &Applier, request: &RouteRequest) -> Result<RouteOutcom
         .apply(&[], std::slice::from_ref(request))
         .await
         .map_err(|e| {
+            if let Some(failure) = e.permanent() {
+                // The request itself is what the database refuses: the
+                // same request would fail again.
+                tracing::warn!(class = failure.class, error = %failure.message, "a start request cannot be stored");
+                return ApiError::new(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    failure.class,
+                    failure.message,
+                );
+            }
             tracing::warn!(error = %e, "deciding a start request failed");
             ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,

@@ -16,6 +16,7 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+use crate::coordinator::{InputLimits, ShapeLimits};
 use figment::Figment;
 use figment::providers::{Format, Serialized, Toml};
 use serde::{Deserialize, Serialize};
@@ -206,8 +207,30 @@ pub struct CoordinatorConfig {
     /// capacity, turns (64) used about 15 % less CPU per input and raised
     /// the p99 latency by about half.
     pub concurrent_batch_min_inputs: usize,
-    /// Inputs larger than this go to the dead-letter topic.
+    /// Inputs larger than this go to the dead-letter topic (class
+    /// `too_large`); so do HTTP bodies over `routing.max_body_bytes`.
     pub max_input_bytes: usize,
+    /// Deepest nesting of arrays and objects in an input or an HTTP body
+    /// (the top level is 1); deeper ones are refused as `too_deep`. At
+    /// most 128, the JSON parser's own bound.
+    pub max_json_depth: usize,
+    /// Longest string (or object key) in an input, in bytes once escapes
+    /// are decoded; longer ones are refused as `string_too_long`.
+    pub max_string_bytes: usize,
+    /// Most elements of one array in an input; more are refused as
+    /// `array_too_long`.
+    pub max_array_items: usize,
+    /// Most members of one object in an input; more are refused as
+    /// `object_too_wide`.
+    pub max_object_keys: usize,
+    /// First pause before a batch that failed transiently (the database
+    /// unreachable, a timeout, a serialization failure) is applied again;
+    /// each further failure doubles it, up to `apply_retry_max_ms`. A batch
+    /// that fails permanently is not retried but bisected: the inputs that
+    /// fail alone go to the dead-letter topic (stage `apply`).
+    pub apply_retry_min_ms: u64,
+    /// Longest pause between two tries of a transiently failing batch.
+    pub apply_retry_max_ms: u64,
     /// Times a batch is recomputed after losing an optimistic-lock race
     /// before the batch fails (and is retried from Kafka).
     pub conflict_retries: u32,
@@ -445,6 +468,28 @@ impl Config {
         if self.coordinator.max_input_bytes == 0 {
             return Err(invalid("coordinator.max_input_bytes", "must be at least 1"));
         }
+        let c = &self.coordinator;
+        if c.apply_retry_min_ms == 0 || c.apply_retry_max_ms < c.apply_retry_min_ms {
+            return Err(invalid(
+                "coordinator.apply_retry_max_ms",
+                "apply_retry_min_ms must be at least 1 and apply_retry_max_ms at least apply_retry_min_ms",
+            ));
+        }
+        if c.max_json_depth == 0 || c.max_json_depth > 128 {
+            return Err(invalid(
+                "coordinator.max_json_depth",
+                "must be between 1 and 128 (the JSON parser's own bound)",
+            ));
+        }
+        for (key, value) in [
+            ("coordinator.max_string_bytes", c.max_string_bytes),
+            ("coordinator.max_array_items", c.max_array_items),
+            ("coordinator.max_object_keys", c.max_object_keys),
+        ] {
+            if value == 0 {
+                return Err(invalid(key, "must be at least 1"));
+            }
+        }
         if self.coordinator.max_error_message_bytes < 32 {
             return Err(invalid(
                 "coordinator.max_error_message_bytes",
@@ -508,6 +553,20 @@ impl Config {
             return Err(invalid("routing.max_body_bytes", "must be at least 1024"));
         }
         Ok(())
+    }
+
+    /// The bounds every input keeps, on Kafka and over HTTP.
+    pub fn input_limits(&self) -> InputLimits {
+        let c = &self.coordinator;
+        InputLimits {
+            max_bytes: c.max_input_bytes,
+            shape: ShapeLimits {
+                max_depth: c.max_json_depth,
+                max_string_bytes: c.max_string_bytes,
+                max_array_items: c.max_array_items,
+                max_object_keys: c.max_object_keys,
+            },
+        }
     }
 
     /// Full name of one of Ductor's own topics.

@@ -22,6 +22,9 @@ pub enum Stage {
     /// A start request the routing plane refused (the same idempotency key
     /// with a different request).
     Route,
+    /// Decoded and valid, but the database refuses to store it: found by
+    /// bisecting the batch it failed, so only it is dead-lettered.
+    Apply,
 }
 
 impl Stage {
@@ -30,6 +33,7 @@ impl Stage {
             Stage::Decode => "decode",
             Stage::Validate => "validate",
             Stage::Route => "route",
+            Stage::Apply => "apply",
         }
     }
 }
@@ -39,6 +43,18 @@ pub struct DeadLetter<'a> {
     pub stage: Stage,
     pub class: String,
     pub error: String,
+}
+
+impl<'a> DeadLetter<'a> {
+    /// The dead letter of an input that the apply path isolated.
+    pub fn isolated(message: &'a OwnedMessage, failure: &crate::store::ApplyFailure) -> Self {
+        DeadLetter {
+            message,
+            stage: Stage::Apply,
+            class: failure.class.to_string(),
+            error: failure.message.clone(),
+        }
+    }
 }
 
 pub const HEADER_TOPIC: &str = "ductor-dlq-topic";

@@ -17,7 +17,6 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::Context;
-use backon::{ExponentialBuilder, Retryable};
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::message::{Headers, Message, OwnedMessage};
 use rdkafka::producer::FutureProducer;
@@ -27,10 +26,12 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::coordinator::{InputTopic, NoOpReason, Workflows, decode_input};
+use crate::coordinator::{
+    Input, InputError, InputLimits, InputTopic, NoOpReason, Workflows, decode_value, parse_value,
+};
 use crate::dlq::{DeadLetter, DeadLetterPublisher, Stage};
 use crate::routing::{self, RouteOutcome};
-use crate::store::{Applier, InputOutcome, PendingInput, Source};
+use crate::store::{Applier, InputOutcome, PendingInput, RetryPolicy, Source};
 
 /// The ingress consumer's context: logs rebalances (and is where a chaos
 /// run can crash mid-rebalance).
@@ -78,7 +79,10 @@ pub struct IngressContext {
     pub batch_linger: Duration,
     pub apply_lanes: usize,
     pub concurrent_batch_min_inputs: usize,
-    pub max_input_bytes: usize,
+    /// The bounds every input keeps (size and shape).
+    pub limits: InputLimits,
+    /// How a batch that failed transiently is retried.
+    pub retry: RetryPolicy,
     pub hooks: TestHooks,
     /// Poked after a commit that wrote effect intents, so the in-process
     /// drainer publishes them without waiting for its poll.
@@ -108,7 +112,11 @@ impl IngressContext {
             batch_linger: Duration::from_millis(config.coordinator.batch_linger_ms),
             apply_lanes: config.coordinator.apply_lanes,
             concurrent_batch_min_inputs: config.coordinator.concurrent_batch_min_inputs,
-            max_input_bytes: config.coordinator.max_input_bytes,
+            limits: config.input_limits(),
+            retry: RetryPolicy {
+                min: Duration::from_millis(config.coordinator.apply_retry_min_ms),
+                max: Duration::from_millis(config.coordinator.apply_retry_max_ms),
+            },
             hooks: TestHooks::default(),
             wakeup: None,
         })
@@ -375,76 +383,53 @@ pub async fn process_batch(
         let Some(kind) = ctx.topic_kind(msg.topic()) else {
             continue;
         };
-        let payload = msg.payload().unwrap_or_default();
         let source = Source {
             topic: msg.topic().to_string(),
             partition: msg.partition(),
             offset: msg.offset(),
         };
-        if kind == InputTopic::Requests && payload.len() <= ctx.max_input_bytes {
-            // A start without run_id asks the routing plane for a decision.
-            // Without a key of its own, its position in Kafka is its key, so
-            // a redelivery is never a second run.
-            if let Ok(value) = serde_json::from_slice::<serde_json::Value>(payload) {
-                let default_key = format!(
-                    "kafka:{}:{}:{}",
-                    source.topic, source.partition, source.offset
-                );
-                match routing::decode_route_request(&value, Some(default_key)) {
-                    Ok(Some(mut request)) => {
-                        request.source = Some(source);
-                        routed.push(request);
-                        routed_msgs.push(msg);
-                        continue;
-                    }
-                    Ok(None) => {}
-                    Err(error) => {
-                        dead.push(DeadLetter {
-                            message: msg,
-                            stage: Stage::Decode,
-                            class: error.class.as_str().to_string(),
-                            error: error.message,
-                        });
-                        continue;
-                    }
-                }
+        match classify(
+            kind,
+            msg.payload().unwrap_or_default(),
+            &source,
+            &ctx.limits,
+        ) {
+            Ok(Classified::Routed(mut request)) => {
+                request.source = Some(source);
+                routed.push(*request);
+                routed_msgs.push(msg);
             }
-        }
-        match decode_input(kind, payload, ctx.max_input_bytes) {
-            Ok(input) => {
+            Ok(Classified::Input(input)) => {
                 pending.push(PendingInput {
                     input,
                     source: Some(source),
                 });
                 pending_msgs.push(msg);
             }
-            Err(error) => {
-                dead.push(DeadLetter {
-                    message: msg,
-                    stage: Stage::Decode,
-                    class: error.class.as_str().to_string(),
-                    error: error.message,
-                });
-            }
+            Err(error) => dead.push(DeadLetter {
+                message: msg,
+                stage: Stage::Decode,
+                class: error.class.as_str().to_string(),
+                error: error.message,
+            }),
         }
     }
 
     if !pending.is_empty() || !routed.is_empty() {
-        let applier = &ctx.applier;
-        let report = (|| async { applier.apply(&pending, &routed).await })
-            .retry(
-                ExponentialBuilder::default()
-                    .with_min_delay(Duration::from_millis(50))
-                    .with_max_delay(Duration::from_secs(5))
-                    .without_max_times(),
-            )
-            .when(|_| !shutdown.is_cancelled())
-            .notify(|e, after| {
-                tracing::warn!(error = %e, retry_in_ms = after.as_millis() as u64, "applying batch failed, retrying")
-            })
+        let report = ctx
+            .applier
+            .apply_isolating(&pending, &routed, ctx.retry, shutdown)
             .await
             .context("applying batch")?;
         for ((outcome, input), msg) in report.outcomes.iter().zip(&pending).zip(&pending_msgs) {
+            let outcome = match outcome {
+                Some(Ok(outcome)) => outcome,
+                Some(Err(failure)) => {
+                    dead.push(DeadLetter::isolated(msg, failure));
+                    continue;
+                }
+                None => unreachable!("every input of an isolated batch has an outcome"),
+            };
             let topic_label = msg.topic().to_string();
             let outcome_label = match outcome {
                 InputOutcome::Applied { .. } => "applied",
@@ -472,6 +457,14 @@ pub async fn process_batch(
             }
         }
         for (outcome, msg) in report.routed.iter().zip(&routed_msgs) {
+            let outcome = match outcome {
+                Some(Ok(outcome)) => outcome,
+                Some(Err(failure)) => {
+                    dead.push(DeadLetter::isolated(msg, failure));
+                    continue;
+                }
+                None => unreachable!("every request of an isolated batch has an outcome"),
+            };
             let topic_label = msg.topic().to_string();
             let (input_label, routing_label) = match outcome {
                 RouteOutcome::Decided { kind, .. } => ("applied", kind.as_str()),
@@ -522,6 +515,36 @@ pub async fn process_batch(
             .increment(1);
     }
     Ok(())
+}
+
+/// What a message on an input topic is.
+#[derive(Debug)]
+pub enum Classified {
+    /// A start without `run_id`: the routing plane decides its run.
+    Routed(Box<routing::RouteRequest>),
+    Input(Input),
+}
+
+/// Decodes one message read from an input topic of `kind`: pure, and
+/// never panics. A start without `run_id` and without a key of its own is
+/// keyed by its position in Kafka, so a redelivery is never a second run.
+pub fn classify(
+    kind: InputTopic,
+    payload: &[u8],
+    source: &Source,
+    limits: &InputLimits,
+) -> Result<Classified, InputError> {
+    let value = parse_value(payload, limits)?;
+    if kind == InputTopic::Requests {
+        let default_key = format!(
+            "kafka:{}:{}:{}",
+            source.topic, source.partition, source.offset
+        );
+        if let Some(request) = routing::decode_route_request(&value, Some(default_key))? {
+            return Ok(Classified::Routed(Box::new(request)));
+        }
+    }
+    decode_value(kind, &value).map(Classified::Input)
 }
 
 /// Records how long ago `msg` was produced (its Kafka timestamp), when the

@@ -162,7 +162,8 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
 
 async fn submit(args: SubmitArgs, config: Config) -> anyhow::Result<()> {
     let input: serde_json::Value =
-        serde_json::from_str(&args.input).context("--input is not valid JSON")?;
+        ductor::coordinator::parse_value(args.input.as_bytes(), &config.input_limits())
+            .map_err(|e| anyhow::anyhow!("--input: {e}"))?;
     let workflows = ductor::workflows::load_dir(&config.coordinator.workflows_dir)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let pool = ductor::db::connect(&config.database).await?;

@@ -80,6 +80,7 @@ pub async fn run_on(
     let api_state = crate::api::ApiState {
         applier: Arc::new(api_applier),
         routing: config.routing.clone(),
+        limits: config.input_limits(),
         wakeup: handoff.is_none().then(|| wakeup.clone()),
     };
     let addr = listener

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::{PgConnection, PgPool, Postgres, Row, Transaction as PgTx};
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::coordinator::{
@@ -74,6 +75,89 @@ pub enum ApplyError {
     Database(#[from] sqlx::Error),
     #[error("encoding state: {0}")]
     Encode(#[from] serde_json::Error),
+}
+
+/// A failure that retrying cannot mend: what the database refused in the
+/// inputs themselves. `class` is stable (the dead-letter class and the HTTP
+/// error code); `message` names the SQLSTATE and never echoes the input.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApplyFailure {
+    pub class: &'static str,
+    pub message: String,
+}
+
+/// Longest [`ApplyFailure::message`].
+const MAX_FAILURE_MESSAGE_LEN: usize = 512;
+
+impl ApplyError {
+    /// `Some` when the batch's own contents are what failed, so that the
+    /// same inputs fail again however often they are retried: a data
+    /// exception (SQLSTATE class 22, such as U+0000 in `jsonb`), an
+    /// integrity violation (class 23) other than the lost races the apply
+    /// path expects, a program limit (class 54), a stored state that does
+    /// not decode, or a state that does not encode. `None` for everything
+    /// transient: connections, timeouts and cancels, serialization
+    /// failures, deadlocks, lock waits, shutdowns, lost races, and any error
+    /// that is no one input's fault (privileges, a missing table), which
+    /// must not send good inputs to the dead-letter topic.
+    pub fn permanent(&self) -> Option<ApplyFailure> {
+        let failure = |class, message: String| {
+            Some(ApplyFailure {
+                class,
+                message: crate::coordinator::input::truncate(message, MAX_FAILURE_MESSAGE_LEN),
+            })
+        };
+        match self {
+            ApplyError::Database(sqlx::Error::Database(db)) => {
+                let code = db.code().unwrap_or_default().into_owned();
+                let class = match code.get(..2) {
+                    Some("22") => "data_exception",
+                    Some("23") => "integrity_constraint_violation",
+                    Some("54") => "program_limit_exceeded",
+                    _ => return None,
+                };
+                failure(class, format!("postgres {code}: {}", db.message()))
+            }
+            ApplyError::Database(sqlx::Error::ColumnDecode { index, .. }) => failure(
+                "undecodable_state",
+                format!("a stored row does not decode (column {index})"),
+            ),
+            ApplyError::Database(sqlx::Error::Decode(e)) => failure(
+                "undecodable_state",
+                format!("a stored row does not decode: {e}"),
+            ),
+            ApplyError::Encode(e) => failure("unencodable_state", format!("encoding: {e}")),
+            _ => None,
+        }
+    }
+}
+
+/// How transient apply failures are retried: exponential backoff between
+/// `min` and `max`, for as long as it takes (the database coming back is
+/// the only way on), until shutdown.
+#[derive(Debug, Clone, Copy)]
+pub struct RetryPolicy {
+    pub min: Duration,
+    pub max: Duration,
+}
+
+/// A batch applied with its poison isolated: one entry per input and per
+/// routed request, in order, each its outcome or why it failed on its own.
+#[derive(Debug, Default)]
+pub struct IsolatedBatch {
+    pub outcomes: Vec<Option<Result<InputOutcome, ApplyFailure>>>,
+    pub routed: Vec<Option<Result<RouteOutcome, ApplyFailure>>>,
+    /// Recomputations after lost races, over every statement.
+    pub conflicts: u32,
+    pub intents_written: usize,
+    /// Statements the batch took (1 without poison).
+    pub statements: u32,
+}
+
+/// How [`Applier::apply_retrying`] gave up.
+enum Failed {
+    Permanent(ApplyFailure),
+    Stopped(ApplyError),
 }
 
 /// Topic naming, so the pure effects can be given real topic names.
@@ -456,6 +540,115 @@ impl Applier {
                     }
                 }
             }
+        }
+    }
+
+    /// Applies a batch whatever it holds. Transient failures are retried
+    /// under `retry`; a permanent one ([`ApplyError::permanent`]) is
+    /// bisected: the first half is applied before the second, each on its
+    /// own, until the inputs that fail alone are found. Those are reported
+    /// as failed and everything else is committed, in order, so a partition
+    /// keeps its order and no good input is refused. Returns `Err` only on
+    /// shutdown, with nothing of the unapplied rest committed.
+    pub async fn apply_isolating(
+        &self,
+        inputs: &[PendingInput],
+        routed: &[RouteRequest],
+        retry: RetryPolicy,
+        shutdown: &CancellationToken,
+    ) -> Result<IsolatedBatch, ApplyError> {
+        let r = routed.len();
+        let mut done = IsolatedBatch {
+            outcomes: vec![None; inputs.len()],
+            routed: vec![None; r],
+            ..IsolatedBatch::default()
+        };
+        // Ranges of one index space: routed requests first, then inputs,
+        // the order one apply takes them in.
+        let mut work = std::collections::VecDeque::new();
+        work.push_back(0..r + inputs.len());
+        while let Some(range) = work.pop_front() {
+            let (routed_part, inputs_part) = (
+                range.start.min(r)..range.end.min(r),
+                range.start.max(r) - r..range.end.max(r) - r,
+            );
+            done.statements += 1;
+            let applied = self
+                .apply_retrying(
+                    &inputs[inputs_part.clone()],
+                    &routed[routed_part.clone()],
+                    retry,
+                    shutdown,
+                )
+                .await;
+            match applied {
+                Ok(report) => {
+                    done.conflicts += report.conflicts;
+                    done.intents_written += report.intents_written;
+                    for (slot, outcome) in done.routed[routed_part].iter_mut().zip(report.routed) {
+                        *slot = Some(Ok(outcome));
+                    }
+                    for (slot, outcome) in
+                        done.outcomes[inputs_part].iter_mut().zip(report.outcomes)
+                    {
+                        *slot = Some(Ok(outcome));
+                    }
+                }
+                Err(Failed::Permanent(failure)) if range.len() == 1 => {
+                    metrics::counter!("ductor_apply_isolated_total", "class" => failure.class)
+                        .increment(1);
+                    tracing::warn!(
+                        class = failure.class,
+                        error = %failure.message,
+                        "an input fails on its own, isolated"
+                    );
+                    if routed_part.is_empty() {
+                        done.outcomes[inputs_part.start] = Some(Err(failure));
+                    } else {
+                        done.routed[routed_part.start] = Some(Err(failure));
+                    }
+                }
+                Err(Failed::Permanent(failure)) => {
+                    tracing::info!(
+                        inputs = range.len(),
+                        class = failure.class,
+                        "a batch fails permanently, bisecting"
+                    );
+                    let mid = range.start + range.len() / 2;
+                    work.push_front(mid..range.end);
+                    work.push_front(range.start..mid);
+                }
+                Err(Failed::Stopped(e)) => return Err(e),
+            }
+        }
+        Ok(done)
+    }
+
+    /// [`Applier::apply`], retrying what is transient until shutdown.
+    async fn apply_retrying(
+        &self,
+        inputs: &[PendingInput],
+        routed: &[RouteRequest],
+        retry: RetryPolicy,
+        shutdown: &CancellationToken,
+    ) -> Result<BatchReport, Failed> {
+        let mut pause = retry.min;
+        loop {
+            let error = match self.apply(inputs, routed).await {
+                Ok(report) => return Ok(report),
+                Err(e) => e,
+            };
+            if let Some(failure) = error.permanent() {
+                return Err(Failed::Permanent(failure));
+            }
+            tracing::warn!(error = %error, retry_in_ms = pause.as_millis() as u64, "applying batch failed, retrying");
+            metrics::counter!("ductor_apply_retries_total").increment(1);
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return Err(Failed::Stopped(error)),
+                _ = tokio::time::sleep(pause) => {}
+            }
+            pause = (pause * 2).min(retry.max);
         }
     }
 

@@ -747,8 +747,8 @@ impl OffsetTracker {
 mod tests {
     use super::*;
     use crate::coordinator::{
-        Decision, EffectTarget, Entropy, InputTopic, RetryPolicy, RunStart, StepDefinition,
-        WorkflowDefinition, Workflows, decode_input, fold,
+        Decision, EffectTarget, Entropy, InputLimits, InputTopic, RetryPolicy, RunStart,
+        StepDefinition, WorkflowDefinition, Workflows, decode_input, fold,
     };
     use serde_json::json;
 
@@ -829,7 +829,7 @@ mod tests {
         let input = decode_input(
             InputTopic::AttemptResults,
             result.to_string().as_bytes(),
-            1 << 20,
+            &InputLimits::sized(1 << 20),
         )
         .unwrap();
         assert_eq!(
@@ -870,7 +870,7 @@ mod tests {
             let Ok(Input::Result(r)) = decode_input(
                 InputTopic::AttemptResults,
                 json.to_string().as_bytes(),
-                1 << 20,
+                &InputLimits::sized(1 << 20),
             ) else {
                 panic!("decodes");
             };

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::*;
 use ductor::config::Config;
-use ductor::coordinator::{InputTopic, decode_input};
+use ductor::coordinator::{InputLimits, InputTopic, decode_input};
 use ductor::ingress::{IngressContext, TestHooks};
 use ductor::store::{InputOutcome, PendingInput};
 use rdkafka::message::{Headers, Message};
@@ -216,7 +216,12 @@ impl Harness {
 /// An input as the ingress would hand it to the apply layer.
 fn pending(topic: InputTopic, value: serde_json::Value) -> PendingInput {
     PendingInput {
-        input: decode_input(topic, value.to_string().as_bytes(), 1 << 20).expect("a valid input"),
+        input: decode_input(
+            topic,
+            value.to_string().as_bytes(),
+            &InputLimits::sized(1 << 20),
+        )
+        .expect("a valid input"),
         source: None,
     }
 }
@@ -735,5 +740,179 @@ async fn a_batch_written_over_a_run_another_writer_moved_on_is_recomputed_once()
         "nothing of the lost attempt is kept"
     );
     assert_eq!(h.run_status(&run_id).await.as_deref(), Some("cancelled"));
+    h.db.drop_db().await;
+}
+
+/// An input that decodes but that Postgres refuses (here U+0000, put past
+/// the screen on purpose) fails its batch statement with a data exception.
+/// The apply path bisects: the input that fails alone is reported with its
+/// class, everything around it commits, in order.
+#[tokio::test]
+async fn a_batch_with_an_input_postgres_refuses_commits_the_rest_and_isolates_it() {
+    let h = Harness::new().await;
+    let (applier, _) = h.two_appliers();
+    let runs: Vec<String> = (0..6).map(|k| unique(&format!("iso-{k}-"))).collect();
+    let mut inputs: Vec<PendingInput> = runs
+        .iter()
+        .map(|r| pending(InputTopic::Requests, start_json(r)))
+        .collect();
+    let poison = |run_id: &str, input: serde_json::Value| PendingInput {
+        input: ductor::coordinator::Input::Start(ductor::coordinator::RunStart {
+            run_id: run_id.to_string(),
+            tenant: "acme".into(),
+            workflow: "example".into(),
+            workflow_version: None,
+            pool: "default".into(),
+            input,
+            correlation_id: None,
+        }),
+        source: None,
+    };
+    let bad_a = unique("poison-a-");
+    let bad_b = unique("poison-b-");
+    inputs.insert(1, poison(&bad_a, json!({"note": "a\u{0}b"})));
+    inputs.insert(5, poison(&bad_b, json!({"k\u{0}": 1})));
+    // Before isolation, the same batch fails as a whole, every time.
+    let whole = applier.apply_batch(&inputs).await.unwrap_err();
+    assert_eq!(
+        whole.permanent().map(|f| f.class),
+        Some("data_exception"),
+        "{whole}"
+    );
+    let retry = ductor::store::RetryPolicy {
+        min: Duration::from_millis(10),
+        max: Duration::from_millis(100),
+    };
+    let report = applier
+        .apply_isolating(&inputs, &[], retry, &CancellationToken::new())
+        .await
+        .expect("an isolating apply ends");
+    assert_eq!(report.outcomes.len(), inputs.len());
+    for (k, outcome) in report.outcomes.iter().enumerate() {
+        match k {
+            1 | 5 => {
+                let failure = outcome.as_ref().unwrap().as_ref().unwrap_err();
+                assert_eq!(failure.class, "data_exception");
+                assert!(failure.message.starts_with("postgres 22"), "{failure:?}");
+            }
+            _ => assert!(
+                matches!(outcome, Some(Ok(InputOutcome::Applied { seq: 1 }))),
+                "input {k}: {outcome:?}"
+            ),
+        }
+    }
+    assert!(report.statements > 1, "the batch was bisected");
+    for run in &runs {
+        assert_eq!(h.run_status(run).await.as_deref(), Some("running"), "{run}");
+    }
+    assert_eq!(h.run_status(&bad_a).await, None);
+    assert_eq!(h.run_status(&bad_b).await, None);
+    assert_eq!(h.db.count("runs").await, runs.len() as i64);
+    h.db.drop_db().await;
+}
+
+/// The hostile inputs that once stopped a lane for good: each reaches the
+/// dead-letter topic with its class, and the good starts behind them on
+/// the same partition all apply.
+#[tokio::test]
+async fn hostile_json_on_kafka_is_dead_lettered_with_its_class_and_good_inputs_behind_it_apply() {
+    let h = Harness::new().await;
+    let coordinator = h.start_coordinator(TestHooks::default());
+    let requests = h.config.requests_topic();
+    let results = h.config.attempt_results_topic();
+    let key = unique("same-partition-");
+    let deep = format!("{}1{}", "[".repeat(5000), "]".repeat(5000));
+    let start = |extra: &str| {
+        format!(
+            r#"{{"type": "run.start", "schema_version": 1, "run_id": "{}", "tenant": "acme", "workflow": "example"{extra}}}"#,
+            unique("hostile-")
+        )
+    };
+    let bad: Vec<(&str, String, String)> = vec![
+        (
+            "nul_character",
+            requests.clone(),
+            start(r#", "input": {"note": "a\u0000b"}"#),
+        ),
+        (
+            "nul_character",
+            requests.clone(),
+            start(r#", "correlation_id": "c\u0000""#),
+        ),
+        (
+            "unpaired_surrogate",
+            requests.clone(),
+            start(r#", "input": "\udc00""#),
+        ),
+        (
+            "inexact_number",
+            requests.clone(),
+            start(r#", "input": 1e400"#),
+        ),
+        (
+            "too_deep",
+            requests.clone(),
+            start(&format!(r#", "input": {deep}"#)),
+        ),
+        (
+            "duplicate_key",
+            requests.clone(),
+            start(r#", "input": 1, "input": 2"#),
+        ),
+        (
+            "nul_character",
+            results.clone(),
+            format!(
+                r#"{{"type": "attempt.result", "schema_version": 1, "run_id": "r", "tenant": "acme", "stamp": "{}", "outcome": "failed", "error": {{"message": "boom\u0000", "retryable": true}}}}"#,
+                uuid::Uuid::new_v4()
+            ),
+        ),
+    ];
+    let mut expected = Vec::new();
+    for (class, topic, payload) in &bad {
+        let (_, offset) = produce(&h.producer, topic, &key, payload.as_bytes(), &[]).await;
+        expected.push((topic.clone(), offset, *class));
+    }
+    let good: Vec<String> = (0..20).map(|k| unique(&format!("good-{k}-"))).collect();
+    for run in &good {
+        produce(
+            &h.producer,
+            &requests,
+            &key,
+            start_json(run).to_string().as_bytes(),
+            &[],
+        )
+        .await;
+    }
+    for run in &good {
+        h.wait_status(run, "running").await;
+    }
+    let dlq = reader(&[&h.config.dlq_topic()]);
+    let letters = read_n(&dlq, expected.len(), WAIT).await;
+    let header = |m: &rdkafka::message::OwnedMessage, name: &str| {
+        m.headers()
+            .and_then(|hs| hs.iter().find(|x| x.key == name).and_then(|x| x.value))
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+    };
+    for (topic, offset, class) in &expected {
+        let letter = letters
+            .iter()
+            .find(|m| {
+                header(m, "ductor-dlq-topic").as_deref() == Some(topic.as_str())
+                    && header(m, "ductor-dlq-offset") == Some(offset.to_string())
+            })
+            .unwrap_or_else(|| panic!("no dead letter for {topic}@{offset} ({class})"));
+        assert_eq!(
+            header(letter, "ductor-dlq-error-class").as_deref(),
+            Some(*class),
+            "{topic}@{offset}"
+        );
+        assert_eq!(
+            header(letter, "ductor-dlq-stage").as_deref(),
+            Some("decode")
+        );
+    }
+    assert_eq!(h.db.count("runs").await, good.len() as i64);
+    coordinator.stop().await.expect("clean stop");
     h.db.drop_db().await;
 }

@@ -496,10 +496,10 @@ proptest! {
     #[test]
     fn decode_inverts_encode(input in valid_input()) {
         let bytes = serde_json::to_vec(&input.to_json()).unwrap();
-        prop_assert_eq!(decode_input(input.topic(), &bytes, usize::MAX), Ok(input.clone()));
+        prop_assert_eq!(decode_input(input.topic(), &bytes, &InputLimits::sized(usize::MAX)), Ok(input.clone()));
         for topic in [InputTopic::Requests, InputTopic::Wakeups, InputTopic::AttemptResults] {
             if topic != input.topic() {
-                prop_assert_eq!(decode_input(topic, &bytes, usize::MAX).unwrap_err().class, InputErrorClass::WrongTopic);
+                prop_assert_eq!(decode_input(topic, &bytes, &InputLimits::sized(usize::MAX)).unwrap_err().class, InputErrorClass::WrongTopic);
             }
         }
     }
@@ -507,7 +507,7 @@ proptest! {
     /// Arbitrary bytes never panic the decoder, and errors stay bounded.
     #[test]
     fn decode_of_arbitrary_bytes_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..512), topic in topic()) {
-        if let Err(e) = decode_input(topic, &bytes, 256) {
+        if let Err(e) = decode_input(topic, &bytes, &InputLimits::sized(256)) {
             prop_assert!(e.message.chars().count() <= 512);
         }
     }
@@ -532,7 +532,7 @@ proptest! {
         obj.insert("schema_version".into(), if fields.len() % 2 == 0 { json!(1) } else { version });
         obj.extend(fields);
         let bytes = serde_json::to_vec(&Value::Object(obj)).unwrap();
-        if let Err(e) = decode_input(topic, &bytes, usize::MAX) {
+        if let Err(e) = decode_input(topic, &bytes, &InputLimits::sized(usize::MAX)) {
             prop_assert!(e.message.chars().count() <= 512);
         }
     }

@@ -508,3 +508,68 @@ async fn the_reject_policy_answers_in_progress_and_bad_requests_get_json_errors(
     server.stop().await;
     env.db.drop_db().await;
 }
+
+/// Valid JSON that Postgres could not store, or that would not be kept as
+/// sent, is refused with a 422 and the screen's class, before anything is
+/// reserved; the server goes on answering good requests.
+#[tokio::test]
+async fn hostile_json_bodies_get_a_422_with_their_class_and_reserve_nothing() {
+    let env = Env::new(|_| {}).await;
+    let server = env.serve().await;
+    let addr = server.addr;
+    let deep = format!("{}1{}", "[".repeat(5000), "]".repeat(5000));
+    let cases: Vec<(&str, String)> = vec![
+        (
+            "nul_character",
+            r#"{"workflow": "example", "input": {"note": "a\u0000b"}}"#.to_string(),
+        ),
+        (
+            "nul_character",
+            r#"{"workflow": "example", "input": {"k\u0000": 1}}"#.to_string(),
+        ),
+        (
+            "nul_character",
+            r#"{"workflow": "example", "correlation_id": "\u0000"}"#.to_string(),
+        ),
+        (
+            "unpaired_surrogate",
+            r#"{"workflow": "example", "input": "\ud800"}"#.to_string(),
+        ),
+        (
+            "inexact_number",
+            r#"{"workflow": "example", "input": 1e400}"#.to_string(),
+        ),
+        (
+            "inexact_number",
+            r#"{"workflow": "example", "input": 123456789012345678901234567890}"#.to_string(),
+        ),
+        (
+            "duplicate_key",
+            r#"{"workflow": "example", "workflow": "other"}"#.to_string(),
+        ),
+        (
+            "too_deep",
+            format!(r#"{{"workflow": "example", "input": {deep}}}"#),
+        ),
+    ];
+    for (class, request) in &cases {
+        let (code, answer, _) = post(addr, Some("hostile"), request.as_bytes()).await;
+        assert_eq!(
+            (code, answer["error"]["code"].as_str()),
+            (422, Some(*class)),
+            "{}",
+            &request[..request.len().min(80)]
+        );
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(
+            !message.is_empty() && !message.contains("example"),
+            "{message}"
+        );
+    }
+    assert_eq!(env.db.count("eec_routing_idempotency").await, 0);
+    let (code, _, _) = post(addr, Some("hostile"), &body(json!({"fine": true}), "acme")).await;
+    assert_eq!(code, 201, "the same key is still free for a good request");
+    assert_eq!(env.runs().await, 1);
+    server.stop().await;
+    env.db.drop_db().await;
+}

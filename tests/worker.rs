@@ -13,7 +13,9 @@ use chrono::{TimeDelta, Utc};
 use common::*;
 use ductor::config::Config;
 use ductor::coordinator::fold::rfc3339;
-use ductor::coordinator::{AttemptOutcome, AttemptResult, Input, InputTopic, decode_input};
+use ductor::coordinator::{
+    AttemptOutcome, AttemptResult, Input, InputLimits, InputTopic, decode_input,
+};
 use ductor::dedup::{self, Claim, ClaimError};
 use ductor::worker::{StepInput, StepOutcome, TestHooks, WorkerOptions};
 use rdkafka::ClientConfig;
@@ -179,7 +181,11 @@ fn dispatch(run_id: &str, stamp: Uuid, deadline_in: TimeDelta, input: Value) -> 
 /// The coordinator's view of a result message.
 fn decode_result(msg: &OwnedMessage) -> AttemptResult {
     let payload = msg.payload().expect("result has a payload");
-    match decode_input(InputTopic::AttemptResults, payload, 1 << 20) {
+    match decode_input(
+        InputTopic::AttemptResults,
+        payload,
+        &InputLimits::sized(1 << 20),
+    ) {
         Ok(Input::Result(r)) => r,
         other => panic!("not an attempt.result: {other:?}"),
     }

@@ -527,7 +527,7 @@ pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
         requests_topic: &requests_topic,
         wakeups_topic: &wakeups_topic,
         results_topic: &results_topic,
-        max_input_bytes: config.coordinator.max_input_bytes,
+        limits: config.input_limits(),
     };
     let empty_t: Vec<TransitionRow> = Vec::new();
     let empty_a: Vec<AttemptRow> = Vec::new();

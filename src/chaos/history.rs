@@ -55,7 +55,7 @@ use uuid::Uuid;
 use super::check::Violations;
 use super::topics::Msg;
 use crate::coordinator::{
-    Decision, Entropy, Input, InputTopic, RunStart, RunState, Workflows, decode_input, fold,
+    Decision, Entropy, Input, InputTopic, RunStart, RunState, Workflows, fold,
 };
 use crate::store::TopicNames;
 
@@ -129,7 +129,8 @@ pub struct Context<'a> {
     pub requests_topic: &'a str,
     pub wakeups_topic: &'a str,
     pub results_topic: &'a str,
-    pub max_input_bytes: usize,
+    /// The bounds the serves kept (size and shape).
+    pub limits: crate::coordinator::InputLimits,
 }
 
 impl Context<'_> {
@@ -411,18 +412,18 @@ fn rebuild_input(ctx: &Context<'_>, run: &RunRow, t: &TransitionRow) -> Rebuild 
     let Some(kind) = ctx.input_topic(topic) else {
         return Rebuild::Mismatch(format!("seq {}: source {topic} is no input topic", t.seq));
     };
-    if kind == InputTopic::Requests
-        && let Ok(value) = serde_json::from_slice::<Value>(&msg.payload)
-    {
-        let default_key = format!("kafka:{topic}:{partition}:{offset}");
-        if let Ok(Some(request)) = crate::routing::decode_route_request(&value, Some(default_key)) {
+    let source = crate::store::Source {
+        topic: topic.clone(),
+        partition: *partition,
+        offset: *offset,
+    };
+    match crate::ingress::classify(kind, &msg.payload, &source, &ctx.limits) {
+        Ok(crate::ingress::Classified::Routed(request)) => {
             let mut start = request.start;
             start.run_id = run.run_id.clone();
-            return Rebuild::Input(Input::Start(start));
+            Rebuild::Input(Input::Start(start))
         }
-    }
-    match decode_input(kind, &msg.payload, ctx.max_input_bytes) {
-        Ok(input) => Rebuild::Input(input),
+        Ok(crate::ingress::Classified::Input(input)) => Rebuild::Input(input),
         Err(e) => Rebuild::Mismatch(format!(
             "seq {}: its source message does not decode: {e}",
             t.seq

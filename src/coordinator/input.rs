@@ -10,6 +10,7 @@ use serde_json::{Map, Value, json};
 use uuid::Uuid;
 
 use super::definition::{MAX_NAME_LEN, is_name};
+use super::screen::{ShapeLimits, Violation, screen};
 
 /// The only schema version this coordinator understands.
 pub const SCHEMA_VERSION: u64 = 1;
@@ -156,6 +157,8 @@ pub struct InputError {
 pub enum InputErrorClass {
     TooLarge,
     Malformed,
+    /// Valid JSON that cannot be kept as sent (see [`super::screen`]).
+    Refused(Violation),
     UnknownType,
     UnsupportedVersion,
     Invalid,
@@ -168,6 +171,7 @@ impl InputErrorClass {
         match self {
             InputErrorClass::TooLarge => "too_large",
             InputErrorClass::Malformed => "malformed",
+            InputErrorClass::Refused(violation) => violation.as_str(),
             InputErrorClass::UnknownType => "unknown_type",
             InputErrorClass::UnsupportedVersion => "unsupported_version",
             InputErrorClass::Invalid => "invalid",
@@ -203,23 +207,52 @@ const TYPE_WAKEUP_TIMER: &str = "wakeup.timer";
 const TYPE_WAKEUP_SIGNAL: &str = "wakeup.signal";
 const TYPE_WAKEUP_CANCEL: &str = "wakeup.cancel";
 
-/// Decodes one input read from `topic`. Never panics, whatever the bytes.
-pub fn decode_input(
-    topic: InputTopic,
-    bytes: &[u8],
-    max_bytes: usize,
-) -> Result<Input, InputError> {
-    if bytes.len() > max_bytes {
+/// The bounds every input keeps: its size (`coordinator.max_input_bytes`)
+/// and its shape (`coordinator.max_json_depth` and the rest).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InputLimits {
+    pub max_bytes: usize,
+    pub shape: ShapeLimits,
+}
+
+impl InputLimits {
+    /// At most `max_bytes`, with the default shape limits.
+    pub fn sized(max_bytes: usize) -> InputLimits {
+        InputLimits {
+            max_bytes,
+            shape: ShapeLimits::default(),
+        }
+    }
+}
+
+/// Parses one message's bytes into JSON: within the size limit, UTF-8, past
+/// the shape screen, and well-formed, in that order. Never panics.
+pub fn parse_value(bytes: &[u8], limits: &InputLimits) -> Result<Value, InputError> {
+    if bytes.len() > limits.max_bytes {
         return Err(InputError::new(
             InputErrorClass::TooLarge,
-            format!("input is {} bytes, limit is {max_bytes}", bytes.len()),
+            format!(
+                "input is {} bytes, limit is {}",
+                bytes.len(),
+                limits.max_bytes
+            ),
         ));
     }
     let text = std::str::from_utf8(bytes)
         .map_err(|e| InputError::new(InputErrorClass::Malformed, format!("not UTF-8: {e}")))?;
-    let value: Value = serde_json::from_str(text)
-        .map_err(|e| InputError::new(InputErrorClass::Malformed, format!("not JSON: {e}")))?;
-    decode_value(topic, &value)
+    screen(bytes, &limits.shape)
+        .map_err(|e| InputError::new(InputErrorClass::Refused(e.violation), e.message))?;
+    serde_json::from_str(text)
+        .map_err(|e| InputError::new(InputErrorClass::Malformed, format!("not JSON: {e}")))
+}
+
+/// Decodes one input read from `topic`. Never panics, whatever the bytes.
+pub fn decode_input(
+    topic: InputTopic,
+    bytes: &[u8],
+    limits: &InputLimits,
+) -> Result<Input, InputError> {
+    decode_value(topic, &parse_value(bytes, limits)?)
 }
 
 /// Decodes an already parsed JSON value read from `topic`.

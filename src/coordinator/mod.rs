@@ -26,6 +26,7 @@
 pub mod definition;
 pub mod fold;
 pub mod input;
+pub mod screen;
 pub mod state;
 
 pub use definition::{DefinitionError, RetryPolicy, StepDefinition, WorkflowDefinition, Workflows};
@@ -34,9 +35,11 @@ pub use fold::{
     Transition, TransitionRecord, fold,
 };
 pub use input::{
-    AttemptOutcome, AttemptResult, CancelWakeup, Input, InputError, InputErrorClass, InputTopic,
-    RunStart, SignalWakeup, TimerKind, TimerWakeup, decode_input, decode_value,
+    AttemptOutcome, AttemptResult, CancelWakeup, Input, InputError, InputErrorClass, InputLimits,
+    InputTopic, RunStart, SignalWakeup, TimerKind, TimerWakeup, decode_input, decode_value,
+    parse_value,
 };
+pub use screen::{ShapeLimits, Violation};
 pub use state::{
     AttemptRecord, AttemptStatus, MAX_SIGNALS_PER_RUN, Outstanding, PendingRetry, RunState,
     RunStatus, SignalRecord,

@@ -270,7 +270,11 @@ fn backoff_grows_caps_and_jitters() {
 // ---- inputs ------------------------------------------------------------------------
 
 fn decode(topic: InputTopic, v: Value) -> Result<Input, InputError> {
-    decode_input(topic, v.to_string().as_bytes(), 1 << 20)
+    decode_input(
+        topic,
+        v.to_string().as_bytes(),
+        &InputLimits::sized(1 << 20),
+    )
 }
 
 fn class(topic: InputTopic, v: Value) -> InputErrorClass {
@@ -321,13 +325,22 @@ fn decodes_every_type_with_defaults() {
 fn classifies_bad_inputs() {
     use InputErrorClass::*;
     let w = InputTopic::Wakeups;
-    assert_eq!(decode_input(w, b"{}", 1).unwrap_err().class, TooLarge);
     assert_eq!(
-        decode_input(w, &[0xff, 0xfe], 10).unwrap_err().class,
+        decode_input(w, b"{}", &InputLimits::sized(1))
+            .unwrap_err()
+            .class,
+        TooLarge
+    );
+    assert_eq!(
+        decode_input(w, &[0xff, 0xfe], &InputLimits::sized(10))
+            .unwrap_err()
+            .class,
         Malformed
     );
     assert_eq!(
-        decode_input(w, b"{not json", 100).unwrap_err().class,
+        decode_input(w, b"{not json", &InputLimits::sized(100))
+            .unwrap_err()
+            .class,
         Malformed
     );
     assert_eq!(class(w, json!([1])), Malformed);
