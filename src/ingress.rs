@@ -103,6 +103,8 @@ impl IngressContext {
                 producer,
                 topic: config.dlq_topic(),
                 max_message_bytes: config.coordinator.max_error_message_bytes,
+                max_record_bytes: usize::try_from(config.kafka.message_max_bytes)
+                    .unwrap_or(usize::MAX),
                 timeout: Duration::from_millis(config.kafka.delivery_timeout_ms),
             },
             requests_topic: config.requests_topic(),

@@ -916,3 +916,90 @@ async fn hostile_json_on_kafka_is_dead_lettered_with_its_class_and_good_inputs_b
     coordinator.stop().await.expect("clean stop");
     h.db.drop_db().await;
 }
+
+/// An input that fit the broker only because its producer compressed it
+/// (2 MiB of value, lz4) is dead-lettered cut to the producer's limit, with
+/// a header that says so, and the partition moves on; so is one whose
+/// headers alone are over the limit.
+#[tokio::test]
+async fn an_input_too_large_to_dead_letter_whole_is_cut_to_fit_and_the_partition_moves_on() {
+    let h = Harness::new().await;
+    let coordinator = h.start_coordinator(TestHooks::default());
+    let requests = h.config.requests_topic();
+    let big_producer: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap_servers())
+        .set("compression.type", "lz4")
+        .set("message.max.bytes", (8 << 20).to_string())
+        .set("linger.ms", "0")
+        .create()
+        .expect("creating a compressing producer");
+    let key = unique("same-partition-");
+    let value = json!({"type": "run.start", "schema_version": 1, "run_id": unique("big-"),
+        "tenant": "acme", "workflow": "example", "input": "x".repeat(2 << 20)})
+    .to_string();
+    let (_, big_offset) = produce(&big_producer, &requests, &key, value.as_bytes(), &[]).await;
+    let huge_header = "h".repeat(2 << 20);
+    let (_, header_offset) = produce(
+        &big_producer,
+        &requests,
+        &key,
+        b"{}",
+        &[("garbage", huge_header.as_str())],
+    )
+    .await;
+    let good = unique("good-");
+    produce(
+        &h.producer,
+        &requests,
+        &key,
+        start_json(&good).to_string().as_bytes(),
+        &[],
+    )
+    .await;
+    h.wait_status(&good, "running").await;
+    let dlq = reader(&[&h.config.dlq_topic()]);
+    let letters = read_n(&dlq, 2, WAIT).await;
+    let header = |m: &rdkafka::message::OwnedMessage, name: &str| {
+        m.headers()
+            .and_then(|hs| hs.iter().find(|x| x.key == name).and_then(|x| x.value))
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+    };
+    let limit = h.config.kafka.message_max_bytes as usize;
+    let of = |offset: i64| {
+        letters
+            .iter()
+            .find(|m| header(m, "ductor-dlq-offset") == Some(offset.to_string()))
+            .unwrap_or_else(|| panic!("no dead letter for offset {offset}"))
+    };
+    let big = of(big_offset);
+    assert_eq!(
+        header(big, "ductor-dlq-error-class").as_deref(),
+        Some("too_large")
+    );
+    assert_eq!(
+        header(big, "ductor-dlq-truncated"),
+        Some(value.len().to_string())
+    );
+    let kept = big.payload().unwrap();
+    assert!(
+        kept.len() < limit && kept.len() > limit / 2,
+        "{}",
+        kept.len()
+    );
+    assert_eq!(
+        kept,
+        &value.as_bytes()[..kept.len()],
+        "the value's start, as sent"
+    );
+    assert_eq!(big.key(), Some(key.as_bytes()));
+    let headers_letter = of(header_offset);
+    assert_eq!(
+        header(headers_letter, "ductor-dlq-dropped").as_deref(),
+        Some("headers")
+    );
+    assert_eq!(header(headers_letter, "garbage"), None);
+    assert_eq!(headers_letter.payload(), Some(&b"{}"[..]));
+    assert_eq!(h.db.count("runs").await, 1);
+    coordinator.stop().await.expect("clean stop");
+    h.db.drop_db().await;
+}
