@@ -21,6 +21,11 @@ use figment::Figment;
 use figment::providers::{Format, Serialized, Toml};
 use serde::{Deserialize, Serialize};
 
+/// Room an effect needs around the largest value it carries (a dispatch
+/// carries a run's input or a step's output): its envelope fields, its
+/// headers and the record's framing.
+pub const EFFECT_ENVELOPE_BYTES: u64 = 16_384;
+
 /// The defaults, compiled in so the binary runs from any directory.
 pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
 
@@ -208,7 +213,9 @@ pub struct CoordinatorConfig {
     /// the p99 latency by about half.
     pub concurrent_batch_min_inputs: usize,
     /// Inputs larger than this go to the dead-letter topic (class
-    /// `too_large`); so do HTTP bodies over `routing.max_body_bytes`.
+    /// `too_large`); so do HTTP bodies over `routing.max_body_bytes`. With
+    /// [`EFFECT_ENVELOPE_BYTES`] for the effect that carries it, it must fit
+    /// `kafka.message_max_bytes`, or the configuration is refused.
     pub max_input_bytes: usize,
     /// Deepest nesting of arrays and objects in an input or an HTTP body
     /// (the top level is 1); deeper ones are refused as `too_deep`. At
@@ -467,6 +474,18 @@ impl Config {
         }
         if self.coordinator.max_input_bytes == 0 {
             return Err(invalid("coordinator.max_input_bytes", "must be at least 1"));
+        }
+        let budget = self.coordinator.max_input_bytes as u64 + EFFECT_ENVELOPE_BYTES;
+        if budget > self.kafka.message_max_bytes {
+            return Err(invalid(
+                "coordinator.max_input_bytes",
+                format!(
+                    "{} bytes of input plus {EFFECT_ENVELOPE_BYTES} for the envelope and headers of the \
+                     effect that carries it is {budget}, over kafka.message_max_bytes ({}): a step \
+                     dispatch of such an input could never be published; lower the one or raise the other",
+                    self.coordinator.max_input_bytes, self.kafka.message_max_bytes
+                ),
+            ));
         }
         let c = &self.coordinator;
         if c.apply_retry_min_ms == 0 || c.apply_retry_max_ms < c.apply_retry_min_ms {

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use rdkafka::ClientConfig;
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::RDKafkaErrorCode;
@@ -185,6 +185,57 @@ pub async fn delete_topics(kafka: &KafkaConfig, topics: &[String]) -> anyhow::Re
         bail!("deleting topics: {}", failed.join(", "));
     }
     Ok(())
+}
+
+/// The topics (of `topics`) that take smaller records than Ductor's
+/// producers may send (`kafka.message_max_bytes`), with their
+/// `max.message.bytes`: an effect or a dead letter within the producer's
+/// limit would be refused there. A topic that does not exist yet is
+/// skipped; `Err` when the broker could not be asked.
+pub async fn topics_below_limit(
+    kafka: &KafkaConfig,
+    topics: &[String],
+) -> anyhow::Result<Vec<(String, u64)>> {
+    let admin = admin(kafka)?;
+    let timeout = Duration::from_millis(kafka.admin_timeout_ms);
+    let opts = AdminOptions::new()
+        .operation_timeout(Some(timeout))
+        .request_timeout(Some(timeout));
+    let specs: Vec<ResourceSpecifier<'_>> =
+        topics.iter().map(|t| ResourceSpecifier::Topic(t)).collect();
+    let results = admin
+        .describe_configs(specs.iter(), &opts)
+        .await
+        .context("describing topic configurations")?;
+    let mut small = Vec::new();
+    for (topic, result) in topics.iter().zip(results) {
+        let limit = match result {
+            Ok(resource) => resource
+                .get("max.message.bytes")
+                .and_then(|e| e.value.as_deref())
+                .and_then(|v| v.parse::<u64>().ok()),
+            Err(RDKafkaErrorCode::UnknownTopicOrPartition) => None,
+            Err(code) => bail!("describing topic {topic}: {code}"),
+        };
+        if let Some(limit) = limit.filter(|l| *l < kafka.message_max_bytes) {
+            small.push((topic.clone(), limit));
+        }
+    }
+    Ok(small)
+}
+
+/// The reason to refuse a configuration whose topics are `small`.
+pub fn limits_error(kafka: &KafkaConfig, small: &[(String, u64)]) -> anyhow::Error {
+    let list: Vec<String> = small
+        .iter()
+        .map(|(topic, limit)| format!("{topic} takes {limit}"))
+        .collect();
+    anyhow::anyhow!(
+        "kafka.message_max_bytes is {} but {}: raise the topics' max.message.bytes or lower \
+         kafka.message_max_bytes (and coordinator.max_input_bytes with it)",
+        kafka.message_max_bytes,
+        list.join(", ")
+    )
 }
 
 /// Creates every topic the configuration names.

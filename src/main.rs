@@ -134,6 +134,11 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
                     o.topic
                 );
             }
+            let small =
+                ductor::kafka::topics_below_limit(&config.kafka, &config.all_topics()).await?;
+            if !small.is_empty() {
+                return Err(ductor::kafka::limits_error(&config.kafka, &small));
+            }
             Ok(())
         }
         Command::Serve => {

@@ -21,6 +21,26 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
     run_on(config, listener, shutdown).await
 }
 
+/// Refuses to start when a topic takes smaller records than Ductor may
+/// send. A broker that does not answer in time is no reason to stay down
+/// (the ingress waits for it like any client): the check is then skipped,
+/// with a warning.
+async fn check_topic_limits(config: &Config) -> anyhow::Result<()> {
+    let mut kafka = config.kafka.clone();
+    kafka.admin_timeout_ms = kafka.admin_timeout_ms.min(TOPIC_CHECK_TIMEOUT_MS);
+    match crate::kafka::topics_below_limit(&kafka, &config.all_topics()).await {
+        Ok(small) if small.is_empty() => Ok(()),
+        Ok(small) => Err(crate::kafka::limits_error(&config.kafka, &small)),
+        Err(e) => {
+            tracing::warn!(error = format!("{e:#}"), "topic limits not checked");
+            Ok(())
+        }
+    }
+}
+
+/// How long `serve` waits at start-up for the topics' limits.
+const TOPIC_CHECK_TIMEOUT_MS: u64 = 5_000;
+
 /// [`run`] on an already bound listener (tests bind port 0 and read it back).
 pub async fn run_on(
     config: Config,
@@ -34,6 +54,7 @@ pub async fn run_on(
         dir = %config.coordinator.workflows_dir.display(),
         "workflow definitions loaded"
     );
+    check_topic_limits(&config).await?;
     let pool = crate::db::connect(&config.database).await?;
     if config.database.migrate_on_start {
         crate::db::migrate(&pool).await?;

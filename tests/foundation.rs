@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use common::*;
 use rdkafka::message::{Headers, Message};
+use tokio_util::sync::CancellationToken;
 
 #[tokio::test]
 async fn kafka_round_trip_through_a_random_topic() {
@@ -166,4 +167,62 @@ async fn constraints_reject_a_duplicate_routing_key() {
     .expect_err("an unknown status is rejected");
     assert_eq!(sql_state(&err).as_deref(), Some("23514"), "{err}");
     db.drop_db().await;
+}
+
+/// `serve` refuses to start when a topic it produces to takes smaller
+/// records than its producers may send, naming the topic and its limit.
+#[tokio::test]
+async fn serve_refuses_a_topic_that_takes_smaller_records_than_the_producers_send() {
+    let db = TestDb::migrated().await;
+    let config = test_config(&db);
+    ductor::kafka::create_configured_topics(&config)
+        .await
+        .expect("creating topics");
+    assert!(
+        ductor::kafka::topics_below_limit(&config.kafka, &config.all_topics())
+            .await
+            .unwrap()
+            .is_empty(),
+        "the broker's default takes the default limit"
+    );
+    let admin = ductor::kafka::admin(&config.kafka).unwrap();
+    let events = config.events_topic();
+    let mut alter =
+        rdkafka::admin::AlterConfig::new(rdkafka::admin::ResourceSpecifier::Topic(&events));
+    alter = alter.set("max.message.bytes", "65536");
+    let altered = admin
+        .alter_configs([&alter], &rdkafka::admin::AdminOptions::new())
+        .await
+        .unwrap();
+    assert!(altered.iter().all(Result::is_ok), "{altered:?}");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let refused = ductor::serve::run_on(config.clone(), listener, CancellationToken::new())
+        .await
+        .expect_err("serve refuses the configuration");
+    let message = format!("{refused:#}");
+    assert!(
+        message.contains(&format!("{events} takes 65536")),
+        "{message}"
+    );
+    db.drop_db().await;
+}
+
+/// A configuration whose largest input could not be published inside an
+/// effect is refused, with the reason.
+#[test]
+fn an_input_limit_that_leaves_no_room_for_the_envelope_is_refused() {
+    let refused = ductor::config::Config::load_from(
+        None,
+        vec![(
+            "DUCTOR__COORDINATOR__MAX_INPUT_BYTES".to_string(),
+            "1048576".to_string(),
+        )],
+    )
+    .expect_err("no room for the envelope");
+    let message = refused.to_string();
+    assert!(
+        message.contains("coordinator.max_input_bytes")
+            && message.contains("kafka.message_max_bytes"),
+        "{message}"
+    );
 }
