@@ -57,6 +57,20 @@ pub const NOTIFY_CHANNEL: &str = "ductor_effect_intent";
 /// candidate (statistics lag behind a queue table) it chose an inner scan of
 /// the whole index with no index condition, once per candidate: 60 ms claim
 /// rounds with 200 undelivered intents, and quadratic beyond.
+/// An intent's headers in the order every delivery of it carries them:
+/// by name, byte for byte. The stored `jsonb` object keeps its own key
+/// order, and the fast lane holds the headers as they were built, so both
+/// publish paths put them in this one order, and a redelivery is
+/// byte-identical to the first delivery, headers and all.
+pub(crate) fn ordered_headers(headers: &serde_json::Map<String, Value>) -> Vec<(String, String)> {
+    let mut list: Vec<(String, String)> = headers
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string()))
+        .collect();
+    list.sort();
+    list
+}
+
 const CLAIM_SQL: &str = "WITH candidate AS ( \
      SELECT intent_id, run_id, topic, seq, effect_index \
      FROM eec_effect_intent \
@@ -205,14 +219,7 @@ impl Drainer {
         let mut claimed = Vec::with_capacity(rows.len());
         for row in rows {
             let headers: Value = row.try_get("headers")?;
-            let headers = headers
-                .as_object()
-                .map(|m| {
-                    m.iter()
-                        .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string()))
-                        .collect()
-                })
-                .unwrap_or_default();
+            let headers = headers.as_object().map(ordered_headers).unwrap_or_default();
             claimed.push(ClaimedIntent {
                 intent_id: row.try_get("intent_id")?,
                 run_id: row.try_get("run_id")?,

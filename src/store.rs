@@ -1594,11 +1594,7 @@ impl<'a> HistoryColumns<'a> {
                 effect_index: intent.effect_index,
                 topic: intent.topic.clone(),
                 message_key: intent.message_key.clone(),
-                headers: intent
-                    .headers
-                    .iter()
-                    .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string()))
-                    .collect(),
+                headers: crate::drainer::ordered_headers(&intent.headers),
                 payload: intent.payload.clone(),
                 not_before: intent.not_before,
                 created_at: created[k],

@@ -796,3 +796,70 @@ async fn completing_claims_probes_the_primary_key_after_the_outbox_was_analyzed_
     assert_eq!(still_claimed, 2);
     db.drop_db().await;
 }
+
+/// The first delivery of an effect goes through the fast lane, with the
+/// headers as the apply built them; a redelivery is read back from the
+/// outbox's `jsonb`. Both carry the same key, value and headers, in the
+/// same order.
+#[tokio::test]
+async fn a_redelivered_effect_is_byte_identical_to_its_first_delivery_headers_in_order() {
+    let env = Env::new("max_attempts = 1", 60_000, |_| {}).await;
+    let serve = env.serve();
+    let run_id = unique("bytes-");
+    env.start_runs(std::slice::from_ref(&run_id)).await;
+    let pool = env.db.pool.clone();
+    let undelivered = || {
+        sqlx::query_scalar::<_, Option<i64>>(
+            "SELECT CASE WHEN count(*) > 0 THEN count(*) FILTER (WHERE status <> 'completed') END \
+             FROM eec_effect_intent WHERE run_id = $1 AND seq = 1",
+        )
+        .bind(&run_id)
+        .fetch_one(&pool)
+    };
+    eventually(
+        "the first transition's effects are delivered",
+        WAIT,
+        || async { (undelivered().await.unwrap() == Some(0)).then_some(()) },
+    )
+    .await;
+    // Put them back as a redrive after a lost acknowledgement would.
+    let reset = sqlx::query(
+        "UPDATE eec_effect_intent SET status = 'pending', claimed_by = NULL, \
+             claim_expires_at = NULL, completed_at = NULL \
+         WHERE run_id = $1 AND seq = 1",
+    )
+    .bind(&run_id)
+    .execute(&env.db.pool)
+    .await
+    .unwrap();
+    assert!(reset.rows_affected() > 0);
+    let key = format!("{run_id}/1/0");
+    let consumer = reader(&[&env.config.events_topic()]);
+    let mut copies = Vec::new();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while copies.len() < 2 {
+        let m = tokio::time::timeout_at(deadline, consumer.recv())
+            .await
+            .expect("both deliveries arrive")
+            .expect("reading events")
+            .detach();
+        if header(&m, "idempotency-key").as_deref() == Some(key.as_str()) {
+            copies.push(m);
+        }
+    }
+    let all_headers = |m: &OwnedMessage| -> Vec<(String, Option<Vec<u8>>)> {
+        m.headers()
+            .map(|hs| {
+                hs.iter()
+                    .map(|h| (h.key.to_string(), h.value.map(<[u8]>::to_vec)))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    assert!(all_headers(&copies[0]).len() >= EFFECT_HEADERS.len());
+    assert_eq!(all_headers(&copies[0]), all_headers(&copies[1]));
+    assert_eq!(copies[0].key(), copies[1].key());
+    assert_eq!(copies[0].payload(), copies[1].payload());
+    serve.stop().await;
+    env.db.drop_db().await;
+}
