@@ -278,8 +278,17 @@ pub struct DrainerConfig {
     /// Retention statements per retention run, so one run stays bounded.
     pub purge_max_rounds: u32,
     /// Upper bound on the pause after failed rounds (broker or database
-    /// down).
+    /// down), and on how far one intent's next try is pushed back.
     pub max_backoff_ms: u64,
+    /// How far an intent whose publish failed is pushed back before it is
+    /// claimed again; doubled for every try it had, up to `max_backoff_ms`.
+    /// Its run's later effects on the same topic wait behind it.
+    pub publish_retry_min_ms: u64,
+    /// Permanent publish failures (the record too large for the broker, an
+    /// unknown or invalid topic, no authorisation) after which an intent is
+    /// parked: out of the claim rounds, with its error, until `ductor
+    /// outbox redrive`.
+    pub park_after_failures: u32,
     /// How often the backlog gauges are refreshed.
     pub metrics_interval_ms: u64,
 }
@@ -542,6 +551,11 @@ impl Config {
             ("drainer.purge_interval_ms", d.purge_interval_ms),
             ("drainer.metrics_interval_ms", d.metrics_interval_ms),
             ("drainer.max_backoff_ms", d.max_backoff_ms),
+            ("drainer.publish_retry_min_ms", d.publish_retry_min_ms),
+            (
+                "drainer.park_after_failures",
+                u64::from(d.park_after_failures),
+            ),
         ] {
             if value == 0 {
                 return Err(invalid(key, "must be at least 1"));

@@ -83,7 +83,8 @@ const CLAIM_SQL: &str = "WITH candidate AS ( \
      WHERE NOT EXISTS ( \
          SELECT 1 FROM eec_effect_intent e \
          WHERE e.run_id = c.run_id AND e.topic = c.topic \
-           AND e.status <> 'completed' AND e.not_before <= now() \
+           AND e.status <> 'completed' AND e.status <> 'parked' \
+           AND (e.not_before <= now() OR e.attempts > 0) \
            AND (e.seq, e.effect_index) < (c.seq, c.effect_index) \
            AND e.intent_id NOT IN (SELECT intent_id FROM candidate) \
          OFFSET 0) \
@@ -96,6 +97,94 @@ const CLAIM_SQL: &str = "WITH candidate AS ( \
  WHERE i.intent_id = claimable.intent_id \
  RETURNING i.intent_id, i.run_id, i.seq, i.effect_index, i.topic, i.message_key, \
      i.headers, i.payload, i.not_before, i.created_at";
+
+/// Gives claimed intents back: `$1` ids, `$2` errors, `$3` causes
+/// ([`Cause::as_str`]); a permanent failure that makes `$4` parks the
+/// intent; a failure pushes `not_before` back by `$5` seconds doubled per
+/// claim so far, at most `$6`; only this drainer's (`$7`) claims.
+const RELEASE_SQL: &str = "UPDATE eec_effect_intent i SET \
+     status = CASE WHEN u.cause = 'permanent' AND i.publish_failures + 1 >= $4 \
+         THEN 'parked' ELSE 'pending' END, \
+     parked_at = CASE WHEN u.cause = 'permanent' AND i.publish_failures + 1 >= $4 \
+         THEN now() END, \
+     publish_failures = i.publish_failures + CASE WHEN u.cause = 'permanent' THEN 1 ELSE 0 END, \
+     not_before = CASE WHEN u.cause = 'not_tried' THEN i.not_before ELSE GREATEST(i.not_before, \
+         now() + make_interval(secs => LEAST($6::float8, \
+             $5::float8 * power(2, LEAST(GREATEST(i.attempts, 1), 30) - 1)))) END, \
+     claimed_by = NULL, claim_expires_at = NULL, last_error = left(u.error, 1024) \
+ FROM UNNEST($1::int8[], $2::text[], $3::text[]) AS u(intent_id, error, cause) \
+ WHERE i.intent_id = u.intent_id AND i.claimed_by = $7 \
+   AND CASE WHEN i.status = 'claimed' THEN true END \
+ RETURNING i.intent_id, i.run_id, i.topic, i.status, i.last_error";
+
+/// Why a claimed intent was not published.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cause {
+    /// The broker or the producer failed in a way that may pass (a broker
+    /// away, a timeout, a leader election).
+    Transient,
+    /// It can never be published as it is: too large, its topic unknown or
+    /// invalid, or not authorised.
+    Permanent,
+    /// Not tried: an earlier effect of its chain failed, or its claim was
+    /// given back unused.
+    NotTried,
+}
+
+impl Cause {
+    fn as_str(self) -> &'static str {
+        match self {
+            Cause::Transient => "transient",
+            Cause::Permanent => "permanent",
+            Cause::NotTried => "not_tried",
+        }
+    }
+}
+
+/// A claimed intent given back, and why.
+#[derive(Debug, Clone)]
+struct Unpublished {
+    intent_id: i64,
+    error: String,
+    cause: Cause,
+}
+
+impl Unpublished {
+    fn new(intent_id: i64, error: impl Into<String>, cause: Cause) -> Self {
+        Unpublished {
+            intent_id,
+            error: error.into(),
+            cause,
+        }
+    }
+}
+
+/// What a release did.
+#[derive(Debug, Default)]
+struct Released {
+    pending: usize,
+    parked: usize,
+    transient: usize,
+}
+
+/// Whether a publish failure can only repeat: the record is too large for
+/// the producer or the broker, the topic does not exist or is invalid, or
+/// the producer may not write it.
+fn is_permanent(error: &rdkafka::error::KafkaError) -> bool {
+    use rdkafka::types::RDKafkaErrorCode as Code;
+    matches!(
+        error.rdkafka_error_code(),
+        Some(
+            Code::MessageSizeTooLarge
+                | Code::MessageBatchTooLarge
+                | Code::InvalidRecord
+                | Code::UnknownTopic
+                | Code::UnknownTopicOrPartition
+                | Code::InvalidTopic
+                | Code::TopicAuthorizationFailed
+        )
+    )
+}
 
 /// Marks published intents completed, only while this drainer's claim
 /// stands. `ductor bench` runs the same statement for its baseline.
@@ -142,8 +231,15 @@ pub enum RoundOutcome {
     /// Nothing was due.
     Idle,
     /// Intents were claimed: how many were published and marked completed,
-    /// and how many were released after a failed publish.
-    Drained { completed: usize, released: usize },
+    /// how many were released after a failed publish (or parked), and how
+    /// many of the failures were transient (the broker away, a timeout):
+    /// only those slow the claim rounds down, since a permanent one is no
+    /// sign that anything else would fail.
+    Drained {
+        completed: usize,
+        released: usize,
+        transient: usize,
+    },
 }
 
 pub struct Drainer {
@@ -198,13 +294,14 @@ impl Drainer {
         }
         let completed = self.complete(&delivered).await?;
         let released = if failed.is_empty() {
-            0
+            Released::default()
         } else {
             self.release(&failed).await?
         };
         Ok(RoundOutcome::Drained {
             completed,
-            released,
+            released: released.pending + released.parked,
+            transient: released.transient,
         })
     }
 
@@ -247,7 +344,7 @@ impl Drainer {
     /// Publishes `intents` as chains, one per (run, topic) in (seq,
     /// effect_index) order, the chains concurrently. Returns the delivered
     /// ids and the ids left undelivered with their reason.
-    async fn publish_all(&self, intents: &[ClaimedIntent]) -> (Vec<i64>, Vec<(i64, String)>) {
+    async fn publish_all(&self, intents: &[ClaimedIntent]) -> (Vec<i64>, Vec<Unpublished>) {
         let mut chains: BTreeMap<(&str, &str), Vec<&ClaimedIntent>> = BTreeMap::new();
         for intent in intents {
             chains
@@ -269,7 +366,7 @@ impl Drainer {
     }
 
     /// Publishes a chain in order; returns (delivered, not delivered) ids.
-    async fn publish_chain(&self, chain: Vec<&ClaimedIntent>) -> (Vec<i64>, Vec<(i64, String)>) {
+    async fn publish_chain(&self, chain: Vec<&ClaimedIntent>) -> (Vec<i64>, Vec<Unpublished>) {
         let mut delivered = Vec::with_capacity(chain.len());
         let mut failed = Vec::new();
         let mut iter = chain.into_iter();
@@ -307,23 +404,31 @@ impl Drainer {
                     delivered.push(intent.intent_id);
                 }
                 Err((e, _)) => {
+                    let cause = if is_permanent(&e) {
+                        Cause::Permanent
+                    } else {
+                        Cause::Transient
+                    };
                     tracing::warn!(
                         intent_id = intent.intent_id,
                         run_id = %intent.run_id,
                         topic = %intent.topic,
                         error = %e,
+                        cause = cause.as_str(),
                         "publishing effect failed; it and the rest of its chain go back to pending"
                     );
-                    metrics::counter!("ductor_outbox_publish_failures_total").increment(1);
-                    failed.push((intent.intent_id, e.to_string()));
+                    metrics::counter!("ductor_outbox_publish_failures_total", "cause" => cause.as_str())
+                        .increment(1);
+                    failed.push(Unpublished::new(intent.intent_id, e.to_string(), cause));
                     break;
                 }
             }
         }
         for rest in iter {
-            failed.push((
+            failed.push(Unpublished::new(
                 rest.intent_id,
-                "an earlier effect of the chain failed".into(),
+                "an earlier effect of the chain failed",
+                Cause::NotTried,
             ));
         }
         (delivered, failed)
@@ -353,27 +458,53 @@ impl Drainer {
         Ok(done as usize)
     }
 
-    async fn release(&self, failed: &[(i64, String)]) -> anyhow::Result<usize> {
-        let ids: Vec<i64> = failed.iter().map(|f| f.0).collect();
-        let errors: Vec<String> = failed
-            .iter()
-            .map(|f| crate::dlq::truncate(&f.1, 1024).to_string())
-            .collect();
-        let released = sqlx::query(
-            "UPDATE eec_effect_intent i SET status = 'pending', claimed_by = NULL, \
-                 claim_expires_at = NULL, last_error = u.error \
-             FROM UNNEST($1::int8[], $2::text[]) AS u(intent_id, error) \
-             WHERE i.intent_id = u.intent_id AND i.claimed_by = $3 \
-               AND CASE WHEN i.status = 'claimed' THEN true END",
-        )
-        .bind(&ids)
-        .bind(&errors)
-        .bind(&self.drainer_id)
-        .execute(&self.pool)
-        .await
-        .context("releasing failed intents")?
-        .rows_affected();
-        Ok(released as usize)
+    /// Gives intents that were not published back to the claim rounds. One
+    /// that failed waits out a backoff (its `not_before` moves forward, so
+    /// it is not the first claimed in every round, and the effects behind
+    /// it in its run and topic wait too); one that failed permanently
+    /// `park_after_failures` times is parked instead.
+    async fn release(&self, failed: &[Unpublished]) -> anyhow::Result<Released> {
+        let ids: Vec<i64> = failed.iter().map(|f| f.intent_id).collect();
+        let errors: Vec<&str> = failed.iter().map(|f| f.error.as_str()).collect();
+        let causes: Vec<&str> = failed.iter().map(|f| f.cause.as_str()).collect();
+        let rows = sqlx::query(RELEASE_SQL)
+            .bind(&ids)
+            .bind(&errors)
+            .bind(&causes)
+            .bind(self.config.park_after_failures as i32)
+            .bind(self.config.publish_retry_min_ms as f64 / 1000.0)
+            .bind(self.config.max_backoff_ms as f64 / 1000.0)
+            .bind(&self.drainer_id)
+            .fetch_all(&self.pool)
+            .await
+            .context("releasing failed intents")?;
+        let mut released = Released {
+            transient: failed
+                .iter()
+                .filter(|f| f.cause == Cause::Transient)
+                .count(),
+            ..Released::default()
+        };
+        for row in rows {
+            let status: String = row.try_get("status")?;
+            if status != "parked" {
+                released.pending += 1;
+                continue;
+            }
+            released.parked += 1;
+            let run_id: String = row.try_get("run_id")?;
+            let topic: String = row.try_get("topic")?;
+            let error: Option<String> = row.try_get("last_error")?;
+            tracing::error!(
+                intent_id = row.try_get::<i64, _>("intent_id")?,
+                run_id = %run_id,
+                topic = %topic,
+                error = error.as_deref().unwrap_or_default(),
+                "effect parked: it cannot be published as it is; fix the cause, then `ductor outbox redrive`"
+            );
+            metrics::counter!("ductor_outbox_parked_total").increment(1);
+        }
+        Ok(released)
     }
 
     /// Gives back this drainer's claims at the given positions, if any.
@@ -419,6 +550,33 @@ impl Drainer {
         Ok(redriven)
     }
 
+    /// Puts parked intents back into the claim rounds, due at once, with
+    /// their failure count reset: for after the cause (a topic's limit, a
+    /// missing topic, an ACL) was fixed. Only those of `run_id` or `topic`
+    /// when given; returns how many.
+    pub async fn redrive_parked(
+        pool: &PgPool,
+        run_id: Option<&str>,
+        topic: Option<&str>,
+    ) -> anyhow::Result<u64> {
+        let redriven = sqlx::query(
+            "UPDATE eec_effect_intent SET status = 'pending', parked_at = NULL, \
+                 publish_failures = 0, not_before = now() \
+             WHERE status = 'parked' AND ($1::text IS NULL OR run_id = $1) \
+               AND ($2::text IS NULL OR topic = $2)",
+        )
+        .bind(run_id)
+        .bind(topic)
+        .execute(pool)
+        .await
+        .context("redriving parked intents")?
+        .rows_affected();
+        if redriven > 0 {
+            tracing::info!(redriven, "parked intents redriven");
+        }
+        Ok(redriven)
+    }
+
     /// Deletes completed intents older than the retention, at most
     /// `purge_batch` rows per statement, until none are left or `max_rounds`.
     pub async fn purge(&self) -> anyhow::Result<u64> {
@@ -452,9 +610,11 @@ impl Drainer {
     /// falls due, if any.
     pub async fn observe_backlog(&self) -> anyhow::Result<Option<DateTime<Utc>>> {
         let row = sqlx::query(
-            "SELECT count(*) AS backlog, \
-                 count(*) FILTER (WHERE not_before <= now()) AS due, \
-                 EXTRACT(EPOCH FROM now() - min(not_before) FILTER (WHERE not_before <= now()))::float8 AS oldest_due_s, \
+            "SELECT count(*) FILTER (WHERE status <> 'parked') AS backlog, \
+                 count(*) FILTER (WHERE status = 'parked') AS parked, \
+                 count(*) FILTER (WHERE not_before <= now() AND status <> 'parked') AS due, \
+                 EXTRACT(EPOCH FROM now() - min(not_before) \
+                     FILTER (WHERE not_before <= now() AND status <> 'parked'))::float8 AS oldest_due_s, \
                  min(not_before) FILTER (WHERE status = 'pending') AS next_due \
              FROM eec_effect_intent WHERE status <> 'completed'",
         )
@@ -464,7 +624,9 @@ impl Drainer {
         let backlog: i64 = row.try_get("backlog")?;
         let due: i64 = row.try_get("due")?;
         let oldest: Option<f64> = row.try_get("oldest_due_s")?;
+        let parked: i64 = row.try_get("parked")?;
         metrics::gauge!("ductor_outbox_backlog").set(backlog as f64);
+        metrics::gauge!("ductor_outbox_parked").set(parked as f64);
         metrics::gauge!("ductor_outbox_due").set(due as f64);
         metrics::gauge!("ductor_outbox_oldest_due_age_seconds").set(oldest.unwrap_or(0.0));
         Ok(row.try_get("next_due")?)
@@ -631,9 +793,15 @@ impl Drainer {
         // too long in the lane goes back to the claim rounds instead.
         let lease = Duration::from_millis(self.config.lease_ms);
         if leased_at.elapsed() + self.publish_timeout >= lease {
-            let late: Vec<(i64, String)> = claimed
+            let late: Vec<Unpublished> = claimed
                 .iter()
-                .map(|c| (c.intent_id, "waited too long in the fast lane".to_string()))
+                .map(|c| {
+                    Unpublished::new(
+                        c.intent_id,
+                        "waited too long in the fast lane",
+                        Cause::NotTried,
+                    )
+                })
                 .collect();
             if let Err(e) = self.release(&late).await {
                 tracing::warn!(error = format!("{e:#}"), "releasing late intents failed");
@@ -725,9 +893,11 @@ async fn fast_lane(drainer: Arc<Drainer>, mut lane: FastLane, wakeup: Wakeup) {
                 });
             }
             Handed::Release(ids) => {
-                let failed: Vec<(i64, String)> = ids
+                let failed: Vec<Unpublished> = ids
                     .into_iter()
-                    .map(|id| (id, "the commit's outcome was unknown".to_string()))
+                    .map(|id| {
+                        Unpublished::new(id, "the commit's outcome was unknown", Cause::NotTried)
+                    })
                     .collect();
                 if let Err(e) = drainer.release(&failed).await {
                     tracing::debug!(
@@ -801,8 +971,8 @@ async fn drain_loop(
     let mut failures: u32 = 0;
     while !shutdown.is_cancelled() {
         match drainer.drain_once().await {
-            Ok(RoundOutcome::Drained { released, .. }) => {
-                if released == 0 {
+            Ok(RoundOutcome::Drained { transient, .. }) => {
+                if transient == 0 {
                     failures = 0;
                     continue;
                 }

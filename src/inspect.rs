@@ -68,6 +68,29 @@ pub async fn run(pool: &PgPool, run_id: &str) -> anyhow::Result<Option<Value>> {
         }))
     })
     .collect::<anyhow::Result<Vec<_>>>()?;
+    // Effects that could not be published, with why: they wait for
+    // `ductor outbox redrive`.
+    let parked = sqlx::query(
+        "SELECT seq, effect_index, topic, ce_type, publish_failures, last_error, parked_at \
+         FROM eec_effect_intent WHERE run_id = $1 AND status = 'parked' \
+         ORDER BY seq, effect_index",
+    )
+    .bind(run_id)
+    .fetch_all(pool)
+    .await?
+    .into_iter()
+    .map(|r| -> anyhow::Result<Value> {
+        Ok(json!({
+            "seq": r.try_get::<i64, _>("seq")?,
+            "effect_index": r.try_get::<i32, _>("effect_index")?,
+            "topic": r.try_get::<String, _>("topic")?,
+            "type": r.try_get::<String, _>("ce_type")?,
+            "publish_failures": r.try_get::<i32, _>("publish_failures")?,
+            "error": r.try_get::<Option<String>, _>("last_error")?,
+            "parked_at": r.try_get::<Option<chrono::DateTime<chrono::Utc>>, _>("parked_at")?,
+        }))
+    })
+    .collect::<anyhow::Result<Vec<_>>>()?;
     Ok(Some(json!({
         "run_id": row.try_get::<String, _>("run_id")?,
         "tenant_scope": row.try_get::<String, _>("tenant_scope")?,
@@ -83,5 +106,6 @@ pub async fn run(pool: &PgPool, run_id: &str) -> anyhow::Result<Option<Value>> {
         "state": row.try_get::<Value, _>("state")?,
         "attempts": attempts,
         "transitions": transitions,
+        "parked_effects": parked,
     })))
 }

@@ -34,6 +34,11 @@ enum Command {
     },
     /// Run the coordinator, its ingress and the HTTP endpoints until SIGINT/SIGTERM.
     Serve,
+    /// Operate the outbox.
+    Outbox {
+        #[command(subcommand)]
+        command: OutboxCommand,
+    },
     /// Look at durable state.
     Inspect {
         #[command(subcommand)]
@@ -74,6 +79,21 @@ struct SubmitArgs {
 enum TopicsCommand {
     /// Create every configured topic; existing topics are left alone.
     Create,
+}
+
+#[derive(Subcommand)]
+enum OutboxCommand {
+    /// Put parked intents (effects that could not be published: too large,
+    /// an unknown topic, no authorisation) back into the claim rounds, once
+    /// the cause is fixed; prints how many.
+    Redrive {
+        /// Only this run's.
+        #[arg(long)]
+        run: Option<String>,
+        /// Only those bound for this topic.
+        #[arg(long)]
+        topic: Option<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -139,6 +159,16 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
             if !small.is_empty() {
                 return Err(ductor::kafka::limits_error(&config.kafka, &small));
             }
+            Ok(())
+        }
+        Command::Outbox {
+            command: OutboxCommand::Redrive { run, topic },
+        } => {
+            let pool = ductor::db::connect(&config.database).await?;
+            let redriven =
+                ductor::drainer::Drainer::redrive_parked(&pool, run.as_deref(), topic.as_deref())
+                    .await?;
+            println!("{}", serde_json::json!({ "redriven": redriven }));
             Ok(())
         }
         Command::Serve => {

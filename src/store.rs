@@ -1327,8 +1327,9 @@ const HISTORY_CTES: &str = concat!(
          SELECT iu.*, iu.due AND $40::text IS NOT NULL AND NOT EXISTS ( \
              SELECT 1 FROM eec_effect_intent e \
              WHERE e.run_id = iu.run_id AND e.topic = iu.topic \
-               AND e.status <> 'completed' \
-               AND e.not_before <= GREATEST(clock_timestamp(), iu.not_before)) AS fast \
+               AND e.status <> 'completed' AND e.status <> 'parked' \
+               AND (e.not_before <= GREATEST(clock_timestamp(), iu.not_before) \
+                    OR e.attempts > 0)) AS fast \
          FROM iu \
      ), i AS ( \
          INSERT INTO eec_effect_intent (run_id, seq, effect_index, idempotency_key, tenant_scope, \

@@ -429,7 +429,7 @@ async fn a_drainer_stopped_after_publishing_republishes_with_the_same_key_and_de
     .await;
     assert!(matches!(
         restarted.drain_once().await.unwrap(),
-        RoundOutcome::Drained { completed, released: 0 } if completed > 0
+        RoundOutcome::Drained { completed, released: 0, .. } if completed > 0
     ));
 
     let events_topic = env.config.events_topic();
@@ -808,12 +808,14 @@ async fn a_redelivered_effect_is_byte_identical_to_its_first_delivery_headers_in
     let run_id = unique("bytes-");
     env.start_runs(std::slice::from_ref(&run_id)).await;
     let pool = env.db.pool.clone();
+    let events_topic = env.config.events_topic();
     let undelivered = || {
         sqlx::query_scalar::<_, Option<i64>>(
             "SELECT CASE WHEN count(*) > 0 THEN count(*) FILTER (WHERE status <> 'completed') END \
-             FROM eec_effect_intent WHERE run_id = $1 AND seq = 1",
+             FROM eec_effect_intent WHERE run_id = $1 AND seq = 1 AND topic = $2",
         )
         .bind(&run_id)
+        .bind(&events_topic)
         .fetch_one(&pool)
     };
     eventually(
@@ -826,15 +828,16 @@ async fn a_redelivered_effect_is_byte_identical_to_its_first_delivery_headers_in
     let reset = sqlx::query(
         "UPDATE eec_effect_intent SET status = 'pending', claimed_by = NULL, \
              claim_expires_at = NULL, completed_at = NULL \
-         WHERE run_id = $1 AND seq = 1",
+         WHERE run_id = $1 AND seq = 1 AND topic = $2",
     )
     .bind(&run_id)
+    .bind(&events_topic)
     .execute(&env.db.pool)
     .await
     .unwrap();
     assert!(reset.rows_affected() > 0);
     let key = format!("{run_id}/1/0");
-    let consumer = reader(&[&env.config.events_topic()]);
+    let consumer = reader(&[&events_topic]);
     let mut copies = Vec::new();
     let deadline = tokio::time::Instant::now() + WAIT;
     while copies.len() < 2 {
@@ -860,6 +863,125 @@ async fn a_redelivered_effect_is_byte_identical_to_its_first_delivery_headers_in
     assert_eq!(all_headers(&copies[0]), all_headers(&copies[1]));
     assert_eq!(copies[0].key(), copies[1].key());
     assert_eq!(copies[0].payload(), copies[1].payload());
+    serve.stop().await;
+    env.db.drop_db().await;
+}
+
+/// Sets a topic's `max.message.bytes` on the test broker.
+async fn set_topic_limit(config: &Config, topic: &str, bytes: &str) {
+    let admin = ductor::kafka::admin(&config.kafka).unwrap();
+    let alter = rdkafka::admin::AlterConfig::new(rdkafka::admin::ResourceSpecifier::Topic(topic))
+        .set("max.message.bytes", bytes);
+    let altered = admin
+        .alter_configs([&alter], &rdkafka::admin::AdminOptions::new())
+        .await
+        .unwrap();
+    assert!(altered.iter().all(Result::is_ok), "{altered:?}");
+}
+
+/// An effect the broker refuses for good (here a run output larger than
+/// its topic takes) is tried a bounded number of times, then parked with
+/// its error; it holds up nothing else; `redrive` puts it back once the
+/// cause is fixed, and it is published as committed.
+#[tokio::test]
+async fn an_effect_the_broker_refuses_is_parked_without_holding_anything_up_and_redriven() {
+    let env = Env::new("max_attempts = 1", 60_000, |c| {
+        c.drainer.park_after_failures = 2;
+        c.drainer.publish_retry_min_ms = 50;
+        c.drainer.max_backoff_ms = 200;
+    })
+    .await;
+    let serve = env.serve();
+    let worker = env.worker(|step: StepInput| async move {
+        if step.step == "c" && step.run_id.starts_with("big-") {
+            // Random hex: lz4 cannot shrink it below the topic's limit.
+            let noise: String = (0..256)
+                .map(|_| uuid::Uuid::new_v4().simple().to_string())
+                .collect();
+            StepOutcome::Succeeded(json!({ "noise": noise }))
+        } else {
+            StepOutcome::Succeeded(json!({ "step": step.step }))
+        }
+    });
+    let warm = format!("small-{}", unique(""));
+    env.start_runs(std::slice::from_ref(&warm)).await;
+    env.wait_all("succeeded", 1).await;
+    let output_topic = env.output_topic();
+    set_topic_limit(&env.config, &output_topic, "1024").await;
+
+    let big = format!("big-{}", unique(""));
+    let small = format!("small-{}", unique(""));
+    env.start_runs(&[big.clone(), small.clone()]).await;
+    env.wait_all("succeeded", 3).await;
+    let output_status = |run_id: String| {
+        let pool = env.db.pool.clone();
+        let topic = output_topic.clone();
+        async move {
+            sqlx::query_as::<_, (String, i32, Option<String>)>(
+                "SELECT status, publish_failures, last_error FROM eec_effect_intent \
+                 WHERE run_id = $1 AND topic = $2",
+            )
+            .bind(run_id)
+            .bind(topic)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let parked = eventually("the big output is parked", WAIT, || async {
+        let row = output_status(big.clone()).await;
+        (row.0 == "parked").then_some(row)
+    })
+    .await;
+    assert_eq!(parked.1, 2, "parked after park_after_failures");
+    assert!(
+        parked.2.is_some_and(|e| e.to_lowercase().contains("size")),
+        "the error is kept"
+    );
+    eventually("the small output is delivered", WAIT, || async {
+        (output_status(small.clone()).await.0 == "completed").then_some(())
+    })
+    .await;
+    let inspected = ductor::inspect::run(&env.db.pool, &big)
+        .await
+        .unwrap()
+        .unwrap();
+    let listed = inspected["parked_effects"].as_array().unwrap();
+    assert_eq!(listed.len(), 1, "{inspected}");
+    assert_eq!(listed[0]["topic"], output_topic.as_str());
+
+    // Fixed: the topic takes the record again, and a redrive publishes it.
+    set_topic_limit(&env.config, &output_topic, "1048588").await;
+    let redriven = ductor::drainer::Drainer::redrive_parked(&env.db.pool, Some(&big), None)
+        .await
+        .unwrap();
+    assert_eq!(redriven, 1);
+    eventually("the redriven output is delivered", WAIT, || async {
+        (output_status(big.clone()).await.0 == "completed").then_some(())
+    })
+    .await;
+    let stored: Vec<u8> = sqlx::query_scalar(
+        "SELECT payload FROM eec_effect_intent WHERE run_id = $1 AND topic = $2",
+    )
+    .bind(&big)
+    .bind(&output_topic)
+    .fetch_one(&env.db.pool)
+    .await
+    .unwrap();
+    let consumer = reader(&[&output_topic]);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let m = tokio::time::timeout_at(deadline, consumer.recv())
+            .await
+            .expect("the output arrives")
+            .unwrap()
+            .detach();
+        if m.key() == Some(big.as_bytes()) {
+            assert_eq!(m.payload(), Some(stored.as_slice()));
+            break;
+        }
+    }
+    worker.stop().await;
     serve.stop().await;
     env.db.drop_db().await;
 }
