@@ -39,7 +39,7 @@ async fn check_topic_limits(config: &Config) -> anyhow::Result<()> {
 }
 
 /// How long `serve` waits at start-up for the topics' limits.
-const TOPIC_CHECK_TIMEOUT_MS: u64 = 5_000;
+const TOPIC_CHECK_TIMEOUT_MS: u64 = 10_000;
 
 /// [`run`] on an already bound listener (tests bind port 0 and read it back).
 pub async fn run_on(

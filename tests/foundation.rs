@@ -185,19 +185,14 @@ async fn serve_refuses_a_topic_that_takes_smaller_records_than_the_producers_sen
             .is_empty(),
         "the broker's default takes the default limit"
     );
-    let admin = ductor::kafka::admin(&config.kafka).unwrap();
     let events = config.events_topic();
-    let mut alter =
-        rdkafka::admin::AlterConfig::new(rdkafka::admin::ResourceSpecifier::Topic(&events));
-    alter = alter.set("max.message.bytes", "65536");
-    let altered = admin
-        .alter_configs([&alter], &rdkafka::admin::AdminOptions::new())
-        .await
-        .unwrap();
-    assert!(altered.iter().all(Result::is_ok), "{altered:?}");
+    set_topic_limit(&config.kafka, &events, 65_536).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let refused = ductor::serve::run_on(config.clone(), listener, CancellationToken::new())
+    let shutdown = CancellationToken::new();
+    let serve = ductor::serve::run_on(config.clone(), listener, shutdown.clone());
+    let refused = tokio::time::timeout(Duration::from_secs(60), serve)
         .await
+        .expect("serve stops at once")
         .expect_err("serve refuses the configuration");
     let message = format!("{refused:#}");
     assert!(

@@ -867,18 +867,6 @@ async fn a_redelivered_effect_is_byte_identical_to_its_first_delivery_headers_in
     env.db.drop_db().await;
 }
 
-/// Sets a topic's `max.message.bytes` on the test broker.
-async fn set_topic_limit(config: &Config, topic: &str, bytes: &str) {
-    let admin = ductor::kafka::admin(&config.kafka).unwrap();
-    let alter = rdkafka::admin::AlterConfig::new(rdkafka::admin::ResourceSpecifier::Topic(topic))
-        .set("max.message.bytes", bytes);
-    let altered = admin
-        .alter_configs([&alter], &rdkafka::admin::AdminOptions::new())
-        .await
-        .unwrap();
-    assert!(altered.iter().all(Result::is_ok), "{altered:?}");
-}
-
 /// An effect the broker refuses for good (here a run output larger than
 /// its topic takes) is tried a bounded number of times, then parked with
 /// its error; it holds up nothing else; `redrive` puts it back once the
@@ -907,7 +895,7 @@ async fn an_effect_the_broker_refuses_is_parked_without_holding_anything_up_and_
     env.start_runs(std::slice::from_ref(&warm)).await;
     env.wait_all("succeeded", 1).await;
     let output_topic = env.output_topic();
-    set_topic_limit(&env.config, &output_topic, "1024").await;
+    set_topic_limit(&env.config.kafka, &output_topic, 1024).await;
 
     let big = format!("big-{}", unique(""));
     let small = format!("small-{}", unique(""));
@@ -951,7 +939,7 @@ async fn an_effect_the_broker_refuses_is_parked_without_holding_anything_up_and_
     assert_eq!(listed[0]["topic"], output_topic.as_str());
 
     // Fixed: the topic takes the record again, and a redrive publishes it.
-    set_topic_limit(&env.config, &output_topic, "1048588").await;
+    set_topic_limit(&env.config.kafka, &output_topic, 1_048_588).await;
     let redriven = ductor::drainer::Drainer::redrive_parked(&env.db.pool, Some(&big), None)
         .await
         .unwrap();

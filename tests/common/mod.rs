@@ -334,3 +334,36 @@ pub fn committed_offset(group: &str, topic: &str, partition: i32) -> i64 {
         _ => -1,
     }
 }
+
+/// Sets a topic's `max.message.bytes` and waits until the broker answers
+/// with the new value (it applies an alteration a moment after accepting it).
+pub async fn set_topic_limit(kafka: &KafkaConfig, topic: &str, bytes: u64) {
+    use rdkafka::admin::{AdminOptions, AlterConfig, ResourceSpecifier};
+    let admin = ductor::kafka::admin(kafka).unwrap();
+    let value = bytes.to_string();
+    let alter = AlterConfig::new(ResourceSpecifier::Topic(topic)).set("max.message.bytes", &value);
+    let altered = admin
+        .alter_configs([&alter], &AdminOptions::new())
+        .await
+        .expect("altering a topic's configuration");
+    assert!(altered.iter().all(Result::is_ok), "{altered:?}");
+    eventually(
+        &format!("{topic} takes {bytes}"),
+        Duration::from_secs(60),
+        || async {
+            let described = admin
+                .describe_configs([&ResourceSpecifier::Topic(topic)], &AdminOptions::new())
+                .await
+                .ok()?;
+            let current = described
+                .first()?
+                .as_ref()
+                .ok()?
+                .get("max.message.bytes")?
+                .value
+                .clone()?;
+            (current == value).then_some(())
+        },
+    )
+    .await;
+}
