@@ -97,6 +97,16 @@ pub struct KafkaConfig {
     /// Consumer group of the coordinator's ingress. Every `serve` process with
     /// the same group shares the input partitions.
     pub group_id: String,
+    /// Static group membership of the ingress (`group.instance.id`): a
+    /// name that stays the same across restarts of one `serve` (a pod's
+    /// name, `serve-1`), unique in the group. A restarted `serve` then
+    /// takes its partitions back at once, without a rebalance and without
+    /// waiting out `session_timeout_ms`; one that does not come back has
+    /// its partitions moved after `session_timeout_ms` (a clean stop
+    /// included: a static member does not leave the group). Unset, the
+    /// default: dynamic membership.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group_instance_id: Option<String>,
     /// Partition count used by `ductor topics create`. It is the most
     /// consumers of a topic that can work at once: the coordinator's apply
     /// lanes over all `serve` processes, and the worker processes of each
@@ -267,8 +277,16 @@ pub struct DrainerConfig {
     /// another drainer. Must exceed `kafka.delivery_timeout_ms`, or a slow
     /// publish could be redriven while still in flight.
     pub lease_ms: u64,
-    /// How often expired claims are looked for.
+    /// How often expired claims, and claims of drainers that stopped, are
+    /// looked for.
     pub reconcile_interval_ms: u64,
+    /// How often a drainer records that it is alive.
+    pub heartbeat_interval_ms: u64,
+    /// A drainer whose heartbeat is this old is taken to be dead: its claims
+    /// are given back without waiting out their lease, so the effects of a
+    /// killed process are published within seconds. A drainer judges others
+    /// only after reaching the database for this long itself.
+    pub member_timeout_ms: u64,
     /// Completed intents are deleted this long after completion.
     pub retention_ms: u64,
     /// How often retention runs.
@@ -429,6 +447,14 @@ impl Config {
         if self.kafka.group_id.trim().is_empty() {
             return Err(invalid("kafka.group_id", "must not be empty"));
         }
+        if let Some(id) = &self.kafka.group_instance_id
+            && (id.is_empty() || id.len() > 249 || !valid_topic_chars(id))
+        {
+            return Err(invalid(
+                "kafka.group_instance_id",
+                "must be 1 to 249 ASCII letters, digits, '.', '_' and '-'",
+            ));
+        }
         if self.kafka.partitions < 1 {
             return Err(invalid("kafka.partitions", "must be at least 1"));
         }
@@ -548,6 +574,7 @@ impl Config {
         for (key, value) in [
             ("drainer.poll_interval_ms", d.poll_interval_ms),
             ("drainer.reconcile_interval_ms", d.reconcile_interval_ms),
+            ("drainer.heartbeat_interval_ms", d.heartbeat_interval_ms),
             ("drainer.purge_interval_ms", d.purge_interval_ms),
             ("drainer.metrics_interval_ms", d.metrics_interval_ms),
             ("drainer.max_backoff_ms", d.max_backoff_ms),
@@ -560,6 +587,12 @@ impl Config {
             if value == 0 {
                 return Err(invalid(key, "must be at least 1"));
             }
+        }
+        if d.member_timeout_ms < 2 * d.heartbeat_interval_ms {
+            return Err(invalid(
+                "drainer.member_timeout_ms",
+                "must be at least twice drainer.heartbeat_interval_ms, or a live drainer could be taken for dead",
+            ));
         }
         if d.purge_batch == 0 {
             return Err(invalid("drainer.purge_batch", "must be at least 1"));

@@ -29,7 +29,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -48,15 +48,6 @@ use crate::config::DrainerConfig;
 /// The channel the apply layer notifies after committing intents.
 pub const NOTIFY_CHANNEL: &str = "ductor_effect_intent";
 
-/// Claims due intents, never past an earlier undelivered intent of the same
-/// run and topic.
-///
-/// The `OFFSET 0` keeps the ordering check a per-candidate probe of the
-/// run-order index on (run_id, topic, seq, effect_index). Without it Postgres
-/// may turn the check into an anti-join, and with an estimate of one
-/// candidate (statistics lag behind a queue table) it chose an inner scan of
-/// the whole index with no index condition, once per candidate: 60 ms claim
-/// rounds with 200 undelivered intents, and quadratic beyond.
 /// An intent's headers in the order every delivery of it carries them:
 /// by name, byte for byte. The stored `jsonb` object keeps its own key
 /// order, and the fast lane holds the headers as they were built, so both
@@ -71,8 +62,21 @@ pub(crate) fn ordered_headers(headers: &serde_json::Map<String, Value>) -> Vec<(
     list
 }
 
+/// Claims due intents, never past an earlier undelivered intent of the same
+/// run and topic.
+///
+/// The `OFFSET 0` keeps the ordering check a per-candidate probe of the
+/// run-order index on (run_id, topic, seq, effect_index). Without it Postgres
+/// may turn the check into an anti-join, and with an estimate of one
+/// candidate (statistics lag behind a queue table) it chose an inner scan of
+/// the whole index with no index condition, once per candidate: 60 ms claim
+/// rounds with 200 undelivered intents, and quadratic beyond.
+///
+/// A step's timeout timer waits, besides, for the other effects of its
+/// transition (the step's dispatch above all): a timer must not end an
+/// attempt whose dispatch no worker could have seen yet.
 const CLAIM_SQL: &str = "WITH candidate AS ( \
-     SELECT intent_id, run_id, topic, seq, effect_index \
+     SELECT intent_id, run_id, topic, seq, effect_index, cancel_key \
      FROM eec_effect_intent \
      WHERE status = 'pending' AND not_before <= now() \
      ORDER BY not_before, intent_id \
@@ -88,6 +92,11 @@ const CLAIM_SQL: &str = "WITH candidate AS ( \
            AND (e.seq, e.effect_index) < (c.seq, c.effect_index) \
            AND e.intent_id NOT IN (SELECT intent_id FROM candidate) \
          OFFSET 0) \
+     AND NOT (c.cancel_key IS NOT NULL AND EXISTS ( \
+         SELECT 1 FROM eec_effect_intent d \
+         WHERE d.run_id = c.run_id AND d.seq = c.seq AND d.intent_id <> c.intent_id \
+           AND d.status <> 'completed' AND d.status <> 'parked' \
+         OFFSET 0)) \
  ) \
  UPDATE eec_effect_intent i \
  SET status = 'claimed', claimed_by = $2, \
@@ -96,7 +105,7 @@ const CLAIM_SQL: &str = "WITH candidate AS ( \
  FROM claimable \
  WHERE i.intent_id = claimable.intent_id \
  RETURNING i.intent_id, i.run_id, i.seq, i.effect_index, i.topic, i.message_key, \
-     i.headers, i.payload, i.not_before, i.created_at";
+     i.headers, i.payload, i.not_before, i.created_at, i.publish_failures";
 
 /// Gives claimed intents back: `$1` ids, `$2` errors, `$3` causes
 /// ([`Cause::as_str`]); a permanent failure that makes `$4` parks the
@@ -223,6 +232,9 @@ pub struct ClaimedIntent {
     pub payload: Vec<u8>,
     pub not_before: DateTime<Utc>,
     pub created_at: DateTime<Utc>,
+    /// Permanent-looking failures so far: such an intent is published
+    /// alone (see [`Drainer::with_solo_producer`]).
+    pub publish_failures: i32,
 }
 
 /// What one round did; tests drive the drainer round by round with it.
@@ -253,6 +265,12 @@ pub struct Drainer {
     /// Due intents committed as `pending` behind an undelivered one, as the
     /// fast lane was told; cleared when a claim round finds none due.
     pending_behind: Arc<AtomicUsize>,
+    /// When this drainer's heartbeats began to succeed without a break
+    /// (Unix ms; 0 after a failed one).
+    healthy_since_ms: AtomicI64,
+    /// Publishes intents that failed as if for good, one at a time (see
+    /// [`Drainer::with_solo_producer`]).
+    solo: tokio::sync::Mutex<Option<FutureProducer>>,
 }
 
 impl Drainer {
@@ -276,6 +294,20 @@ impl Drainer {
             publish_timeout,
             hooks: DrainerHooks::default(),
             pending_behind: Arc::new(AtomicUsize::new(0)),
+            healthy_since_ms: AtomicI64::new(0),
+            solo: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// A producer of its own for intents whose publish failed as if for
+    /// good (too large, say). The broker refuses a whole batch for one
+    /// record in it, so a failure seen in a batch may be a neighbour's; one
+    /// seen alone, on this producer, is the intent's own. Without it such
+    /// intents are still sent one at a time, on the shared producer.
+    pub fn with_solo_producer(self, producer: FutureProducer) -> Self {
+        Drainer {
+            solo: tokio::sync::Mutex::new(Some(producer)),
+            ..self
         }
     }
 
@@ -293,6 +325,7 @@ impl Drainer {
             crate::crash_point!("drainer.after_publish");
         }
         let completed = self.complete(&delivered).await?;
+        self.restart_late_clocks(&claimed, &delivered).await?;
         let released = if failed.is_empty() {
             Released::default()
         } else {
@@ -328,6 +361,7 @@ impl Drainer {
                 payload: row.try_get("payload")?,
                 not_before: row.try_get("not_before")?,
                 created_at: row.try_get("created_at")?,
+                publish_failures: row.try_get("publish_failures")?,
             });
         }
         claimed.sort_by(|a, b| {
@@ -383,7 +417,17 @@ impl Drainer {
                 .payload(&intent.payload)
                 .headers(headers);
             let started = Instant::now();
-            match self.producer.send(record, self.publish_timeout).await {
+            let sent = if intent.publish_failures > 0 {
+                // One at a time, so that the batch it goes in is its own.
+                let solo = self.solo.lock().await;
+                solo.as_ref()
+                    .unwrap_or(&self.producer)
+                    .send(record, self.publish_timeout)
+                    .await
+            } else {
+                self.producer.send(record, self.publish_timeout).await
+            };
+            match sent {
                 Ok(delivery) => {
                     // Where the broker says the effect landed: with it, an
                     // effect that is completed but missing from its topic can
@@ -531,14 +575,110 @@ impl Drainer {
         Ok(released as usize)
     }
 
-    /// Returns intents whose claim lease has expired to `pending`. Their
-    /// drainer died or stalled; they are published again with the same key.
-    pub async fn reconcile(&self) -> anyhow::Result<u64> {
-        let redriven = sqlx::query(
-            "UPDATE eec_effect_intent SET status = 'pending', claimed_by = NULL, \
-                 claim_expires_at = NULL, last_error = 'claim lease expired' \
-             WHERE status = 'claimed' AND claim_expires_at < now()",
+    /// Pushes back the timeout timers of the transitions whose effects were
+    /// published late (more than [`crate::coordinator::LATE_DISPATCH_MS`]
+    /// after they were committed: their first drainer died holding them),
+    /// by as long as they were late, so the step keeps its whole timeout
+    /// from the moment a worker could see its dispatch.
+    async fn restart_late_clocks(
+        &self,
+        claimed: &[ClaimedIntent],
+        delivered: &[i64],
+    ) -> anyhow::Result<()> {
+        let now = Utc::now();
+        let late_after = chrono::TimeDelta::milliseconds(crate::coordinator::LATE_DISPATCH_MS);
+        let mut late: Vec<(&str, i64)> = claimed
+            .iter()
+            .filter(|c| delivered.contains(&c.intent_id))
+            .filter(|c| now - c.not_before.max(c.created_at) > late_after)
+            .map(|c| (c.run_id.as_str(), c.seq))
+            .collect();
+        if late.is_empty() {
+            return Ok(());
+        }
+        late.sort_unstable();
+        late.dedup();
+        let runs: Vec<&str> = late.iter().map(|l| l.0).collect();
+        let seqs: Vec<i64> = late.iter().map(|l| l.1).collect();
+        let pushed = sqlx::query(
+            "UPDATE eec_effect_intent t \
+             SET not_before = GREATEST(t.not_before, now() + (t.not_before - t.created_at)) \
+             FROM UNNEST($1::text[], $2::int8[]) AS u(run_id, seq) \
+             WHERE t.run_id = u.run_id AND t.seq = u.seq AND t.cancel_key IS NOT NULL \
+               AND CASE WHEN t.status = 'pending' THEN true END",
         )
+        .bind(&runs)
+        .bind(&seqs)
+        .execute(&self.pool)
+        .await
+        .context("restarting the step clocks of late dispatches")?
+        .rows_affected();
+        if pushed > 0 {
+            tracing::info!(
+                timers = pushed,
+                "step clocks restarted for dispatches published late"
+            );
+            metrics::counter!("ductor_outbox_late_clocks_restarted_total").increment(pushed);
+        }
+        Ok(())
+    }
+
+    /// Records that this drainer is alive. A drainer's claims are given
+    /// back once its heartbeat is older than `member_timeout_ms`.
+    pub async fn heartbeat(&self) -> anyhow::Result<()> {
+        let beat = sqlx::query(
+            "INSERT INTO eec_drainer_member (drainer_id) VALUES ($1) \
+             ON CONFLICT (drainer_id) DO UPDATE SET heartbeat_at = now()",
+        )
+        .bind(&self.drainer_id)
+        .execute(&self.pool)
+        .await;
+        let now_ms = Utc::now().timestamp_millis();
+        match beat {
+            Ok(_) => {
+                // The first beat after a failure starts a healthy stretch.
+                let _ = self.healthy_since_ms.compare_exchange(
+                    0,
+                    now_ms,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                );
+                Ok(())
+            }
+            Err(e) => {
+                self.healthy_since_ms.store(0, Ordering::Relaxed);
+                Err(anyhow::Error::new(e).context("recording the drainer's heartbeat"))
+            }
+        }
+    }
+
+    /// Whether this drainer has reached the database without a break for
+    /// a member timeout: only then is another drainer's silent heartbeat a
+    /// sign that it died, rather than that the database was away for
+    /// everyone (after a Postgres restart every heartbeat is old).
+    fn may_judge_members(&self) -> bool {
+        let since = self.healthy_since_ms.load(Ordering::Relaxed);
+        since > 0 && Utc::now().timestamp_millis() - since >= self.config.member_timeout_ms as i64
+    }
+
+    /// Returns to `pending` the intents whose claim lease expired, and those
+    /// claimed by a drainer whose heartbeat stopped. Their drainer died or
+    /// stalled; they are published again with the same key.
+    pub async fn reconcile(&self) -> anyhow::Result<u64> {
+        let judge = self.may_judge_members();
+        let redriven = sqlx::query(
+            "UPDATE eec_effect_intent i SET status = 'pending', claimed_by = NULL, \
+                 claim_expires_at = NULL, last_error = CASE WHEN i.claim_expires_at < now() \
+                     THEN 'claim lease expired' ELSE 'its drainer stopped' END \
+             WHERE i.status = 'claimed' AND (i.claim_expires_at < now() \
+                OR ($1 AND i.claimed_by IN ( \
+                    SELECT m.drainer_id FROM eec_drainer_member m \
+                    WHERE m.heartbeat_at < now() - make_interval(secs => $2) \
+                      AND m.drainer_id <> $3)))",
+        )
+        .bind(judge)
+        .bind(self.config.member_timeout_ms as f64 / 1000.0)
+        .bind(&self.drainer_id)
         .execute(&self.pool)
         .await
         .context("redriving expired claims")?
@@ -603,6 +743,15 @@ impl Drainer {
         if total > 0 {
             tracing::debug!(purged = total, "purged drained intents");
         }
+        // Drainers long gone; a claim of theirs was given back long ago.
+        sqlx::query(
+            "DELETE FROM eec_drainer_member \
+             WHERE heartbeat_at < now() - make_interval(secs => $1)",
+        )
+        .bind(self.config.retention_ms as f64 / 1000.0)
+        .execute(&self.pool)
+        .await
+        .context("purging departed drainers")?;
         Ok(total)
     }
 
@@ -811,6 +960,12 @@ impl Drainer {
         }
         let (delivered, failed) = self.publish_all(&claimed).await;
         metrics::counter!("ductor_outbox_fast_lane_total").increment(delivered.len() as u64);
+        if let Err(e) = self.restart_late_clocks(&claimed, &delivered).await {
+            tracing::warn!(
+                error = format!("{e:#}"),
+                "restarting late step clocks failed"
+            );
+        }
         if !delivered.is_empty() {
             crate::crash_point!("drainer.after_publish");
             // The completer outlives every publish task.
@@ -940,6 +1095,11 @@ pub async fn run_with_fast_lane(
     lane: Option<FastLane>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    // Announce this drainer before it claims anything, so that its claims
+    // are given back promptly if it dies.
+    if let Err(e) = drainer.heartbeat().await {
+        tracing::warn!(error = format!("{e:#}"), "drainer heartbeat failed");
+    }
     let drainer = Arc::new(drainer);
     let tracker = tokio_util::task::TaskTracker::new();
     if let Some(lane) = lane {
@@ -1068,12 +1228,19 @@ async fn maintenance(drainer: &Drainer, shutdown: CancellationToken) {
     let mut purge = tokio::time::interval(Duration::from_millis(drainer.config.purge_interval_ms));
     let mut observe =
         tokio::time::interval(Duration::from_millis(drainer.config.metrics_interval_ms));
-    for i in [&mut reconcile, &mut purge, &mut observe] {
+    let mut heartbeat =
+        tokio::time::interval(Duration::from_millis(drainer.config.heartbeat_interval_ms));
+    for i in [&mut reconcile, &mut purge, &mut observe, &mut heartbeat] {
         i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     }
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
+            _ = heartbeat.tick() => {
+                if let Err(e) = drainer.heartbeat().await {
+                    tracing::warn!(error = format!("{e:#}"), "drainer heartbeat failed");
+                }
+            }
             _ = reconcile.tick() => {
                 if let Err(e) = drainer.reconcile().await {
                     tracing::warn!(error = format!("{e:#}"), "reconciler round failed");

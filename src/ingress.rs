@@ -91,10 +91,14 @@ pub struct IngressContext {
 
 impl IngressContext {
     pub fn new(config: &Config, pool: PgPool, workflows: Workflows) -> anyhow::Result<Self> {
-        let consumer: StreamConsumer<IngressConsumerContext> =
-            crate::kafka::consumer_config(&config.kafka, &config.kafka.group_id, "ingress")
-                .create_with_context(IngressConsumerContext)
-                .context("creating ingress consumer")?;
+        let mut consumer_config =
+            crate::kafka::consumer_config(&config.kafka, &config.kafka.group_id, "ingress");
+        if let Some(instance) = &config.kafka.group_instance_id {
+            consumer_config.set("group.instance.id", instance);
+        }
+        let consumer: StreamConsumer<IngressConsumerContext> = consumer_config
+            .create_with_context(IngressConsumerContext)
+            .context("creating ingress consumer")?;
         let producer: FutureProducer = crate::kafka::producer(&config.kafka, "dlq")?;
         Ok(Self {
             applier: Applier::new(config, pool, workflows),

@@ -89,7 +89,8 @@ pub async fn run_on(
             producer,
             config.drainer.clone(),
             Duration::from_millis(config.kafka.delivery_timeout_ms),
-        );
+        )
+        .with_solo_producer(crate::kafka::producer(&config.kafka, "drainer-solo")?);
         let (handoff, lane) = drainer.fast_lane(&wakeup);
         Some((drainer, handoff, lane))
     } else {

@@ -1599,6 +1599,7 @@ impl<'a> HistoryColumns<'a> {
                 payload: intent.payload.clone(),
                 not_before: intent.not_before,
                 created_at: created[k],
+                publish_failures: 0,
             });
         }
         let due = self.intents.iter().filter(|i| i.due).count();

@@ -40,7 +40,7 @@ use backon::{ExponentialBuilder, Retryable};
 use chrono::{DateTime, Utc};
 use futures::FutureExt;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use rdkafka::message::{Header, Message, OwnedHeaders};
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::util::Timeout;
 use rdkafka::{Offset, TopicPartitionList};
@@ -311,6 +311,26 @@ pub fn describe_metrics() {
     );
 }
 
+/// How late a dispatch was published: its record's timestamp (set when the
+/// drainer produced it) past its `ce_time` (when the transition committed),
+/// when that is more than [`crate::coordinator::LATE_DISPATCH_MS`]; zero
+/// otherwise, or when either is missing.
+fn dispatch_delay(msg: &impl Message) -> chrono::TimeDelta {
+    let produced = msg.timestamp().to_millis();
+    let committed = msg
+        .headers()
+        .and_then(|hs| hs.iter().find(|h| h.key == "ce_time").and_then(|h| h.value))
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .and_then(|v| DateTime::parse_from_rfc3339(v).ok())
+        .map(|t| t.timestamp_millis());
+    match (produced, committed) {
+        (Some(p), Some(c)) if p - c > crate::coordinator::LATE_DISPATCH_MS => {
+            chrono::TimeDelta::milliseconds(p - c)
+        }
+        _ => chrono::TimeDelta::zero(),
+    }
+}
+
 fn count(pool: &str, outcome: &'static str) {
     metrics::counter!("ductor_worker_steps_total", "pool" => pool.to_owned(), "outcome" => outcome)
         .increment(1);
@@ -456,6 +476,8 @@ impl Worker {
     }
 
     /// The dispatch to run, or `None` for one to skip (its offset is stored).
+    /// Its deadline counts from when it was published, when that was late
+    /// (see [`crate::coordinator::LATE_DISPATCH_MS`]).
     fn admit(&self, pool: &str, payload: &[u8], msg: &impl Message) -> Option<StepInput> {
         let step = match StepInput::decode(payload) {
             Ok(step) => step,
@@ -473,6 +495,8 @@ impl Worker {
                 return None;
             }
         };
+        let mut step = step;
+        step.deadline += dispatch_delay(msg);
         if step.is_expired(Utc::now()) {
             tracing::debug!(
                 run_id = %step.run_id,

@@ -973,3 +973,68 @@ async fn an_effect_the_broker_refuses_is_parked_without_holding_anything_up_and_
     serve.stop().await;
     env.db.drop_db().await;
 }
+
+/// A process that committed a step's dispatch, claimed it for its fast
+/// lane and died before publishing it must not cost the run anything: the
+/// claim is given back once the dead drainer's heartbeat stops (the lease
+/// here is ten minutes, so nothing else can explain it within the test),
+/// and the step's timeout, shorter than that, waits for the dispatch and
+/// counts from its publication. With one attempt per step, a timeout would
+/// fail the run.
+#[tokio::test]
+async fn a_dispatch_claimed_by_a_drainer_that_died_is_redriven_and_its_timeout_waits_for_it() {
+    let env = Env::new("max_attempts = 1", 3_000, |c| {
+        c.drainer.lease_ms = 600_000;
+        c.drainer.heartbeat_interval_ms = 250;
+        c.drainer.member_timeout_ms = 1_000;
+        c.drainer.reconcile_interval_ms = 250;
+    })
+    .await;
+    // The process that dies: its drainer announced itself and its fast
+    // lane is gone, as a SIGKILL leaves it.
+    let dead = env.drainer();
+    dead.heartbeat().await.unwrap();
+    let (handoff, lane) = dead.fast_lane(&Wakeup::default());
+    drop(lane);
+    let workflows = ductor::workflows::load_dir(&env.config.coordinator.workflows_dir).unwrap();
+    let mut ctx = IngressContext::new(&env.config, env.db.pool.clone(), workflows).unwrap();
+    ctx.applier.handoff = Some(handoff);
+    let shutdown = CancellationToken::new();
+    let ingress = Task {
+        shutdown: shutdown.clone(),
+        task: tokio::spawn(ductor::ingress::run(ctx, shutdown)),
+    };
+    let run_id = unique("orphan-");
+    env.start_runs(std::slice::from_ref(&run_id)).await;
+    env.dispatched_stamp(&run_id, 0).await;
+    ingress.stop().await;
+    let claimed_by_dead: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM eec_effect_intent \
+         WHERE run_id = $1 AND status = 'claimed' AND claimed_by = $2",
+    )
+    .bind(&run_id)
+    .bind(&dead.drainer_id)
+    .fetch_one(&env.db.pool)
+    .await
+    .unwrap();
+    assert!(claimed_by_dead > 0, "the dead process holds the dispatch");
+    drop(dead);
+
+    let serve = env.serve();
+    let worker =
+        env.worker(
+            |step: StepInput| async move { StepOutcome::Succeeded(json!({"step": step.step})) },
+        );
+    env.wait_all("succeeded", 1).await;
+    let timed_out: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM run_attempts WHERE run_id = $1 AND status <> 'succeeded'",
+    )
+    .bind(&run_id)
+    .fetch_one(&env.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(timed_out, 0, "no attempt timed out");
+    worker.stop().await;
+    serve.stop().await;
+    env.db.drop_db().await;
+}

@@ -31,8 +31,8 @@ pub mod state;
 
 pub use definition::{DefinitionError, RetryPolicy, StepDefinition, WorkflowDefinition, Workflows};
 pub use fold::{
-    AttemptWrite, Decision, Effect, EffectTarget, Entropy, NoOpReason, Rejection, RejectionClass,
-    Transition, TransitionRecord, fold,
+    AttemptWrite, Decision, Effect, EffectTarget, Entropy, LATE_DISPATCH_MS, NoOpReason, Rejection,
+    RejectionClass, Transition, TransitionRecord, fold,
 };
 pub use input::{
     AttemptOutcome, AttemptResult, CancelWakeup, Input, InputError, InputErrorClass, InputLimits,
