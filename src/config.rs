@@ -248,6 +248,11 @@ pub struct CoordinatorConfig {
     pub apply_retry_min_ms: u64,
     /// Longest pause between two tries of a transiently failing batch.
     pub apply_retry_max_ms: u64,
+    /// An apply lane that has held a batch this long without committing it
+    /// (the database away, a lock held, a dead letter the broker will not
+    /// take) is stalled, with the partitions behind it: `/readyz` answers
+    /// 503 naming it, and `ductor_ingress_stalled_lanes` counts it.
+    pub stall_after_ms: u64,
     /// Times a batch is recomputed after losing an optimistic-lock race
     /// before the batch fails (and is retried from Kafka).
     pub conflict_retries: u32,
@@ -523,6 +528,9 @@ impl Config {
             ));
         }
         let c = &self.coordinator;
+        if c.stall_after_ms == 0 {
+            return Err(invalid("coordinator.stall_after_ms", "must be at least 1"));
+        }
         if c.apply_retry_min_ms == 0 || c.apply_retry_max_ms < c.apply_retry_min_ms {
             return Err(invalid(
                 "coordinator.apply_retry_max_ms",

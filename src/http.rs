@@ -1,5 +1,6 @@
 //! The operational HTTP surface: `/healthz` (the process runs), `/readyz`
-//! (Postgres and Kafka answer) and `/metrics` (Prometheus text).
+//! (Postgres and Kafka answer, and no apply lane is stalled) and
+//! `/metrics` (Prometheus text).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,6 +20,8 @@ pub struct HttpState {
     /// A long-lived client used only for metadata requests.
     pub kafka_probe: Arc<BaseConsumer>,
     pub readiness_timeout: Duration,
+    /// The ingress's lanes, when this process runs one.
+    pub ingress: Option<Arc<crate::ingress::Progress>>,
 }
 
 pub fn router(state: HttpState) -> Router {
@@ -41,6 +44,7 @@ struct Readiness {
     status: &'static str,
     postgres: Check,
     kafka: Check,
+    ingress: Check,
 }
 
 #[derive(Serialize)]
@@ -89,16 +93,34 @@ async fn readyz(State(state): State<HttpState>) -> Response {
         .map_err(|e| anyhow::anyhow!("kafka probe task: {e}"))?
     };
     let (pg, kafka) = tokio::join!(pg, kafka);
+    let ingress = match state
+        .ingress
+        .as_deref()
+        .map(crate::ingress::Progress::stalled)
+    {
+        Some(stalled) if !stalled.is_empty() => {
+            let lanes: Vec<String> = stalled
+                .iter()
+                .map(|(lane, age)| format!("lane {lane} for {} s", age.as_secs()))
+                .collect();
+            Err(anyhow::anyhow!(
+                "apply lanes stalled, each holding a batch it has not committed: {}",
+                lanes.join(", ")
+            ))
+        }
+        _ => Ok(()),
+    };
     let body = Readiness {
-        status: if pg.is_ok() && kafka.is_ok() {
+        status: if pg.is_ok() && kafka.is_ok() && ingress.is_ok() {
             "ready"
         } else {
             "not_ready"
         },
         postgres: Check::from_result(pg),
         kafka: Check::from_result(kafka),
+        ingress: Check::from_result(ingress),
     };
-    let code = if body.postgres.ok && body.kafka.ok {
+    let code = if body.postgres.ok && body.kafka.ok && body.ingress.ok {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE

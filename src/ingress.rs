@@ -60,6 +60,77 @@ impl rdkafka::consumer::ConsumerContext for IngressConsumerContext {
     }
 }
 
+/// Whether the ingress moves: every apply lane records when it took up the
+/// batch in its hands. A lane that has held one for longer than
+/// `coordinator.stall_after_ms` without committing it (the database away,
+/// a lock held, a dead letter that cannot be published) is stalled, and
+/// so are its partitions: readiness says so, and so do the gauges
+/// `ductor_ingress_stalled_lanes` and `ductor_ingress_oldest_batch_age_seconds`.
+#[derive(Debug)]
+pub struct Progress {
+    /// Per lane: when it took up its batch (Unix ms), 0 while idle.
+    busy_since_ms: Vec<std::sync::atomic::AtomicI64>,
+    stall_after: Duration,
+}
+
+impl Progress {
+    pub fn new(lanes: usize, stall_after: Duration) -> Progress {
+        Progress {
+            busy_since_ms: (0..lanes.max(1))
+                .map(|_| std::sync::atomic::AtomicI64::new(0))
+                .collect(),
+            stall_after,
+        }
+    }
+
+    fn slot(&self, lane: usize) -> &std::sync::atomic::AtomicI64 {
+        &self.busy_since_ms[lane % self.busy_since_ms.len()]
+    }
+
+    fn began(&self, lane: usize) {
+        let now = chrono::Utc::now().timestamp_millis();
+        self.slot(lane)
+            .store(now.max(1), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn finished(&self, lane: usize) {
+        self.slot(lane)
+            .store(0, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// How long the longest-held batch has been held, if any.
+    pub fn oldest_batch_age(&self) -> Option<Duration> {
+        let now = chrono::Utc::now().timestamp_millis();
+        self.busy_since_ms
+            .iter()
+            .map(|s| s.load(std::sync::atomic::Ordering::Relaxed))
+            .filter(|since| *since > 0)
+            .map(|since| Duration::from_millis((now - since).max(0) as u64))
+            .max()
+    }
+
+    /// The lanes stalled now, with how long each has held its batch.
+    pub fn stalled(&self) -> Vec<(usize, Duration)> {
+        let now = chrono::Utc::now().timestamp_millis();
+        self.busy_since_ms
+            .iter()
+            .enumerate()
+            .filter_map(|(lane, s)| {
+                let since = s.load(std::sync::atomic::Ordering::Relaxed);
+                let age = Duration::from_millis((now - since).max(0) as u64);
+                (since > 0 && age >= self.stall_after).then_some((lane, age))
+            })
+            .collect()
+    }
+
+    /// Sets the gauges; `serve` calls it every second.
+    pub fn observe(&self) {
+        metrics::gauge!("ductor_ingress_stalled_lanes").set(self.stalled().len() as f64);
+        metrics::gauge!("ductor_ingress_oldest_batch_age_seconds")
+            .set(self.oldest_batch_age().map_or(0.0, |age| age.as_secs_f64()));
+    }
+}
+
 /// Hooks that let tests stop the ingress at a chosen point, as a crash would.
 #[derive(Debug, Clone, Default)]
 pub struct TestHooks {
@@ -87,6 +158,8 @@ pub struct IngressContext {
     /// Poked after a commit that wrote effect intents, so the in-process
     /// drainer publishes them without waiting for its poll.
     pub wakeup: Option<crate::drainer::Wakeup>,
+    /// Each lane's progress, shared with readiness.
+    pub progress: std::sync::Arc<Progress>,
 }
 
 impl IngressContext {
@@ -125,6 +198,10 @@ impl IngressContext {
             },
             hooks: TestHooks::default(),
             wakeup: None,
+            progress: std::sync::Arc::new(Progress::new(
+                config.coordinator.apply_lanes,
+                Duration::from_millis(config.coordinator.stall_after_ms),
+            )),
         })
     }
 
@@ -164,7 +241,7 @@ async fn consume(ctx: &IngressContext, shutdown: &CancellationToken) -> anyhow::
             let Some(batch) = next_batch(ctx, shutdown).await? else {
                 return Ok(());
             };
-            if !handle_batch(ctx, &batch, shutdown).await? {
+            if !handle_batch(ctx, 0, &batch, shutdown).await? {
                 return Ok(());
             }
         }
@@ -177,10 +254,10 @@ async fn consume(ctx: &IngressContext, shutdown: &CancellationToken) -> anyhow::
     let turn = tokio::sync::Semaphore::new(1);
     let mut senders = Vec::with_capacity(ctx.apply_lanes);
     let mut lanes = Vec::with_capacity(ctx.apply_lanes);
-    for _ in 0..ctx.apply_lanes {
+    for index in 0..ctx.apply_lanes {
         let (tx, rx) = tokio::sync::mpsc::channel(ctx.batch_max_inputs * 2);
         senders.push(tx);
-        lanes.push(lane(ctx, rx, &turn, &stop));
+        lanes.push(lane(ctx, index, rx, &turn, &stop));
     }
     let reader = async {
         loop {
@@ -224,6 +301,7 @@ async fn consume(ctx: &IngressContext, shutdown: &CancellationToken) -> anyhow::
 /// A small batch applies only with `turn`, which the lanes share.
 async fn lane(
     ctx: &IngressContext,
+    index: usize,
     mut messages: tokio::sync::mpsc::Receiver<OwnedMessage>,
     turn: &tokio::sync::Semaphore,
     stop: &CancellationToken,
@@ -269,7 +347,7 @@ async fn lane(
         } else {
             None
         };
-        let handled = handle_batch(ctx, &batch, stop).await;
+        let handled = handle_batch(ctx, index, &batch, stop).await;
         match handled {
             Ok(true) => {}
             Ok(false) => return Ok(()),
@@ -298,6 +376,18 @@ fn take_queued(
 /// Applies one batch and stores its offsets. `Ok(false)` when shutdown
 /// interrupted it (nothing of it stored, so it is redelivered).
 async fn handle_batch(
+    ctx: &IngressContext,
+    lane: usize,
+    batch: &[OwnedMessage],
+    shutdown: &CancellationToken,
+) -> anyhow::Result<bool> {
+    ctx.progress.began(lane);
+    let handled = handle_batch_in(ctx, batch, shutdown).await;
+    ctx.progress.finished(lane);
+    handled
+}
+
+async fn handle_batch_in(
     ctx: &IngressContext,
     batch: &[OwnedMessage],
     shutdown: &CancellationToken,

@@ -74,11 +74,28 @@ pub async fn run_on(
     )
     .create()
     .context("creating kafka probe client")?;
+    let progress = Arc::new(crate::ingress::Progress::new(
+        config.coordinator.apply_lanes,
+        Duration::from_millis(config.coordinator.stall_after_ms),
+    ));
     let http_state = HttpState {
         pool: pool.clone(),
         kafka_probe: Arc::new(kafka_probe),
         readiness_timeout: Duration::from_millis(config.server.readiness_timeout_ms),
+        ingress: Some(progress.clone()),
     };
+    {
+        let (progress, shutdown) = (progress.clone(), shutdown.clone());
+        tracker.spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tick.tick() => progress.observe(),
+                }
+            }
+        });
+    }
     let wakeup = crate::drainer::Wakeup::default();
     // The drainer runs in this process: the apply layer hands it the
     // intents it may publish at once (its fast lane).
@@ -154,6 +171,7 @@ pub async fn run_on(
         let mut ctx = crate::ingress::IngressContext::new(&config, pool.clone(), workflows)?;
         ctx.wakeup = Some(wakeup.clone());
         ctx.applier.handoff = handoff;
+        ctx.progress = progress;
         let shutdown = shutdown.clone();
         let failed = failed.clone();
         tracker.spawn(async move {

@@ -573,3 +573,57 @@ async fn hostile_json_bodies_get_a_422_with_their_class_and_reserve_nothing() {
     server.stop().await;
     env.db.drop_db().await;
 }
+
+/// A lane that holds a batch it cannot commit (here: a lock on `runs`
+/// held by someone else) stalls its partitions; readiness says so, naming
+/// the lane, and recovers once the batch commits.
+#[tokio::test]
+async fn a_stalled_apply_lane_makes_readiness_fail_until_its_batch_commits() {
+    let env = Env::new(|c| c.coordinator.stall_after_ms = 500).await;
+    let server = env.serve().await;
+    let addr = server.addr;
+    let ready = || async {
+        let (code, body) = http(addr, "GET", "/readyz", &[], b"").await;
+        (
+            code,
+            serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null),
+        )
+    };
+    eventually("serve is ready", WAIT, || async {
+        (ready().await.0 == 200).then_some(())
+    })
+    .await;
+    let mut lock = env.db.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE runs IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let run_id = unique("stalled-");
+    produce(
+        &producer(),
+        &env.config.requests_topic(),
+        &run_id,
+        json!({"type": "run.start", "schema_version": 1, "run_id": run_id,
+               "tenant": "acme", "workflow": "example"})
+        .to_string()
+        .as_bytes(),
+        &[],
+    )
+    .await;
+    let stalled = eventually("readiness reports the stalled lane", WAIT, || async {
+        let (code, body) = ready().await;
+        (code == 503 && body["ingress"]["ok"] == false).then_some(body)
+    })
+    .await;
+    let error = stalled["ingress"]["error"].as_str().unwrap();
+    assert!(error.contains("lane"), "{error}");
+    assert_eq!(stalled["postgres"]["ok"], true);
+    lock.rollback().await.unwrap();
+    eventually("readiness recovers", WAIT, || async {
+        (ready().await.0 == 200).then_some(())
+    })
+    .await;
+    assert_eq!(env.runs().await, 1, "the held batch committed");
+    server.stop().await;
+    env.db.drop_db().await;
+}
