@@ -112,6 +112,13 @@ async fn create_run_inner(state: &ApiState, request: Request<Body>) -> Result<Su
         })?;
     let body = parse_value(&bytes, &state.limits).map_err(body_error)?;
     let request = route_request_from_body(body, key)?;
+    crate::coordinator::bound_start(&request.start, bytes.len(), &state.limits).map_err(|e| {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            e.class.as_str(),
+            e.message,
+        )
+    })?;
     let submitted = submit(&state.applier, &state.routing, request).await?;
     if let (Submitted::Created(_), Some(wakeup)) = (&submitted, &state.wakeup) {
         wakeup.wake();

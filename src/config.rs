@@ -640,6 +640,12 @@ impl Config {
                 max_array_items: c.max_array_items,
                 max_object_keys: c.max_object_keys,
             },
+            max_payload_bytes: usize::try_from(
+                self.kafka
+                    .message_max_bytes
+                    .saturating_sub(EFFECT_ENVELOPE_BYTES),
+            )
+            .unwrap_or(usize::MAX),
         }
     }
 

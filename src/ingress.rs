@@ -27,7 +27,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
 use crate::coordinator::{
-    Input, InputError, InputLimits, InputTopic, NoOpReason, Workflows, decode_value, parse_value,
+    Input, InputError, InputLimits, InputTopic, NoOpReason, Workflows, bound_payload, bound_start,
+    decode_value, parse_value,
 };
 use crate::dlq::{DeadLetter, DeadLetterPublisher, Stage};
 use crate::routing::{self, RouteOutcome};
@@ -637,10 +638,12 @@ pub fn classify(
             source.topic, source.partition, source.offset
         );
         if let Some(request) = routing::decode_route_request(&value, Some(default_key))? {
+            bound_start(&request.start, payload.len(), limits)?;
             return Ok(Classified::Routed(Box::new(request)));
         }
     }
-    decode_value(kind, &value).map(Classified::Input)
+    let input = decode_value(kind, &value)?;
+    bound_payload(input, payload.len(), limits).map(Classified::Input)
 }
 
 /// Records how long ago `msg` was produced (its Kafka timestamp), when the

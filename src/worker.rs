@@ -273,6 +273,12 @@ pub struct WorkerOptions {
     /// be dead-lettered by the coordinator; it is replaced by a non-retryable
     /// failure that says so.
     pub max_result_bytes: usize,
+    /// The shape a result must keep for the coordinator to accept it (the
+    /// coordinator's `max_json_depth` and the rest): one that breaks it, or
+    /// holds what cannot be stored (U+0000, an unpaired surrogate, an
+    /// inexact number), is replaced by a non-retryable failure that names
+    /// the class, instead of being dead-lettered and timing out.
+    pub result_shape: crate::coordinator::ShapeLimits,
     /// After shutdown, how long in-flight handlers and publishes may take.
     /// What is still running then is abandoned, its offset unstored.
     pub shutdown_grace: Duration,
@@ -292,6 +298,7 @@ impl WorkerOptions {
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             handler_timeout: None,
             max_result_bytes: config.coordinator.max_input_bytes,
+            result_shape: config.input_limits().shape,
             shutdown_grace: Duration::from_millis(config.server.shutdown_grace_ms),
             hooks: TestHooks::default(),
         }
@@ -374,7 +381,11 @@ where
         results_topic: options.results_topic.clone(),
         pool: options.pool.clone(),
         handler_timeout: options.handler_timeout,
-        max_result_bytes: options.max_result_bytes,
+        result_limits: crate::coordinator::InputLimits {
+            max_bytes: options.max_result_bytes,
+            shape: options.result_shape,
+            max_payload_bytes: options.max_result_bytes,
+        },
         publish_timeout: Duration::from_millis(options.kafka.delivery_timeout_ms),
         stop_before_publish: options.hooks.stop_before_publish,
         shutdown: shutdown.clone(),
@@ -405,7 +416,7 @@ struct Shared<F> {
     results_topic: String,
     pool: String,
     handler_timeout: Option<Duration>,
-    max_result_bytes: usize,
+    result_limits: crate::coordinator::InputLimits,
     publish_timeout: Duration,
     stop_before_publish: bool,
     shutdown: CancellationToken,
@@ -606,17 +617,21 @@ where
     tracing::debug!(outcome = label, "step handled");
 
     let mut payload = outcome.result_for(&run_id, &tenant, stamp).to_string();
-    if payload.len() > shared.max_result_bytes {
+    if let Err(refused) = crate::coordinator::parse_value(payload.as_bytes(), &shared.result_limits)
+    {
+        // The coordinator would dead-letter it and the step would time out:
+        // fail it now, for good, saying why.
         tracing::warn!(
             bytes = payload.len(),
-            limit = shared.max_result_bytes,
-            "step result too large, reporting a failure instead"
+            class = refused.class.as_str(),
+            error = %refused.message,
+            "step result cannot be accepted, reporting a failure instead"
         );
         let failure = StepOutcome::Failed {
             message: format!(
-                "step result is {} bytes, over the limit of {}",
-                payload.len(),
-                shared.max_result_bytes
+                "the step's result cannot be accepted ({}): {}",
+                refused.class.as_str(),
+                refused.message
             ),
             retryable: false,
         };

@@ -629,3 +629,55 @@ async fn dedup_claim_message_applies_an_effect_once_and_needs_the_header() {
     assert_eq!(db.count("ductor_dedup_seen").await, 1);
     db.drop_db().await;
 }
+
+/// A handler's result that the coordinator could not accept (too large,
+/// holding U+0000, too deep, with a NUL in its error message) is replaced
+/// by a non-retryable failure naming the class: the run fails the step at
+/// once instead of waiting for a timeout behind a dead-lettered result.
+#[tokio::test]
+async fn a_result_the_coordinator_would_refuse_is_reported_as_a_failure_for_good() {
+    let h = Harness::new(1).await;
+    let cases = [
+        ("big", "too_large"),
+        ("nul", "nul_character"),
+        ("deep", "too_deep"),
+        ("nul-error", "nul_character"),
+    ];
+    let mut expected = BTreeMap::new();
+    for (kind, class) in cases {
+        let run_id = unique(&format!("{kind}-"));
+        h.send_dispatch(&dispatch(
+            &run_id,
+            Uuid::new_v4(),
+            TimeDelta::minutes(5),
+            json!({"kind": kind}),
+        ))
+        .await;
+        expected.insert(run_id, class);
+    }
+    let mut options = h.options.clone();
+    options.max_result_bytes = 4096;
+    let worker = h.start(options, |step: StepInput| async move {
+        let deep = (0..100).fold(json!(1), |v, _| json!([v]));
+        match step.input["kind"].as_str().unwrap_or_default() {
+            "big" => StepOutcome::Succeeded(json!("x".repeat(10_000))),
+            "nul" => StepOutcome::Succeeded(json!({"note": "a\u{0}b"})),
+            "deep" => StepOutcome::Succeeded(deep),
+            _ => StepOutcome::Failed {
+                message: "broken\u{0}".into(),
+                retryable: true,
+            },
+        }
+    });
+    for msg in read_n(&h.results(), cases.len(), WAIT).await {
+        let result = decode_result(&msg);
+        let class = expected.remove(&result.run_id).expect("expected run");
+        let AttemptOutcome::Failed { message, retryable } = result.outcome else {
+            panic!("{}: not a failure", result.run_id);
+        };
+        assert!(!retryable, "{}", result.run_id);
+        assert!(message.contains(class), "{class}: {message}");
+    }
+    worker.stop().await.expect("clean stop");
+    h.finish().await;
+}

@@ -36,8 +36,8 @@ pub use fold::{
 };
 pub use input::{
     AttemptOutcome, AttemptResult, CancelWakeup, Input, InputError, InputErrorClass, InputLimits,
-    InputTopic, RunStart, SignalWakeup, TimerKind, TimerWakeup, decode_input, decode_value,
-    parse_value,
+    InputTopic, RunStart, SignalWakeup, TimerKind, TimerWakeup, bound_payload, bound_start,
+    decode_input, decode_value, parse_value,
 };
 pub use screen::{ShapeLimits, Violation};
 pub use state::{

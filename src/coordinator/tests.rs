@@ -915,3 +915,76 @@ fn deadlines_saturate_instead_of_overflowing() {
         DateTime::<Utc>::MAX_UTC
     );
 }
+
+// ---- the size budget ----------------------------------------------------------------
+
+/// Limits whose payload bound is `max` bytes once written back.
+fn payload_limits(max: usize) -> InputLimits {
+    InputLimits {
+        max_payload_bytes: max,
+        ..InputLimits::sized(1 << 20)
+    }
+}
+
+/// Six numbers that each grow from 4 bytes to 18 when written back.
+fn growing() -> Value {
+    json!([9e15, 9e15, 9e15, 9e15, 9e15, 9e15])
+}
+
+#[test]
+fn an_output_that_would_outgrow_its_effect_fails_the_attempt_for_good() {
+    let input = result_ok(stamp(1), growing());
+    let sent = input.to_json().to_string().len();
+    let Ok(Input::Result(bounded)) = bound_payload(input, sent, &payload_limits(100)) else {
+        panic!("a result stays a result");
+    };
+    match bounded.outcome {
+        AttemptOutcome::Failed { message, retryable } => {
+            assert!(!retryable);
+            assert!(message.starts_with("payload_too_large"), "{message}");
+            assert!(message.chars().count() <= super::input::MAX_ERROR_MESSAGE_LEN);
+        }
+        other => panic!("not failed: {other:?}"),
+    }
+    let fits = result_ok(stamp(1), growing());
+    assert_eq!(
+        bound_payload(fits.clone(), sent, &payload_limits(200)),
+        Ok(fits),
+        "an output that fits is left alone"
+    );
+}
+
+#[test]
+fn a_start_or_signal_that_would_outgrow_its_effect_is_refused() {
+    let Input::Start(mut start) = start_input() else {
+        unreachable!()
+    };
+    start.input = growing();
+    let sent = Input::Start(start.clone()).to_json().to_string().len();
+    let refused =
+        bound_payload(Input::Start(start.clone()), sent, &payload_limits(100)).unwrap_err();
+    assert_eq!(refused.class, InputErrorClass::PayloadTooLarge);
+    assert_eq!(refused.class.as_str(), "payload_too_large");
+    assert!(bound_start(&start, sent, &payload_limits(200)).is_ok());
+    let Input::Signal(mut sig) = signal("s") else {
+        unreachable!()
+    };
+    sig.payload = growing();
+    let sent = Input::Signal(sig.clone()).to_json().to_string().len();
+    assert_eq!(
+        bound_payload(Input::Signal(sig), sent, &payload_limits(100))
+            .unwrap_err()
+            .class,
+        InputErrorClass::PayloadTooLarge
+    );
+}
+
+#[test]
+fn small_messages_are_not_measured_and_pass() {
+    // 4 bytes sent can grow to 20 at most: far below a limit of 1000.
+    let input = result_ok(stamp(1), growing());
+    assert_eq!(
+        bound_payload(input.clone(), 4, &payload_limits(1000)),
+        Ok(input)
+    );
+}
