@@ -264,6 +264,15 @@ pub struct CoordinatorConfig {
     /// redelivered start costs one recomputation. 0 turns the cache, and
     /// that guess, off.
     pub run_cache_size: usize,
+    /// Bound on the run cache in bytes of the states' encoding (what a
+    /// state holds in memory is about that); when full the cache starts
+    /// over, and a state over a tenth of it is not cached. 0 turns the
+    /// cache off.
+    pub run_cache_max_bytes: usize,
+    /// Most bytes of input values in one batch, besides
+    /// `batch_max_inputs`: a lane stops gathering a batch once it holds
+    /// this much (a single larger input is a batch of its own).
+    pub batch_max_bytes: usize,
     /// Bound on error messages written to dead-letter headers.
     pub max_error_message_bytes: usize,
 }
@@ -511,6 +520,9 @@ impl Config {
                 "coordinator.batch_max_inputs",
                 "must be between 1 and 10000",
             ));
+        }
+        if self.coordinator.batch_max_bytes == 0 {
+            return Err(invalid("coordinator.batch_max_bytes", "must be at least 1"));
         }
         if self.coordinator.max_input_bytes == 0 {
             return Err(invalid("coordinator.max_input_bytes", "must be at least 1"));

@@ -79,6 +79,7 @@ const CLAIM_SQL: &str = "WITH candidate AS ( \
      SELECT intent_id, run_id, topic, seq, effect_index, cancel_key \
      FROM eec_effect_intent \
      WHERE status = 'pending' AND not_before <= now() \
+       AND (deferred_until IS NULL OR deferred_until <= now()) \
      ORDER BY not_before, intent_id \
      LIMIT $1 \
      FOR UPDATE SKIP LOCKED \
@@ -109,17 +110,17 @@ const CLAIM_SQL: &str = "WITH candidate AS ( \
 
 /// Gives claimed intents back: `$1` ids, `$2` errors, `$3` causes
 /// ([`Cause::as_str`]); a permanent failure that makes `$4` parks the
-/// intent; a failure pushes `not_before` back by `$5` seconds doubled per
-/// claim so far, at most `$6`; only this drainer's (`$7`) claims.
+/// intent; a failure defers it (`deferred_until`) by `$5` seconds doubled
+/// per claim so far, at most `$6`; only this drainer's (`$7`) claims.
 const RELEASE_SQL: &str = "UPDATE eec_effect_intent i SET \
      status = CASE WHEN u.cause = 'permanent' AND i.publish_failures + 1 >= $4 \
          THEN 'parked' ELSE 'pending' END, \
      parked_at = CASE WHEN u.cause = 'permanent' AND i.publish_failures + 1 >= $4 \
          THEN now() END, \
      publish_failures = i.publish_failures + CASE WHEN u.cause = 'permanent' THEN 1 ELSE 0 END, \
-     not_before = CASE WHEN u.cause = 'not_tried' THEN i.not_before ELSE GREATEST(i.not_before, \
-         now() + make_interval(secs => LEAST($6::float8, \
-             $5::float8 * power(2, LEAST(GREATEST(i.attempts, 1), 30) - 1)))) END, \
+     deferred_until = CASE WHEN u.cause = 'not_tried' THEN i.deferred_until \
+         ELSE now() + make_interval(secs => LEAST($6::float8, \
+             $5::float8 * power(2, LEAST(GREATEST(i.attempts, 1), 30) - 1))) END, \
      claimed_by = NULL, claim_expires_at = NULL, last_error = left(u.error, 1024) \
  FROM UNNEST($1::int8[], $2::text[], $3::text[]) AS u(intent_id, error, cause) \
  WHERE i.intent_id = u.intent_id AND i.claimed_by = $7 \
@@ -503,9 +504,9 @@ impl Drainer {
     }
 
     /// Gives intents that were not published back to the claim rounds. One
-    /// that failed waits out a backoff (its `not_before` moves forward, so
-    /// it is not the first claimed in every round, and the effects behind
-    /// it in its run and topic wait too); one that failed permanently
+    /// that failed waits out a backoff (`deferred_until`, so it is not the
+    /// first claimed in every round, and the effects behind it in its run
+    /// and topic wait too); one that failed permanently
     /// `park_after_failures` times is parked instead.
     async fn release(&self, failed: &[Unpublished]) -> anyhow::Result<Released> {
         let ids: Vec<i64> = failed.iter().map(|f| f.intent_id).collect();
@@ -602,7 +603,8 @@ impl Drainer {
         let seqs: Vec<i64> = late.iter().map(|l| l.1).collect();
         let pushed = sqlx::query(
             "UPDATE eec_effect_intent t \
-             SET not_before = GREATEST(t.not_before, now() + (t.not_before - t.created_at)) \
+             SET deferred_until = GREATEST(t.deferred_until, \
+                 now() + (t.not_before - t.created_at)) \
              FROM UNNEST($1::text[], $2::int8[]) AS u(run_id, seq) \
              WHERE t.run_id = u.run_id AND t.seq = u.seq AND t.cancel_key IS NOT NULL \
                AND CASE WHEN t.status = 'pending' THEN true END",
@@ -701,7 +703,7 @@ impl Drainer {
     ) -> anyhow::Result<u64> {
         let redriven = sqlx::query(
             "UPDATE eec_effect_intent SET status = 'pending', parked_at = NULL, \
-                 publish_failures = 0, not_before = now() \
+                 publish_failures = 0, deferred_until = NULL \
              WHERE status = 'parked' AND ($1::text IS NULL OR run_id = $1) \
                AND ($2::text IS NULL OR topic = $2)",
         )
@@ -764,7 +766,8 @@ impl Drainer {
                  count(*) FILTER (WHERE not_before <= now() AND status <> 'parked') AS due, \
                  EXTRACT(EPOCH FROM now() - min(not_before) \
                      FILTER (WHERE not_before <= now() AND status <> 'parked'))::float8 AS oldest_due_s, \
-                 min(not_before) FILTER (WHERE status = 'pending') AS next_due \
+                 min(GREATEST(not_before, deferred_until)) FILTER (WHERE status = 'pending') \
+                     AS next_due \
              FROM eec_effect_intent WHERE status <> 'completed'",
         )
         .fetch_one(&self.pool)

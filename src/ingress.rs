@@ -148,6 +148,8 @@ pub struct IngressContext {
     pub wakeups_topic: String,
     pub results_topic: String,
     pub batch_max_inputs: usize,
+    /// Bytes of values after which a batch is full.
+    pub batch_max_bytes: usize,
     pub batch_linger: Duration,
     pub apply_lanes: usize,
     pub concurrent_batch_min_inputs: usize,
@@ -189,6 +191,7 @@ impl IngressContext {
             wakeups_topic: config.wakeups_topic(),
             results_topic: config.attempt_results_topic(),
             batch_max_inputs: config.coordinator.batch_max_inputs,
+            batch_max_bytes: config.coordinator.batch_max_bytes,
             batch_linger: Duration::from_millis(config.coordinator.batch_linger_ms),
             apply_lanes: config.coordinator.apply_lanes,
             concurrent_batch_min_inputs: config.coordinator.concurrent_batch_min_inputs,
@@ -308,7 +311,7 @@ async fn lane(
     stop: &CancellationToken,
 ) -> anyhow::Result<()> {
     loop {
-        let mut batch = Vec::new();
+        let mut batch = Gathered::new(ctx);
         tokio::select! {
             biased;
             _ = stop.cancelled() => return Ok(()),
@@ -320,10 +323,10 @@ async fn lane(
         // What queued up while the previous batch was applied is a batch
         // already: take it without waiting. Only a lone message, one that
         // found the lane idle, lingers for company.
-        take_queued(&mut messages, &mut batch, ctx.batch_max_inputs);
-        if batch.len() == 1 {
+        take_queued(&mut messages, &mut batch);
+        if batch.messages.len() == 1 {
             let deadline = Instant::now() + ctx.batch_linger;
-            while batch.len() < ctx.batch_max_inputs {
+            while !batch.full() {
                 tokio::select! {
                     biased;
                     m = messages.recv() => match m {
@@ -337,18 +340,18 @@ async fn lane(
         // A batch below the threshold (none by default) takes turns with the
         // other lanes' small batches, and what arrives while it waits joins
         // it. A batch at or above it applies at once.
-        let _turn = if batch.len() < ctx.concurrent_batch_min_inputs {
+        let _turn = if batch.messages.len() < ctx.concurrent_batch_min_inputs {
             let permit = tokio::select! {
                 biased;
                 _ = stop.cancelled() => return Ok(()),
                 permit = turn.acquire() => permit.context("the lanes' turn was closed")?,
             };
-            take_queued(&mut messages, &mut batch, ctx.batch_max_inputs);
+            take_queued(&mut messages, &mut batch);
             Some(permit)
         } else {
             None
         };
-        let handled = handle_batch(ctx, index, &batch, stop).await;
+        let handled = handle_batch(ctx, index, &batch.messages, stop).await;
         match handled {
             Ok(true) => {}
             Ok(false) => return Ok(()),
@@ -360,13 +363,38 @@ async fn lane(
     }
 }
 
-/// Moves what is already queued in `messages` into `batch`, up to `max`.
-fn take_queued(
-    messages: &mut tokio::sync::mpsc::Receiver<OwnedMessage>,
-    batch: &mut Vec<OwnedMessage>,
-    max: usize,
-) {
-    while batch.len() < max {
+/// A batch being gathered: full at `coordinator.batch_max_inputs` inputs
+/// or `coordinator.batch_max_bytes` bytes of values, whichever comes first.
+struct Gathered {
+    messages: Vec<OwnedMessage>,
+    bytes: usize,
+    max_inputs: usize,
+    max_bytes: usize,
+}
+
+impl Gathered {
+    fn new(ctx: &IngressContext) -> Gathered {
+        Gathered {
+            messages: Vec::new(),
+            bytes: 0,
+            max_inputs: ctx.batch_max_inputs,
+            max_bytes: ctx.batch_max_bytes,
+        }
+    }
+
+    fn push(&mut self, message: OwnedMessage) {
+        self.bytes += message.payload().map_or(0, <[u8]>::len);
+        self.messages.push(message);
+    }
+
+    fn full(&self) -> bool {
+        self.messages.len() >= self.max_inputs || self.bytes >= self.max_bytes
+    }
+}
+
+/// Moves what is already queued in `messages` into `batch`, until it is full.
+fn take_queued(messages: &mut tokio::sync::mpsc::Receiver<OwnedMessage>, batch: &mut Gathered) {
+    while !batch.full() {
         match messages.try_recv() {
             Ok(m) => batch.push(m),
             Err(_) => break,
@@ -423,7 +451,7 @@ async fn next_batch(
     ctx: &IngressContext,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Option<Vec<OwnedMessage>>> {
-    let mut batch = Vec::new();
+    let mut batch = Gathered::new(ctx);
     loop {
         tokio::select! {
             biased;
@@ -442,7 +470,7 @@ async fn next_batch(
         }
     }
     let deadline = Instant::now() + ctx.batch_linger;
-    while batch.len() < ctx.batch_max_inputs {
+    while !batch.full() {
         tokio::select! {
             biased;
             msg = ctx.consumer.recv() => match msg {
@@ -458,7 +486,7 @@ async fn next_batch(
             _ = tokio::time::sleep_until(deadline) => break,
         }
     }
-    Ok(Some(batch))
+    Ok(Some(batch.messages))
 }
 
 /// Decodes, applies and dead-letters one batch. Returns only when every

@@ -217,7 +217,10 @@ impl Applier {
             completed_ttl: Duration::from_millis(config.routing.completed_ttl_ms),
             notify_commits: !config.drainer.enabled,
             handoff: None,
-            cache: RunCache::new(config.coordinator.run_cache_size),
+            cache: RunCache::new(
+                config.coordinator.run_cache_size,
+                config.coordinator.run_cache_max_bytes,
+            ),
             #[cfg(feature = "canary-dispatch-before-commit")]
             canary_producer: crate::kafka::producer(&config.kafka, "canary").ok(),
         }
@@ -228,24 +231,49 @@ impl Applier {
 /// of a run need not load it. An entry is only a guess: the runs UPDATE is
 /// conditional on the `record_version` it carries, so an entry made stale by
 /// another writer loses the race, is dropped, and the batch is recomputed
-/// from the database. Terminal runs are not kept; when full, the cache starts
-/// over (bounded memory, no bookkeeping on the hot path).
+/// from the database. Terminal runs are not kept. Bounded twice, by entries
+/// (`coordinator.run_cache_size`) and by the bytes of the states' encoding
+/// (`coordinator.run_cache_max_bytes`, a fair measure of what a state holds
+/// in memory): when either is full, the cache starts over (no bookkeeping
+/// on the hot path), and a state larger than a tenth of the byte bound is
+/// not kept at all.
 pub struct RunCache {
     capacity: usize,
-    states: Mutex<HashMap<String, RunState>>,
+    max_bytes: usize,
+    inner: Mutex<CacheInner>,
+}
+
+#[derive(Default)]
+struct CacheInner {
+    states: HashMap<String, (RunState, usize)>,
+    bytes: usize,
+}
+
+impl CacheInner {
+    fn remove(&mut self, run_id: &str) {
+        if let Some((_, size)) = self.states.remove(run_id) {
+            self.bytes -= size;
+        }
+    }
 }
 
 impl RunCache {
-    pub fn new(capacity: usize) -> Self {
+    pub fn new(capacity: usize, max_bytes: usize) -> Self {
         RunCache {
             capacity,
-            states: Mutex::new(HashMap::new()),
+            max_bytes,
+            inner: Mutex::new(CacheInner::default()),
         }
     }
 
     /// Whether the cache keeps states at all (`run_cache_size` above 0).
     fn enabled(&self) -> bool {
-        self.capacity > 0
+        self.capacity > 0 && self.max_bytes > 0
+    }
+
+    /// The bytes of the encoded states held now.
+    pub fn bytes(&self) -> usize {
+        self.inner.lock().map_or(0, |i| i.bytes)
     }
 
     /// The cached state of each of `ids` that has one.
@@ -253,31 +281,35 @@ impl RunCache {
         if !self.enabled() {
             return HashMap::new();
         }
-        let Ok(states) = self.states.lock() else {
+        let Ok(inner) = self.inner.lock() else {
             return HashMap::new();
         };
-        ids.filter_map(|id| states.get(id).map(|s| (id.to_string(), s.clone())))
+        ids.filter_map(|id| inner.states.get(id).map(|s| (id.to_string(), s.0.clone())))
             .collect()
     }
 
-    /// Remembers committed states (their `record_version` is the new one).
-    fn put_many(&self, committed: Vec<RunState>) {
+    /// Remembers committed states (their `record_version` is the new one),
+    /// each with the length of its encoding.
+    fn put_many(&self, committed: Vec<(RunState, usize)>) {
         if !self.enabled() {
             return;
         }
-        let Ok(mut states) = self.states.lock() else {
+        let Ok(mut inner) = self.inner.lock() else {
             return;
         };
-        for state in committed {
-            if state.status.is_terminal() {
-                states.remove(&state.run_id);
+        for (state, size) in committed {
+            inner.remove(&state.run_id);
+            if state.status.is_terminal() || size > self.max_bytes / 10 {
                 continue;
             }
-            if states.len() >= self.capacity && !states.contains_key(&state.run_id) {
-                states.clear();
+            if inner.states.len() >= self.capacity || inner.bytes + size > self.max_bytes {
+                inner.states.clear();
+                inner.bytes = 0;
             }
-            states.insert(state.run_id.clone(), state);
+            inner.bytes += size;
+            inner.states.insert(state.run_id.clone(), (state, size));
         }
+        metrics::gauge!("ductor_run_cache_bytes").set(inner.bytes as f64);
     }
 
     /// Forgets `ids`: their batch lost a race or its outcome is unknown.
@@ -285,9 +317,9 @@ impl RunCache {
         if !self.enabled() {
             return;
         }
-        if let Ok(mut states) = self.states.lock() {
+        if let Ok(mut inner) = self.inner.lock() {
             for id in ids {
-                states.remove(id);
+                inner.remove(id);
             }
         }
     }
@@ -1096,8 +1128,9 @@ struct Handed {
     pending_due: usize,
     /// The earliest `not_before` of the timers inserted.
     next_timer: Option<DateTime<Utc>>,
-    /// The runs as written, for the cache once committed.
-    states: Vec<RunState>,
+    /// The runs as written, with the length of their encoded state, for
+    /// the cache once committed.
+    states: Vec<(RunState, usize)>,
 }
 
 /// Writes everything; `Ok(None)` when a conditional write lost a race.
@@ -1121,17 +1154,17 @@ async fn write_all(
     for loaded in runs.values().filter(|l| l.changed) {
         let Some(state) = &loaded.state else { continue };
         let mut state = state.clone();
-        match loaded.loaded_version {
+        let encoded = match loaded.loaded_version {
             None => {
                 state.record_version = 1;
-                ins.push(&state, 0)?;
+                ins.push(&state, 0)?
             }
             Some(version) => {
                 state.record_version = version + 1;
-                upd.push(&state, version)?;
+                upd.push(&state, version)?
             }
-        }
-        states.push(state);
+        };
+        states.push((state, encoded));
     }
     if ins.run_id.is_empty()
         && upd.run_id.is_empty()
@@ -1663,7 +1696,8 @@ impl RunColumns {
             .bind(&self.finished_at)
     }
 
-    fn push(&mut self, state: &RunState, expected_version: i64) -> Result<(), ApplyError> {
+    /// Adds a run; returns the length of its encoded state.
+    fn push(&mut self, state: &RunState, expected_version: i64) -> Result<usize, ApplyError> {
         self.run_id.push(state.run_id.clone());
         self.tenant.push(state.tenant.clone());
         self.pool.push(state.pool.clone());
@@ -1677,6 +1711,78 @@ impl RunColumns {
         self.updated_at.push(state.updated_at);
         self.finished_at
             .push(state.status.is_terminal().then_some(state.updated_at));
-        Ok(())
+        Ok(self.state.last().map_or(0, String::len))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::coordinator::RunStart;
+
+    /// A started run of the example workflow, with `pad` bytes of input.
+    fn started(run_id: &str, pad: usize) -> RunState {
+        let workflows = crate::workflows::load_dir(std::path::Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/config/workflows"
+        )))
+        .expect("loading the example workflows");
+        let input = Input::Start(RunStart {
+            run_id: run_id.into(),
+            tenant: "acme".into(),
+            workflow: "example".into(),
+            workflow_version: None,
+            pool: "default".into(),
+            input: Value::String("x".repeat(pad)),
+            correlation_id: None,
+        });
+        let entropy = Entropy {
+            stamp: Uuid::from_u128(1),
+            jitter_unit: 0.5,
+        };
+        let now = DateTime::from_timestamp(1_800_000_000, 0).expect("a valid time");
+        match fold(None, &input, &workflows, now, &entropy) {
+            Decision::Transition(t) => t.state,
+            other => panic!("the start applies: {other:?}"),
+        }
+    }
+
+    fn sized(state: RunState) -> (RunState, usize) {
+        let size = serde_json::to_string(&state).unwrap().len();
+        (state, size)
+    }
+
+    #[test]
+    fn the_run_cache_is_bounded_in_bytes_and_starts_over_when_full() {
+        let one = sized(started("a0", 1_000));
+        let size = one.1;
+        let cache = RunCache::new(1_000, size * 10 + size / 2);
+        cache.put_many(vec![one]);
+        assert_eq!(cache.bytes(), size);
+        let more: Vec<_> = (0..9)
+            .map(|k| sized(started(&format!("b{k}"), 1_000)))
+            .collect();
+        cache.put_many(more);
+        assert_eq!(cache.bytes(), size * 10);
+        assert_eq!(cache.get_many(["a0", "b8"].into_iter()).len(), 2);
+        // The eleventh does not fit: the cache starts over with it.
+        cache.put_many(vec![sized(started("c0", 1_000))]);
+        assert_eq!(cache.bytes(), size);
+        assert_eq!(cache.get_many(["a0", "c0"].into_iter()).len(), 1);
+        // Replacing a run's state counts it once.
+        cache.put_many(vec![sized(started("c0", 1_000))]);
+        assert_eq!(cache.bytes(), size);
+        cache.forget(["c0"].into_iter());
+        assert_eq!(cache.bytes(), 0);
+    }
+
+    #[test]
+    fn a_state_over_a_tenth_of_the_bound_is_not_cached() {
+        let cache = RunCache::new(1_000, 20_000);
+        cache.put_many(vec![sized(started("big", 5_000))]);
+        assert_eq!(cache.bytes(), 0);
+        assert!(cache.get_many(["big"].into_iter()).is_empty());
+        cache.put_many(vec![sized(started("small", 10))]);
+        assert_eq!(cache.get_many(["small"].into_iter()).len(), 1);
     }
 }

@@ -273,7 +273,8 @@ async fn settle(
             .context("measuring lag")?;
         let db = sqlx::query(
             "SELECT now() AS now, \
-                (SELECT count(*) FROM eec_effect_intent WHERE status <> 'completed' AND not_before <= now()) AS due, \
+                (SELECT count(*) FROM eec_effect_intent WHERE status <> 'completed' \
+                     AND GREATEST(not_before, deferred_until) <= now()) AS due, \
                 (SELECT count(*) FROM runs WHERE status = 'running') AS running",
         )
         .fetch_one(pool)
@@ -390,7 +391,8 @@ pub async fn load_db(pool: &PgPool) -> anyhow::Result<DbSnapshot> {
     }
     for row in sqlx::query(
         "SELECT run_id, seq, effect_index, idempotency_key, tenant_scope, topic, message_key, \
-             headers, payload, ce_type, not_before, status \
+             headers, payload, ce_type, not_before, \
+             GREATEST(not_before, deferred_until) AS due_at, status \
          FROM eec_effect_intent ORDER BY run_id, seq, effect_index",
     )
     .fetch_all(pool)
@@ -409,6 +411,7 @@ pub async fn load_db(pool: &PgPool) -> anyhow::Result<DbSnapshot> {
             payload: row.try_get("payload")?,
             ce_type: row.try_get("ce_type")?,
             not_before: row.try_get("not_before")?,
+            due_at: row.try_get("due_at")?,
             status: row.try_get("status")?,
         });
     }
@@ -638,7 +641,7 @@ pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
     // on its topic.
     for i in &db.intents {
         if i.status != "completed" {
-            if i.not_before <= inp.settle_at {
+            if i.due_at <= inp.settle_at {
                 v.add("intent_not_completed", || {
                     format!("{} ({}) is {} though due", i.key, i.topic, i.status)
                 });
@@ -1127,6 +1130,7 @@ mod tests {
             payload: payload.to_vec(),
             ce_type: "ductor.run.event".into(),
             not_before: at(),
+            due_at: at(),
             status: "completed".into(),
         }
     }

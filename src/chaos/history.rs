@@ -117,6 +117,9 @@ pub struct IntentRow {
     pub payload: Vec<u8>,
     pub ce_type: String,
     pub not_before: DateTime<Utc>,
+    /// When it may be published: `not_before`, or later when it was
+    /// deferred (a failed publish backing off, a step clock restarted).
+    pub due_at: DateTime<Utc>,
     pub status: String,
 }
 
