@@ -91,7 +91,10 @@ pub async fn run_on(
             loop {
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
-                    _ = tick.tick() => progress.observe(),
+                    _ = tick.tick() => {
+                        progress.observe();
+                        crate::telemetry::observe_process();
+                    }
                 }
             }
         });

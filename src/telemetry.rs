@@ -69,3 +69,43 @@ fn describe() {
         "Inputs sent to the dead-letter topic, by stage and error class"
     );
 }
+
+/// The process's peak resident set size in bytes (`VmHWM` of
+/// `/proc/self/status`), where the system tells it.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    parse_peak_rss(&status)
+}
+
+/// `VmHWM` of a `/proc/<pid>/status` text, in bytes.
+fn parse_peak_rss(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line
+        .trim_start_matches("VmHWM:")
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
+}
+
+/// Sets `ductor_process_peak_rss_bytes`; `serve` calls it every second.
+pub fn observe_process() {
+    if let Some(bytes) = peak_rss_bytes() {
+        metrics::gauge!("ductor_process_peak_rss_bytes").set(bytes as f64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_peak_rss_is_read_from_the_status_text() {
+        let status = "Name:\tductor\nVmPeak:\t  100 kB\nVmHWM:\t    2048 kB\nVmRSS:\t 1024 kB\n";
+        assert_eq!(parse_peak_rss(status), Some(2048 * 1024));
+        assert_eq!(parse_peak_rss("Name:\tductor\n"), None);
+        assert!(peak_rss_bytes().is_none_or(|b| b > 0));
+    }
+}

@@ -65,6 +65,7 @@ async fn the_quick_bench_reports_every_figure_positive() {
         "b2",
         "limit_inputs_per_s",
         "ratios",
+        "peak_rss_mb",
     ] {
         assert!(json.get(key).is_some(), "the report has {key}: {line}");
     }
@@ -90,5 +91,10 @@ async fn the_quick_bench_reports_every_figure_positive() {
     assert!(
         report.table().contains("capacity/L"),
         "the table shows the ratios"
+    );
+    assert!(
+        report.peak_rss_mb > 1.0,
+        "the serve's peak RSS is reported: {}",
+        report.peak_rss_mb
     );
 }

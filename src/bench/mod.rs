@@ -177,6 +177,10 @@ pub struct Report {
     /// L = 1 / (1/B1b + 1/B2), inputs/s.
     pub limit_inputs_per_s: f64,
     pub ratios: Ratios,
+    /// The bench process's peak resident set size, in MiB: the serve's
+    /// pipeline (ingress, apply, drainer) with the bench's clients and echo
+    /// worker, at the heaviest phase.
+    pub peak_rss_mb: f64,
     pub profile: ReportProfile,
 }
 
@@ -257,6 +261,7 @@ impl Report {
             "{:<34} {:>12.0}",
             "L = 1/(1/B1b + 1/B2)", self.limit_inputs_per_s
         );
+        let _ = writeln!(t, "{:<34} {:>12.1}", "peak RSS, MiB", self.peak_rss_mb);
         let _ = writeln!(t);
         t.push_str(&latency_table(&self.latency));
         let r = &self.ratios;
@@ -419,7 +424,11 @@ pub async fn main(args: BenchArgs, config: Config) -> anyhow::Result<()> {
         print!("{}", latency_table(&latency));
         println!(
             "{}",
-            serde_json::json!({ "reference_runs_per_s": rate, "latency": latency })
+            serde_json::json!({
+                "reference_runs_per_s": rate,
+                "latency": latency,
+                "peak_rss_mb": peak_rss_mb(),
+            })
         );
         return Ok(());
     }
@@ -643,8 +652,14 @@ async fn phases(
         b2,
         limit_inputs_per_s: limit,
         ratios,
+        peak_rss_mb: peak_rss_mb(),
         profile: ReportProfile { other_cores },
     })
+}
+
+/// This process's peak RSS in MiB (0 where the system does not say).
+fn peak_rss_mb() -> f64 {
+    crate::telemetry::peak_rss_bytes().map_or(0.0, |b| b as f64 / (1024.0 * 1024.0))
 }
 
 /// Cores taken from the bench by other processes and the hypervisor.
