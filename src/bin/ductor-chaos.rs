@@ -32,6 +32,12 @@ enum Command {
     Load(LoadArgs),
     /// Wait for the system to settle, check every guarantee, print one JSON line.
     Check(CheckArgs),
+    /// Send hostile inputs among good runs to a serve started here (on the
+    /// configured database and topic prefix), check that each was refused
+    /// once and every good run completed, print one JSON line. Set small
+    /// input limits (`DUCTOR__COORDINATOR__MAX_INPUT_BYTES` and the shape
+    /// limits) so that values past them are cheap to send.
+    Fuzz(ductor::chaos::fuzz::FuzzArgs),
     /// Delete every topic of the configured topic prefix (a chaos run's own
     /// topics); refuses the default prefix.
     DeleteTopics,
@@ -100,6 +106,20 @@ fn main() -> ExitCode {
                 Ok(deleted) => {
                     println!("{}", serde_json::json!({ "deleted": deleted }));
                     ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    ExitCode::from(2)
+                }
+            },
+            Command::Fuzz(args) => match ductor::chaos::fuzz::run(&config, &args).await {
+                Ok(report) => {
+                    println!("{}", report.json_line());
+                    if report.ok() {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::from(1)
+                    }
                 }
                 Err(e) => {
                     eprintln!("error: {e:#}");

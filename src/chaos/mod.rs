@@ -34,6 +34,7 @@
 //! "the stored state agrees with its history" means precisely.
 
 pub mod check;
+pub mod fuzz;
 pub mod history;
 pub mod http;
 pub mod load;
