@@ -492,7 +492,11 @@ async fn check(
             .context("reading the dead-letter topic")??
         };
         let completed = completed_good(&pool, &sent.good).await?;
-        let done = letters.len() >= expected_letters && completed >= sent.good.len();
+        // Offsets are committed a moment after they are stored: the lag
+        // returning to zero is part of settling.
+        let done = letters.len() >= expected_letters
+            && completed >= sent.good.len()
+            && ingress_lag(config).await? == 0;
         if done || tokio::time::Instant::now() >= deadline {
             break letters;
         }
@@ -543,21 +547,24 @@ async fn check(
             });
         }
     }
-    let lag = {
-        let (kafka, group) = (config.kafka.clone(), config.kafka.group_id.clone());
-        let topics = vec![
-            config.requests_topic(),
-            config.wakeups_topic(),
-            config.attempt_results_topic(),
-        ];
-        tokio::task::spawn_blocking(move || super::topics::group_lag(&kafka, &group, &topics))
-            .await
-            .context("measuring lag")??
-    };
+    let lag = ingress_lag(config).await?;
     if lag > 0 {
         report.violation("lag_not_zero", || format!("{lag} inputs unconsumed"));
     }
     Ok(())
+}
+
+/// What the coordinator's group has not committed past on the input topics.
+async fn ingress_lag(config: &Config) -> anyhow::Result<i64> {
+    let (kafka, group) = (config.kafka.clone(), config.kafka.group_id.clone());
+    let topics = vec![
+        config.requests_topic(),
+        config.wakeups_topic(),
+        config.attempt_results_topic(),
+    ];
+    tokio::task::spawn_blocking(move || super::topics::group_lag(&kafka, &group, &topics))
+        .await
+        .context("measuring lag")?
 }
 
 /// Good runs succeeded: started over Kafka under their id, or over HTTP
