@@ -588,10 +588,12 @@ impl Drainer {
     ) -> anyhow::Result<()> {
         let now = Utc::now();
         let late_after = chrono::TimeDelta::milliseconds(crate::coordinator::LATE_DISPATCH_MS);
+        // Lateness first: it is rare, and cheap to test; the delivered
+        // list is searched only for the few that are late.
         let mut late: Vec<(&str, i64)> = claimed
             .iter()
-            .filter(|c| delivered.contains(&c.intent_id))
             .filter(|c| now - c.not_before.max(c.created_at) > late_after)
+            .filter(|c| delivered.contains(&c.intent_id))
             .map(|c| (c.run_id.as_str(), c.seq))
             .collect();
         if late.is_empty() {

@@ -547,13 +547,8 @@ pub async fn process_batch(
             .await
             .context("applying batch")?;
         for ((outcome, input), msg) in report.outcomes.iter().zip(&pending).zip(&pending_msgs) {
-            let outcome = match outcome {
-                Some(Ok(outcome)) => outcome,
-                Some(Err(failure)) => {
-                    dead.push(DeadLetter::isolated(msg, failure));
-                    continue;
-                }
-                None => unreachable!("every input of an isolated batch has an outcome"),
+            let Some(outcome) = settled(outcome, msg, &mut dead) else {
+                continue;
             };
             let topic_label = msg.topic().to_string();
             let outcome_label = match outcome {
@@ -582,13 +577,8 @@ pub async fn process_batch(
             }
         }
         for (outcome, msg) in report.routed.iter().zip(&routed_msgs) {
-            let outcome = match outcome {
-                Some(Ok(outcome)) => outcome,
-                Some(Err(failure)) => {
-                    dead.push(DeadLetter::isolated(msg, failure));
-                    continue;
-                }
-                None => unreachable!("every request of an isolated batch has an outcome"),
+            let Some(outcome) = settled(outcome, msg, &mut dead) else {
+                continue;
             };
             let topic_label = msg.topic().to_string();
             let (input_label, routing_label) = match outcome {
@@ -640,6 +630,23 @@ pub async fn process_batch(
             .increment(1);
     }
     Ok(())
+}
+
+/// The outcome of one input of an isolated batch, or `None` when it failed
+/// on its own and its dead letter was queued in `dead`.
+fn settled<'r, 'm, T>(
+    outcome: &'r Option<Result<T, crate::store::ApplyFailure>>,
+    msg: &'m OwnedMessage,
+    dead: &mut Vec<DeadLetter<'m>>,
+) -> Option<&'r T> {
+    match outcome {
+        Some(Ok(outcome)) => Some(outcome),
+        Some(Err(failure)) => {
+            dead.push(DeadLetter::isolated(msg, failure));
+            None
+        }
+        None => unreachable!("every input of an isolated batch has an outcome"),
+    }
 }
 
 /// What a message on an input topic is.
