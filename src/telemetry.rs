@@ -78,7 +78,7 @@ pub fn peak_rss_bytes() -> Option<u64> {
 }
 
 /// `VmHWM` of a `/proc/<pid>/status` text, in bytes.
-fn parse_peak_rss(status: &str) -> Option<u64> {
+pub fn parse_peak_rss(status: &str) -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kb: u64 = line
         .trim_start_matches("VmHWM:")

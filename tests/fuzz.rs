@@ -19,6 +19,8 @@ async fn hostile_inputs_are_all_refused_once_and_every_good_run_completes() {
     c.max_string_bytes = 1_024;
     c.max_array_items = 100;
     c.max_object_keys = 50;
+    // A lane that holds a batch this long fails the run (`lane_stalled`).
+    c.stall_after_ms = 10_000;
     let bad_inputs = std::env::var("DUCTOR_FUZZ_BAD_INPUTS")
         .ok()
         .and_then(|n| n.parse().ok())
@@ -30,6 +32,7 @@ async fn hostile_inputs_are_all_refused_once_and_every_good_run_completes() {
         seed: 1,
         rss_bound_mb: 1024.0,
         settle_timeout_s: 300,
+        serve_bin: Some(env!("CARGO_BIN_EXE_ductor").into()),
     };
     let report = ductor::chaos::fuzz::run(&config, &args)
         .await
@@ -44,5 +47,6 @@ async fn hostile_inputs_are_all_refused_once_and_every_good_run_completes() {
     );
     assert!(report.http_4xx > 0 && report.dead_lettered > 0);
     assert!(report.classes.len() > 8, "{:?}", report.classes);
+    assert!(report.garbage_runs > 0 && report.hostile_results > report.good_runs);
     db.drop_db().await;
 }

@@ -1,6 +1,7 @@
 //! The hostile-input harness: many generated inputs that Ductor must refuse,
 //! interleaved with good runs on the same partitions, through the real Kafka
-//! ingress and the HTTP API, against a `serve` in this process.
+//! ingress and the HTTP API, against a `ductor serve` in a process of its
+//! own (so that its peak RSS and a crash of it are its own).
 //!
 //! Every hostile input is a mutation of a valid message (truncated, bytes
 //! flipped, U+0000 and control characters, unpaired surrogates, inexact
@@ -9,16 +10,20 @@
 //! ingress's own decoder refuses; the harness keeps only those, so each one
 //! has a known fate. It then proves:
 //!
-//! - every good run completes (`good_run_not_completed`);
+//! - every good run completes (`good_run_not_completed`), although the
+//!   worker sends a failure under a stamp no attempt has and a duplicate of
+//!   its answer for each first step (`hostile_results`);
+//! - every run whose worker returns garbage (U+0000, too deep, too long)
+//!   ends failed, with the refusal's class (`garbage_run_not_failed`);
 //! - every hostile Kafka input reaches the dead-letter topic exactly once,
 //!   with a stage and a class (`bad_input_not_dead_lettered`,
 //!   `bad_input_dead_lettered_twice`, `dead_letter_without_class`), and no
 //!   good input does (`good_input_dead_lettered`);
 //! - every hostile HTTP body gets a 4xx with an error code (`http_not_4xx`);
-//! - the serve never stops, the coordinator's lag returns to zero and no
-//!   apply lane is left stalled (`serve_stopped`, `lag_not_zero`,
-//!   `lane_stalled`);
-//! - the process's peak RSS stays under the bound (`peak_rss_over_bound`).
+//! - the serve never stops, the coordinator's lag returns to zero and its
+//!   `ductor_ingress_stalled_lanes` gauge, read every second, stays zero
+//!   (`serve_stopped`, `lag_not_zero`, `lane_stalled`);
+//! - the serve's peak RSS stays under the bound (`peak_rss_over_bound`).
 //!
 //! The report is one JSON line: `{"bad_inputs":N,"good_runs":N,
 //! "dead_lettered":N,"http_4xx":N,"classes":{..},"peak_rss_mb":N,
@@ -26,6 +31,8 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -56,13 +63,16 @@ pub struct FuzzArgs {
     /// Seed of the generator: the same seed sends the same inputs.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Peak RSS of this process (the serve, its worker and the harness)
-    /// above which the run is a violation.
+    /// Peak RSS of the serve above which the run is a violation.
     #[arg(long, default_value_t = 1024.0)]
     pub rss_bound_mb: f64,
     /// How long to wait for the good runs and the dead letters.
     #[arg(long, default_value_t = 300)]
     pub settle_timeout_s: u64,
+    /// The `ductor` binary the serve runs from; by default the one beside
+    /// this program.
+    #[arg(long)]
+    pub serve_bin: Option<PathBuf>,
 }
 
 /// The harness's verdict.
@@ -72,6 +82,11 @@ pub struct FuzzReport {
     pub good_runs: usize,
     pub dead_lettered: usize,
     pub http_4xx: usize,
+    /// Results the harness's worker sent beside its own: a failure under a
+    /// stamp no attempt has, and a duplicate of its answer.
+    pub hostile_results: usize,
+    /// Runs whose worker returned garbage.
+    pub garbage_runs: usize,
     /// Dead letters and HTTP error codes, by class.
     pub classes: BTreeMap<String, u64>,
     pub peak_rss_mb: f64,
@@ -273,44 +288,58 @@ pub fn hostile(rng: &mut StdRng, topic: InputTopic, limits: &InputLimits) -> Opt
 pub async fn run(config: &Config, args: &FuzzArgs) -> anyhow::Result<FuzzReport> {
     crate::db::migrate(&crate::db::connect(&config.database).await?).await?;
     crate::kafka::create_configured_topics(config).await?;
+    let bin = match &args.serve_bin {
+        Some(bin) => bin.clone(),
+        None => beside_this_program("ductor")?,
+    };
+    let mut serve = ServeProcess::start(&bin, config).await?;
     let shutdown = CancellationToken::new();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .context("binding the serve's listener")?;
-    let addr = listener.local_addr()?;
-    let serve = tokio::spawn(crate::serve::run_on(
-        config.clone(),
-        listener,
-        shutdown.clone(),
-    ));
+    let hostile = HostileWorker::new(config)?;
+    let handler = {
+        let hostile = hostile.clone();
+        move |step: crate::worker::StepInput| {
+            let hostile = hostile.clone();
+            async move { hostile.answer(step).await }
+        }
+    };
     let worker = tokio::spawn(crate::worker::run(
         crate::worker::WorkerOptions::from_config(config, "default"),
-        |step: crate::worker::StepInput| async move {
-            crate::worker::StepOutcome::Succeeded(json!({"step": step.step}))
-        },
+        handler,
         shutdown.clone(),
     ));
+    let watch = tokio::spawn(watch_stalls(serve.addr, shutdown.clone()));
     let mut report = FuzzReport::default();
-    let sent = send(config, args, addr, &mut report).await;
+    let sent = send(config, args, serve.addr, &mut report).await;
     let checked = match sent {
-        Ok(sent) => check(config, args, &sent, &mut report).await,
+        Ok(sent) => check(config, args, &sent, &hostile, &mut report).await,
         Err(e) => Err(e),
     };
-    if serve.is_finished() {
-        report.violation("serve_stopped", || {
-            "the serve stopped during the run".into()
-        });
-    }
     shutdown.cancel();
     let _ = worker.await;
-    match serve.await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => report.violation("serve_stopped", || format!("{e:#}")),
-        Err(e) => report.violation("serve_stopped", || format!("serve panicked: {e}")),
+    report.hostile_results = hostile.sent.load(std::sync::atomic::Ordering::Relaxed);
+    let stalls = watch.await.context("watching for stalls")?;
+    if stalls.samples == 0 {
+        report.violation("stalls_not_watched", || {
+            "the serve's /metrics never answered with the gauge".into()
+        });
     }
+    if stalls.stalled_samples > 0 {
+        report.violation("lane_stalled", || {
+            format!(
+                "{} of {} samples, up to {} lanes",
+                stalls.stalled_samples, stalls.samples, stalls.max_stalled
+            )
+        });
+    }
+    report.peak_rss_mb = serve
+        .peak_rss_bytes()
+        .map_or(0.0, |b| b as f64 / (1024.0 * 1024.0));
+    if let Some(status) = serve.exited() {
+        let log = serve.log_file.display().to_string();
+        report.violation("serve_stopped", || format!("{status}; its log is {log}"));
+    }
+    serve.stop().await;
     checked?;
-    report.peak_rss_mb =
-        crate::telemetry::peak_rss_bytes().map_or(0.0, |b| b as f64 / (1024.0 * 1024.0));
     if report.peak_rss_mb > args.rss_bound_mb {
         let (peak, bound) = (report.peak_rss_mb, args.rss_bound_mb);
         report.violation("peak_rss_over_bound", || {
@@ -320,12 +349,279 @@ pub async fn run(config: &Config, args: &FuzzArgs) -> anyhow::Result<FuzzReport>
     Ok(report)
 }
 
-/// What was sent: hostile Kafka inputs by (topic, partition, offset), and
-/// the good runs.
+/// Marks a good run's input so that its worker answers with garbage.
+const GARBAGE_FIELD: &str = "garbage";
+
+/// The harness's worker. Before it answers the first attempt of a first
+/// step, it sends a failed result under a stamp no attempt has (which the
+/// coordinator must ignore) and, but for a garbage run, the result it is
+/// about to send (which the coordinator must apply once).
+#[derive(Clone)]
+struct HostileWorker {
+    producer: FutureProducer,
+    topic: String,
+    sent: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// Where each stale failure landed: the coordinator dead-letters it
+    /// (`unknown_stamp`).
+    stale: std::sync::Arc<std::sync::Mutex<HashSet<(String, i32, i64)>>>,
+}
+
+impl HostileWorker {
+    fn new(config: &Config) -> anyhow::Result<HostileWorker> {
+        Ok(HostileWorker {
+            producer: crate::kafka::producer(&config.kafka, "fuzz-worker")?,
+            topic: config.attempt_results_topic(),
+            sent: Default::default(),
+            stale: Default::default(),
+        })
+    }
+
+    async fn answer(&self, step: crate::worker::StepInput) -> crate::worker::StepOutcome {
+        let outcome = answer(&step);
+        if step.step_index == 0 && step.attempt == 1 {
+            let stale = crate::worker::StepInput {
+                stamp: uuid::Uuid::new_v4(),
+                ..step.clone()
+            };
+            let failed = crate::worker::StepOutcome::Failed {
+                message: "an answer for an attempt that never was".into(),
+                retryable: false,
+            };
+            if let Some(landed) = self.send(&step.run_id, failed.to_result_json(&stale)).await
+                && let Ok(mut stale) = self.stale.lock()
+            {
+                stale.insert(landed);
+            }
+            if step.input.get(GARBAGE_FIELD).is_none() {
+                self.send(&step.run_id, outcome.to_result_json(&step)).await;
+            }
+        }
+        outcome
+    }
+
+    /// Produces `result`, and tells where it landed.
+    async fn send(&self, run_id: &str, result: Value) -> Option<(String, i32, i64)> {
+        let value = result.to_string();
+        let record = FutureRecord::to(&self.topic)
+            .key(run_id.as_bytes())
+            .payload(value.as_bytes());
+        match self.producer.send(record, Duration::from_secs(30)).await {
+            Ok(delivery) => {
+                self.sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Some((self.topic.clone(), delivery.partition, delivery.offset))
+            }
+            Err((e, _)) => {
+                tracing::warn!(error = %e, "producing a hostile result failed");
+                None
+            }
+        }
+    }
+
+    fn stale_positions(&self) -> HashSet<(String, i32, i64)> {
+        self.stale.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+}
+
+/// What the harness's worker answers: each step succeeds, except the first
+/// step of a garbage run, which returns an output the worker's own screen
+/// refuses.
+fn answer(step: &crate::worker::StepInput) -> crate::worker::StepOutcome {
+    let garbage = match step.input.get(GARBAGE_FIELD).and_then(Value::as_u64) {
+        Some(kind) if step.step_index == 0 => kind,
+        _ => return crate::worker::StepOutcome::Succeeded(json!({"step": step.step})),
+    };
+    let output = match garbage % 3 {
+        0 => json!({"note": "a\u{0}b"}),
+        1 => serde_json::from_str(&deep(100)).unwrap_or(Value::Null),
+        _ => json!({"note": "g".repeat(1 << 20)}),
+    };
+    crate::worker::StepOutcome::Succeeded(output)
+}
+
+/// A program installed beside the one running.
+fn beside_this_program(name: &str) -> anyhow::Result<PathBuf> {
+    let me = std::env::current_exe().context("finding this program")?;
+    let path = me.with_file_name(name);
+    anyhow::ensure!(
+        path.exists(),
+        "{} does not exist: build it, or name it with --serve-bin",
+        path.display()
+    );
+    Ok(path)
+}
+
+/// Environment the serve must not inherit: it would override the
+/// configuration file the harness writes for it.
+fn overrides_configuration(name: &str) -> bool {
+    name.starts_with("DUCTOR__")
+        || name == "DUCTOR_CONFIG"
+        || name == "DATABASE_URL"
+        || name == "KAFKA_BOOTSTRAP_SERVERS"
+}
+
+/// A `ductor serve` in a process of its own.
+struct ServeProcess {
+    child: tokio::process::Child,
+    addr: SocketAddr,
+    config_file: PathBuf,
+    log_file: PathBuf,
+}
+
+impl ServeProcess {
+    /// Starts it on `config` with a free port, and waits until it is ready.
+    async fn start(bin: &Path, config: &Config) -> anyhow::Result<ServeProcess> {
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .context("finding a free port")?;
+        let mut config = config.clone();
+        config.server.listen = addr;
+        let stem = format!("ductor-fuzz-{}", uuid::Uuid::new_v4().simple());
+        let config_file = std::env::temp_dir().join(format!("{stem}.toml"));
+        let log_file = std::env::temp_dir().join(format!("{stem}.log"));
+        let text = toml::to_string(&config).context("writing the serve's configuration")?;
+        std::fs::write(&config_file, text)
+            .with_context(|| format!("writing {}", config_file.display()))?;
+        let log = std::fs::File::create(&log_file)
+            .with_context(|| format!("creating {}", log_file.display()))?;
+        let mut command = tokio::process::Command::new(bin);
+        command
+            .arg("--config")
+            .arg(&config_file)
+            .arg("serve")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .kill_on_drop(true);
+        for (name, _) in std::env::vars_os() {
+            if overrides_configuration(&name.to_string_lossy()) {
+                command.env_remove(name);
+            }
+        }
+        let child = command
+            .spawn()
+            .with_context(|| format!("starting {} serve", bin.display()))?;
+        let mut serve = ServeProcess {
+            child,
+            addr,
+            config_file,
+            log_file,
+        };
+        serve.await_ready(Duration::from_secs(60)).await?;
+        Ok(serve)
+    }
+
+    async fn await_ready(&mut self, bound: Duration) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + bound;
+        loop {
+            if let Some(status) = self.exited() {
+                anyhow::bail!(
+                    "the serve exited ({status}) before it was ready; its log is {}",
+                    self.log_file.display()
+                );
+            }
+            let ready = super::http::request(
+                self.addr,
+                "GET",
+                "/readyz",
+                &[],
+                b"",
+                Duration::from_secs(5),
+            )
+            .await;
+            if matches!(ready, Ok((200, _))) {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "the serve was not ready within {} s; its log is {}",
+                bound.as_secs(),
+                self.log_file.display()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// How it ended, if it has.
+    fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
+    /// Its resident set's high-water mark, from `/proc`.
+    fn peak_rss_bytes(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()?)).ok()?;
+        crate::telemetry::parse_peak_rss(&status)
+    }
+
+    /// Asks it to stop (SIGTERM), and kills it if it has not within its
+    /// grace. Its configuration file goes; its log stays.
+    async fn stop(mut self) {
+        if let Some(pid) = self.child.id() {
+            let _ = tokio::process::Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .status()
+                .await;
+        }
+        if tokio::time::timeout(Duration::from_secs(30), self.child.wait())
+            .await
+            .is_err()
+        {
+            let _ = self.child.kill().await;
+        }
+        let _ = std::fs::remove_file(&self.config_file);
+    }
+}
+
+/// What [`watch_stalls`] saw.
+#[derive(Debug, Default)]
+struct Stalls {
+    samples: u64,
+    stalled_samples: u64,
+    max_stalled: u64,
+}
+
+/// Reads the serve's `ductor_ingress_stalled_lanes` every second until
+/// `stop`.
+async fn watch_stalls(addr: SocketAddr, stop: CancellationToken) -> Stalls {
+    let mut stalls = Stalls::default();
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return stalls,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+        let metrics =
+            super::http::request(addr, "GET", "/metrics", &[], b"", Duration::from_secs(5)).await;
+        let Ok((200, body)) = metrics else { continue };
+        let Some(stalled) = gauge(
+            &String::from_utf8_lossy(&body),
+            "ductor_ingress_stalled_lanes",
+        ) else {
+            continue;
+        };
+        stalls.samples += 1;
+        if stalled > 0.0 {
+            stalls.stalled_samples += 1;
+            stalls.max_stalled = stalls.max_stalled.max(stalled as u64);
+        }
+    }
+}
+
+/// The value of an unlabelled gauge in a Prometheus text exposition.
+fn gauge(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// What was sent: hostile Kafka inputs by (topic, partition, offset), the
+/// good runs, and the runs whose worker answers with garbage.
 struct Sent {
     bad: HashSet<(String, i32, i64)>,
     good: Vec<String>,
+    garbage: Vec<String>,
 }
+
+/// One good run in this many is a garbage run.
+const GARBAGE_EVERY: usize = 10;
 
 async fn send(
     config: &Config,
@@ -344,6 +640,7 @@ async fn send(
     let mut sent = Sent {
         bad: HashSet::new(),
         good: Vec::new(),
+        garbage: Vec::new(),
     };
     let good_every = (args.bad_inputs / args.good_runs.max(1)).max(1);
     let mut pending = Vec::new();
@@ -351,21 +648,7 @@ async fn send(
     while report.bad_inputs < args.bad_inputs {
         k += 1;
         if k.is_multiple_of(good_every) && sent.good.len() < args.good_runs {
-            let run_id = format!("fuzz-good-{}-{k}", args.seed);
-            let start = json!({"type": "run.start", "schema_version": 1, "run_id": run_id,
-                "tenant": "acme", "workflow": "example", "input": {"n": k}});
-            let key = format!("k-{}", k % 64);
-            let value = start.to_string();
-            let topic = config.requests_topic();
-            let record = FutureRecord::to(&topic)
-                .key(key.as_bytes())
-                .payload(value.as_bytes());
-            producer
-                .send(record, Duration::from_secs(30))
-                .await
-                .map_err(|(e, _)| e)
-                .context("producing a good start")?;
-            sent.good.push(run_id);
+            start_good(config, &producer, args.seed, k, &mut sent).await?;
         }
         let (kind, topic) = &topics[rng.random_range(0..topics.len())];
         let Some(h) = hostile(&mut rng, *kind, &limits) else {
@@ -389,6 +672,40 @@ async fn send(
         sent.good.push(run_id);
     }
     Ok(sent)
+}
+
+/// Starts a good run over Kafka, one in [`GARBAGE_EVERY`] a garbage run.
+async fn start_good(
+    config: &Config,
+    producer: &FutureProducer,
+    seed: u64,
+    k: usize,
+    sent: &mut Sent,
+) -> anyhow::Result<()> {
+    let garbage = (sent.good.len() + sent.garbage.len() + 1).is_multiple_of(GARBAGE_EVERY);
+    let run_id = format!("fuzz-good-{seed}-{k}");
+    let input = match garbage {
+        true => json!({"n": k, GARBAGE_FIELD: k}),
+        false => json!({"n": k}),
+    };
+    let start = json!({"type": "run.start", "schema_version": 1, "run_id": run_id,
+        "tenant": "acme", "workflow": "example", "input": input});
+    let key = format!("k-{}", k % 64);
+    let value = start.to_string();
+    let topic = config.requests_topic();
+    let record = FutureRecord::to(&topic)
+        .key(key.as_bytes())
+        .payload(value.as_bytes());
+    producer
+        .send(record, Duration::from_secs(30))
+        .await
+        .map_err(|(e, _)| e)
+        .context("producing a good start")?;
+    match garbage {
+        true => sent.garbage.push(run_id),
+        false => sent.good.push(run_id),
+    }
+    Ok(())
 }
 
 /// Produces what is pending, all in flight at once, and records where each
@@ -475,49 +792,48 @@ async fn check(
     config: &Config,
     args: &FuzzArgs,
     sent: &Sent,
+    hostile: &HostileWorker,
     report: &mut FuzzReport,
 ) -> anyhow::Result<()> {
     report.good_runs = sent.good.len();
+    report.garbage_runs = sent.garbage.len();
     let pool = crate::db::connect(&config.database).await?;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.settle_timeout_s);
-    let expected_letters = sent.bad.len();
-    let letters = loop {
-        let (letters, _) = {
-            let kafka = config.kafka.clone();
-            let dlq = vec![config.dlq_topic()];
-            tokio::task::spawn_blocking(move || {
-                super::topics::read_all(&kafka, &dlq, Duration::from_secs(60))
-            })
-            .await
-            .context("reading the dead-letter topic")??
-        };
-        let completed = completed_good(&pool, &sent.good).await?;
-        // Offsets are committed a moment after they are stored: the lag
-        // returning to zero is part of settling.
-        let done = letters.len() >= expected_letters
-            && completed >= sent.good.len()
-            && ingress_lag(config).await? == 0;
-        if done || tokio::time::Instant::now() >= deadline {
-            break letters;
-        }
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    };
+    settle(config, args, sent, &pool).await?;
+    // Every run has ended, so every first step has been answered.
+    let stale = hostile.stale_positions();
+    let mut stale_seen: HashMap<(String, i32, i64), usize> = HashMap::new();
     let mut seen: HashMap<(String, i32, i64), usize> = HashMap::new();
-    for m in &letters {
-        let position = (
-            m.header_str(crate::dlq::HEADER_TOPIC)
-                .unwrap_or_default()
-                .to_string(),
-            m.header_str(crate::dlq::HEADER_PARTITION)
-                .and_then(|p| p.parse().ok())
-                .unwrap_or(-1),
-            m.header_str(crate::dlq::HEADER_OFFSET)
-                .and_then(|o| o.parse().ok())
-                .unwrap_or(-1),
-        );
-        let class = m.header_str(crate::dlq::HEADER_CLASS).unwrap_or_default();
-        if class.is_empty() || m.header_str(crate::dlq::HEADER_STAGE).is_none() {
+    let dlq = vec![config.dlq_topic()];
+    let letters = {
+        let kafka = config.kafka.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut letters = Vec::new();
+            super::topics::read_each(&kafka, &dlq, Duration::from_secs(300), |m| {
+                letters.push(Letter::of(&m))
+            })?;
+            anyhow::Ok(letters)
+        })
+        .await
+        .context("reading the dead-letter topic")??
+    };
+    for letter in letters {
+        let Letter {
+            position,
+            class,
+            staged,
+        } = letter;
+        if class.is_empty() || !staged {
             report.violation("dead_letter_without_class", || format!("{position:?}"));
+        }
+        if stale.contains(&position) {
+            if class != "unknown_stamp" {
+                report.violation("stale_result_misclassified", || {
+                    format!("{position:?} ({class})")
+                });
+            }
+            *report.classes.entry(class).or_default() += 1;
+            *stale_seen.entry(position).or_default() += 1;
+            continue;
         }
         if !sent.bad.contains(&position) {
             report.violation("good_input_dead_lettered", || {
@@ -525,7 +841,7 @@ async fn check(
             });
             continue;
         }
-        *report.classes.entry(class.to_string()).or_default() += 1;
+        *report.classes.entry(class).or_default() += 1;
         *seen.entry(position).or_default() += 1;
     }
     report.dead_lettered = seen.len();
@@ -538,7 +854,15 @@ async fn check(
             }),
         }
     }
-    let completed = completed_good(&pool, &sent.good).await?;
+    for position in &stale {
+        if stale_seen.get(position) != Some(&1) {
+            let n = stale_seen.get(position).copied().unwrap_or(0);
+            report.violation("stale_result_not_dead_lettered_once", || {
+                format!("{position:?} {n} times")
+            });
+        }
+    }
+    let completed = count_status(&pool, &sent.good, "succeeded").await?;
     if completed < sent.good.len() {
         let missing = sent.good.len() - completed;
         for _ in 0..missing {
@@ -547,11 +871,96 @@ async fn check(
             });
         }
     }
+    let failed = garbage_failed(&pool, &sent.garbage).await?;
+    for run in sent.garbage.iter().filter(|r| !failed.contains(*r)) {
+        report.violation("garbage_run_not_failed", || run.clone());
+    }
     let lag = ingress_lag(config).await?;
     if lag > 0 {
         report.violation("lag_not_zero", || format!("{lag} inputs unconsumed"));
     }
     Ok(())
+}
+
+/// Waits, within the settle bound, until the dead-letter topic holds at
+/// least a letter per hostile Kafka input, every good and garbage run has
+/// ended and the coordinator's lag is zero. Counting watermarks keeps the
+/// wait in constant memory however long the topic is.
+async fn settle(
+    config: &Config,
+    args: &FuzzArgs,
+    sent: &Sent,
+    pool: &sqlx::PgPool,
+) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.settle_timeout_s);
+    let mut runs = sent.good.clone();
+    runs.extend(sent.garbage.iter().cloned());
+    loop {
+        let letters = {
+            let kafka = config.kafka.clone();
+            let dlq = vec![config.dlq_topic()];
+            tokio::task::spawn_blocking(move || super::topics::message_count(&kafka, &dlq))
+                .await
+                .context("counting dead letters")??
+        };
+        let ended = count_status(pool, &runs, "succeeded").await?
+            + count_status(pool, &runs, "failed").await?;
+        // Offsets are committed a moment after they are stored: the lag
+        // returning to zero is part of settling.
+        let done = letters >= sent.bad.len() as i64
+            && ended >= runs.len()
+            && ingress_lag(config).await? == 0;
+        if done || tokio::time::Instant::now() >= deadline {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// What the checks need of a dead letter: where its input was, its class,
+/// and whether it names a stage.
+struct Letter {
+    position: (String, i32, i64),
+    class: String,
+    staged: bool,
+}
+
+impl Letter {
+    fn of(m: &super::topics::Msg) -> Letter {
+        let position = (
+            m.header_str(crate::dlq::HEADER_TOPIC)
+                .unwrap_or_default()
+                .to_string(),
+            m.header_str(crate::dlq::HEADER_PARTITION)
+                .and_then(|p| p.parse().ok())
+                .unwrap_or(-1),
+            m.header_str(crate::dlq::HEADER_OFFSET)
+                .and_then(|o| o.parse().ok())
+                .unwrap_or(-1),
+        );
+        Letter {
+            position,
+            class: m
+                .header_str(crate::dlq::HEADER_CLASS)
+                .unwrap_or_default()
+                .to_string(),
+            staged: m.header_str(crate::dlq::HEADER_STAGE).is_some(),
+        }
+    }
+}
+
+/// Garbage runs that ended failed, with the worker's refusal of its own
+/// output as the error.
+async fn garbage_failed(pool: &sqlx::PgPool, runs: &[String]) -> anyhow::Result<HashSet<String>> {
+    let rows: Vec<String> = sqlx::query_scalar(
+        "SELECT run_id FROM runs WHERE run_id = ANY($1) AND status = 'failed' \
+             AND state->>'error' LIKE '%result cannot be accepted (%'",
+    )
+    .bind(runs)
+    .fetch_all(pool)
+    .await
+    .context("reading garbage runs")?;
+    Ok(rows.into_iter().collect())
 }
 
 /// What the coordinator's group has not committed past on the input topics.
@@ -567,25 +976,35 @@ async fn ingress_lag(config: &Config) -> anyhow::Result<i64> {
         .context("measuring lag")?
 }
 
-/// Good runs succeeded: started over Kafka under their id, or over HTTP
-/// under their idempotency key.
-async fn completed_good(pool: &sqlx::PgPool, good: &[String]) -> anyhow::Result<usize> {
-    let ids: Vec<&str> = good.iter().map(String::as_str).collect();
-    let completed: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM runs WHERE status = 'succeeded' AND (run_id = ANY($1) \
+/// Runs of `runs` in `status`: started over Kafka under their id, or over
+/// HTTP under their idempotency key.
+async fn count_status(pool: &sqlx::PgPool, runs: &[String], status: &str) -> anyhow::Result<usize> {
+    let ids: Vec<&str> = runs.iter().map(String::as_str).collect();
+    let count: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM runs WHERE status = $2 AND (run_id = ANY($1) \
              OR run_id IN (SELECT decision_id FROM eec_routing_idempotency \
                            WHERE idempotency_key = ANY($1)))",
     )
     .bind(&ids)
+    .bind(status)
     .fetch_one(pool)
     .await
-    .context("counting completed good runs")?;
-    Ok(completed as usize)
+    .context("counting runs")?;
+    Ok(count as usize)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gauges_are_read_from_the_exposition() {
+        let text = "# TYPE ductor_ingress_stalled_lanes gauge\n\
+                    ductor_ingress_stalled_lanes_total 9\n\
+                    ductor_ingress_stalled_lanes 2\n";
+        assert_eq!(gauge(text, "ductor_ingress_stalled_lanes"), Some(2.0));
+        assert_eq!(gauge(text, "ductor_ingress_oldest_batch_age_seconds"), None);
+    }
 
     /// Every generated input is refused by the decoder, and every kind of
     /// mutation comes out now and then.

@@ -79,6 +79,39 @@ pub fn read_all(
     topics: &[String],
     timeout: Duration,
 ) -> anyhow::Result<(Vec<Msg>, Vec<String>)> {
+    let mut out = Vec::new();
+    let missing = read_each(kafka, topics, timeout, |m| out.push(m))?;
+    Ok((out, missing))
+}
+
+/// Messages of `topics` now, summed over partitions (high minus low
+/// watermark); topics that do not exist count nothing.
+pub fn message_count(kafka: &KafkaConfig, topics: &[String]) -> anyhow::Result<i64> {
+    let consumer = consumer(kafka, "chaos-count")?;
+    let mut count = 0;
+    for topic in topics {
+        let Some(n) = partitions(&consumer, topic)? else {
+            continue;
+        };
+        for p in 0..n {
+            let (low, high) = consumer
+                .fetch_watermarks(topic, p, KAFKA_TIMEOUT)
+                .with_context(|| format!("fetching watermarks of {topic}/{p}"))?;
+            count += (high - low).max(0);
+        }
+    }
+    Ok(count)
+}
+
+/// Like [`read_all`], handing each message to `each` instead of keeping
+/// them, so that a long topic is read in constant memory. Returns the
+/// topics that do not exist.
+pub fn read_each(
+    kafka: &KafkaConfig,
+    topics: &[String],
+    timeout: Duration,
+    mut each: impl FnMut(Msg),
+) -> anyhow::Result<Vec<String>> {
     let group = format!("chaos-check-{}", uuid::Uuid::new_v4().simple());
     let consumer = consumer(kafka, &group)?;
     let mut ends: BTreeMap<(String, i32), i64> = BTreeMap::new();
@@ -100,9 +133,8 @@ pub fn read_all(
             }
         }
     }
-    let mut out = Vec::new();
     if ends.is_empty() {
-        return Ok((out, missing));
+        return Ok(missing);
     }
     consumer.assign(&tpl).context("assigning partitions")?;
     let deadline = Instant::now() + timeout;
@@ -143,7 +175,7 @@ pub fn read_all(
                     .collect()
             })
             .unwrap_or_default();
-        out.push(Msg {
+        each(Msg {
             topic: tp.0.clone(),
             partition: tp.1,
             offset: m.offset(),
@@ -157,7 +189,7 @@ pub fn read_all(
             remaining -= 1;
         }
     }
-    Ok((out, missing))
+    Ok(missing)
 }
 
 /// Messages `group_id` has not committed past, summed over `topics`. A
