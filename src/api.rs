@@ -433,7 +433,7 @@ async fn run_summary(
     let row = sqlx::query(
         "SELECT run_id, tenant_scope, pool_id, workflow_name, workflow_version, status, \
              last_transition_seq, created_at, updated_at, finished_at, \
-             state->'outputs'->-1 AS output, state->'error' AS error \
+             state->'output' AS output, state->'error' AS error \
          FROM runs WHERE run_id = $1 AND tenant_scope = $2",
     )
     .bind(run_id)

@@ -26,6 +26,11 @@ use serde::{Deserialize, Serialize};
 /// headers and the record's framing.
 pub const EFFECT_ENVELOPE_BYTES: u64 = 16_384;
 
+/// Room a run's state needs besides the largest values it holds (its input
+/// and its newest output): ids, times, and the records of its attempts
+/// and signals. `coordinator.max_state_bytes` must leave at least this.
+pub const STATE_ENVELOPE_BYTES: u64 = 65_536;
+
 /// The defaults, compiled in so the binary runs from any directory.
 pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
 
@@ -227,6 +232,18 @@ pub struct CoordinatorConfig {
     /// [`EFFECT_ENVELOPE_BYTES`] for the effect that carries it, it must fit
     /// `kafka.message_max_bytes`, or the configuration is refused.
     pub max_input_bytes: usize,
+    /// Largest a run's state may get, in bytes of its JSON encoding. Every
+    /// input of a run loads its state and writes it back whole, so this
+    /// bounds what each costs in memory and in the row. The state keeps the
+    /// newest step's output only, and signals without their payloads (the
+    /// history keeps those); what still grows is the attempt and signal
+    /// records. A transition that would leave a state larger than this
+    /// fails the run instead, for good, with class `state_too_large`. It
+    /// must hold the largest input and one output (each
+    /// `kafka.message_max_bytes` less [`EFFECT_ENVELOPE_BYTES`] once
+    /// written back) plus [`STATE_ENVELOPE_BYTES`], or the configuration
+    /// is refused.
+    pub max_state_bytes: usize,
     /// Deepest nesting of arrays and objects in an input or an HTTP body
     /// (the top level is 1); deeper ones are refused as `too_deep`. At
     /// most 128, the JSON parser's own bound.
@@ -539,6 +556,7 @@ impl Config {
                 ),
             ));
         }
+        self.validate_state_bound()?;
         let c = &self.coordinator;
         if c.stall_after_ms == 0 {
             return Err(invalid("coordinator.stall_after_ms", "must be at least 1"));
@@ -637,6 +655,28 @@ impl Config {
         }
         if r.max_body_bytes < 1024 {
             return Err(invalid("routing.max_body_bytes", "must be at least 1024"));
+        }
+        Ok(())
+    }
+
+    /// `coordinator.max_state_bytes` holds a run's largest input and one
+    /// output, or a run could fail for holding nothing but what it may.
+    fn validate_state_bound(&self) -> Result<(), ConfigError> {
+        let payload = self.input_limits().max_payload_bytes as u64;
+        let least = payload
+            .saturating_mul(2)
+            .saturating_add(STATE_ENVELOPE_BYTES);
+        let max = self.coordinator.max_state_bytes as u64;
+        if max < least {
+            return Err(ConfigError::Invalid {
+                key: "coordinator.max_state_bytes",
+                message: format!(
+                    "{max} is below {least}: a run's input and one step's output (up to {payload} \
+                     bytes each once written back, kafka.message_max_bytes less \
+                     {EFFECT_ENVELOPE_BYTES}) plus {STATE_ENVELOPE_BYTES} for the rest of its \
+                     state must fit; raise it or lower kafka.message_max_bytes"
+                ),
+            });
         }
         Ok(())
     }

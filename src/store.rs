@@ -181,6 +181,8 @@ impl TopicNames {
 pub struct Applier {
     pub pool: PgPool,
     pub workflows: Workflows,
+    /// `coordinator.max_state_bytes`, handed to the fold.
+    pub max_state_bytes: usize,
     pub topics: TopicNames,
     pub conflict_retries: u32,
     /// How long a routing reservation may stay pending.
@@ -209,6 +211,7 @@ impl Applier {
         Applier {
             pool,
             workflows,
+            max_state_bytes: config.coordinator.max_state_bytes,
             topics: TopicNames {
                 prefix: config.kafka.topic_prefix.clone(),
             },
@@ -910,7 +913,14 @@ impl Applier {
             .get_mut(input.run_id())
             .expect("every input's run was looked up");
         let entropy = fresh_entropy();
-        let transition = match fold(loaded.state.as_ref(), input, &self.workflows, now, &entropy) {
+        let transition = match fold(
+            loaded.state.as_ref(),
+            input,
+            &self.workflows,
+            self.max_state_bytes,
+            now,
+            &entropy,
+        ) {
             Decision::NoOp(reason) => return Ok((InputOutcome::NoOp(reason), 0)),
             Decision::Rejection(rejection) => return Ok((InputOutcome::Rejected(rejection), 0)),
             Decision::Transition(transition) => *transition,
@@ -1741,7 +1751,7 @@ mod tests {
             jitter_unit: 0.5,
         };
         let now = DateTime::from_timestamp(1_800_000_000, 0).expect("a valid time");
-        match fold(None, &input, &workflows, now, &entropy) {
+        match fold(None, &input, &workflows, usize::MAX, now, &entropy) {
             Decision::Transition(t) => t.state,
             other => panic!("the start applies: {other:?}"),
         }

@@ -826,7 +826,8 @@ mod tests {
             stamp: Uuid::from_u128(42),
             jitter_unit: 0.5,
         };
-        let Decision::Transition(t) = fold(None, &start, &workflows(), now(), &entropy) else {
+        let Decision::Transition(t) = fold(None, &start, &workflows(), usize::MAX, now(), &entropy)
+        else {
             panic!("start is a transition");
         };
         let effect = t
@@ -886,7 +887,14 @@ mod tests {
             stamp: Uuid::from_u128(43),
             jitter_unit: 0.5,
         };
-        let decision = fold(Some(&state), &input, &workflows(), now(), &entropy);
+        let decision = fold(
+            Some(&state),
+            &input,
+            &workflows(),
+            usize::MAX,
+            now(),
+            &entropy,
+        );
         let Decision::Transition(t) = decision else {
             panic!("the result advances the run: {decision:?}");
         };

@@ -115,6 +115,31 @@ fn a_bad_value_is_an_error_that_names_the_key() {
     assert!(err.contains("database.url"), "{err}");
 }
 
+/// A state cap that could not hold a run's largest input and one output is
+/// refused, whether it is set too low or the message limit raised past it.
+#[test]
+fn a_state_cap_below_an_input_and_an_output_is_refused() {
+    let least = 2 * (1_048_576 - ductor::config::EFFECT_ENVELOPE_BYTES)
+        + ductor::config::STATE_ENVELOPE_BYTES;
+    let at_least = least.to_string();
+    let config = Config::load_from(
+        None,
+        env(&[("DUCTOR__COORDINATOR__MAX_STATE_BYTES", at_least.as_str())]),
+    )
+    .expect("the smallest cap that holds them");
+    assert_eq!(config.coordinator.max_state_bytes as u64, least);
+    let below = (least - 1).to_string();
+    for pairs in [
+        vec![("DUCTOR__COORDINATOR__MAX_STATE_BYTES", below.as_str())],
+        vec![("DUCTOR__KAFKA__MESSAGE_MAX_BYTES", "4194304")],
+    ] {
+        let err = Config::load_from(None, env(&pairs))
+            .expect_err("no room for an input and an output")
+            .to_string();
+        assert!(err.contains("coordinator.max_state_bytes"), "{err}");
+    }
+}
+
 #[test]
 fn a_missing_config_file_is_an_error_that_names_it() {
     let err = Config::load_from(

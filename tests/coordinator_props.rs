@@ -14,6 +14,8 @@ use serde_json::{Value, json};
 use uuid::Uuid;
 
 const CASES: u32 = 256;
+/// A state cap the simulated runs stay far below.
+const STATE_CAP: usize = 1 << 20;
 
 // ---- the simulated world ---------------------------------------------------------
 
@@ -139,8 +141,26 @@ fn deliver(
     wf: &Workflows,
     now: DateTime<Utc>,
 ) -> Decision {
+    deliver_capped(state, input, wf, now, STATE_CAP)
+}
+
+/// [`deliver`] with a state cap of `cap` bytes.
+fn deliver_capped(
+    state: Option<&RunState>,
+    input: &Input,
+    wf: &Workflows,
+    now: DateTime<Utc>,
+    cap: usize,
+) -> Decision {
     let seq = state.map_or(0, |s| s.last_transition_seq) + 1;
-    fold(state, input, wf, now, &entropy_for(input.run_id(), seq))
+    fold(
+        state,
+        input,
+        wf,
+        cap,
+        now,
+        &entropy_for(input.run_id(), seq),
+    )
 }
 
 #[derive(Debug, Clone)]
@@ -191,6 +211,18 @@ fn failure(retryable: bool) -> AttemptOutcome {
 /// Runs one scenario to completion, applying each input once. Timers are delivered
 /// only once their effect exists (at `not_before`), results only for dispatched stamps.
 fn simulate(scn: &Scenario, run_id: &str, tenant: &str, workflow: &str, wf: &Workflows) -> Outcome {
+    simulate_capped(scn, run_id, tenant, workflow, wf, STATE_CAP)
+}
+
+/// [`simulate`] with a state cap of `cap` bytes.
+fn simulate_capped(
+    scn: &Scenario,
+    run_id: &str,
+    tenant: &str,
+    workflow: &str,
+    wf: &Workflows,
+    cap: usize,
+) -> Outcome {
     let mut queue: BTreeMap<(i64, u64), Input> = BTreeMap::new();
     let mut n = 0u64;
     let mut push = |queue: &mut BTreeMap<(i64, u64), Input>, ms: i64, input: Input| {
@@ -237,7 +269,7 @@ fn simulate(scn: &Scenario, run_id: &str, tenant: &str, workflow: &str, wf: &Wor
     while let Some(((ms, _), input)) = queue.pop_first() {
         assert!(out.applied.len() < 10_000, "simulation does not terminate");
         let now = at(ms);
-        let decision = deliver(out.state.as_ref(), &input, wf, now);
+        let decision = deliver_capped(out.state.as_ref(), &input, wf, now, cap);
         if let Decision::Transition(tr) = &decision {
             assert_eq!(tr.effects[0].target, EffectTarget::Events);
             for effect in &tr.effects[1..] {
@@ -403,9 +435,6 @@ proptest! {
             prop_assert!(attempts.len() as u32 <= step.retry.max_attempts);
             prop_assert!(attempts.iter().all(|&a| a >= 1 && a <= step.retry.max_attempts));
         }
-        if last.status == RunStatus::Succeeded {
-            prop_assert_eq!(last.outputs.len(), def.steps.len());
-        }
         let mut terminal = false;
         for d in &once.decisions {
             if terminal {
@@ -415,6 +444,79 @@ proptest! {
                 terminal = t.state.status.is_terminal();
             }
         }
+    }
+
+    /// The state keeps only the newest output and no signal payload; the history
+    /// keeps every step's output, in step order, and every signal's payload.
+    #[test]
+    fn outputs_and_payloads_are_kept_in_the_history(scn in scenario()) {
+        let (wf, once) = solo(&scn);
+        let trs = once.transitions();
+        let successes: Vec<&Transition> = trs
+            .iter()
+            .filter(|t| t.record.kind == "step.succeeded" || t.record.kind == "run.succeeded")
+            .collect();
+        for (i, t) in successes.iter().enumerate() {
+            let d = &t.record.detail;
+            prop_assert_eq!(d["completed_step"].as_u64(), Some(i as u64));
+            prop_assert_eq!(&d["output"]["step"], &d["completed_step"]);
+            prop_assert_eq!(&t.state.output, &d["output"]);
+        }
+        let last = once.state.clone().unwrap();
+        let newest = successes.last().map_or(Value::Null, |t| t.record.detail["output"].clone());
+        prop_assert_eq!(&last.output, &newest);
+        if last.status == RunStatus::Succeeded {
+            prop_assert_eq!(successes.len(), wf.get("wf", 1).unwrap().steps.len());
+        }
+        for (delivery, decision) in once.applied.iter().zip(&once.decisions) {
+            let (Input::Signal(sig), Decision::Transition(t)) = (&delivery.input, decision) else { continue };
+            prop_assert_eq!(&t.record.detail["payload"], &sig.payload);
+            prop_assert_eq!(&t.record.detail["signal_id"], &json!(sig.signal_id));
+        }
+        let encoded = serde_json::to_value(&last).unwrap();
+        prop_assert!(encoded.get("outputs").is_none());
+        prop_assert!(encoded["signals"].as_array().unwrap().iter().all(|s| s.get("payload").is_none()));
+    }
+
+    /// Under any state cap a run goes exactly as it goes uncapped until the first
+    /// transition whose state would be over the cap; that one fails the run with
+    /// `state_too_large` instead (a start is refused), and nothing follows it. Every
+    /// other state stays within the cap.
+    #[test]
+    fn a_state_over_the_cap_fails_the_run_there(scn in scenario(), cap in 200usize..6_000) {
+        let (wf, uncapped) = solo(&scn);
+        let capped = simulate_capped(&scn, "run-0", "tenant-0", "wf", &wf, cap);
+        let size = |d: &Decision| match d {
+            Decision::Transition(t) => serde_json::to_string(&t.state).unwrap().len(),
+            _ => 0,
+        };
+        let Some(k) = uncapped.decisions.iter().position(|d| size(d) > cap) else {
+            prop_assert_eq!(&capped.decisions, &uncapped.decisions);
+            return Ok(());
+        };
+        prop_assert_eq!(&capped.decisions[..k], &uncapped.decisions[..k]);
+        match &capped.decisions[k] {
+            Decision::Rejection(r) => {
+                prop_assert_eq!(k, 0);
+                prop_assert_eq!(r.class, RejectionClass::StateTooLarge);
+                prop_assert!(capped.state.is_none());
+                // The signals and the cancel then name a run that does not exist.
+                let rest = capped.decisions[1..].iter().all(|d| matches!(d, Decision::Rejection(r) if r.class == RejectionClass::UnknownRun));
+                prop_assert!(rest);
+                return Ok(());
+            }
+            Decision::Transition(t) => {
+                prop_assert_eq!(t.record.kind.as_str(), "run.failed");
+                prop_assert_eq!(&t.record.detail["cause"], &json!(STATE_TOO_LARGE));
+                prop_assert!(t.state.outstanding.is_none() && t.state.pending_retry.is_none());
+                let last = capped.state.as_ref().unwrap();
+                prop_assert_eq!(last, &t.state);
+                prop_assert!(last.error.as_deref().unwrap().starts_with(STATE_TOO_LARGE));
+            }
+            Decision::NoOp(r) => prop_assert!(false, "the transition over the cap became a no-op ({:?})", r),
+        }
+        prop_assert!(capped.decisions[k + 1..].iter().all(|d| matches!(d, Decision::NoOp(_))));
+        prop_assert!(capped.decisions[..k].iter().all(|d| size(d) <= cap));
     }
 
     /// Runs interleaved in a random order each end where they end alone.
@@ -469,7 +571,7 @@ proptest! {
             let now = [at(rng.random_range(-1_000..100_000)), DateTime::<Utc>::MAX_UTC, DateTime::<Utc>::MIN_UTC][rng.random_range(0..3)];
             let registry = if rng.random_bool(0.2) { &empty } else { &wf };
             let before = state.clone();
-            let decision = fold(state.as_ref(), &input, registry, now, &entropy);
+            let decision = fold(state.as_ref(), &input, registry, STATE_CAP, now, &entropy);
             prop_assert_eq!(&state, &before);
             match decision {
                 Decision::Transition(t) => {

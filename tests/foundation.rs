@@ -74,6 +74,154 @@ async fn migrations_apply_to_a_fresh_database_and_are_idempotent() {
     db.drop_db().await;
 }
 
+/// The state history migration, applied again by the test below to rows
+/// written in the shape it rewrites.
+const STATE_HISTORY_MIGRATION: &str =
+    include_str!("../migrations/20261202000011_state_history.sql");
+
+/// A state in the shape before `20261202000011_state_history`: every
+/// output, and signals with their payloads.
+fn old_state(run_id: &str, outputs: serde_json::Value, signals: serde_json::Value) -> String {
+    serde_json::json!({
+        "run_id": run_id, "tenant": "t", "pool": "default", "workflow": "wf",
+        "workflow_version": 1, "status": "succeeded", "step_index": 1, "attempt": 1,
+        "input": {"x": 1}, "outputs": outputs, "outstanding": null, "pending_retry": null,
+        "attempts": [], "signals": signals, "correlation_id": null, "error": null,
+        "record_version": 1, "last_transition_seq": 4,
+        "created_at": "2026-12-01T00:00:00Z", "updated_at": "2026-12-01T00:00:00Z",
+    })
+    .to_string()
+}
+
+async fn insert_old_run(
+    db: &TestDb,
+    run_id: &str,
+    state: &str,
+    transitions: &[(&str, &str, i32, &str)],
+) {
+    sqlx::query(
+        "INSERT INTO runs (run_id, tenant_scope, pool_id, workflow_name, workflow_version, status, \
+             last_transition_seq, state, created_at, updated_at, finished_at) \
+         VALUES ($1, 't', 'default', 'wf', 1, 'succeeded', $2, $3::jsonb, now(), now(), now())",
+    )
+    .bind(run_id)
+    .bind(transitions.len() as i64)
+    .bind(state)
+    .execute(&db.pool)
+    .await
+    .expect("inserting run");
+    for (seq, (input_ref, kind, step_index, detail)) in transitions.iter().enumerate() {
+        sqlx::query(
+            "INSERT INTO run_transitions (run_id, seq, input_ref, kind, to_status, step_index, \
+                 detail, created_at) \
+             VALUES ($1, $2, $3, $4, 'running', $5, $6::jsonb, now())",
+        )
+        .bind(run_id)
+        .bind(seq as i64 + 1)
+        .bind(input_ref)
+        .bind(kind)
+        .bind(step_index)
+        .bind(detail)
+        .execute(&db.pool)
+        .await
+        .expect("inserting transition");
+    }
+}
+
+async fn details(db: &TestDb, run_id: &str) -> Vec<serde_json::Value> {
+    sqlx::query_scalar("SELECT detail FROM run_transitions WHERE run_id = $1 ORDER BY seq")
+        .bind(run_id)
+        .fetch_all(&db.pool)
+        .await
+        .expect("reading the history")
+}
+
+/// Runs stored when the state kept every output and signal payload lose
+/// none of them: the migration moves each into the detail of the
+/// transition that brought it, and leaves states the fold can read.
+#[tokio::test]
+async fn the_state_history_migration_moves_outputs_and_payloads_into_the_history() {
+    use serde_json::json;
+    let db = TestDb::migrated().await;
+    let signal = json!([{"signal_id": "s1", "name": "poke", "payload": {"n": 7},
+                         "received_at": "2026-12-01T00:00:00Z"}]);
+    let outputs = json!([{"of": 0}, {"of": 1}]);
+    insert_old_run(
+        &db,
+        "r-old",
+        &old_state("r-old", outputs, signal),
+        &[
+            ("start", "run.started", 0, r#"{"stamp": "a"}"#),
+            (
+                "signal:s1",
+                "run.signalled",
+                0,
+                r#"{"signal_id": "s1", "name": "poke"}"#,
+            ),
+            (
+                "result:a",
+                "step.succeeded",
+                1,
+                r#"{"stamp": "a", "completed_step": 0}"#,
+            ),
+            (
+                "result:b",
+                "run.succeeded",
+                1,
+                r#"{"stamp": "b", "completed_step": 1}"#,
+            ),
+        ],
+    )
+    .await;
+    insert_old_run(
+        &db,
+        "r-none",
+        &old_state("r-none", json!([]), json!([])),
+        &[("start", "run.started", 0, r#"{"stamp": "c"}"#)],
+    )
+    .await;
+    // Applied twice: the second time finds nothing left to move.
+    for _ in 0..2 {
+        sqlx::raw_sql(STATE_HISTORY_MIGRATION)
+            .execute(&db.pool)
+            .await
+            .expect("the migration applies");
+    }
+    let history = details(&db, "r-old").await;
+    assert_eq!(
+        history[1],
+        json!({"signal_id": "s1", "name": "poke", "payload": {"n": 7}})
+    );
+    assert_eq!(history[2]["output"], json!({"of": 0}));
+    assert_eq!(history[3]["output"], json!({"of": 1}));
+    assert!(history[0].get("output").is_none());
+    let state = |run_id: &'static str| {
+        sqlx::query_scalar::<_, serde_json::Value>("SELECT state FROM runs WHERE run_id = $1")
+            .bind(run_id)
+            .fetch_one(&db.pool)
+    };
+    let old = state("r-old").await.unwrap();
+    assert!(old.get("outputs").is_none(), "{old}");
+    assert_eq!(old["output"], json!({"of": 1}));
+    assert_eq!(
+        old["signals"],
+        json!([{"signal_id": "s1", "name": "poke", "received_at": "2026-12-01T00:00:00Z"}])
+    );
+    let read: ductor::coordinator::RunState =
+        serde_json::from_value(old).expect("the fold reads the new shape");
+    assert_eq!(read.signals.len(), 1);
+    let none = state("r-none").await.unwrap();
+    assert_eq!(none["output"], serde_json::Value::Null);
+    assert!(none.get("outputs").is_none(), "{none}");
+    // The history is append-only again.
+    let err = sqlx::query("UPDATE run_transitions SET kind = 'x' WHERE run_id = 'r-old'")
+        .execute(&db.pool)
+        .await
+        .expect_err("transitions cannot be updated");
+    assert_eq!(sql_state(&err).as_deref(), Some("23001"), "{err}");
+    db.drop_db().await;
+}
+
 async fn insert_run(db: &TestDb, run_id: &str) {
     sqlx::query(
         "INSERT INTO runs (run_id, tenant_scope, pool_id, workflow_name, workflow_version, status, \

@@ -87,7 +87,16 @@ impl Template {
             input: request["input"].clone(),
             correlation_id: None,
         });
-        let first = transition(fold(None, &start, &workflows, now, &entropy()))?;
+        let config = env.pipeline_config("b1");
+        let max_state_bytes = config.coordinator.max_state_bytes;
+        let first = transition(fold(
+            None,
+            &start,
+            &workflows,
+            max_state_bytes,
+            now,
+            &entropy(),
+        ))?;
         let stamp = first
             .state
             .outstanding
@@ -106,11 +115,12 @@ impl Template {
             Some(&first.state),
             &result,
             &workflows,
+            max_state_bytes,
             now,
             &entropy(),
         ))?;
         let topics = crate::store::TopicNames {
-            prefix: env.pipeline_config("b1").kafka.topic_prefix,
+            prefix: config.kafka.topic_prefix,
         };
         let effects = second
             .effects

@@ -531,6 +531,7 @@ pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
         wakeups_topic: &wakeups_topic,
         results_topic: &results_topic,
         limits: config.input_limits(),
+        max_state_bytes: config.coordinator.max_state_bytes,
     };
     let empty_t: Vec<TransitionRow> = Vec::new();
     let empty_a: Vec<AttemptRow> = Vec::new();

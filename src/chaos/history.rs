@@ -23,9 +23,11 @@
 //!    the microsecond, error); every attempt's status is explained by the
 //!    history (succeeded/failed: a `result:<stamp>` transition; timed out: a
 //!    `timer:timeout:<stamp>` transition; cancelled: the `run.cancelled`
-//!    transition names it; still dispatched: it is the outstanding attempt of
-//!    a running run); the signals in `state` are, in order, the ids of the
-//!    `signal:<id>` transitions; every intent belongs to a transition.
+//!    transition, or the `run.failed` one of a state too large, names it;
+//!    still dispatched: it is the outstanding attempt of a running run); the
+//!    signals in `state` are, in order, the ids of the `signal:<id>`
+//!    transitions that recorded them (`run.signalled`); every intent belongs
+//!    to a transition.
 //! 4. **At most once** (`input_applied_twice`): no two transitions share an
 //!    `input_ref`.
 //! 5. **No stale result** (`stale_result_applied`): a `result:<stamp>`
@@ -54,8 +56,9 @@ use uuid::Uuid;
 
 use super::check::Violations;
 use super::topics::Msg;
+use crate::coordinator::fold::{KIND_RUN_CANCELLED, KIND_RUN_FAILED, KIND_RUN_SIGNALLED};
 use crate::coordinator::{
-    Decision, Entropy, Input, InputTopic, RunStart, RunState, Workflows, fold,
+    Decision, Entropy, Input, InputTopic, RunStart, RunState, STATE_TOO_LARGE, Workflows, fold,
 };
 use crate::store::TopicNames;
 
@@ -134,6 +137,8 @@ pub struct Context<'a> {
     pub results_topic: &'a str,
     /// The bounds the serves kept (size and shape).
     pub limits: crate::coordinator::InputLimits,
+    /// The serves' `coordinator.max_state_bytes`.
+    pub max_state_bytes: usize,
 }
 
 impl Context<'_> {
@@ -155,6 +160,15 @@ pub struct RunRows<'a> {
     pub attempts: &'a [AttemptRow],
     /// Sorted by (seq, effect_index).
     pub intents: &'a [&'a IntentRow],
+}
+
+/// A transition that ends its run's outstanding attempt as cancelled: a
+/// cancel, or the failure of a run whose state would have grown too large
+/// on an input that was not that attempt's result.
+fn abandons_attempts(t: &TransitionRow) -> bool {
+    t.kind == KIND_RUN_CANCELLED
+        || (t.kind == KIND_RUN_FAILED
+            && t.detail.get("cause").and_then(Value::as_str) == Some(STATE_TOO_LARGE))
 }
 
 fn micros(t: DateTime<Utc>) -> DateTime<Utc> {
@@ -299,7 +313,7 @@ pub fn check_run(ctx: &Context<'_>, rows: &RunRows<'_>, v: &mut Violations) {
             "succeeded" | "failed" => refs.contains(format!("result:{s}").as_str()),
             "timed_out" => refs.contains(format!("timer:timeout:{s}").as_str()),
             "cancelled" => last.is_some_and(|t| {
-                t.kind == "run.cancelled"
+                abandons_attempts(t)
                     && t.detail.get("stamp").and_then(Value::as_str) == Some(&s.to_string())
             }),
             "dispatched" => {
@@ -337,6 +351,7 @@ pub fn check_run(ctx: &Context<'_>, rows: &RunRows<'_>, v: &mut Violations) {
     }
     let signal_ids: Vec<&str> = ts
         .iter()
+        .filter(|t| t.kind == KIND_RUN_SIGNALLED)
         .filter_map(|t| t.input_ref.strip_prefix("signal:"))
         .collect();
     let state_signals: Vec<&str> = state.signals.iter().map(|s| s.signal_id.as_str()).collect();
@@ -459,6 +474,7 @@ fn replay(ctx: &Context<'_>, rows: &RunRows<'_>, v: &mut Violations) {
             state.as_ref(),
             &input,
             ctx.workflows,
+            ctx.max_state_bytes,
             t.created_at,
             &entropy,
         );
@@ -468,6 +484,7 @@ fn replay(ctx: &Context<'_>, rows: &RunRows<'_>, v: &mut Violations) {
                 state.as_ref(),
                 &input,
                 ctx.workflows,
+                ctx.max_state_bytes,
                 t.created_at,
                 &entropy,
             );

@@ -12,7 +12,7 @@ use uuid::Uuid;
 use super::definition::{StepDefinition, WorkflowDefinition, Workflows};
 use super::input::{
     AttemptOutcome, AttemptResult, CancelWakeup, Input, RunStart, SCHEMA_VERSION, SignalWakeup,
-    TimerKind, TimerWakeup, truncate,
+    TimerKind, TimerWakeup, encoded_len, truncate,
 };
 use super::state::{
     AttemptRecord, AttemptStatus, MAX_SIGNALS_PER_RUN, Outstanding, PendingRetry, RunState,
@@ -29,6 +29,11 @@ pub const CE_WAKEUP_TIMER: &str = "ductor.wakeup.timer";
 pub const CE_RUN_OUTPUT: &str = "ductor.run.output";
 /// Longest error text copied into a transition's `detail`.
 pub const MAX_DETAIL_ERROR_LEN: usize = 256;
+/// The class of a run failed because its state would have outgrown
+/// `coordinator.max_state_bytes`: the `cause` in the detail of its
+/// `run.failed` transition, the start of its error, and the class of a
+/// start refused for it.
+pub const STATE_TOO_LARGE: &str = "state_too_large";
 
 /// A step's clock starts when its dispatch is published. A dispatch
 /// published more than this after the transition that made it (its
@@ -96,6 +101,8 @@ pub enum RejectionClass {
     UnknownStamp,
     UnknownWorkflow,
     TooManySignals,
+    /// A start whose run's state would be over `coordinator.max_state_bytes`.
+    StateTooLarge,
 }
 
 impl RejectionClass {
@@ -106,6 +113,7 @@ impl RejectionClass {
             RejectionClass::UnknownStamp => "unknown_stamp",
             RejectionClass::UnknownWorkflow => "unknown_workflow",
             RejectionClass::TooManySignals => "too_many_signals",
+            RejectionClass::StateTooLarge => STATE_TOO_LARGE,
         }
     }
 }
@@ -134,7 +142,10 @@ pub struct TransitionRecord {
     /// The run's step index after the transition.
     pub step_index: u32,
     pub at: DateTime<Utc>,
-    /// Small JSON with the specifics (stamps, bounded error text, retry due time).
+    /// JSON with the specifics: stamps, bounded error text, retry due time,
+    /// and what the state does not keep: a succeeded step's `output`, a
+    /// signal's `payload` (each bounded by the size budget of the input
+    /// that carried it).
     pub detail: Value,
 }
 
@@ -184,7 +195,22 @@ pub enum EffectTarget {
 }
 
 /// Folds one input into a run. See the module docs of `crate::coordinator`.
+/// No transition leaves a state that encodes to more than `max_state_bytes`
+/// (`coordinator.max_state_bytes`), except the one that fails the run for it.
 pub fn fold(
+    state: Option<&RunState>,
+    input: &Input,
+    workflows: &Workflows,
+    max_state_bytes: usize,
+    now: DateTime<Utc>,
+    entropy: &Entropy,
+) -> Decision {
+    let decision = decide(state, input, workflows, now, entropy);
+    bound_state(decision, state, input, max_state_bytes, now, entropy)
+}
+
+/// What `input` does to the run, before the new state's size is looked at.
+fn decide(
     state: Option<&RunState>,
     input: &Input,
     workflows: &Workflows,
@@ -223,6 +249,69 @@ pub fn fold(
         Input::Signal(signal) => ctx.on_signal(signal),
         Input::Cancel(cancel) => ctx.on_cancel(cancel),
     }
+}
+
+/// Every input of a run loads its state and writes it back whole, so the
+/// state's size bounds what each of them costs. A transition that would
+/// leave it over `max` bytes, as Ductor encodes it, is not taken: the run
+/// fails instead, for good, with class [`STATE_TOO_LARGE`] (a start has no
+/// run to fail, and is refused with that class). The failure is taken
+/// whatever its own size: it adds one error text to the state the run
+/// had, and the run grows no more.
+fn bound_state(
+    decision: Decision,
+    state: Option<&RunState>,
+    input: &Input,
+    max: usize,
+    now: DateTime<Utc>,
+    entropy: &Entropy,
+) -> Decision {
+    let Decision::Transition(t) = &decision else {
+        return decision;
+    };
+    let len = encoded_len(&t.state);
+    if len <= max {
+        return decision;
+    }
+    let error =
+        format!("{STATE_TOO_LARGE}: the run's state would be {len} bytes, over the limit of {max}");
+    match state {
+        None => reject(RejectionClass::StateTooLarge, error),
+        Some(state) => fail_too_large(state, input, error, now, entropy),
+    }
+}
+
+/// Fails the run whose next state would be too large. The outstanding
+/// attempt, if any, ends: failed when the input is its own result (what it
+/// returned is what did not fit), cancelled otherwise (it is abandoned, as
+/// a cancel abandons it), so its late result changes nothing.
+fn fail_too_large(
+    state: &RunState,
+    input: &Input,
+    error: String,
+    now: DateTime<Utc>,
+    entropy: &Entropy,
+) -> Decision {
+    let mut b = Builder::new(state.clone(), Some(state.status), now, entropy);
+    if let Some(outstanding) = state.outstanding.as_ref() {
+        let own = matches!(input, Input::Result(r) if r.stamp == outstanding.stamp);
+        let status = if own {
+            AttemptStatus::Failed
+        } else {
+            AttemptStatus::Cancelled
+        };
+        b.detail("stamp", outstanding.stamp.to_string().into());
+        b.finish_attempt(outstanding.stamp, status, Some(error.clone()));
+    }
+    b.state.pending_retry = None;
+    b.state.status = RunStatus::Failed;
+    b.detail("cause", STATE_TOO_LARGE.into());
+    b.detail(
+        "error",
+        truncate(error.clone(), MAX_DETAIL_ERROR_LEN).into(),
+    );
+    b.state.error = Some(error);
+    b.finish(KIND_RUN_FAILED, input.dedup_ref())
 }
 
 fn reject(class: RejectionClass, message: impl Into<String>) -> Decision {
@@ -264,7 +353,7 @@ fn on_start(
         step_index: 0,
         attempt: 1,
         input: start.input.clone(),
-        outputs: Vec::new(),
+        output: Value::Null,
         outstanding: None,
         pending_retry: None,
         attempts: Vec::new(),
@@ -380,9 +469,10 @@ impl Ctx<'_> {
     ) -> Decision {
         let mut b = self.builder();
         b.finish_attempt(attempt.stamp, AttemptStatus::Succeeded, None);
-        b.state.outputs.push(output.clone());
+        b.state.output = output.clone();
         b.detail("stamp", attempt.stamp.to_string().into());
         b.detail("completed_step", attempt.step_index.into());
+        b.detail("output", output.clone());
         let next = attempt.step_index.saturating_add(1);
         if (next as usize) < def.steps.len() {
             let Some(stamp) = b.dispatch(def, next, 1) else {
@@ -489,11 +579,11 @@ impl Ctx<'_> {
         b.state.signals.push(SignalRecord {
             signal_id: signal.signal_id.clone(),
             name: signal.name.clone(),
-            payload: signal.payload.clone(),
             received_at: self.now,
         });
         b.detail("signal_id", signal.signal_id.clone().into());
         b.detail("name", signal.name.clone().into());
+        b.detail("payload", signal.payload.clone());
         b.finish(KIND_RUN_SIGNALLED, self.input.dedup_ref())
     }
 
@@ -608,9 +698,10 @@ impl<'a> Builder<'a> {
         };
         s.attempts.push(record.clone());
         self.attempt_writes.push(AttemptWrite::Insert(record));
-        let step_input = match step_index.checked_sub(1) {
-            None => s.input.clone(),
-            Some(prev) => s.outputs.get(prev as usize).cloned().unwrap_or(Value::Null),
+        let step_input = if step_index == 0 {
+            s.input.clone()
+        } else {
+            s.output.clone()
         };
         let payload = json!({
             "type": "step.dispatch",

@@ -300,7 +300,7 @@ pub fn bound_start(start: &RunStart, sent: usize, limits: &InputLimits) -> Resul
 }
 
 /// The length of `value` as `serde_json` writes it, without writing it.
-fn encoded_len(value: &Value) -> usize {
+pub(crate) fn encoded_len<T: serde::Serialize + ?Sized>(value: &T) -> usize {
     struct Count(usize);
     impl std::io::Write for Count {
         fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
@@ -312,7 +312,8 @@ fn encoded_len(value: &Value) -> usize {
         }
     }
     let mut count = Count(0);
-    // Writing a Value to a sink that never fails cannot fail.
+    // Writing a Value, or a run state, to a sink that never fails cannot
+    // fail: neither has a map with keys that are not strings.
     let _ = serde_json::to_writer(&mut count, value);
     count.0
 }

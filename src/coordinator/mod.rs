@@ -1,9 +1,9 @@
 //! The pure coordinator: the decision logic of Ductor as a fold.
 //!
-//! `fold(state, input, workflows, now, entropy) -> Decision` decides what one input
-//! does to one run. It imports no tokio, sqlx or rdkafka, reads no clock, generates no
-//! randomness and performs no I/O, so it is tested exhaustively (unit and property
-//! tests) and the apply layer around it stays thin:
+//! `fold(state, input, workflows, max_state_bytes, now, entropy) -> Decision` decides
+//! what one input does to one run. It imports no tokio, sqlx or rdkafka, reads no
+//! clock, generates no randomness and performs no I/O, so it is tested exhaustively
+//! (unit and property tests) and the apply layer around it stays thin:
 //!
 //! 1. decode the Kafka message with [`decode_input`] (errors go to the DLQ with
 //!    [`InputErrorClass::as_str`] as the error class);
@@ -20,6 +20,11 @@
 //! are deduplicated by `signal_id`. Every transition increments
 //! `last_transition_seq` by exactly one.
 //!
+//! A run's state stays bounded: it keeps the newest step's output only, and signals
+//! without their payloads (both are in the transitions' `detail`, the history), and
+//! a transition that would leave it over `max_state_bytes` fails the run instead
+//! ([`STATE_TOO_LARGE`]).
+//!
 //! Effect order within a transition is part of the contract: the `ductor.events`
 //! lifecycle event comes first, then step dispatches, timers and the run output.
 
@@ -32,7 +37,7 @@ pub mod state;
 pub use definition::{DefinitionError, RetryPolicy, StepDefinition, WorkflowDefinition, Workflows};
 pub use fold::{
     AttemptWrite, Decision, Effect, EffectTarget, Entropy, LATE_DISPATCH_MS, NoOpReason, Rejection,
-    RejectionClass, Transition, TransitionRecord, fold,
+    RejectionClass, STATE_TOO_LARGE, Transition, TransitionRecord, fold,
 };
 pub use input::{
     AttemptOutcome, AttemptResult, CancelWakeup, Input, InputError, InputErrorClass, InputLimits,

@@ -6,7 +6,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use uuid::Uuid;
 
-/// Most distinct signals one run records; more are rejected.
+/// Most distinct signals one run records; more are rejected. A record is
+/// small (its id, name and time): the payload is kept in the history.
 pub const MAX_SIGNALS_PER_RUN: usize = 256;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -86,11 +87,13 @@ pub struct AttemptRecord {
     pub error: Option<String>,
 }
 
+/// A signal the run received, kept to deduplicate by `signal_id`. Its
+/// payload is in the detail of the `run.signalled` transition, not here,
+/// so that the state does not grow with what signals carry.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SignalRecord {
     pub signal_id: String,
     pub name: String,
-    pub payload: Value,
     pub received_at: DateTime<Utc>,
 }
 
@@ -108,8 +111,11 @@ pub struct RunState {
     /// Current attempt number of the current step, 1-based.
     pub attempt: u32,
     pub input: Value,
-    /// One output per completed step.
-    pub outputs: Vec<Value>,
+    /// The output of the newest step that succeeded (`null` before one
+    /// did): the next step's input, and the run's result once the last
+    /// step succeeded. Every step's output is in the detail of the
+    /// transition its success made, so the state does not grow with them.
+    pub output: Value,
     pub outstanding: Option<Outstanding>,
     pub pending_retry: Option<PendingRetry>,
     pub attempts: Vec<AttemptRecord>,

@@ -7,6 +7,9 @@ use uuid::Uuid;
 use super::fold::*;
 use super::*;
 
+/// A state cap no test run reaches unless it means to.
+const STATE_CAP: usize = 1 << 20;
+
 fn t(ms: i64) -> DateTime<Utc> {
     DateTime::from_timestamp_millis(1_700_000_000_000 + ms).unwrap()
 }
@@ -120,11 +123,11 @@ fn transition(d: Decision) -> Transition {
 }
 
 fn started(wf: &Workflows) -> RunState {
-    transition(fold(None, &start_input(), wf, t(0), &entropy(1))).state
+    transition(fold(None, &start_input(), wf, STATE_CAP, t(0), &entropy(1))).state
 }
 
 fn apply(state: &RunState, input: &Input, wf: &Workflows, now: i64, e: u128) -> Transition {
-    transition(fold(Some(state), input, wf, t(now), &entropy(e)))
+    transition(fold(Some(state), input, wf, STATE_CAP, t(now), &entropy(e)))
 }
 
 fn rejection_class(d: Decision) -> RejectionClass {
@@ -454,7 +457,14 @@ fn error_messages_are_bounded_and_do_not_echo_payloads() {
 #[test]
 fn start_dispatches_step_zero_with_timer_after_event() {
     let wf = registry(2, 3);
-    let tr = transition(fold(None, &start_input(), &wf, t(0), &entropy(1)));
+    let tr = transition(fold(
+        None,
+        &start_input(),
+        &wf,
+        STATE_CAP,
+        t(0),
+        &entropy(1),
+    ));
     let s = &tr.state;
     assert_eq!(
         (s.status, s.step_index, s.attempt, s.last_transition_seq),
@@ -499,7 +509,7 @@ fn start_of_unknown_workflow_or_version_is_rejected() {
         s.workflow_version = Some(9);
     }
     assert_eq!(
-        rejection_class(fold(None, &input, &wf, t(0), &entropy(1))),
+        rejection_class(fold(None, &input, &wf, STATE_CAP, t(0), &entropy(1))),
         RejectionClass::UnknownWorkflow
     );
     assert_eq!(
@@ -507,6 +517,7 @@ fn start_of_unknown_workflow_or_version_is_rejected() {
             None,
             &start_input(),
             &Workflows::default(),
+            STATE_CAP,
             t(0),
             &entropy(1)
         )),
@@ -523,7 +534,7 @@ fn second_start_is_duplicate_even_if_different() {
         x.input = json!("different");
     }
     assert_eq!(
-        fold(Some(&s), &other, &wf, t(5), &entropy(2)),
+        fold(Some(&s), &other, &wf, STATE_CAP, t(5), &entropy(2)),
         Decision::NoOp(NoOpReason::DuplicateStart)
     );
 }
@@ -532,7 +543,7 @@ fn second_start_is_duplicate_even_if_different() {
 fn non_start_without_run_and_tenant_mismatch_are_rejected() {
     let wf = registry(1, 1);
     assert_eq!(
-        rejection_class(fold(None, &cancel(), &wf, t(0), &entropy(1))),
+        rejection_class(fold(None, &cancel(), &wf, STATE_CAP, t(0), &entropy(1))),
         RejectionClass::UnknownRun
     );
     let s = started(&wf);
@@ -541,7 +552,7 @@ fn non_start_without_run_and_tenant_mismatch_are_rejected() {
         x.tenant = "other".into();
     }
     assert_eq!(
-        rejection_class(fold(Some(&s), &dup, &wf, t(1), &entropy(2))),
+        rejection_class(fold(Some(&s), &dup, &wf, STATE_CAP, t(1), &entropy(2))),
         RejectionClass::TenantMismatch
     );
     let mut other_run = cancel();
@@ -549,7 +560,14 @@ fn non_start_without_run_and_tenant_mismatch_are_rejected() {
         c.run_id = "r2".into();
     }
     assert_eq!(
-        rejection_class(fold(Some(&s), &other_run, &wf, t(1), &entropy(2))),
+        rejection_class(fold(
+            Some(&s),
+            &other_run,
+            &wf,
+            STATE_CAP,
+            t(1),
+            &entropy(2)
+        )),
         RejectionClass::UnknownRun
     );
 }
@@ -562,7 +580,8 @@ fn success_dispatches_next_step_with_previous_output() {
     let s = started(&wf);
     let tr = apply(&s, &result_ok(stamp(1), json!("o1")), &wf, 10, 2);
     assert_eq!(tr.record.kind, KIND_STEP_SUCCEEDED);
-    assert_eq!(tr.state.outputs, vec![json!("o1")]);
+    assert_eq!(tr.state.output, json!("o1"));
+    assert_eq!(tr.record.detail["output"], json!("o1"));
     assert_eq!((tr.state.step_index, tr.state.attempt), (1, 1));
     assert_eq!(tr.state.attempts[0].status, AttemptStatus::Succeeded);
     assert_eq!(tr.state.last_transition_seq, 2);
@@ -582,6 +601,7 @@ fn success_dispatches_next_step_with_previous_output() {
             Some(&tr.state),
             &result_ok(stamp(1), json!("o1")),
             &wf,
+            STATE_CAP,
             t(11),
             &entropy(3)
         ),
@@ -611,11 +631,25 @@ fn last_success_completes_run_and_emits_output() {
     );
     // terminal: further inputs do nothing
     assert_eq!(
-        fold(Some(&tr.state), &cancel(), &wf, t(11), &entropy(3)),
+        fold(
+            Some(&tr.state),
+            &cancel(),
+            &wf,
+            STATE_CAP,
+            t(11),
+            &entropy(3)
+        ),
         Decision::NoOp(NoOpReason::RunTerminal)
     );
     assert_eq!(
-        fold(Some(&tr.state), &signal("a"), &wf, t(11), &entropy(3)),
+        fold(
+            Some(&tr.state),
+            &signal("a"),
+            &wf,
+            STATE_CAP,
+            t(11),
+            &entropy(3)
+        ),
         Decision::NoOp(NoOpReason::RunTerminal)
     );
     assert_eq!(
@@ -623,6 +657,7 @@ fn last_success_completes_run_and_emits_output() {
             Some(&tr.state),
             &timer(TimerKind::Timeout, stamp(1)),
             &wf,
+            STATE_CAP,
             t(11),
             &entropy(3)
         ),
@@ -653,6 +688,7 @@ fn permanent_failure_fails_run() {
             Some(&tr.state),
             &result_err(stamp(1), false),
             &wf,
+            STATE_CAP,
             t(11),
             &entropy(3)
         ),
@@ -694,6 +730,7 @@ fn retryable_failure_schedules_retry_then_retry_timer_dispatches() {
             Some(&tr2.state),
             &timer(TimerKind::Retry, stamp(1)),
             &wf,
+            STATE_CAP,
             t(111),
             &entropy(4)
         ),
@@ -723,6 +760,7 @@ fn timeout_abandons_attempt_and_late_result_is_stale() {
             Some(&tr.state),
             &result_ok(stamp(1), json!(1)),
             &wf,
+            STATE_CAP,
             t(1001),
             &entropy(3)
         ),
@@ -733,6 +771,7 @@ fn timeout_abandons_attempt_and_late_result_is_stale() {
             Some(&tr.state),
             &timer(TimerKind::Timeout, stamp(1)),
             &wf,
+            STATE_CAP,
             t(1001),
             &entropy(3)
         ),
@@ -759,6 +798,7 @@ fn timer_after_success_is_duplicate_and_unknown_stamps_are_rejected() {
             Some(&tr.state),
             &timer(TimerKind::Timeout, stamp(1)),
             &wf,
+            STATE_CAP,
             t(1000),
             &entropy(3)
         ),
@@ -769,6 +809,7 @@ fn timer_after_success_is_duplicate_and_unknown_stamps_are_rejected() {
             Some(&tr.state),
             &timer(TimerKind::Retry, stamp(1)),
             &wf,
+            STATE_CAP,
             t(1000),
             &entropy(3)
         ),
@@ -780,7 +821,14 @@ fn timer_after_success_is_duplicate_and_unknown_stamps_are_rejected() {
         timer(TimerKind::Retry, stamp(99)),
     ] {
         assert_eq!(
-            rejection_class(fold(Some(&tr.state), &input, &wf, t(1000), &entropy(3))),
+            rejection_class(fold(
+                Some(&tr.state),
+                &input,
+                &wf,
+                STATE_CAP,
+                t(1000),
+                &entropy(3)
+            )),
             RejectionClass::UnknownStamp
         );
     }
@@ -796,13 +844,21 @@ fn missing_definition_for_existing_run_is_rejected_but_duplicates_stay_noops() {
             Some(&s),
             &result_ok(stamp(1), json!(1)),
             &empty,
+            STATE_CAP,
             t(1),
             &entropy(2)
         )),
         RejectionClass::UnknownWorkflow
     );
     assert_eq!(
-        fold(Some(&s), &start_input(), &empty, t(1), &entropy(2)),
+        fold(
+            Some(&s),
+            &start_input(),
+            &empty,
+            STATE_CAP,
+            t(1),
+            &entropy(2)
+        ),
         Decision::NoOp(NoOpReason::DuplicateStart)
     );
 }
@@ -820,18 +876,32 @@ fn signals_are_recorded_once_and_bounded() {
     assert_eq!(tr.state.signals.len(), 1);
     assert_eq!(tr.effects.len(), 1);
     assert_eq!(
-        fold(Some(&tr.state), &signal("a"), &wf, t(6), &entropy(3)),
+        fold(
+            Some(&tr.state),
+            &signal("a"),
+            &wf,
+            STATE_CAP,
+            t(6),
+            &entropy(3)
+        ),
         Decision::NoOp(NoOpReason::DuplicateSignal)
     );
     for i in 0..MAX_SIGNALS_PER_RUN {
         s = apply(&s, &signal(&format!("s{i}")), &wf, 5, 2).state;
     }
     assert_eq!(
-        rejection_class(fold(Some(&s), &signal("more"), &wf, t(6), &entropy(3))),
+        rejection_class(fold(
+            Some(&s),
+            &signal("more"),
+            &wf,
+            STATE_CAP,
+            t(6),
+            &entropy(3)
+        )),
         RejectionClass::TooManySignals
     );
     assert_eq!(
-        fold(Some(&s), &signal("s0"), &wf, t(6), &entropy(3)),
+        fold(Some(&s), &signal("s0"), &wf, STATE_CAP, t(6), &entropy(3)),
         Decision::NoOp(NoOpReason::DuplicateSignal)
     );
 }
@@ -853,7 +923,14 @@ fn cancel_finishes_outstanding_attempt_and_clears_retry() {
         }]
     ));
     assert_eq!(
-        fold(Some(&tr.state), &cancel(), &wf, t(6), &entropy(3)),
+        fold(
+            Some(&tr.state),
+            &cancel(),
+            &wf,
+            STATE_CAP,
+            t(6),
+            &entropy(3)
+        ),
         Decision::NoOp(NoOpReason::RunTerminal)
     );
     assert_eq!(
@@ -861,6 +938,7 @@ fn cancel_finishes_outstanding_attempt_and_clears_retry() {
             Some(&tr.state),
             &result_ok(stamp(1), json!(1)),
             &wf,
+            STATE_CAP,
             t(6),
             &entropy(3)
         ),
@@ -876,6 +954,7 @@ fn cancel_finishes_outstanding_attempt_and_clears_retry() {
             Some(&tr.state),
             &timer(TimerKind::Retry, stamp(1)),
             &wf,
+            STATE_CAP,
             t(7),
             &entropy(4)
         ),
@@ -909,7 +988,7 @@ fn state_serializes_with_snake_case_and_round_trips() {
 fn deadlines_saturate_instead_of_overflowing() {
     let wf = registry(1, 1);
     let far = DateTime::<Utc>::MAX_UTC - TimeDelta::milliseconds(10);
-    let tr = transition(fold(None, &start_input(), &wf, far, &entropy(1)));
+    let tr = transition(fold(None, &start_input(), &wf, STATE_CAP, far, &entropy(1)));
     assert_eq!(
         tr.state.outstanding.unwrap().deadline,
         DateTime::<Utc>::MAX_UTC
@@ -987,4 +1066,148 @@ fn small_messages_are_not_measured_and_pass() {
         bound_payload(input.clone(), 4, &payload_limits(1000)),
         Ok(input)
     );
+}
+
+// ---- the state's size ---------------------------------------------------------------
+
+fn encoded(state: &RunState) -> String {
+    serde_json::to_string(state).unwrap()
+}
+
+#[test]
+fn a_run_keeps_its_newest_output_in_state_and_every_output_in_history() {
+    let wf = registry(3, 1);
+    let mut s = started(&wf);
+    assert_eq!(s.output, Value::Null);
+    let mut details = Vec::new();
+    for step in 0..3u128 {
+        let output = json!({"from": format!("step {step}"), "pad": "p".repeat(100)});
+        let tr = apply(
+            &s,
+            &result_ok(stamp(step + 1), output.clone()),
+            &wf,
+            10,
+            step + 2,
+        );
+        assert_eq!(tr.state.output, output, "the newest output only");
+        assert_eq!(tr.record.detail["output"], output);
+        assert_eq!(tr.record.detail["completed_step"], json!(step));
+        if step < 2 {
+            assert_eq!(
+                tr.effects[1].payload["input"], output,
+                "the next step's input"
+            );
+        }
+        details.push(tr.record.detail.clone());
+        s = tr.state;
+    }
+    assert_eq!(s.status, RunStatus::Succeeded);
+    let state = encoded(&s);
+    assert!(!state.contains("step 0") && !state.contains("step 1"));
+    assert!(state.contains("step 2"));
+    assert!(serde_json::to_value(&s).unwrap().get("outputs").is_none());
+    let history: Vec<&Value> = details.iter().map(|d| &d["output"]["from"]).collect();
+    assert_eq!(
+        history,
+        [&json!("step 0"), &json!("step 1"), &json!("step 2")]
+    );
+}
+
+#[test]
+fn a_signal_payload_is_kept_in_history_not_in_state() {
+    let wf = registry(1, 1);
+    let Input::Signal(mut sig) = signal("a") else {
+        unreachable!()
+    };
+    sig.payload = json!({"note": "kept in the history"});
+    let tr = apply(&started(&wf), &Input::Signal(sig), &wf, 5, 2);
+    assert_eq!(tr.record.kind, KIND_RUN_SIGNALLED);
+    assert_eq!(
+        tr.record.detail,
+        json!({"signal_id": "a", "name": "poke", "payload": {"note": "kept in the history"}})
+    );
+    assert_eq!(tr.state.signals.len(), 1);
+    assert!(!encoded(&tr.state).contains("kept in the history"));
+    let v = serde_json::to_value(&tr.state).unwrap();
+    assert!(v["signals"][0].get("payload").is_none());
+}
+
+#[test]
+fn a_transition_over_the_state_cap_fails_the_run_with_state_too_large() {
+    let wf = registry(2, 3);
+    let s = started(&wf);
+    let big = result_ok(stamp(1), json!("o".repeat(1000)));
+    let uncapped = apply(&s, &big, &wf, 10, 2);
+    let len = encoded(&uncapped.state).len();
+    // At the cap the transition is taken as it is.
+    let at_cap = transition(fold(Some(&s), &big, &wf, len, t(10), &entropy(2)));
+    assert_eq!(at_cap, uncapped);
+    // One byte below, the run fails instead, for good.
+    let tr = transition(fold(Some(&s), &big, &wf, len - 1, t(10), &entropy(2)));
+    assert_eq!(tr.record.kind, KIND_RUN_FAILED);
+    assert_eq!(tr.record.input_ref, format!("result:{}", stamp(1)));
+    assert_eq!(tr.record.detail["cause"], STATE_TOO_LARGE);
+    assert_eq!(tr.record.detail["stamp"], stamp(1).to_string());
+    assert!(tr.record.detail.get("output").is_none());
+    assert_eq!(tr.state.status, RunStatus::Failed);
+    assert_eq!(tr.state.output, Value::Null);
+    assert!(tr.state.outstanding.is_none());
+    assert_eq!(tr.state.attempts[0].status, AttemptStatus::Failed);
+    let error = tr.state.error.clone().unwrap();
+    assert!(error.starts_with("state_too_large: "), "{error}");
+    assert!(error.contains(&format!("{len} bytes")), "{error}");
+    // The lifecycle event says the run failed; nothing is dispatched.
+    assert_eq!(tr.effects.len(), 1);
+    assert_eq!(tr.effects[0].payload["kind"], "run.failed");
+    assert_eq!(tr.effects[0].payload["status"], "failed");
+    assert!(matches!(
+        &tr.attempt_writes[..],
+        [AttemptWrite::Finish {
+            status: AttemptStatus::Failed,
+            ..
+        }]
+    ));
+    assert_eq!(
+        fold(Some(&tr.state), &big, &wf, len - 1, t(11), &entropy(3)),
+        Decision::NoOp(NoOpReason::DuplicateResult)
+    );
+}
+
+#[test]
+fn a_cap_hit_by_another_input_abandons_the_outstanding_attempt() {
+    let wf = registry(1, 1);
+    let s = started(&wf);
+    let tr = apply(&s, &signal("a"), &wf, 5, 2);
+    let cap = encoded(&tr.state).len() - 1;
+    let failed = transition(fold(Some(&s), &signal("a"), &wf, cap, t(5), &entropy(2)));
+    assert_eq!(failed.record.kind, KIND_RUN_FAILED);
+    assert_eq!(failed.record.detail["cause"], STATE_TOO_LARGE);
+    assert!(failed.state.signals.is_empty());
+    assert_eq!(failed.state.attempts[0].status, AttemptStatus::Cancelled);
+    assert_eq!(
+        fold(
+            Some(&failed.state),
+            &result_ok(stamp(1), json!(1)),
+            &wf,
+            cap,
+            t(6),
+            &entropy(3)
+        ),
+        Decision::NoOp(NoOpReason::StaleResult)
+    );
+}
+
+#[test]
+fn a_start_over_the_state_cap_is_refused() {
+    let wf = registry(1, 1);
+    let len = encoded(&started(&wf)).len();
+    assert_eq!(
+        rejection_class(fold(None, &start_input(), &wf, len - 1, t(0), &entropy(1))),
+        RejectionClass::StateTooLarge
+    );
+    assert_eq!(RejectionClass::StateTooLarge.as_str(), "state_too_large");
+    assert!(matches!(
+        fold(None, &start_input(), &wf, len, t(0), &entropy(1)),
+        Decision::Transition(_)
+    ));
 }
