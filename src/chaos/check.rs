@@ -44,6 +44,10 @@
 //!   the `ductor-dlq-topic/partition/offset` headers.
 //! - `effect_dead_lettered` — one of Ductor's own effects (a timer) ended in
 //!   the DLQ.
+//! - `failed_by_timeout_not_slow` — a run failed because its last attempt
+//!   timed out, although the worker's answer to that attempt was
+//!   acknowledged by the broker before the attempt's deadline (and was not
+//!   one it sent late on purpose): a crash of Ductor failed a healthy run.
 //! - `tenant_crossing` — an effect whose `ductor-tenant` header or payload
 //!   tenant is not its run's tenant; a decision (HTTP answer, `run.accepted`,
 //!   the created run) in another tenant than the request's.
@@ -445,6 +449,62 @@ pub struct Inputs<'a> {
     pub workflows: &'a Workflows,
 }
 
+/// Runs failed by a timeout although the worker was not slow: the attempt
+/// that exhausted the run's retries timed out, yet an answer to it (not one
+/// sent late on purpose) was acknowledged before its deadline.
+fn timeouts_not_slow(
+    records: &[Record],
+    db: &DbSnapshot,
+    attempt_by_stamp: &HashMap<Uuid, &AttemptRow>,
+    v: &mut Violations,
+) {
+    let mut answered: HashMap<&str, i64> = HashMap::new();
+    for r in records {
+        let result = r.kind.as_deref() == Some(log::KIND_RESULT);
+        if !result || !r.acked || r.note.as_deref() == Some("late") {
+            continue;
+        }
+        let Some(stamp) = r
+            .input_ref
+            .as_deref()
+            .and_then(|i| i.strip_prefix("result:"))
+        else {
+            continue;
+        };
+        let first = answered.entry(stamp).or_insert(r.t_ms);
+        *first = (*first).min(r.t_ms);
+    }
+    for t in &db.transitions {
+        if t.kind != crate::coordinator::fold::KIND_RUN_FAILED
+            || t.detail["cause"] != "attempts_exhausted"
+        {
+            continue;
+        }
+        let Some(stamp) = t.detail["stamp"].as_str() else {
+            continue;
+        };
+        let Some(attempt) = Uuid::parse_str(stamp)
+            .ok()
+            .and_then(|s| attempt_by_stamp.get(&s))
+        else {
+            continue;
+        };
+        let deadline_ms = attempt.deadline.timestamp_millis();
+        match answered.get(stamp) {
+            Some(&at) if attempt.status == "timed_out" && at <= deadline_ms => {
+                v.add("failed_by_timeout_not_slow", || {
+                    format!(
+                        "{}: attempt {stamp} timed out, answered {} ms before its deadline",
+                        t.run_id,
+                        deadline_ms - at
+                    )
+                })
+            }
+            _ => {}
+        }
+    }
+}
+
 /// Headers as a sorted list, so that the order of a jsonb map does not matter.
 fn header_set(headers: &[(String, Vec<u8>)]) -> Vec<(String, Vec<u8>)> {
     let mut h = headers.to_vec();
@@ -554,6 +614,7 @@ pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
             });
         }
     }
+    timeouts_not_slow(inp.records, db, &attempt_by_stamp, v);
     for i in &db.intents {
         if !runs.contains_key(i.run_id.as_str()) {
             v.add("state_history_mismatch", || {
@@ -1260,5 +1321,63 @@ mod tests {
             report.examples
         );
         assert_eq!(report.duplicate_deliveries, 1);
+    }
+
+    /// Only a run whose last attempt timed out although its answer was in
+    /// before the deadline, and not sent late on purpose, is reported.
+    #[test]
+    fn a_run_failed_by_a_timeout_its_worker_beat_is_reported() {
+        let deadline = at();
+        let ms = deadline.timestamp_millis();
+        let mut db = DbSnapshot::default();
+        let mut records = Vec::new();
+        for (run, answered_ms, note) in [
+            ("prompt", ms - 500, None),
+            ("late", ms - 500, Some("late")),
+            ("after", ms + 500, None),
+        ] {
+            let stamp = Uuid::new_v4();
+            db.transitions.push(TransitionRow {
+                run_id: run.into(),
+                kind: "run.failed".into(),
+                to_status: "failed".into(),
+                detail: serde_json::json!({"cause": "attempts_exhausted", "stamp": stamp}),
+                ..transition(9)
+            });
+            db.attempts.push(AttemptRow {
+                stamp,
+                run_id: run.into(),
+                step_index: 0,
+                attempt: 6,
+                status: "timed_out".into(),
+                dispatched_at: deadline - chrono::Duration::seconds(1),
+                deadline,
+                finished_at: Some(deadline),
+                error: None,
+            });
+            records.push(Record {
+                ev: log::EV_INPUT.into(),
+                t_ms: answered_ms,
+                kind: Some(log::KIND_RESULT.into()),
+                good: true,
+                acked: true,
+                run_id: Some(run.into()),
+                input_ref: Some(format!("result:{stamp}")),
+                note: note.map(Into::into),
+                ..Record::default()
+            });
+        }
+        let by_stamp: HashMap<Uuid, &AttemptRow> =
+            db.attempts.iter().map(|a| (a.stamp, a)).collect();
+        let mut v = Violations::default();
+        timeouts_not_slow(&records, &db, &by_stamp, &mut v);
+        assert_eq!(
+            v.counts.get("failed_by_timeout_not_slow"),
+            Some(&1),
+            "{v:?}"
+        );
+        assert_eq!(v.total(), 1);
+        let examples = &v.examples["failed_by_timeout_not_slow"];
+        assert!(examples[0].starts_with("prompt:"), "{examples:?}");
     }
 }

@@ -16,7 +16,9 @@
 //!   alive on the events topic;
 //! - bad inputs: malformed JSON, unknown type, unsupported schema version,
 //!   wrong topic, missing field, unknown run, wrong tenant for an existing
-//!   run, unknown stamp, unknown workflow.
+//!   run, unknown stamp, unknown workflow, and the hostile inputs of
+//!   `ductor-chaos fuzz` (U+0000, unpaired surrogates, inexact numbers,
+//!   values past every limit, garbage bytes and keys).
 //!
 //! As the worker it answers dispatches: most promptly, some twice (identical
 //! or conflicting), some never (the coordinator's timeout retries them), some
@@ -135,6 +137,8 @@ struct Driver {
     requests: String,
     wakeups: String,
     results: String,
+    /// The serves' input limits, for generating inputs they must refuse.
+    limits: crate::coordinator::InputLimits,
     workflows: Vec<String>,
     tenants: Vec<String>,
     http: Vec<SocketAddr>,
@@ -204,6 +208,7 @@ pub async fn run(
         requests: config.requests_topic(),
         wakeups: config.wakeups_topic(),
         results: config.attempt_results_topic(),
+        limits: config.input_limits(),
         workflows: names,
         tenants: args.tenants.clone(),
         http: args.http.clone(),
@@ -876,11 +881,44 @@ impl Driver {
             .await;
     }
 
+    /// One of the fuzz harness's hostile inputs, on a random input topic.
+    async fn hostile(&self) {
+        use crate::coordinator::InputTopic;
+        use rand::SeedableRng;
+        let (kind, topic) = match rand::random_range(0..3u32) {
+            0 => (InputTopic::Requests, &self.requests),
+            1 => (InputTopic::Wakeups, &self.wakeups),
+            _ => (InputTopic::AttemptResults, &self.results),
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(rand::random());
+        let Some(h) = super::fuzz::hostile(&mut rng, kind, &self.limits) else {
+            return;
+        };
+        let source = crate::store::Source {
+            topic: topic.clone(),
+            partition: 0,
+            offset: 0,
+        };
+        let class = crate::ingress::classify(kind, &h.value, &source, &self.limits)
+            .err()
+            .map(|refused| refused.class.as_str().to_string());
+        let rec = Record {
+            kind: Some(log::KIND_BAD.into()),
+            good: false,
+            bad: Some(format!("hostile:{}", class.unwrap_or_default())),
+            ..Record::default()
+        };
+        self.send(rec, topic, &h.key, &h.value).await;
+    }
+
     /// One input that must end in the dead-letter topic.
     async fn bad(&self) {
         let tenant = self.tenant();
         let rid = format!("c-{}", short_id());
-        let roll = rand::random_range(0..11u32);
+        let roll = rand::random_range(0..15u32);
+        if roll >= 11 {
+            return self.hostile().await;
+        }
         let (class, topic, key, payload, run_id): (&str, &str, String, Vec<u8>, Option<String>) =
             match roll {
                 0 => {
