@@ -196,13 +196,9 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
 }
 
 async fn submit(args: SubmitArgs, config: Config) -> anyhow::Result<()> {
-    let input: serde_json::Value =
-        ductor::coordinator::parse_value(args.input.as_bytes(), &config.input_limits())
-            .map_err(|e| anyhow::anyhow!("--input: {e}"))?;
-    let workflows = ductor::workflows::load_dir(&config.coordinator.workflows_dir)
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let pool = ductor::db::connect(&config.database).await?;
-    let applier = ductor::store::Applier::new(&config, pool, workflows);
+    let limits = config.input_limits();
+    let input: serde_json::Value = ductor::coordinator::parse_value(args.input.as_bytes(), &limits)
+        .map_err(|e| anyhow::anyhow!("--input: {e}"))?;
     let mut body = serde_json::json!({
         "workflow": args.workflow,
         "tenant": args.tenant,
@@ -215,6 +211,12 @@ async fn submit(args: SubmitArgs, config: Config) -> anyhow::Result<()> {
     let key = args.idempotency_key.filter(|k| !k.is_empty());
     let request = ductor::api::route_request_from_body(body, key)
         .map_err(|e| anyhow::anyhow!("{}: {}", e.code, e.message))?;
+    ductor::coordinator::bound_start(&request.start, args.input.len(), &limits)
+        .map_err(|e| anyhow::anyhow!("--input: {}: {}", e.class.as_str(), e.message))?;
+    let workflows = ductor::workflows::load_dir(&config.coordinator.workflows_dir)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let pool = ductor::db::connect(&config.database).await?;
+    let applier = ductor::store::Applier::new(&config, pool, workflows);
     let submitted = ductor::api::submit(&applier, &config.routing, request)
         .await
         .map_err(|e| anyhow::anyhow!("{}: {}", e.code, e.message))?;

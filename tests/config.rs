@@ -221,3 +221,33 @@ fn properties_may_not_weaken_what_a_delivery_report_promises() {
     assert_eq!(producer.get("enable.idempotence"), Some("true"));
     assert_eq!(producer.get("linger.ms"), Some("7"));
 }
+
+/// `ductor submit` applies the input budget and screen of every other
+/// entry point before it touches the database.
+#[test]
+fn submit_refuses_an_input_past_the_limits_with_its_class() {
+    let submit = |input: &str, max_input_bytes: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_ductor"))
+            .args(["submit", "--workflow", "example", "--input", input])
+            .env("DUCTOR__COORDINATOR__MAX_INPUT_BYTES", max_input_bytes)
+            .env(
+                "DUCTOR__DATABASE__URL",
+                "postgres://nobody@127.0.0.1:1/none",
+            )
+            .output()
+            .expect("ductor runs")
+    };
+    let out = submit(r#"{"a":"\u0000"}"#, "1032192");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("nul_character"), "{stderr}");
+    let big = format!(r#"{{"a":"{}"}}"#, "x".repeat(5_000));
+    let out = submit(&big, "4096");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("too_large"), "{stderr}");
+    assert!(
+        !stderr.contains("connect"),
+        "refused before connecting: {stderr}"
+    );
+}
