@@ -340,6 +340,17 @@ pub struct DrainerConfig {
     pub park_after_failures: u32,
     /// How often the backlog gauges are refreshed.
     pub metrics_interval_ms: u64,
+    /// How often the results frontier is probed: the instant before which
+    /// the coordinator has applied every attempt result (see
+    /// `ductor::frontier`). A step's timeout is published only once the
+    /// frontier has passed its deadline, so a result sent in time is never
+    /// beaten by the timeout while its partition waits for a crashed
+    /// `serve`.
+    pub results_frontier_interval_ms: u64,
+    /// Besides "caught up now", the frontier is probed this long ago and
+    /// four times that: under load, when the coordinator is never quite
+    /// caught up, timeouts are published up to this much late.
+    pub results_frontier_lag_ms: u64,
 }
 
 /// What a duplicate request does while the first caller with its key is
@@ -617,6 +628,11 @@ impl Config {
             ("drainer.metrics_interval_ms", d.metrics_interval_ms),
             ("drainer.max_backoff_ms", d.max_backoff_ms),
             ("drainer.publish_retry_min_ms", d.publish_retry_min_ms),
+            (
+                "drainer.results_frontier_interval_ms",
+                d.results_frontier_interval_ms,
+            ),
+            ("drainer.results_frontier_lag_ms", d.results_frontier_lag_ms),
             (
                 "drainer.park_after_failures",
                 u64::from(d.park_after_failures),

@@ -38,6 +38,8 @@ use futures::future::join_all;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde_json::Value;
+
+use crate::frontier::Frontier;
 use sqlx::postgres::PgListener;
 use sqlx::{PgPool, Row};
 use tokio::sync::{Notify, Semaphore, mpsc};
@@ -74,12 +76,15 @@ pub(crate) fn ordered_headers(headers: &serde_json::Map<String, Value>) -> Vec<(
 ///
 /// A step's timeout timer waits, besides, for the other effects of its
 /// transition (the step's dispatch above all): a timer must not end an
-/// attempt whose dispatch no worker could have seen yet.
+/// attempt whose dispatch no worker could have seen yet; and for the
+/// results frontier (`$4`, see [`crate::frontier`]) to pass its deadline: a
+/// timer must not beat a result the worker sent in time.
 const CLAIM_SQL: &str = "WITH candidate AS ( \
      SELECT intent_id, run_id, topic, seq, effect_index, cancel_key \
      FROM eec_effect_intent \
      WHERE status = 'pending' AND not_before <= now() \
        AND (deferred_until IS NULL OR deferred_until <= now()) \
+       AND (cancel_key IS NULL OR $4::timestamptz IS NULL OR not_before <= $4) \
      ORDER BY not_before, intent_id \
      LIMIT $1 \
      FOR UPDATE SKIP LOCKED \
@@ -272,6 +277,8 @@ pub struct Drainer {
     /// Publishes intents that failed as if for good, one at a time (see
     /// [`Drainer::with_solo_producer`]).
     solo: tokio::sync::Mutex<Option<FutureProducer>>,
+    /// Timeout timers wait for it to pass their deadline.
+    frontier: Frontier,
 }
 
 impl Drainer {
@@ -297,7 +304,15 @@ impl Drainer {
             pending_behind: Arc::new(AtomicUsize::new(0)),
             healthy_since_ms: AtomicI64::new(0),
             solo: tokio::sync::Mutex::new(None),
+            frontier: Frontier::default(),
         }
+    }
+
+    /// Holds each step's timeout timer until `frontier` has passed its
+    /// deadline (see [`crate::frontier`]).
+    pub fn with_results_frontier(mut self, frontier: Frontier) -> Self {
+        self.frontier = frontier;
+        self
     }
 
     /// A producer of its own for intents whose publish failed as if for
@@ -344,6 +359,7 @@ impl Drainer {
             .bind(self.config.batch_max_intents as i64)
             .bind(&self.drainer_id)
             .bind(self.config.lease_ms as f64 / 1000.0)
+            .bind(self.frontier.at())
             .fetch_all(&self.pool)
             .await
             .context("claiming due intents")?;
@@ -760,7 +776,8 @@ impl Drainer {
     }
 
     /// Updates the backlog gauges; returns when the next pending intent
-    /// falls due, if any.
+    /// falls due, if any (a timeout held for the results frontier is not:
+    /// the frontier's moving wakes the drainer).
     pub async fn observe_backlog(&self) -> anyhow::Result<Option<DateTime<Utc>>> {
         let row = sqlx::query(
             "SELECT count(*) FILTER (WHERE status <> 'parked') AS backlog, \
@@ -768,10 +785,12 @@ impl Drainer {
                  count(*) FILTER (WHERE not_before <= now() AND status <> 'parked') AS due, \
                  EXTRACT(EPOCH FROM now() - min(not_before) \
                      FILTER (WHERE not_before <= now() AND status <> 'parked'))::float8 AS oldest_due_s, \
-                 min(GREATEST(not_before, deferred_until)) FILTER (WHERE status = 'pending') \
+                 min(GREATEST(not_before, deferred_until)) FILTER (WHERE status = 'pending' \
+                     AND (cancel_key IS NULL OR $1::timestamptz IS NULL OR not_before <= $1)) \
                      AS next_due \
              FROM eec_effect_intent WHERE status <> 'completed'",
         )
+        .bind(self.frontier.at())
         .fetch_one(&self.pool)
         .await
         .context("measuring outbox backlog")?;

@@ -31,6 +31,21 @@ fn base_config(kafka: &KafkaConfig, role: &str) -> ClientConfig {
     cfg
 }
 
+/// A consumer that reads `group_id`'s committed offsets and the topics'
+/// offsets, and never joins the group or commits: `assign`-free, for
+/// looking at the coordinator's progress from outside it.
+pub fn offsets_reader_config(kafka: &KafkaConfig, group_id: &str, role: &str) -> ClientConfig {
+    let mut cfg = base_config(kafka, role);
+    cfg.set("group.id", group_id)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("enable.partition.eof", "false");
+    for (key, value) in kafka.consumer_properties.iter() {
+        cfg.set(key, value);
+    }
+    cfg
+}
+
 /// The coordinator's ingress consumer: manual offset store, stored offsets
 /// auto-committed in the background. Offsets are stored only after the
 /// Postgres transaction that applied the messages has committed.

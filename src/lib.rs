@@ -15,6 +15,7 @@ pub mod dedup;
 pub mod dlq;
 pub mod drainer;
 pub mod failpoints;
+pub mod frontier;
 pub mod http;
 pub mod ingress;
 pub mod inspect;

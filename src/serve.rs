@@ -110,7 +110,8 @@ pub async fn run_on(
             config.drainer.clone(),
             Duration::from_millis(config.kafka.delivery_timeout_ms),
         )
-        .with_solo_producer(crate::kafka::producer(&config.kafka, "drainer-solo")?);
+        .with_solo_producer(crate::kafka::producer(&config.kafka, "drainer-solo")?)
+        .with_results_frontier(results_frontier(&config, &tracker, &wakeup, &shutdown));
         let (handoff, lane) = drainer.fast_lane(&wakeup);
         Some((drainer, handoff, lane))
     } else {
@@ -254,4 +255,27 @@ pub fn cancel_on_signals(token: CancellationToken) -> anyhow::Result<()> {
         token.cancel();
     });
     Ok(())
+}
+
+/// Starts probing the results frontier (see `ductor::frontier`) for the
+/// drainer's timeout timers; each step forward wakes the drainer.
+fn results_frontier(
+    config: &Config,
+    tracker: &TaskTracker,
+    wakeup: &crate::drainer::Wakeup,
+    shutdown: &CancellationToken,
+) -> crate::frontier::Frontier {
+    let frontier = crate::frontier::Frontier::tracked();
+    let options = crate::frontier::FrontierOptions {
+        kafka: config.kafka.clone(),
+        group_id: config.kafka.group_id.clone(),
+        topic: config.attempt_results_topic(),
+        interval: Duration::from_millis(config.drainer.results_frontier_interval_ms),
+        lag: Duration::from_millis(config.drainer.results_frontier_lag_ms),
+    };
+    let (f, wakeup, shutdown) = (frontier.clone(), wakeup.clone(), shutdown.clone());
+    tracker.spawn(async move {
+        crate::frontier::run(options, f, move || wakeup.wake(), shutdown).await;
+    });
+    frontier
 }
