@@ -44,7 +44,7 @@ impl Frontier {
     }
 
     /// Moves it forward to `ms` (never back); true when it moved.
-    fn advance(&self, ms: i64) -> bool {
+    pub fn advance(&self, ms: i64) -> bool {
         self.0
             .as_ref()
             .is_some_and(|f| f.fetch_max(ms, Ordering::Relaxed) < ms)
@@ -143,6 +143,33 @@ pub struct FrontierOptions {
     pub lag: Duration,
 }
 
+fn reader(options: &FrontierOptions) -> anyhow::Result<BaseConsumer> {
+    crate::kafka::offsets_reader_config(&options.kafka, &options.group_id, "results-frontier")
+        .create()
+        .context("creating the results-frontier reader")
+}
+
+/// The instants one probe at `now_ms` tries, newest first.
+fn candidates(options: &FrontierOptions, now_ms: i64) -> [i64; 3] {
+    let lag = options.lag.as_millis() as i64;
+    [now_ms, now_ms - lag, now_ms - 4 * lag]
+}
+
+/// One probe now, with a reader of its own: the newest instant the
+/// coordinator group has covered, in milliseconds since the epoch, if any
+/// of those tried. Blocks on the broker.
+pub fn probe_once(options: &FrontierOptions) -> anyhow::Result<Option<i64>> {
+    let consumer = reader(options)?;
+    let timeout = Duration::from_millis(options.kafka.admin_timeout_ms);
+    let now = Utc::now().timestamp_millis();
+    probe(
+        &consumer,
+        &options.topic,
+        &candidates(options, now),
+        timeout,
+    )
+}
+
 /// Keeps `frontier` moving until `shutdown`, calling `moved` whenever it
 /// did (the drainer's wake-up: held timeouts may be due now).
 pub async fn run(
@@ -151,22 +178,18 @@ pub async fn run(
     moved: impl Fn(),
     shutdown: CancellationToken,
 ) {
-    let consumer: BaseConsumer = match crate::kafka::offsets_reader_config(
-        &options.kafka,
-        &options.group_id,
-        "results-frontier",
-    )
-    .create()
-    {
+    let consumer = match reader(&options) {
         Ok(c) => c,
         Err(e) => {
-            tracing::error!(error = %e, "cannot create the results-frontier reader; timeouts wait");
+            tracing::error!(
+                error = format!("{e:#}"),
+                "no results frontier; timeouts wait"
+            );
             return;
         }
     };
     let consumer = Arc::new(consumer);
     let timeout = Duration::from_millis(options.kafka.admin_timeout_ms);
-    let lag = options.lag.as_millis() as i64;
     let mut failing = false;
     loop {
         tokio::select! {
@@ -174,7 +197,7 @@ pub async fn run(
             _ = tokio::time::sleep(options.interval) => {}
         }
         let now = Utc::now().timestamp_millis();
-        let candidates = [now, now - lag, now - 4 * lag];
+        let candidates = candidates(&options, now);
         let (consumer, topic) = (consumer.clone(), options.topic.clone());
         let probing =
             tokio::task::spawn_blocking(move || probe(&consumer, &topic, &candidates, timeout));

@@ -1038,3 +1038,74 @@ async fn a_dispatch_claimed_by_a_drainer_that_died_is_redriven_and_its_timeout_w
     serve.stop().await;
     env.db.drop_db().await;
 }
+
+/// A worker answers in time while no serve reads the attempt results (the
+/// one that owned them crashed): the step's timeout is held until the
+/// result has been applied, and the run succeeds instead of failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_sent_in_time_holds_the_timeout_while_no_serve_reads_it() {
+    let env = Env::new("max_attempts = 1", 2_000, |_| {}).await;
+    let serve = env.serve();
+    let run_id = unique("frontier-");
+    env.start_runs(std::slice::from_ref(&run_id)).await;
+    let stamp = env.dispatched_stamp(&run_id, 0).await;
+    serve.stop().await;
+    env.send_success(&run_id, stamp).await;
+    let deadline: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT deadline FROM run_attempts WHERE stamp = $1")
+            .bind(stamp)
+            .fetch_one(&env.db.pool)
+            .await
+            .unwrap();
+    // The step's clock runs out with the result still unread.
+    let left = (deadline - chrono::Utc::now()).to_std().unwrap_or_default();
+    tokio::time::sleep(left + Duration::from_millis(100)).await;
+    let options = ductor::frontier::FrontierOptions {
+        kafka: env.config.kafka.clone(),
+        group_id: env.config.kafka.group_id.clone(),
+        topic: env.config.attempt_results_topic(),
+        interval: Duration::from_millis(env.config.drainer.results_frontier_interval_ms),
+        lag: Duration::from_millis(env.config.drainer.results_frontier_lag_ms),
+    };
+    let covered = tokio::task::spawn_blocking(move || ductor::frontier::probe_once(&options))
+        .await
+        .unwrap()
+        .expect("probing the frontier");
+    assert!(
+        covered.is_none_or(|at| at < deadline.timestamp_millis()),
+        "the unread result holds the frontier before the deadline: {covered:?}"
+    );
+    let frontier = ductor::frontier::Frontier::tracked();
+    if let Some(at) = covered {
+        frontier.advance(at);
+    }
+    let drainer = env.drainer().with_results_frontier(frontier);
+    drainer.drain_once().await.expect("a drain round");
+    let timer: String = sqlx::query_scalar(
+        "SELECT status FROM eec_effect_intent WHERE run_id = $1 AND cancel_key IS NOT NULL",
+    )
+    .bind(&run_id)
+    .fetch_one(&env.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(timer, "pending", "the timeout is held past its deadline");
+
+    // The serve comes back; a worker answers the later steps.
+    let serve = env.serve();
+    let worker =
+        env.worker(
+            |step: StepInput| async move { StepOutcome::Succeeded(json!({"step": step.step})) },
+        );
+    env.wait_all("succeeded", 1).await;
+    let not_succeeded: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM run_attempts WHERE run_id = $1 AND status <> 'succeeded'",
+    )
+    .bind(&run_id)
+    .fetch_one(&env.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(not_succeeded, 0, "no attempt timed out");
+    worker.stop().await;
+    serve.stop().await;
+    env.db.drop_db().await;
+}
