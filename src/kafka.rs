@@ -38,8 +38,13 @@ pub fn offsets_reader_config(kafka: &KafkaConfig, group_id: &str, role: &str) ->
     let mut cfg = base_config(kafka, role);
     cfg.set("group.id", group_id)
         .set("enable.auto.commit", "false")
-        .set("enable.auto.offset.store", "false")
-        .set("enable.partition.eof", "false");
+        .set("enable.auto.offset.store", "false");
+    with_consumer_properties(cfg, kafka)
+}
+
+/// `kafka.consumer_properties` over what Ductor set: the operator's word
+/// wins.
+fn with_consumer_properties(mut cfg: ClientConfig, kafka: &KafkaConfig) -> ClientConfig {
     for (key, value) in kafka.consumer_properties.iter() {
         cfg.set(key, value);
     }
@@ -67,10 +72,7 @@ pub fn consumer_config(kafka: &KafkaConfig, group_id: &str, role: &str) -> Clien
         .set("fetch.wait.max.ms", kafka.fetch_max_wait_ms.to_string())
         .set("fetch.min.bytes", "1")
         .set("queued.max.messages.kbytes", "65536");
-    for (key, value) in kafka.consumer_properties.iter() {
-        cfg.set(key, value);
-    }
-    cfg
+    with_consumer_properties(cfg, kafka)
 }
 
 /// The producer settings a delivery report's truth rests on, with the value

@@ -184,6 +184,26 @@ impl Env {
         .await;
     }
 
+    /// Runs a serve and a worker that succeeds until `run_id`, the only
+    /// run, has succeeded, and proves that none of its attempts timed out.
+    async fn serve_until_it_succeeds_on_time(&self, run_id: &str) {
+        let serve = self.serve();
+        let worker = self.worker(|step: StepInput| async move {
+            StepOutcome::Succeeded(json!({"step": step.step}))
+        });
+        self.wait_all("succeeded", 1).await;
+        let not_succeeded: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM run_attempts WHERE run_id = $1 AND status <> 'succeeded'",
+        )
+        .bind(run_id)
+        .fetch_one(&self.db.pool)
+        .await
+        .unwrap();
+        assert_eq!(not_succeeded, 0, "no attempt of {run_id} timed out");
+        worker.stop().await;
+        serve.stop().await;
+    }
+
     /// Distinct idempotency keys committed per topic.
     async fn intent_keys(&self) -> HashMap<String, HashSet<String>> {
         let rows: Vec<(String, String)> =
@@ -1020,22 +1040,7 @@ async fn a_dispatch_claimed_by_a_drainer_that_died_is_redriven_and_its_timeout_w
     assert!(claimed_by_dead > 0, "the dead process holds the dispatch");
     drop(dead);
 
-    let serve = env.serve();
-    let worker =
-        env.worker(
-            |step: StepInput| async move { StepOutcome::Succeeded(json!({"step": step.step})) },
-        );
-    env.wait_all("succeeded", 1).await;
-    let timed_out: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM run_attempts WHERE run_id = $1 AND status <> 'succeeded'",
-    )
-    .bind(&run_id)
-    .fetch_one(&env.db.pool)
-    .await
-    .unwrap();
-    assert_eq!(timed_out, 0, "no attempt timed out");
-    worker.stop().await;
-    serve.stop().await;
+    env.serve_until_it_succeeds_on_time(&run_id).await;
     env.db.drop_db().await;
 }
 
@@ -1091,21 +1096,6 @@ async fn a_result_sent_in_time_holds_the_timeout_while_no_serve_reads_it() {
     assert_eq!(timer, "pending", "the timeout is held past its deadline");
 
     // The serve comes back; a worker answers the later steps.
-    let serve = env.serve();
-    let worker =
-        env.worker(
-            |step: StepInput| async move { StepOutcome::Succeeded(json!({"step": step.step})) },
-        );
-    env.wait_all("succeeded", 1).await;
-    let not_succeeded: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM run_attempts WHERE run_id = $1 AND status <> 'succeeded'",
-    )
-    .bind(&run_id)
-    .fetch_one(&env.db.pool)
-    .await
-    .unwrap();
-    assert_eq!(not_succeeded, 0, "no attempt timed out");
-    worker.stop().await;
-    serve.stop().await;
+    env.serve_until_it_succeeds_on_time(&run_id).await;
     env.db.drop_db().await;
 }
