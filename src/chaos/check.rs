@@ -44,6 +44,9 @@
 //!   the `ductor-dlq-topic/partition/offset` headers.
 //! - `effect_dead_lettered` — one of Ductor's own effects (a timer) ended in
 //!   the DLQ.
+//! - `lane_stalled` — a serve's `ductor_ingress_stalled_lanes`, read by the
+//!   load driver every second, was above zero: an apply lane held a batch
+//!   it could not commit for `coordinator.stall_after_ms`.
 //! - `failed_by_timeout_not_slow` — a run failed because its last attempt
 //!   timed out, although the worker's answer to that attempt was
 //!   acknowledged by the broker before the attempt's deadline (and was not
@@ -615,6 +618,16 @@ pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
         }
     }
     timeouts_not_slow(inp.records, db, &attempt_by_stamp, v);
+    for r in inp.records.iter().filter(|r| r.ev == log::EV_STALL) {
+        v.add("lane_stalled", || {
+            format!(
+                "{} at {}: {}",
+                r.server.as_deref().unwrap_or("?"),
+                r.t_ms,
+                r.note.as_deref().unwrap_or("")
+            )
+        });
+    }
     for i in &db.intents {
         if !runs.contains_key(i.run_id.as_str()) {
             v.add("state_history_mismatch", || {
@@ -1379,5 +1392,32 @@ mod tests {
         assert_eq!(v.total(), 1);
         let examples = &v.examples["failed_by_timeout_not_slow"];
         assert!(examples[0].starts_with("prompt:"), "{examples:?}");
+    }
+
+    /// A stalled-lanes reading the load driver logged is a violation.
+    #[test]
+    fn a_stalled_lane_is_reported() {
+        let config = Config::load_from(None, Vec::<(String, String)>::new()).unwrap();
+        let records = vec![Record {
+            ev: log::EV_STALL.into(),
+            t_ms: 1,
+            server: Some("127.0.0.1:1".into()),
+            note: Some("1 lanes stalled".into()),
+            ..Record::default()
+        }];
+        let mut v = Violations::default();
+        let report = analyse(
+            &Inputs {
+                records: &records,
+                db: &DbSnapshot::default(),
+                msgs: &[],
+                settle_at: Utc::now(),
+                config: &config,
+                workflows: &Workflows::default(),
+            },
+            &mut v,
+        );
+        let kinds: Vec<&str> = report.violations.keys().map(String::as_str).collect();
+        assert_eq!(kinds, ["lane_stalled"], "{:#?}", report.examples);
     }
 }

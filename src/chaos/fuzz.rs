@@ -606,7 +606,7 @@ async fn watch_stalls(addr: SocketAddr, stop: CancellationToken) -> Stalls {
 }
 
 /// The value of an unlabelled gauge in a Prometheus text exposition.
-fn gauge(text: &str, name: &str) -> Option<f64> {
+pub(crate) fn gauge(text: &str, name: &str) -> Option<f64> {
     text.lines()
         .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
         .and_then(|v| v.trim().parse().ok())

@@ -251,6 +251,7 @@ pub async fn run(
         &[config.events_topic()],
     )?;
     let worker = tokio::spawn(driver.clone().work(worker_consumer, background.clone()));
+    let stalls = tokio::spawn(driver.clone().watch_stalls(background.clone()));
     let follower = tokio::spawn(driver.clone().follow(events_consumer, background.clone()));
 
     // Load.
@@ -314,6 +315,7 @@ pub async fn run(
     background.cancel();
     let _ = worker.await;
     let _ = follower.await;
+    let _ = stalls.await;
     driver.log.sync()?;
     let mut summary = driver.with_book(|b| {
         b.summary.runs_seen = b.runs.len() as u64;
@@ -1038,6 +1040,40 @@ impl Driver {
             ..Record::default()
         };
         self.send(rec, topic, key.as_bytes(), &payload).await;
+    }
+
+    /// Reads every serve's `ductor_ingress_stalled_lanes` each second, and
+    /// logs each reading above zero (the checker's `lane_stalled`).
+    async fn watch_stalls(self: Arc<Self>, stop: CancellationToken) {
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+            for server in &self.http {
+                let metrics = super::http::request(
+                    *server,
+                    "GET",
+                    "/metrics",
+                    &[],
+                    b"",
+                    Duration::from_secs(2),
+                )
+                .await;
+                let Ok((200, body)) = metrics else { continue };
+                let text = String::from_utf8_lossy(&body);
+                match super::fuzz::gauge(&text, "ductor_ingress_stalled_lanes") {
+                    Some(lanes) if lanes > 0.0 => self.log.write(&Record {
+                        ev: log::EV_STALL.into(),
+                        t_ms: log::now_ms(),
+                        server: Some(server.to_string()),
+                        note: Some(format!("{lanes} lanes stalled")),
+                        ..Record::default()
+                    }),
+                    _ => {}
+                }
+            }
+        }
     }
 
     /// Follows the events topic: which runs exist, their tenant, which ended.

@@ -17,6 +17,9 @@ use serde::{Deserialize, Serialize};
 /// What a line describes.
 pub const EV_INPUT: &str = "input";
 pub const EV_HTTP: &str = "http";
+/// A serve reported stalled apply lanes (`ductor_ingress_stalled_lanes`
+/// above zero); `server` names it, `note` says how many lanes.
+pub const EV_STALL: &str = "stall";
 
 /// Input kinds (`Record::kind`).
 pub const KIND_START: &str = "start";
