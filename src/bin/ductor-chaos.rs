@@ -38,6 +38,10 @@ enum Command {
     /// input limits (`DUCTOR__COORDINATOR__MAX_INPUT_BYTES` and the shape
     /// limits) so that values past them are cheap to send.
     Fuzz(ductor::chaos::fuzz::FuzzArgs),
+    /// Measure what a SIGKILL of a serve and its immediate restart cost a
+    /// healthy workload (see `ductor::chaos::restart`); exits 1 when a run
+    /// failed or an attempt timed out.
+    Restart(ductor::chaos::restart::RestartArgs),
     /// Delete every topic of the configured topic prefix (a chaos run's own
     /// topics); refuses the default prefix.
     DeleteTopics,
@@ -106,6 +110,20 @@ fn main() -> ExitCode {
                 Ok(deleted) => {
                     println!("{}", serde_json::json!({ "deleted": deleted }));
                     ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    ExitCode::from(2)
+                }
+            },
+            Command::Restart(args) => match ductor::chaos::restart::run(&config, &args).await {
+                Ok(report) => {
+                    println!("{}", report.json_line());
+                    if report.ok() {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::from(1)
+                    }
                 }
                 Err(e) => {
                     eprintln!("error: {e:#}");

@@ -39,6 +39,8 @@ pub mod history;
 pub mod http;
 pub mod load;
 pub mod log;
+pub mod restart;
+pub mod serve_process;
 pub mod topics;
 
 use std::path::PathBuf;
