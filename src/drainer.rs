@@ -130,7 +130,95 @@ const RELEASE_SQL: &str = "UPDATE eec_effect_intent i SET \
  FROM UNNEST($1::int8[], $2::text[], $3::text[]) AS u(intent_id, error, cause) \
  WHERE i.intent_id = u.intent_id AND i.claimed_by = $7 \
    AND CASE WHEN i.status = 'claimed' THEN true END \
- RETURNING i.intent_id, i.run_id, i.topic, i.status, i.last_error";
+ RETURNING i.intent_id, i.run_id, i.seq, i.effect_index, i.tenant_scope, i.idempotency_key, \
+     i.topic, i.headers, i.status, i.last_error";
+
+/// Writes the notices of parked effects, each at most once (`$1`.. the
+/// columns, see [`ParkedNotice`]).
+const NOTICE_SQL: &str = "INSERT INTO eec_effect_intent (run_id, seq, effect_index, \
+     idempotency_key, tenant_scope, topic, message_key, headers, payload, ce_type, not_before) \
+ SELECT n.run_id, n.seq, n.effect_index, n.key, n.tenant, n.topic, convert_to(n.run_id, 'UTF8'), \
+     n.headers::jsonb, convert_to(n.payload, 'UTF8'), $9, now() \
+ FROM UNNEST($1::text[], $2::int8[], $3::int4[], $4::text[], $5::text[], $6::text[], \
+     $7::text[], $8::text[]) AS n(run_id, seq, effect_index, key, tenant, topic, headers, payload) \
+ ON CONFLICT DO NOTHING";
+
+/// The CloudEvents type of the notice that one of a run's effects was
+/// parked.
+pub const CE_EFFECT_PARKED: &str = "ductor.run.effect_parked";
+/// A parked effect's notice takes the effect's place in its transition
+/// shifted by this, so that it has a position of its own.
+const NOTICE_INDEX_OFFSET: i32 = 1 << 20;
+/// Longest error text a notice carries.
+const MAX_NOTICE_ERROR_LEN: usize = 512;
+
+/// What a parked intent's release returned, for its notice.
+#[derive(Debug, Clone)]
+pub struct Parked {
+    pub run_id: String,
+    pub seq: i64,
+    pub effect_index: i32,
+    pub tenant: String,
+    pub key: String,
+    pub topic: String,
+    pub headers: serde_json::Map<String, Value>,
+    pub error: String,
+}
+
+/// The event that tells a run's followers that one of its effects was
+/// parked: on the events topic, keyed by the run, with the effect's
+/// headers but an idempotency key, id, type and time of its own, and the
+/// effect's position, topic and error in its payload.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParkedNotice {
+    pub run_id: String,
+    pub seq: i64,
+    pub effect_index: i32,
+    pub key: String,
+    pub tenant: String,
+    pub topic: String,
+    pub headers: Value,
+    pub payload: Value,
+}
+
+/// The notice of `parked`, on `events_topic`, at `now`.
+pub fn parked_notice(parked: &Parked, events_topic: &str, now: DateTime<Utc>) -> ParkedNotice {
+    let key = format!("{}/parked", parked.key);
+    let mut headers = parked.headers.clone();
+    let at = now.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+    for (name, value) in [
+        (crate::dedup::HEADER_IDEMPOTENCY_KEY, key.as_str()),
+        ("ce_id", key.as_str()),
+        ("ce_type", CE_EFFECT_PARKED),
+        ("ce_time", at.as_str()),
+    ] {
+        headers.insert(name.to_string(), Value::String(value.to_string()));
+    }
+    let mut error = parked.error.clone();
+    if let Some((cut, _)) = error.char_indices().nth(MAX_NOTICE_ERROR_LEN) {
+        error.truncate(cut);
+    }
+    ParkedNotice {
+        run_id: parked.run_id.clone(),
+        seq: parked.seq,
+        effect_index: parked.effect_index.saturating_add(NOTICE_INDEX_OFFSET),
+        key,
+        tenant: parked.tenant.clone(),
+        topic: events_topic.to_string(),
+        headers: Value::Object(headers),
+        payload: serde_json::json!({
+            "type": "run.effect_parked",
+            "schema_version": crate::coordinator::input::SCHEMA_VERSION,
+            "run_id": parked.run_id,
+            "tenant": parked.tenant,
+            "seq": parked.seq,
+            "effect_index": parked.effect_index,
+            "topic": parked.topic,
+            "error": error,
+            "at": at,
+        }),
+    }
+}
 
 /// Why a claimed intent was not published.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -279,6 +367,8 @@ pub struct Drainer {
     solo: tokio::sync::Mutex<Option<FutureProducer>>,
     /// Timeout timers wait for it to pass their deadline.
     frontier: Frontier,
+    /// The events topic, when parked effects get a notice there.
+    parked_notices: Option<String>,
 }
 
 impl Drainer {
@@ -305,6 +395,7 @@ impl Drainer {
             healthy_since_ms: AtomicI64::new(0),
             solo: tokio::sync::Mutex::new(None),
             frontier: Frontier::default(),
+            parked_notices: None,
         }
     }
 
@@ -528,6 +619,11 @@ impl Drainer {
         let ids: Vec<i64> = failed.iter().map(|f| f.intent_id).collect();
         let errors: Vec<&str> = failed.iter().map(|f| f.error.as_str()).collect();
         let causes: Vec<&str> = failed.iter().map(|f| f.cause.as_str()).collect();
+        let mut tx = self
+            .pool
+            .begin()
+            .await
+            .context("releasing failed intents")?;
         let rows = sqlx::query(RELEASE_SQL)
             .bind(&ids)
             .bind(&errors)
@@ -536,9 +632,10 @@ impl Drainer {
             .bind(self.config.publish_retry_min_ms as f64 / 1000.0)
             .bind(self.config.max_backoff_ms as f64 / 1000.0)
             .bind(&self.drainer_id)
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *tx)
             .await
             .context("releasing failed intents")?;
+        let mut notices = Vec::new();
         let mut released = Released {
             transient: failed
                 .iter()
@@ -564,8 +661,38 @@ impl Drainer {
                 "effect parked: it cannot be published as it is; fix the cause, then `ductor outbox redrive`"
             );
             metrics::counter!("ductor_outbox_parked_total").increment(1);
+            match &self.parked_notices {
+                // A notice of a notice, or of an event the events topic
+                // refused, would be refused as well.
+                Some(events) if &topic != events => {
+                    let headers: Value = row.try_get("headers")?;
+                    let parked = Parked {
+                        run_id,
+                        seq: row.try_get("seq")?,
+                        effect_index: row.try_get("effect_index")?,
+                        tenant: row.try_get("tenant_scope")?,
+                        key: row.try_get("idempotency_key")?,
+                        topic,
+                        headers: headers.as_object().cloned().unwrap_or_default(),
+                        error: error.unwrap_or_default(),
+                    };
+                    notices.push(parked_notice(&parked, events, Utc::now()));
+                }
+                _ => {}
+            }
         }
+        if !notices.is_empty() {
+            insert_notices(&mut tx, &notices).await?;
+        }
+        tx.commit().await.context("releasing failed intents")?;
         Ok(released)
+    }
+
+    /// Publishes a notice of every effect parked from now on, on
+    /// `events_topic` (the run's followers learn of it there).
+    pub fn with_parked_notices(mut self, events_topic: String) -> Self {
+        self.parked_notices = Some(events_topic);
+        self
     }
 
     /// Gives back this drainer's claims at the given positions, if any.
@@ -1290,4 +1417,74 @@ fn hostname() -> String {
         .ok()
         .filter(|s| !s.is_empty())
         .unwrap_or_else(|| "ductor".to_string())
+}
+
+/// Writes `notices` as intents due now, each at most once.
+async fn insert_notices(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    notices: &[ParkedNotice],
+) -> anyhow::Result<()> {
+    let col = |f: fn(&ParkedNotice) -> String| notices.iter().map(f).collect::<Vec<String>>();
+    sqlx::query(NOTICE_SQL)
+        .bind(col(|n| n.run_id.clone()))
+        .bind(notices.iter().map(|n| n.seq).collect::<Vec<i64>>())
+        .bind(notices.iter().map(|n| n.effect_index).collect::<Vec<i32>>())
+        .bind(col(|n| n.key.clone()))
+        .bind(col(|n| n.tenant.clone()))
+        .bind(col(|n| n.topic.clone()))
+        .bind(col(|n| n.headers.to_string()))
+        .bind(col(|n| n.payload.to_string()))
+        .bind(CE_EFFECT_PARKED)
+        .execute(&mut **tx)
+        .await
+        .context("writing the notices of parked effects")?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_parked_effect_s_notice_has_its_own_key_type_and_place() {
+        let mut headers = serde_json::Map::new();
+        for (k, v) in [
+            ("idempotency-key", "r1/3/2"),
+            ("ce_id", "r1/3/2"),
+            ("ce_type", "ductor.run.output"),
+            ("ce_time", "2026-01-01T00:00:00.000000Z"),
+            ("ductor-run-id", "r1"),
+            ("ductor-tenant", "acme"),
+        ] {
+            headers.insert(k.into(), Value::String(v.into()));
+        }
+        let parked = Parked {
+            run_id: "r1".into(),
+            seq: 3,
+            effect_index: 2,
+            tenant: "acme".into(),
+            key: "r1/3/2".into(),
+            topic: "ductor.outputs".into(),
+            headers,
+            error: "x".repeat(2_000),
+        };
+        let now = DateTime::from_timestamp(1_800_000_000, 0).unwrap();
+        let n = parked_notice(&parked, "ductor.events", now);
+        assert_eq!(n.key, "r1/3/2/parked");
+        assert_eq!(n.topic, "ductor.events");
+        assert_eq!((n.seq, n.effect_index), (3, 2 + NOTICE_INDEX_OFFSET));
+        assert_eq!(n.headers["idempotency-key"], "r1/3/2/parked");
+        assert_eq!(n.headers["ce_id"], "r1/3/2/parked");
+        assert_eq!(n.headers["ce_type"], CE_EFFECT_PARKED);
+        assert_eq!(n.headers["ductor-run-id"], "r1");
+        assert_eq!(n.payload["type"], "run.effect_parked");
+        assert_eq!(n.payload["topic"], "ductor.outputs");
+        assert_eq!(n.payload["effect_index"], 2);
+        assert_eq!(
+            n.payload["error"].as_str().unwrap().len(),
+            MAX_NOTICE_ERROR_LEN
+        );
+        // The same effect parked again gets the same notice.
+        assert_eq!(parked_notice(&parked, "ductor.events", now), n);
+    }
 }

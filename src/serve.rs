@@ -111,7 +111,8 @@ pub async fn run_on(
             Duration::from_millis(config.kafka.delivery_timeout_ms),
         )
         .with_solo_producer(crate::kafka::producer(&config.kafka, "drainer-solo")?)
-        .with_results_frontier(results_frontier(&config, &tracker, &wakeup, &shutdown));
+        .with_results_frontier(results_frontier(&config, &tracker, &wakeup, &shutdown))
+        .with_parked_notices(config.events_topic());
         let (handoff, lane) = drainer.fast_lane(&wakeup);
         Some((drainer, handoff, lane))
     } else {

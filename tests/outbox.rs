@@ -950,6 +950,23 @@ async fn an_effect_the_broker_refuses_is_parked_without_holding_anything_up_and_
         (output_status(small.clone()).await.0 == "completed").then_some(())
     })
     .await;
+    // The run's followers learn of it on the events topic.
+    let notice: Vec<u8> = eventually("the parked effect's notice is published", WAIT, || async {
+        sqlx::query_scalar(
+            "SELECT payload FROM eec_effect_intent \
+             WHERE run_id = $1 AND ce_type = $2 AND status = 'completed'",
+        )
+        .bind(&big)
+        .bind(ductor::drainer::CE_EFFECT_PARKED)
+        .fetch_optional(&env.db.pool)
+        .await
+        .unwrap()
+    })
+    .await;
+    let notice: serde_json::Value = serde_json::from_slice(&notice).unwrap();
+    assert_eq!(notice["type"], "run.effect_parked");
+    assert_eq!(notice["topic"], output_topic.as_str());
+    assert!(notice["error"].as_str().is_some_and(|e| !e.is_empty()));
     let inspected = ductor::inspect::run(&env.db.pool, &big)
         .await
         .unwrap()
