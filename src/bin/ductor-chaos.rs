@@ -116,34 +116,16 @@ fn main() -> ExitCode {
                     ExitCode::from(2)
                 }
             },
-            Command::Restart(args) => match ductor::chaos::restart::run(&config, &args).await {
-                Ok(report) => {
-                    println!("{}", report.json_line());
-                    if report.ok() {
-                        ExitCode::SUCCESS
-                    } else {
-                        ExitCode::from(1)
-                    }
-                }
-                Err(e) => {
-                    eprintln!("error: {e:#}");
-                    ExitCode::from(2)
-                }
-            },
-            Command::Fuzz(args) => match ductor::chaos::fuzz::run(&config, &args).await {
-                Ok(report) => {
-                    println!("{}", report.json_line());
-                    if report.ok() {
-                        ExitCode::SUCCESS
-                    } else {
-                        ExitCode::from(1)
-                    }
-                }
-                Err(e) => {
-                    eprintln!("error: {e:#}");
-                    ExitCode::from(2)
-                }
-            },
+            Command::Restart(args) => verdict(
+                ductor::chaos::restart::run(&config, &args)
+                    .await
+                    .map(|r| (r.json_line(), r.ok())),
+            ),
+            Command::Fuzz(args) => verdict(
+                ductor::chaos::fuzz::run(&config, &args)
+                    .await
+                    .map(|r| (r.json_line(), r.ok())),
+            ),
             Command::Check(args) => match ductor::chaos::check::run(&args, &config).await {
                 Ok(report) => {
                     println!("{}", serde_json::to_string(&report).unwrap_or_default());
@@ -181,4 +163,23 @@ fn stop_then_abort_on_signals(
         }
     });
     Ok(())
+}
+
+/// A harness's report line and exit status: 0 without violations, 1 with
+/// some, 2 when it could not run.
+fn verdict(outcome: anyhow::Result<(String, bool)>) -> ExitCode {
+    match outcome {
+        Ok((line, ok)) => {
+            println!("{line}");
+            if ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            }
+        }
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
 }
