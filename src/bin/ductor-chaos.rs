@@ -32,8 +32,9 @@ enum Command {
     Load(LoadArgs),
     /// Wait for the system to settle, check every guarantee, print one JSON line.
     Check(CheckArgs),
-    /// Send hostile inputs among good runs to a serve started here (on the
-    /// configured database and topic prefix), check that each was refused
+    /// Send hostile inputs among good runs to a `ductor serve` it starts in
+    /// a process of its own (on the configured database and topic prefix),
+    /// check that each was refused
     /// once and every good run completed, print one JSON line. Set small
     /// input limits (`DUCTOR__COORDINATOR__MAX_INPUT_BYTES` and the shape
     /// limits) so that values past them are cheap to send.
