@@ -50,8 +50,8 @@ async fn main() -> ExitCode {
 
 async fn run(args: Args) -> anyhow::Result<bool> {
     let config = Config::load(args.config.as_deref())?;
-    let pool = ductor::db::connect(&config.database).await?;
-    let producer = ductor::kafka::producer(&config.kafka, "demo")?;
+    let pool = ductor::infra::db::connect(&config.database).await?;
+    let producer = ductor::infra::kafka::producer(&config.kafka, "demo")?;
     let batch = uuid::Uuid::new_v4().simple().to_string();
     let run_ids: Vec<String> = (0..args.runs)
         .map(|i| format!("demo-{}-{i:05}", &batch[..8]))

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
+use ductor::client::worker::{DEFAULT_MAX_IN_FLIGHT, StepInput, StepOutcome, WorkerOptions};
 use ductor::config::Config;
-use ductor::worker::{DEFAULT_MAX_IN_FLIGHT, StepInput, StepOutcome, WorkerOptions};
 use rand::Rng;
 use serde_json::{Map, Value, json};
 use tokio_util::sync::CancellationToken;
@@ -51,12 +51,12 @@ async fn main() -> anyhow::Result<()> {
         "--max-in-flight must be at least 1"
     );
     let config = Config::load(args.config.as_deref()).context("loading configuration")?;
-    ductor::telemetry::init_logging(&config.log);
+    ductor::infra::telemetry::init_logging(&config.log);
 
     let mut options = WorkerOptions::from_config(&config, &args.pool);
     options.max_in_flight = args.max_in_flight;
     let shutdown = CancellationToken::new();
-    ductor::serve::cancel_on_signals(shutdown.clone())?;
+    ductor::cli::serve::cancel_on_signals(shutdown.clone())?;
     tracing::info!(
         pool = %args.pool,
         fail_rate = args.fail_rate,
@@ -64,7 +64,7 @@ async fn main() -> anyhow::Result<()> {
         "example worker starting"
     );
     let (fail_rate, work) = (args.fail_rate, Duration::from_millis(args.work_ms));
-    ductor::worker::run(options, move |step| handle(step, fail_rate, work), shutdown).await
+    ductor::client::worker::run(options, move |step| handle(step, fail_rate, work), shutdown).await
 }
 
 async fn handle(step: StepInput, fail_rate: f64, work: Duration) -> StepOutcome {

@@ -76,7 +76,7 @@ pub struct DatabaseConfig {
     /// failing its next statement. A connection returned more recently is
     /// handed out untested: under load each apply lane takes one per batch,
     /// and the test cost a batch 1.3-2.1 ms of a cycle of about 10-15 ms
-    /// (`ductor bench --latency-at 1300 --loads 50` on two cores). A
+    /// (`ductor-bench --latency-at 1300 --loads 50` on two cores). A
     /// statement on a connection that died within this window fails, and
     /// its batch is retried like after any database error. 0 tests every
     /// connection.
@@ -119,7 +119,7 @@ pub struct KafkaConfig {
     /// should share the work. Every partition also costs requests: librdkafka
     /// sends one produce request per partition, so traffic spread over more
     /// partitions than its consumers need pays the broker's cost per request
-    /// more often. Measured with `ductor bench --latency-at R --loads 50` on
+    /// more often. Measured with `ductor-bench --latency-at R --loads 50` on
     /// two cores, in six interleaved pairs at 2330-2800 inputs/s, two
     /// partitions (one per default apply lane) against six: Kafka used about
     /// 0.12 cores less in every pair, p99 was lower in every pair (48-118 ms
@@ -159,7 +159,7 @@ pub struct KafkaConfig {
     /// librdkafka properties for producers only. Neither this map nor
     /// `properties` may change `enable.idempotence`, `acks` or
     /// `max.in.flight.requests.per.connection` from Ductor's values
-    /// ([`crate::kafka::PRODUCER_GUARANTEES`]): the outbox trusts delivery
+    /// ([`crate::infra::kafka::PRODUCER_GUARANTEES`]): the outbox trusts delivery
     /// reports, and those settings are what make them true.
     pub producer_properties: KafkaProperties,
 }
@@ -202,7 +202,7 @@ pub struct CoordinatorConfig {
     /// a batch (under open-loop load at 90% of capacity batches averaged 89
     /// inputs), so the bound trades the cost a batch statement has whatever
     /// its size against how long one batch holds its lane. Measured with
-    /// `ductor bench --runs 8000` on two cores: 512 took a backlog at 6226 and
+    /// `ductor-bench --runs 8000` on two cores: 512 took a backlog at 6226 and
     /// 7023 inputs/s where 256 took it at 4186 and 5694; p99 at 50% load was
     /// 117 and 84 ms against 98 and 100 (at the higher rates that 50% of the
     /// higher capacities makes).
@@ -342,7 +342,7 @@ pub struct DrainerConfig {
     pub metrics_interval_ms: u64,
     /// How often the results frontier is probed: the instant before which
     /// the coordinator has applied every attempt result (see
-    /// `ductor::frontier`). A step's timeout is published only once the
+    /// `ductor::outbox::frontier`). A step's timeout is published only once the
     /// frontier has passed its deadline, so a result sent in time is never
     /// beaten by the timeout while its partition waits for a crashed
     /// `serve`.
@@ -866,7 +866,7 @@ impl KafkaProperties {
     }
 
     /// Why these properties would change a producer setting that the outbox
-    /// relies on ([`crate::kafka::PRODUCER_GUARANTEES`]), if they do. A
+    /// relies on ([`crate::infra::kafka::PRODUCER_GUARANTEES`]), if they do. A
     /// delivery report is what marks an effect completed, so a producer that
     /// may report a message delivered that is not in the log (without
     /// idempotence, with `acks` below `all`, or with more than one request in
@@ -879,7 +879,7 @@ impl KafkaProperties {
                 "max.in.flight" => "max.in.flight.requests.per.connection",
                 other => other,
             };
-            let (name, required) = crate::kafka::PRODUCER_GUARANTEES
+            let (name, required) = crate::infra::kafka::PRODUCER_GUARANTEES
                 .into_iter()
                 .find(|(guarded, _)| *guarded == name)?;
             let same = value.trim() == required || (name == "acks" && value.trim() == "-1");

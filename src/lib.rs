@@ -1,28 +1,33 @@
 //! Ductor: a durable step orchestrator on Apache Kafka and PostgreSQL.
 //!
-//! The coordinator ([`coordinator`]) is a pure fold with no I/O; the apply
-//! layer ([`store`]) commits its decisions to Postgres with optimistic
-//! locking; the ingress ([`ingress`]) feeds it from Kafka and stores offsets
-//! only after the commit.
+//! The modules follow the data, stage by stage:
+//!
+//! ```text
+//! producers ─► requests / wakeups / attempt-results (Kafka)
+//!                │
+//!          [ingress]     Kafka to batches; bad messages to the dead-letter topic
+//!                │
+//!        [coordinator]   the pure fold: (state, input) → transition | no-op | rejection
+//!                │
+//!           [apply]      load, fold, plan, write: state, history and outbox in one statement
+//!                │       offsets stored only after that commit
+//!           [outbox]     claim, publish (at least once, keyed), fast lane, maintenance
+//!                │
+//!   dispatches / events / timers (Kafka) ─► [client] workers and consumers
+//!
+//!   HTTP / routed requests ─► [routing] reserve → decide → complete, exactly one decision
+//! ```
+//!
+//! [`contract`] is the wire every stage shares; [`config`] the configuration;
+//! [`infra`] the connections, telemetry and health around them; [`cli`] the
+//! binary's entry points.
 
-pub mod api;
-pub mod bench;
-pub mod chaos;
+pub mod apply;
+pub mod cli;
+pub mod client;
 pub mod config;
 pub mod coordinator;
-pub mod db;
-pub mod dedup;
-pub mod dlq;
-pub mod drainer;
-pub mod failpoints;
-pub mod frontier;
-pub mod http;
+pub mod infra;
 pub mod ingress;
-pub mod inspect;
-pub mod kafka;
+pub mod outbox;
 pub mod routing;
-pub mod serve;
-pub mod store;
-pub mod telemetry;
-pub mod worker;
-pub mod workflows;

@@ -48,8 +48,6 @@ enum Command {
     Config,
     /// Start a run through the routing plane and print its decision as JSON.
     Submit(SubmitArgs),
-    /// Measure capacity, latency and the machine's baselines (see `ductor::bench`).
-    Bench(ductor::bench::BenchArgs),
 }
 
 #[derive(clap::Args)]
@@ -107,46 +105,30 @@ fn main() -> ExitCode {
     #[cfg(feature = "failpoints")]
     let _failpoints = fail::FailScenario::setup();
     let cli = Cli::parse();
-    let config = match Config::load(cli.config.as_deref()) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
+    ductor::cli::run_binary(cli.config.as_deref(), |config| async move {
+        match run(cli.command, config).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                tracing::error!(error = format!("{e:#}"), "ductor failed");
+                eprintln!("error: {e:#}");
+                ExitCode::FAILURE
+            }
         }
-    };
-    ductor::telemetry::init_logging(&config.log);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: starting the async runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match runtime.block_on(run(cli.command, config)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            tracing::error!(error = format!("{e:#}"), "ductor failed");
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
+    })
 }
 
 async fn run(command: Command, config: Config) -> anyhow::Result<()> {
     match command {
         Command::Migrate => {
-            let pool = ductor::db::connect(&config.database).await?;
-            ductor::db::migrate(&pool).await?;
+            let pool = ductor::infra::db::connect(&config.database).await?;
+            ductor::infra::db::migrate(&pool).await?;
             println!("migrations applied");
             Ok(())
         }
         Command::Topics {
             command: TopicsCommand::Create,
         } => {
-            let outcomes = ductor::kafka::create_configured_topics(&config).await?;
+            let outcomes = ductor::infra::kafka::create_configured_topics(&config).await?;
             for o in outcomes {
                 println!(
                     "{} {}",
@@ -155,32 +137,33 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
                 );
             }
             let small =
-                ductor::kafka::topics_below_limit(&config.kafka, &config.all_topics()).await?;
+                ductor::infra::kafka::topics_below_limit(&config.kafka, &config.all_topics())
+                    .await?;
             if !small.is_empty() {
-                return Err(ductor::kafka::limits_error(&config.kafka, &small));
+                return Err(ductor::infra::kafka::limits_error(&config.kafka, &small));
             }
             Ok(())
         }
         Command::Outbox {
             command: OutboxCommand::Redrive { run, topic },
         } => {
-            let pool = ductor::db::connect(&config.database).await?;
+            let pool = ductor::infra::db::connect(&config.database).await?;
             let redriven =
-                ductor::drainer::Drainer::redrive_parked(&pool, run.as_deref(), topic.as_deref())
+                ductor::outbox::Drainer::redrive_parked(&pool, run.as_deref(), topic.as_deref())
                     .await?;
             println!("{}", serde_json::json!({ "redriven": redriven }));
             Ok(())
         }
         Command::Serve => {
             let shutdown = CancellationToken::new();
-            ductor::serve::cancel_on_signals(shutdown.clone())?;
-            ductor::serve::run(config, shutdown).await
+            ductor::cli::serve::cancel_on_signals(shutdown.clone())?;
+            ductor::cli::serve::run(config, shutdown).await
         }
         Command::Inspect {
             command: InspectCommand::Run { run_id },
         } => {
-            let pool = ductor::db::connect(&config.database).await?;
-            let run = ductor::inspect::run(&pool, &run_id)
+            let pool = ductor::infra::db::connect(&config.database).await?;
+            let run = ductor::cli::inspect::run(&pool, &run_id)
                 .await?
                 .with_context(|| format!("no run with id {run_id:?}"))?;
             println!("{}", serde_json::to_string_pretty(&run)?);
@@ -191,7 +174,6 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
             println!("{config:#?}");
             Ok(())
         }
-        Command::Bench(args) => ductor::bench::main(args, config).await,
     }
 }
 
@@ -209,20 +191,20 @@ async fn submit(args: SubmitArgs, config: Config) -> anyhow::Result<()> {
         body["workflow_version"] = version.into();
     }
     let key = args.idempotency_key.filter(|k| !k.is_empty());
-    let request = ductor::api::route_request_from_body(body, key)
+    let request = ductor::routing::http::route_request_from_body(body, key)
         .map_err(|e| anyhow::anyhow!("{}: {}", e.code, e.message))?;
     ductor::coordinator::bound_start(&request.start, args.input.len(), &limits)
         .map_err(|e| anyhow::anyhow!("--input: {}: {}", e.class.as_str(), e.message))?;
-    let workflows = ductor::workflows::load_dir(&config.coordinator.workflows_dir)
+    let workflows = ductor::infra::workflows::load_dir(&config.coordinator.workflows_dir)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let pool = ductor::db::connect(&config.database).await?;
-    let applier = ductor::store::Applier::new(&config, pool, workflows);
-    let submitted = ductor::api::submit(&applier, &config.routing, request)
+    let pool = ductor::infra::db::connect(&config.database).await?;
+    let applier = ductor::apply::Applier::new(&config, pool, workflows);
+    let submitted = ductor::routing::http::submit(&applier, &config.routing, request)
         .await
         .map_err(|e| anyhow::anyhow!("{}: {}", e.code, e.message))?;
     let status = match submitted {
-        ductor::api::Submitted::Created(_) => "created",
-        ductor::api::Submitted::Duplicate(_) => "duplicate",
+        ductor::routing::http::Submitted::Created(_) => "created",
+        ductor::routing::http::Submitted::Duplicate(_) => "duplicate",
     };
     let mut out = serde_json::to_value(submitted.decision())?;
     out["outcome"] = status.into();

@@ -213,7 +213,7 @@ fn properties_may_not_weaken_what_a_delivery_report_promises() {
          \"linger.ms\" = \"7\"\n",
     )
     .expect("Ductor's own values and unrelated keys are accepted");
-    let producer = ductor::kafka::producer_config(&config.kafka, "test");
+    let producer = ductor::infra::kafka::producer_config(&config.kafka, "test");
     assert_eq!(
         producer.get("max.in.flight.requests.per.connection"),
         Some("1")

@@ -9,10 +9,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use common::*;
+use ductor::apply::{InputOutcome, PendingInput};
 use ductor::config::Config;
 use ductor::coordinator::{InputLimits, InputTopic, decode_input};
 use ductor::ingress::{IngressContext, TestHooks};
-use ductor::store::{InputOutcome, PendingInput};
 use rdkafka::message::{Headers, Message};
 use rdkafka::producer::FutureProducer;
 use serde_json::json;
@@ -48,7 +48,7 @@ impl Harness {
         let db = TestDb::migrated().await;
         let mut config = test_config(&db);
         tweak(&mut config);
-        ductor::kafka::create_configured_topics(&config)
+        ductor::infra::kafka::create_configured_topics(&config)
             .await
             .expect("creating topics");
         Harness {
@@ -59,7 +59,7 @@ impl Harness {
     }
 
     fn start_coordinator(&self, hooks: TestHooks) -> Coordinator {
-        let workflows = ductor::workflows::load_dir(&self.config.coordinator.workflows_dir)
+        let workflows = ductor::infra::workflows::load_dir(&self.config.coordinator.workflows_dir)
             .expect("loading workflows");
         let mut ctx = IngressContext::new(&self.config, self.db.pool.clone(), workflows)
             .expect("creating ingress");
@@ -203,12 +203,12 @@ impl Harness {
 
     /// Two appliers on the test database, as two coordinators (one of them
     /// a new owner after a rebalance) would hold them.
-    fn two_appliers(&self) -> (ductor::store::Applier, ductor::store::Applier) {
-        let workflows = ductor::workflows::load_dir(&self.config.coordinator.workflows_dir)
+    fn two_appliers(&self) -> (ductor::apply::Applier, ductor::apply::Applier) {
+        let workflows = ductor::infra::workflows::load_dir(&self.config.coordinator.workflows_dir)
             .expect("loading workflows");
         (
-            ductor::store::Applier::new(&self.config, self.db.pool.clone(), workflows.clone()),
-            ductor::store::Applier::new(&self.config, self.db.pool.clone(), workflows),
+            ductor::apply::Applier::new(&self.config, self.db.pool.clone(), workflows.clone()),
+            ductor::apply::Applier::new(&self.config, self.db.pool.clone(), workflows),
         )
     }
 }
@@ -228,10 +228,10 @@ fn pending(topic: InputTopic, value: serde_json::Value) -> PendingInput {
 
 /// Applies a lone start of `run_id` on `applier`, as one batch.
 async fn apply_start(
-    applier: &ductor::store::Applier,
+    applier: &ductor::apply::Applier,
     run_id: &str,
     what: &str,
-) -> ductor::store::BatchReport {
+) -> ductor::apply::BatchReport {
     applier
         .apply_batch(&[pending(InputTopic::Requests, start_json(run_id))])
         .await
@@ -273,7 +273,7 @@ async fn a_run_driven_by_kafka_inputs_succeeds_with_one_transition_per_input() {
     assert_eq!(transitions[0].1, "start");
     assert!(transitions[1..].iter().all(|t| t.1.starts_with("result:")));
 
-    let run = ductor::inspect::run(&h.db.pool, &run_id)
+    let run = ductor::cli::inspect::run(&h.db.pool, &run_id)
         .await
         .unwrap()
         .expect("inspect finds the run");
@@ -779,7 +779,7 @@ async fn a_batch_with_an_input_postgres_refuses_commits_the_rest_and_isolates_it
         Some("data_exception"),
         "{whole}"
     );
-    let retry = ductor::store::RetryPolicy {
+    let retry = ductor::apply::RetryPolicy {
         min: Duration::from_millis(10),
         max: Duration::from_millis(100),
     };

@@ -12,15 +12,17 @@ use tokio_util::sync::CancellationToken;
 #[tokio::test]
 async fn kafka_round_trip_through_a_random_topic() {
     let topic = unique("roundtrip-");
-    let outcomes = ductor::kafka::ensure_topics(&kafka_config(), std::slice::from_ref(&topic), 1)
-        .await
-        .expect("creating topic");
+    let outcomes =
+        ductor::infra::kafka::ensure_topics(&kafka_config(), std::slice::from_ref(&topic), 1)
+            .await
+            .expect("creating topic");
     assert_eq!(outcomes.len(), 1);
     assert!(outcomes[0].created, "a random topic is new");
     // Creating it again is not an error: `topics create` is idempotent.
-    let again = ductor::kafka::ensure_topics(&kafka_config(), std::slice::from_ref(&topic), 1)
-        .await
-        .expect("creating topic again");
+    let again =
+        ductor::infra::kafka::ensure_topics(&kafka_config(), std::slice::from_ref(&topic), 1)
+            .await
+            .expect("creating topic again");
     assert!(!again[0].created);
 
     let producer = producer();
@@ -38,10 +40,10 @@ async fn kafka_round_trip_through_a_random_topic() {
 #[tokio::test]
 async fn migrations_apply_to_a_fresh_database_and_are_idempotent() {
     let db = TestDb::empty().await;
-    ductor::db::migrate(&db.pool)
+    ductor::infra::db::migrate(&db.pool)
         .await
         .expect("first migration");
-    ductor::db::migrate(&db.pool)
+    ductor::infra::db::migrate(&db.pool)
         .await
         .expect("second migration is a no-op");
     let tables: Vec<String> = sqlx::query_scalar(
@@ -323,11 +325,11 @@ async fn constraints_reject_a_duplicate_routing_key() {
 async fn serve_refuses_a_topic_that_takes_smaller_records_than_the_producers_send() {
     let db = TestDb::migrated().await;
     let config = test_config(&db);
-    ductor::kafka::create_configured_topics(&config)
+    ductor::infra::kafka::create_configured_topics(&config)
         .await
         .expect("creating topics");
     assert!(
-        ductor::kafka::topics_below_limit(&config.kafka, &config.all_topics())
+        ductor::infra::kafka::topics_below_limit(&config.kafka, &config.all_topics())
             .await
             .unwrap()
             .is_empty(),
@@ -337,7 +339,7 @@ async fn serve_refuses_a_topic_that_takes_smaller_records_than_the_producers_sen
     set_topic_limit(&config.kafka, &events, 65_536).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let shutdown = CancellationToken::new();
-    let serve = ductor::serve::run_on(config.clone(), listener, shutdown.clone());
+    let serve = ductor::cli::serve::run_on(config.clone(), listener, shutdown.clone());
     let refused = tokio::time::timeout(Duration::from_secs(60), serve)
         .await
         .expect("serve stops at once")

@@ -8,10 +8,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use common::*;
+use ductor::client::worker::{StepInput, StepOutcome};
 use ductor::config::Config;
-use ductor::drainer::{Drainer, RoundOutcome, Wakeup};
 use ductor::ingress::IngressContext;
-use ductor::worker::{StepInput, StepOutcome};
+use ductor::outbox::{Drainer, RoundOutcome, Wakeup};
 use futures::future::join_all;
 use rdkafka::message::{Headers, Message, OwnedMessage};
 use rdkafka::producer::FutureProducer;
@@ -71,7 +71,7 @@ impl Env {
         config.kafka.extra_topics = vec![output_topic];
         config.drainer.poll_interval_ms = 200;
         tweak(&mut config);
-        ductor::kafka::create_configured_topics(&config)
+        ductor::infra::kafka::create_configured_topics(&config)
             .await
             .expect("creating topics");
         Env {
@@ -88,13 +88,16 @@ impl Env {
 
     fn serve(&self) -> Task {
         let shutdown = CancellationToken::new();
-        let task = tokio::spawn(ductor::serve::run(self.config.clone(), shutdown.clone()));
+        let task = tokio::spawn(ductor::cli::serve::run(
+            self.config.clone(),
+            shutdown.clone(),
+        ));
         Task { shutdown, task }
     }
 
     /// The coordinator's ingress alone, so intents pile up undrained.
     fn ingress(&self) -> Task {
-        let workflows = ductor::workflows::load_dir(&self.config.coordinator.workflows_dir)
+        let workflows = ductor::infra::workflows::load_dir(&self.config.coordinator.workflows_dir)
             .expect("loading workflows");
         let ctx = IngressContext::new(&self.config, self.db.pool.clone(), workflows)
             .expect("creating ingress");
@@ -106,7 +109,7 @@ impl Env {
     fn drainer(&self) -> Drainer {
         Drainer::new(
             self.db.pool.clone(),
-            ductor::kafka::producer(&self.config.kafka, "test-drainer").unwrap(),
+            ductor::infra::kafka::producer(&self.config.kafka, "test-drainer").unwrap(),
             self.config.drainer.clone(),
             Duration::from_millis(self.config.kafka.delivery_timeout_ms),
         )
@@ -117,9 +120,13 @@ impl Env {
         F: Fn(StepInput) -> Fut + Send + Sync + 'static,
         Fut: std::future::Future<Output = StepOutcome> + Send + 'static,
     {
-        let options = ductor::worker::WorkerOptions::from_config(&self.config, "p");
+        let options = ductor::client::worker::WorkerOptions::from_config(&self.config, "p");
         let shutdown = CancellationToken::new();
-        let task = tokio::spawn(ductor::worker::run(options, handler, shutdown.clone()));
+        let task = tokio::spawn(ductor::client::worker::run(
+            options,
+            handler,
+            shutdown.clone(),
+        ));
         Task { shutdown, task }
     }
 
@@ -307,7 +314,7 @@ fn assert_effect_headers(topic: &str, messages: &[OwnedMessage]) {
 
 /// `ductor_outbox_fast_lane_total` as this process's metrics render it.
 fn fast_lane_total() -> u64 {
-    ductor::telemetry::metrics_handle()
+    ductor::infra::telemetry::metrics_handle()
         .render()
         .lines()
         .find_map(|l| l.strip_prefix("ductor_outbox_fast_lane_total "))
@@ -467,17 +474,19 @@ async fn a_drainer_stopped_after_publishing_republishes_with_the_same_key_and_de
     );
 
     // The consumer-side helper applies the effect once.
-    ductor::dedup::ensure_schema(&env.db.pool).await.unwrap();
+    ductor::client::dedup::ensure_schema(&env.db.pool)
+        .await
+        .unwrap();
     sqlx::query("CREATE TABLE applied (run_id text NOT NULL, key text NOT NULL)")
         .execute(&env.db.pool)
         .await
         .unwrap();
     for m in &copies {
         let mut tx = env.db.pool.begin().await.unwrap();
-        if ductor::dedup::claim_message(&mut tx, "test-consumer", m)
+        if ductor::client::dedup::claim_message(&mut tx, "test-consumer", m)
             .await
             .unwrap()
-            == ductor::dedup::Claim::First
+            == ductor::client::dedup::Claim::First
         {
             sqlx::query("INSERT INTO applied VALUES ($1, $2)")
                 .bind(header(m, "ductor-run-id"))
@@ -505,7 +514,7 @@ async fn two_drainers_at_once_lose_nothing_and_keep_per_run_order() {
     let stop = CancellationToken::new();
     let drainers: Vec<JoinHandle<anyhow::Result<()>>> = (0..2)
         .map(|_| {
-            tokio::spawn(ductor::drainer::run(
+            tokio::spawn(ductor::outbox::run(
                 env.drainer(),
                 Wakeup::default(),
                 stop.clone(),
@@ -710,7 +719,7 @@ async fn claims_of_a_batch_statement_whose_reply_was_lost_go_back_without_waitin
     let wakeup = Wakeup::default();
     let (handoff, lane) = drainer.fast_lane(&wakeup);
     let shutdown = CancellationToken::new();
-    let running = tokio::spawn(ductor::drainer::run_with_fast_lane(
+    let running = tokio::spawn(ductor::outbox::run_with_fast_lane(
         drainer,
         wakeup,
         Some(lane),
@@ -783,7 +792,7 @@ async fn completing_claims_probes_the_primary_key_after_the_outbox_was_analyzed_
     let claimed = insert_claimed(3001, 3005).await.unwrap();
     assert_eq!(claimed.len(), 5);
 
-    let explain = format!("EXPLAIN {}", ductor::drainer::COMPLETE_SQL);
+    let explain = format!("EXPLAIN {}", ductor::outbox::COMPLETE_SQL);
     let plan: Vec<String> = sqlx::query_scalar(&explain)
         .bind(&claimed[..3])
         .bind("me")
@@ -798,7 +807,7 @@ async fn completing_claims_probes_the_primary_key_after_the_outbox_was_analyzed_
     let mut ids = claimed[..3].to_vec();
     ids.push(100); // delivered already
     let complete_as = |drainer: &'static str| {
-        sqlx::query(ductor::drainer::COMPLETE_SQL)
+        sqlx::query(ductor::outbox::COMPLETE_SQL)
             .bind(ids.clone())
             .bind(drainer)
             .execute(&db.pool)
@@ -957,7 +966,7 @@ async fn an_effect_the_broker_refuses_is_parked_without_holding_anything_up_and_
              WHERE run_id = $1 AND ce_type = $2 AND status = 'completed'",
         )
         .bind(&big)
-        .bind(ductor::drainer::CE_EFFECT_PARKED)
+        .bind(ductor::outbox::CE_EFFECT_PARKED)
         .fetch_optional(&env.db.pool)
         .await
         .unwrap()
@@ -967,7 +976,7 @@ async fn an_effect_the_broker_refuses_is_parked_without_holding_anything_up_and_
     assert_eq!(notice["type"], "run.effect_parked");
     assert_eq!(notice["topic"], output_topic.as_str());
     assert!(notice["error"].as_str().is_some_and(|e| !e.is_empty()));
-    let inspected = ductor::inspect::run(&env.db.pool, &big)
+    let inspected = ductor::cli::inspect::run(&env.db.pool, &big)
         .await
         .unwrap()
         .unwrap();
@@ -977,7 +986,7 @@ async fn an_effect_the_broker_refuses_is_parked_without_holding_anything_up_and_
 
     // Fixed: the topic takes the record again, and a redrive publishes it.
     set_topic_limit(&env.config.kafka, &output_topic, 1_048_588).await;
-    let redriven = ductor::drainer::Drainer::redrive_parked(&env.db.pool, Some(&big), None)
+    let redriven = ductor::outbox::Drainer::redrive_parked(&env.db.pool, Some(&big), None)
         .await
         .unwrap();
     assert_eq!(redriven, 1);
@@ -1033,7 +1042,8 @@ async fn a_dispatch_claimed_by_a_drainer_that_died_is_redriven_and_its_timeout_w
     dead.heartbeat().await.unwrap();
     let (handoff, lane) = dead.fast_lane(&Wakeup::default());
     drop(lane);
-    let workflows = ductor::workflows::load_dir(&env.config.coordinator.workflows_dir).unwrap();
+    let workflows =
+        ductor::infra::workflows::load_dir(&env.config.coordinator.workflows_dir).unwrap();
     let mut ctx = IngressContext::new(&env.config, env.db.pool.clone(), workflows).unwrap();
     ctx.applier.handoff = Some(handoff);
     let shutdown = CancellationToken::new();
@@ -1082,22 +1092,23 @@ async fn a_result_sent_in_time_holds_the_timeout_while_no_serve_reads_it() {
     // The step's clock runs out with the result still unread.
     let left = (deadline - chrono::Utc::now()).to_std().unwrap_or_default();
     tokio::time::sleep(left + Duration::from_millis(100)).await;
-    let options = ductor::frontier::FrontierOptions {
+    let options = ductor::outbox::frontier::FrontierOptions {
         kafka: env.config.kafka.clone(),
         group_id: env.config.kafka.group_id.clone(),
         topic: env.config.attempt_results_topic(),
         interval: Duration::from_millis(env.config.drainer.results_frontier_interval_ms),
         lag: Duration::from_millis(env.config.drainer.results_frontier_lag_ms),
     };
-    let covered = tokio::task::spawn_blocking(move || ductor::frontier::probe_once(&options))
-        .await
-        .unwrap()
-        .expect("probing the frontier");
+    let covered =
+        tokio::task::spawn_blocking(move || ductor::outbox::frontier::probe_once(&options))
+            .await
+            .unwrap()
+            .expect("probing the frontier");
     assert!(
         covered.is_none_or(|at| at < deadline.timestamp_millis()),
         "the unread result holds the frontier before the deadline: {covered:?}"
     );
-    let frontier = ductor::frontier::Frontier::tracked();
+    let frontier = ductor::outbox::frontier::Frontier::tracked();
     if let Some(at) = covered {
         frontier.advance(at);
     }

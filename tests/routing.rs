@@ -7,10 +7,10 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use common::*;
+use ductor::apply::Applier;
 use ductor::config::{Config, DuplicatePolicy, PoolRouting};
 use ductor::ingress::{IngressContext, TestHooks};
 use ductor::routing::{Reservation, RouteOutcome};
-use ductor::store::Applier;
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -45,7 +45,7 @@ impl Env {
         // These tests look at routing only; the drainer stays out of the way.
         config.drainer.enabled = false;
         tweak(&mut config);
-        ductor::kafka::create_configured_topics(&config)
+        ductor::infra::kafka::create_configured_topics(&config)
             .await
             .expect("creating topics");
         Env { db, config }
@@ -55,7 +55,7 @@ impl Env {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let shutdown = CancellationToken::new();
-        let task = tokio::spawn(ductor::serve::run_on(
+        let task = tokio::spawn(ductor::cli::serve::run_on(
             self.config.clone(),
             listener,
             shutdown.clone(),
@@ -77,7 +77,7 @@ impl Env {
     }
 
     fn applier(&self) -> Applier {
-        let workflows = ductor::workflows::load_dir(&self.config.coordinator.workflows_dir)
+        let workflows = ductor::infra::workflows::load_dir(&self.config.coordinator.workflows_dir)
             .expect("loading workflows");
         Applier::new(&self.config, self.db.pool.clone(), workflows)
     }
@@ -154,7 +154,8 @@ async fn a_hundred_concurrent_requests_with_one_key_make_one_run_and_identical_a
 #[tokio::test]
 async fn the_same_keyed_request_through_kafka_redelivered_after_a_crash_makes_one_run() {
     let env = Env::new(|_| {}).await;
-    let workflows = ductor::workflows::load_dir(&env.config.coordinator.workflows_dir).unwrap();
+    let workflows =
+        ductor::infra::workflows::load_dir(&env.config.coordinator.workflows_dir).unwrap();
     let mut ctx = IngressContext::new(&env.config, env.db.pool.clone(), workflows.clone()).unwrap();
     ctx.hooks = TestHooks {
         fail_after_commit: true,
@@ -255,7 +256,7 @@ async fn the_same_keyed_request_through_kafka_redelivered_after_a_crash_makes_on
 async fn killed_after_reserve_the_row_is_swept_and_reclaimed_and_the_late_caller_cannot_complete() {
     let env = Env::new(|c| c.routing.pending_ttl_ms = 200).await;
     let applier = env.applier();
-    let late = ductor::api::route_request_from_body(
+    let late = ductor::routing::http::route_request_from_body(
         json!({"workflow": "example", "tenant": "acme", "input": {"x": 1}}),
         Some("swept-key".into()),
     )
@@ -278,15 +279,15 @@ async fn killed_after_reserve_the_row_is_swept_and_reclaimed_and_the_late_caller
     })
     .await;
     // The next caller reclaims the key and decides.
-    let next = ductor::api::route_request_from_body(
+    let next = ductor::routing::http::route_request_from_body(
         json!({"workflow": "example", "tenant": "acme", "input": {"x": 1}}),
         Some("swept-key".into()),
     )
     .unwrap();
-    let submitted = ductor::api::submit(&applier, &env.config.routing, next)
+    let submitted = ductor::routing::http::submit(&applier, &env.config.routing, next)
         .await
         .expect("the next caller gets a decision");
-    let ductor::api::Submitted::Created(decision) = submitted else {
+    let ductor::routing::http::Submitted::Created(decision) = submitted else {
         panic!("a reclaimed key is a new decision: {submitted:?}");
     };
     let new_epoch: i64 = sqlx::query_scalar(
@@ -460,9 +461,10 @@ async fn the_reject_policy_answers_in_progress_and_bad_requests_get_json_errors(
     let server = env.serve().await;
     let addr = server.addr;
     let request = json!({"workflow": "example", "tenant": "acme", "pool": "strict", "input": 1});
-    let fingerprint = ductor::api::route_request_from_body(request.clone(), Some("busy".into()))
-        .unwrap()
-        .fingerprint;
+    let fingerprint =
+        ductor::routing::http::route_request_from_body(request.clone(), Some("busy".into()))
+            .unwrap()
+            .fingerprint;
     // Another caller holds the key and has not decided.
     ductor::routing::reserve(
         &env.db.pool,

@@ -11,13 +11,13 @@ use std::time::Duration;
 
 use chrono::{TimeDelta, Utc};
 use common::*;
+use ductor::client::dedup::{self, Claim, ClaimError};
+use ductor::client::worker::{StepInput, StepOutcome, TestHooks, WorkerOptions};
 use ductor::config::Config;
 use ductor::coordinator::fold::rfc3339;
 use ductor::coordinator::{
     AttemptOutcome, AttemptResult, Input, InputLimits, InputTopic, decode_input,
 };
-use ductor::dedup::{self, Claim, ClaimError};
-use ductor::worker::{StepInput, StepOutcome, TestHooks, WorkerOptions};
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::message::{Header, Message, OwnedHeaders, OwnedMessage, Timestamp};
@@ -72,7 +72,7 @@ impl Harness {
         assert_eq!(options.steps_topic, format!("{prefix}.steps.default"));
         assert_eq!(options.results_topic, format!("{prefix}.attempt-results"));
         assert_eq!(options.max_in_flight, 32);
-        ductor::kafka::ensure_topics(
+        ductor::infra::kafka::ensure_topics(
             &config.kafka,
             &[options.steps_topic.clone(), options.results_topic.clone()],
             partitions,
@@ -101,7 +101,11 @@ impl Harness {
         Fut: Future<Output = StepOutcome> + Send + 'static,
     {
         let shutdown = CancellationToken::new();
-        let task = tokio::spawn(ductor::worker::run(options, handler, shutdown.clone()));
+        let task = tokio::spawn(ductor::client::worker::run(
+            options,
+            handler,
+            shutdown.clone(),
+        ));
         RunningWorker { shutdown, task }
     }
 

@@ -1,6 +1,6 @@
 //! Workflow definitions: the typed, validated form of `config/workflows/*.toml`.
 //!
-//! Everything here is pure: parsing files is the job of `crate::workflows`.
+//! Everything here is pure: parsing files is the job of `crate::infra::workflows`.
 
 use std::collections::BTreeMap;
 

@@ -73,7 +73,9 @@ impl TestDb {
     /// A fresh database with Ductor's migrations applied.
     pub async fn migrated() -> TestDb {
         let db = TestDb::empty().await;
-        ductor::db::migrate(&db.pool).await.expect("migrating");
+        ductor::infra::db::migrate(&db.pool)
+            .await
+            .expect("migrating");
         db
     }
 
@@ -96,7 +98,7 @@ impl TestDb {
             .connect(&database_url())
             .await
             .expect("connecting to the test postgres");
-        ductor::db::drop_database(&admin, &self.name)
+        ductor::infra::db::drop_database(&admin, &self.name)
             .await
             .expect("dropping test database");
     }
@@ -147,7 +149,7 @@ pub fn test_config(db: &TestDb) -> Config {
 /// reported, not failed on: the test itself has passed by now.
 pub async fn delete_test_topics(topics: &[String]) {
     if !topics.is_empty()
-        && let Err(e) = ductor::kafka::delete_topics(&kafka_config(), topics).await
+        && let Err(e) = ductor::infra::kafka::delete_topics(&kafka_config(), topics).await
     {
         eprintln!("test topics {topics:?} were not deleted: {e:#}");
     }
@@ -339,7 +341,7 @@ pub fn committed_offset(group: &str, topic: &str, partition: i32) -> i64 {
 /// with the new value (it applies an alteration a moment after accepting it).
 pub async fn set_topic_limit(kafka: &KafkaConfig, topic: &str, bytes: u64) {
     use rdkafka::admin::{AdminOptions, AlterConfig, ResourceSpecifier};
-    let admin = ductor::kafka::admin(kafka).unwrap();
+    let admin = ductor::infra::kafka::admin(kafka).unwrap();
     let value = bytes.to_string();
     let alter = AlterConfig::new(ResourceSpecifier::Topic(topic)).set("max.message.bytes", &value);
     let altered = admin
@@ -366,4 +368,23 @@ pub async fn set_topic_limit(kafka: &KafkaConfig, topic: &str, bytes: u64) {
         },
     )
     .await;
+}
+
+/// The `ductor` binary of this build, for tests of the harness crates that
+/// run it as a child process: cargo puts a workspace's binaries in the
+/// directory above the test executables (`<target>/<profile>/deps/`), and
+/// `cargo test --workspace` builds them before any test runs.
+pub fn ductor_bin() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test executable's path");
+    let bin = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("the test executable is in <target>/<profile>/deps")
+        .join("ductor");
+    assert!(
+        bin.is_file(),
+        "{} is missing: build it with `cargo build --bin ductor` (scripts/test does)",
+        bin.display()
+    );
+    bin
 }

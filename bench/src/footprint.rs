@@ -1,0 +1,557 @@
+//! Baselines B1a and B1b: Ductor's SQL footprint per input, without Kafka,
+//! the fold or any of Ductor's code around it.
+//!
+//! A "typical input" is an attempt result in the middle of a run: load the
+//! run, then the apply layer's own batch statement (`store::WRITE_BATCH_SQL`,
+//! which commits on its own as it does for every batch without a routed
+//! request: the `UPDATE runs` conditional on `record_version`, the
+//! transition, the next attempt, the finished one, the cancel of its timeout
+//! timer, and the three effect intents: event, dispatch, timeout timer, the
+//! two due ones claimed at insert as `ductor serve`'s fast lane does); then
+//! the drainer's share, `drainer::COMPLETE_SQL` of the two published intents
+//! in its own transaction. Row contents and sizes come from the real fold.
+//! B1a applies one input per transaction, B1b `k` inputs per transaction
+//! through the same set-based statement.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::{Value, json};
+use sqlx::postgres::{PgConnection, PgPoolOptions};
+use sqlx::{Connection, Row};
+use tokio::task::JoinSet;
+use uuid::Uuid;
+
+use super::env::{BenchEnv, WORKFLOW};
+use super::stats::{CpuCores, CpuTicks, Progress};
+use ductor::coordinator::{
+    AttemptOutcome, AttemptResult, Decision, Entropy, Input, RunStart, Transition, fold,
+};
+
+/// Runs seeded at least, so tables and indexes have a realistic size.
+const MIN_SEEDED_RUNS: usize = 2_000;
+/// Rows per seeding statement.
+const SEED_CHUNK: usize = 1_000;
+/// One client iteration may not take longer than this.
+const ITERATION_TIMEOUT: Duration = Duration::from_secs(60);
+/// Lease of a claim taken at insert, as the drainer's default.
+const LEASE_S: f64 = 90.0;
+
+/// Throughput of one (clients, k) configuration.
+#[derive(Debug, Clone, Serialize)]
+pub struct Point {
+    pub clients: usize,
+    pub k: usize,
+    pub inputs_per_s: f64,
+    pub profile: PointProfile,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PointProfile {
+    pub cpu_cores: CpuCores,
+    /// Mean milliseconds per iteration (the load and the batch statement of
+    /// `k` inputs, and the drainer's completion), by statement.
+    pub statement_ms: BTreeMap<&'static str, f64>,
+}
+
+/// Row contents taken from the real fold, reused for every input.
+struct Template {
+    state: String,
+    detail: String,
+    /// (topic, ce_type, payload, due now?) of the three intents.
+    effects: Vec<(String, String, Vec<u8>, bool)>,
+    headers: String,
+}
+
+impl Template {
+    /// Folds a start and the first step's result of the bench workflow and
+    /// keeps the second transition's rows: a mid-run state, its transition
+    /// detail, and its event, dispatch and timer intents.
+    fn from_fold(env: &BenchEnv) -> anyhow::Result<Template> {
+        let workflows = ductor::infra::workflows::load_dir(&env.workflows_dir())
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let now = Utc::now();
+        let run_id = "b1-template-run".to_string();
+        let request: Value = serde_json::from_str(&super::pipeline::start_request(&run_id, 1))?;
+        let start = Input::Start(RunStart {
+            run_id: run_id.clone(),
+            tenant: "bench".into(),
+            workflow: WORKFLOW.into(),
+            workflow_version: None,
+            pool: "default".into(),
+            input: request["input"].clone(),
+            correlation_id: None,
+        });
+        let config = env.pipeline_config("b1");
+        let max_state_bytes = config.coordinator.max_state_bytes;
+        let first = transition(fold(
+            None,
+            &start,
+            &workflows,
+            max_state_bytes,
+            now,
+            &entropy(),
+        ))?;
+        let stamp = first
+            .state
+            .outstanding
+            .as_ref()
+            .context("the start dispatched no attempt")?
+            .stamp;
+        let result = Input::Result(AttemptResult {
+            run_id: run_id.clone(),
+            tenant: "bench".into(),
+            stamp,
+            outcome: AttemptOutcome::Succeeded {
+                output: request["input"].clone(),
+            },
+        });
+        let second = transition(fold(
+            Some(&first.state),
+            &result,
+            &workflows,
+            max_state_bytes,
+            now,
+            &entropy(),
+        ))?;
+        let topics = ductor::apply::TopicNames {
+            prefix: config.kafka.topic_prefix,
+        };
+        let effects = second
+            .effects
+            .iter()
+            .map(|e| {
+                Ok((
+                    topics.for_target(&e.target),
+                    e.ce_type.clone(),
+                    serde_json::to_vec(&e.payload)?,
+                    e.not_before.is_none(),
+                ))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        anyhow::ensure!(effects.len() == 3, "expected event, dispatch and timer");
+        let key = ductor::apply::idempotency_key(&run_id, 2, 0);
+        let headers = json!({
+            "idempotency-key": key, "ductor-run-id": run_id, "ductor-seq": "2",
+            "ductor-tenant": "bench", "ce_specversion": "1.0", "ce_id": key,
+            "ce_source": format!("/ductor/workflows/{WORKFLOW}/v1"),
+            "ce_type": ductor::coordinator::fold::CE_RUN_EVENT,
+            "ce_time": now.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+            "ce_subject": run_id, "content-type": "application/json",
+        });
+        Ok(Template {
+            state: serde_json::to_string(&second.state)?,
+            detail: serde_json::to_string(&second.record.detail)?,
+            effects,
+            headers: headers.to_string(),
+        })
+    }
+}
+
+fn entropy() -> Entropy {
+    Entropy {
+        stamp: Uuid::new_v4(),
+        jitter_unit: 0.5,
+    }
+}
+
+fn transition(decision: Decision) -> anyhow::Result<Transition> {
+    match decision {
+        Decision::Transition(t) => Ok(*t),
+        other => anyhow::bail!("the bench workflow did not transition: {other:?}"),
+    }
+}
+
+/// What each iteration spends its time on, in the order the statements run.
+pub const STATEMENTS: [&str; 3] = ["load", "write", "drainer_complete"];
+
+/// Time per statement, summed over iterations.
+#[derive(Debug, Clone, Default)]
+struct Laps {
+    seconds: [f64; STATEMENTS.len()],
+    iterations: u64,
+}
+
+/// Marks the end of one statement of an iteration.
+struct Lap<'a> {
+    laps: &'a mut Laps,
+    last: Instant,
+}
+
+impl Lap<'_> {
+    fn mark(&mut self, statement: usize) {
+        let now = Instant::now();
+        self.laps.seconds[statement] += now.duration_since(self.last).as_secs_f64();
+        self.last = now;
+    }
+}
+
+/// One run owned by a client: its current version and outstanding stamp.
+struct Slot {
+    run_id: String,
+    version: i64,
+    stamp: Uuid,
+}
+
+/// Measures every `(clients, k)` of the grid for `per_point` each.
+pub async fn grid(
+    env: &BenchEnv,
+    clients: &[usize],
+    ks: &[usize],
+    per_point: Duration,
+    label: &str,
+    progress: &mut Progress,
+) -> anyhow::Result<Vec<Point>> {
+    let template = Arc::new(Template::from_fold(env)?);
+    let mut points = Vec::new();
+    for &k in ks {
+        for &c in clients {
+            progress.update(&format!("{label}: {c} clients, {k} inputs per transaction"));
+            let (inputs_per_s, cpu_cores, statement_ms) =
+                point(env, &template, c, k, per_point).await?;
+            progress.done(&format!(
+                "{label}: {c} clients x {k} inputs/tx: {inputs_per_s:.0} inputs/s \
+                 (cores: postgres {:.2}, client {:.2})",
+                cpu_cores.postgres, cpu_cores.ductor
+            ));
+            points.push(Point {
+                clients: c,
+                k,
+                inputs_per_s,
+                profile: PointProfile {
+                    cpu_cores,
+                    statement_ms,
+                },
+            });
+        }
+    }
+    Ok(points)
+}
+
+async fn point(
+    env: &BenchEnv,
+    template: &Arc<Template>,
+    clients: usize,
+    k: usize,
+    duration: Duration,
+) -> anyhow::Result<(f64, CpuCores, BTreeMap<&'static str, f64>)> {
+    env.truncate().await?;
+    let per_client = (2 * k).max(MIN_SEEDED_RUNS.div_ceil(clients));
+    let mut slots: Vec<Vec<Slot>> = Vec::with_capacity(clients);
+    for c in 0..clients {
+        slots.push(seed(env, template, c, per_client).await?);
+    }
+    sqlx::query("ANALYZE runs, run_transitions, run_attempts, eec_effect_intent")
+        .execute(&env.pool)
+        .await?;
+    let pool = PgPoolOptions::new()
+        .max_connections(clients as u32)
+        .connect_with(super::env::connect_options(&env.base)?)
+        .await
+        .context("connecting the baseline clients")?;
+    let done = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = JoinSet::new();
+    let started = Instant::now();
+    let cpu_before = CpuTicks::sample(&env.cpu);
+    for (c, slots) in slots.into_iter().enumerate() {
+        let mut conn = pool
+            .acquire()
+            .await
+            .context("acquiring a baseline connection")?
+            .detach();
+        let (template, done, stop) = (template.clone(), done.clone(), stop.clone());
+        let claimer = format!("bench-b1-{c}");
+        tasks.spawn(async move {
+            let laps = client(&mut conn, &template, slots, k, &claimer, &done, &stop).await?;
+            // Closed only after the CPU sample, so the backends' time counts.
+            anyhow::Ok((Instant::now(), laps, conn))
+        });
+    }
+    tokio::time::sleep(duration).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut ended = started;
+    let mut laps = Laps::default();
+    let mut connections = Vec::with_capacity(clients);
+    while let Some(joined) = tasks.join_next().await {
+        let (end, client_laps, conn) = joined.context("a baseline client panicked")??;
+        connections.push(conn);
+        ended = ended.max(end);
+        laps.iterations += client_laps.iterations;
+        for (sum, s) in laps.seconds.iter_mut().zip(client_laps.seconds) {
+            *sum += s;
+        }
+    }
+    let statement_ms = STATEMENTS
+        .iter()
+        .zip(laps.seconds)
+        .map(|(name, s)| (*name, 1000.0 * s / laps.iterations.max(1) as f64))
+        .collect();
+    let cpu = cpu_before.cores_until(&CpuTicks::sample(&env.cpu));
+    for conn in connections {
+        conn.close().await.ok();
+    }
+    pool.close().await;
+    let seconds = ended.duration_since(started).as_secs_f64();
+    Ok((
+        done.load(Ordering::Relaxed) as f64 / seconds,
+        cpu,
+        statement_ms,
+    ))
+}
+
+/// Inserts `n` runs of client `c`, each after its start: state, the start
+/// transition and the dispatched first attempt.
+async fn seed(
+    env: &BenchEnv,
+    template: &Template,
+    c: usize,
+    n: usize,
+) -> anyhow::Result<Vec<Slot>> {
+    let now = Utc::now();
+    let slots: Vec<Slot> = (0..n)
+        .map(|i| Slot {
+            run_id: format!("b1-{c}-{i}"),
+            version: 1,
+            stamp: Uuid::new_v4(),
+        })
+        .collect();
+    for chunk in slots.chunks(SEED_CHUNK) {
+        let ids: Vec<&str> = chunk.iter().map(|s| s.run_id.as_str()).collect();
+        let stamps: Vec<Uuid> = chunk.iter().map(|s| s.stamp).collect();
+        sqlx::query(
+            "INSERT INTO runs (run_id, tenant_scope, pool_id, workflow_name, workflow_version, \
+                 status, record_version, last_transition_seq, state, created_at, updated_at) \
+             SELECT u.id, 'bench', 'default', $2, 1, 'running', 1, 1, $3::jsonb, $4, $4 \
+             FROM UNNEST($1::text[]) AS u(id)",
+        )
+        .bind(&ids)
+        .bind(WORKFLOW)
+        .bind(&template.state)
+        .bind(now)
+        .execute(&env.pool)
+        .await
+        .context("seeding runs")?;
+        sqlx::query(
+            "INSERT INTO run_transitions (run_id, seq, input_ref, kind, to_status, step_index, detail, created_at) \
+             SELECT u.id, 1, 'start', 'run.started', 'running', 0, $2::jsonb, $3 \
+             FROM UNNEST($1::text[]) AS u(id)",
+        )
+        .bind(&ids)
+        .bind(&template.detail)
+        .bind(now)
+        .execute(&env.pool)
+        .await
+        .context("seeding transitions")?;
+        sqlx::query(
+            "INSERT INTO run_attempts (stamp, run_id, step_index, attempt, status, dispatched_at, deadline) \
+             SELECT u.stamp, u.id, 0, 1, 'dispatched', $3, $3 + interval '1 hour' \
+             FROM UNNEST($1::text[], $2::uuid[]) AS u(id, stamp)",
+        )
+        .bind(&ids)
+        .bind(&stamps)
+        .bind(now)
+        .execute(&env.pool)
+        .await
+        .context("seeding attempts")?;
+    }
+    Ok(slots)
+}
+
+/// One client: batches of `k` inputs on its own runs, round robin, until
+/// `stop`; the drainer's completion after each batch.
+async fn client(
+    conn: &mut PgConnection,
+    template: &Template,
+    mut slots: Vec<Slot>,
+    k: usize,
+    claimer: &str,
+    done: &AtomicU64,
+    stop: &AtomicBool,
+) -> anyhow::Result<Laps> {
+    let mut cursor = 0;
+    let mut laps = Laps::default();
+    while !stop.load(Ordering::Relaxed) {
+        let batch: Vec<usize> = (0..k).map(|j| (cursor + j) % slots.len()).collect();
+        cursor = (cursor + k) % slots.len();
+        tokio::time::timeout(
+            ITERATION_TIMEOUT,
+            iteration(conn, template, &mut slots, &batch, claimer, &mut laps),
+        )
+        .await
+        .context("a baseline iteration timed out")??;
+        laps.iterations += 1;
+        done.fetch_add(k as u64, Ordering::Relaxed);
+    }
+    Ok(laps)
+}
+
+async fn iteration(
+    conn: &mut PgConnection,
+    t: &Template,
+    slots: &mut [Slot],
+    batch: &[usize],
+    claimer: &str,
+    laps: &mut Laps,
+) -> anyhow::Result<()> {
+    let now: DateTime<Utc> = Utc::now();
+    let k = batch.len();
+    let ids: Vec<String> = batch.iter().map(|&i| slots[i].run_id.clone()).collect();
+    let versions: Vec<i64> = batch.iter().map(|&i| slots[i].version).collect();
+    let old_stamps: Vec<Uuid> = batch.iter().map(|&i| slots[i].stamp).collect();
+    let new_stamps: Vec<Uuid> = (0..k).map(|_| Uuid::new_v4()).collect();
+    let seqs: Vec<i64> = versions.iter().map(|v| v + 1).collect();
+
+    let mut lap = Lap {
+        laps,
+        last: Instant::now(),
+    };
+    let rows = sqlx::query("SELECT run_id, record_version, state FROM runs WHERE run_id = ANY($1)")
+        .bind(&ids)
+        .fetch_all(&mut *conn)
+        .await?;
+    anyhow::ensure!(rows.len() == k, "loaded {} of {k} runs", rows.len());
+    lap.mark(0);
+
+    let none_text: Vec<String> = Vec::new();
+    let none_int: Vec<i32> = Vec::new();
+    let none_big: Vec<i64> = Vec::new();
+    let none_time: Vec<DateTime<Utc>> = Vec::new();
+    let none_opt_time: Vec<Option<DateTime<Utc>>> = Vec::new();
+    let query = sqlx::query(&ductor::apply::WRITE_BATCH_SQL)
+        .bind(&none_text)
+        .bind(&none_text)
+        .bind(&none_text)
+        .bind(&none_text)
+        .bind(&none_int)
+        .bind(&none_text)
+        .bind(&none_big)
+        .bind(&none_text)
+        .bind(&none_time)
+        .bind(&none_time)
+        .bind(&none_opt_time)
+        .bind(&ids)
+        .bind(&versions)
+        .bind(vec!["running"; k])
+        .bind(&seqs)
+        .bind(vec![t.state.as_str(); k])
+        .bind(vec![now; k])
+        .bind(vec![None::<DateTime<Utc>>; k]);
+
+    // The history and effects: the transition, the next attempt, the
+    // finished one, the cancel of its timer, and the three intents (the two
+    // due ones claimed at insert for the fast lane).
+    let refs: Vec<String> = old_stamps.iter().map(|s| format!("result:{s}")).collect();
+    let n = k * t.effects.len();
+    let mut run_ids = Vec::with_capacity(n);
+    let mut seq_col = Vec::with_capacity(n);
+    let mut index_col = Vec::with_capacity(n);
+    let mut keys = Vec::with_capacity(n);
+    let mut topics = Vec::with_capacity(n);
+    let mut message_keys = Vec::with_capacity(n);
+    let mut payloads = Vec::with_capacity(n);
+    let mut ce_types = Vec::with_capacity(n);
+    let mut not_before = Vec::with_capacity(n);
+    let mut cancel_keys: Vec<Option<String>> = Vec::with_capacity(n);
+    let mut due = Vec::with_capacity(n);
+    for (j, id) in ids.iter().enumerate() {
+        for (index, (topic, ce_type, payload, due_now)) in t.effects.iter().enumerate() {
+            run_ids.push(id.as_str());
+            seq_col.push(seqs[j]);
+            index_col.push(index as i32);
+            keys.push(ductor::apply::idempotency_key(id, seqs[j], index));
+            topics.push(topic.as_str());
+            message_keys.push(id.as_bytes());
+            payloads.push(payload.as_slice());
+            ce_types.push(ce_type.as_str());
+            not_before.push(if *due_now {
+                now
+            } else {
+                now + chrono::Duration::hours(1)
+            });
+            due.push(*due_now);
+            // Timers carry a cancel key, like a step's timeout timer.
+            cancel_keys.push((!*due_now).then(|| format!("timeout:{}", new_stamps[j])));
+        }
+    }
+    let finished_timers: Vec<String> = old_stamps
+        .iter()
+        .map(|s| ductor::apply::timeout_cancel_key(&s.to_string()))
+        .collect();
+    let row = query
+        .bind(&ids)
+        .bind(&seqs)
+        .bind(&refs)
+        .bind(vec!["step.succeeded"; k])
+        .bind(vec![Some("running"); k])
+        .bind(vec!["running"; k])
+        .bind(seqs.iter().map(|s| (*s - 1) as i32).collect::<Vec<_>>())
+        .bind(vec![t.detail.as_str(); k])
+        .bind(vec![Some("bench.attempt-results"); k])
+        .bind(vec![Some(0i32); k])
+        .bind(seqs.iter().map(|s| Some(*s)).collect::<Vec<_>>())
+        .bind(vec![now; k])
+        .bind(&new_stamps)
+        .bind(&ids)
+        .bind(versions.iter().map(|v| *v as i32).collect::<Vec<_>>())
+        .bind(vec![1i32; k])
+        .bind(vec!["dispatched"; k])
+        .bind(vec![now; k])
+        .bind(vec![now + chrono::Duration::hours(1); k])
+        .bind(vec![None::<DateTime<Utc>>; k])
+        .bind(vec![None::<String>; k])
+        .bind(&old_stamps)
+        .bind(vec!["succeeded"; k])
+        .bind(vec![now; k])
+        .bind(vec![None::<String>; k])
+        .bind(&finished_timers)
+        .bind(&run_ids)
+        .bind(&seq_col)
+        .bind(&index_col)
+        .bind(&keys)
+        .bind(vec!["bench"; n])
+        .bind(&topics)
+        .bind(&message_keys)
+        .bind(vec![t.headers.as_str(); n])
+        .bind(&payloads)
+        .bind(&ce_types)
+        .bind(&not_before)
+        .bind(&cancel_keys)
+        .bind(&due)
+        .bind(claimer)
+        .bind(LEASE_S)
+        // Updated runs, transitions, attempts inserted and finished: one
+        // each per input. A shortfall fails the statement.
+        .bind(vec![0, k as i64, k as i64, k as i64, k as i64])
+        .fetch_one(&mut *conn)
+        .await?;
+    let claimed_ids: Vec<i64> = row.try_get("claimed_ids")?;
+    lap.mark(1);
+
+    // The drainer's share: mark the published intents completed.
+    sqlx::query(ductor::outbox::COMPLETE_SQL)
+        .bind(&claimed_ids)
+        .bind(claimer)
+        .execute(&mut *conn)
+        .await?;
+    lap.mark(2);
+
+    for (j, &i) in batch.iter().enumerate() {
+        slots[i].version = seqs[j];
+        slots[i].stamp = new_stamps[j];
+    }
+    Ok(())
+}
+
+/// The best point of a grid.
+pub fn best(points: &[Point]) -> Option<Point> {
+    points
+        .iter()
+        .max_by(|a, b| a.inputs_per_s.total_cmp(&b.inputs_per_s))
+        .cloned()
+}

@@ -1,0 +1,678 @@
+//! `ductor-bench`: how fast the whole pipeline is, against the limits of the
+//! machine it runs on, measured in one run on the same Kafka and Postgres.
+//!
+//! Phases, in order (each bounded by a deadline and a stall detector):
+//!
+//! 1. **capacity** (synchronous commit on, the headline): `serve::run` and an
+//!    in-process echo worker; after a warm-up, a backlog of `--runs` runs of
+//!    a three-step workflow is produced at once and applied. The window runs
+//!    from the first applied input of the backlog to its last finished run
+//!    (database timestamps), so consumer-group joins are not counted.
+//! 2. **latency**: open-loop start requests at 25, 50, 75 and 90 % of the
+//!    measured capacity in runs/s, `--duration-s` each; latency from the
+//!    request's *intended* send time to the arrival of its `run.started`
+//!    event (no coordinated omission), in an HdrHistogram.
+//! 3. **B1a / B1b**: Ductor's SQL footprint per input (see [`footprint`]),
+//!    one input per transaction and `k` per transaction, best client count.
+//! 4. **B2**: the same Kafka traffic with Postgres taken out (see
+//!    [`passthrough`]).
+//! 5. **capacity** again with `synchronous_commit = off` on the database.
+//!
+//! L = 1 / (1/B1b + 1/B2) inputs/s is the machine's limit for this work, since
+//! Kafka and Postgres share the cores. The report is a table on stdout
+//! followed by one JSON line, the last line of stdout; progress goes to
+//! stderr. Every run uses its own database and topics and removes them.
+
+pub mod env;
+pub mod footprint;
+pub mod passthrough;
+pub mod pipeline;
+pub mod stats;
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use ductor::config::Config;
+use env::{BenchEnv, INPUTS_PER_RUN, STEPS};
+use footprint::Point;
+use passthrough::Passthrough;
+use pipeline::{Capacity, Latency, Pipeline};
+use stats::Progress;
+
+/// `ductor-bench` options.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// Runs in each capacity backlog (and in the Kafka-only baseline).
+    #[arg(long, default_value_t = 2000)]
+    pub runs: usize,
+    /// Seconds of open-loop load at each latency rate.
+    #[arg(long = "duration-s", default_value_t = 10.0)]
+    pub duration_s: f64,
+    /// A smoke run of a few seconds: small backlogs, short phases, a reduced
+    /// baseline grid. Its figures are not meaningful as measurements.
+    #[arg(long)]
+    pub quick: bool,
+    /// Only the latency phases, with RUNS_PER_S as 100 % instead of a
+    /// measured capacity (for comparing settings quickly at a known rate).
+    /// A capacity backlog still runs first, to fill the tables as in a full
+    /// run; its figure is shown, not used. No baselines, no sync-off phase.
+    /// Prints the latency rows and a JSON line of them.
+    #[arg(long = "latency-at", value_name = "RUNS_PER_S")]
+    pub latency_at: Option<f64>,
+    /// The loads of the latency phases, in percent of the reference rate.
+    /// A full run must include 50 (its p99 is a headline ratio).
+    #[arg(long = "loads", value_delimiter = ',', default_values_t = [25, 50, 75, 90])]
+    pub loads: Vec<u32>,
+}
+
+impl Default for BenchArgs {
+    fn default() -> Self {
+        BenchArgs {
+            runs: 2000,
+            duration_s: 10.0,
+            quick: false,
+            latency_at: None,
+            loads: vec![25, 50, 75, 90],
+        }
+    }
+}
+
+/// Everything the phases need to know, derived from the arguments.
+#[derive(Debug, Clone)]
+struct Plan {
+    quick: bool,
+    runs: usize,
+    warmup_runs: usize,
+    latency: Duration,
+    load_pcts: Vec<u32>,
+    b1_point: Duration,
+    b1a_clients: Vec<usize>,
+    b1b_ks: Vec<usize>,
+    b1b_clients: Vec<usize>,
+    worker_in_flight: usize,
+}
+
+impl Plan {
+    fn from_args(args: &BenchArgs) -> anyhow::Result<Plan> {
+        anyhow::ensure!(args.runs >= 1, "--runs must be at least 1");
+        anyhow::ensure!(
+            !args.loads.is_empty() && args.loads.iter().all(|&p| (1..=100).contains(&p)),
+            "--loads must be percentages between 1 and 100"
+        );
+        anyhow::ensure!(
+            args.latency_at.is_some() || args.loads.contains(&50),
+            "--loads must include 50 unless --latency-at is given"
+        );
+        anyhow::ensure!(
+            args.duration_s > 0.0 && args.duration_s <= 3600.0,
+            "--duration-s must be in (0, 3600]"
+        );
+        Ok(if args.quick {
+            Plan {
+                quick: true,
+                runs: args.runs.min(60),
+                warmup_runs: 3,
+                latency: Duration::from_secs_f64(args.duration_s.min(0.5)),
+                load_pcts: args.loads.clone(),
+                b1_point: Duration::from_millis(300),
+                b1a_clients: vec![1, 4],
+                b1b_ks: vec![64],
+                b1b_clients: vec![2],
+                worker_in_flight: 256,
+            }
+        } else {
+            Plan {
+                quick: false,
+                runs: args.runs,
+                warmup_runs: 20,
+                latency: Duration::from_secs_f64(args.duration_s),
+                load_pcts: args.loads.clone(),
+                b1_point: Duration::from_secs_f64((args.duration_s / 4.0).clamp(1.0, 3.0)),
+                b1a_clients: vec![1, 2, 4, 8, 16],
+                b1b_ks: vec![16, 64, 256, 512],
+                b1b_clients: vec![1, 2, 4, 8],
+                worker_in_flight: 256,
+            }
+        })
+    }
+}
+
+/// The best point of a baseline grid.
+#[derive(Debug, Clone, Serialize)]
+pub struct Baseline {
+    pub inputs_per_s: f64,
+    pub clients: usize,
+    pub k: usize,
+    pub grid: Vec<Point>,
+}
+
+/// The ratios the issue asks for.
+#[derive(Debug, Clone, Serialize)]
+pub struct Ratios {
+    pub capacity_over_l: f64,
+    pub capacity_over_b1b: f64,
+    pub capacity_over_b1a: f64,
+    pub sync_on_over_off: f64,
+    pub p99_ms_at_50pct: f64,
+}
+
+/// Every figure of one bench run. Numbers outside `profile` objects are
+/// positive in any successful run; `profile` holds diagnostics that may be 0.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub quick: bool,
+    pub steps_per_run: u32,
+    pub inputs_per_run: u32,
+    /// Synchronous commit on: the headline.
+    pub capacity: Capacity,
+    pub capacity_sync_off: Capacity,
+    pub latency: Vec<Latency>,
+    pub b1a: Baseline,
+    pub b1b: Baseline,
+    pub b2: Passthrough,
+    /// L = 1 / (1/B1b + 1/B2), inputs/s.
+    pub limit_inputs_per_s: f64,
+    pub ratios: Ratios,
+    /// The bench process's peak resident set size, in MiB: the serve's
+    /// pipeline (ingress, apply, drainer) with the bench's clients and echo
+    /// worker, at the heaviest phase.
+    pub peak_rss_mb: f64,
+    pub profile: ReportProfile,
+}
+
+/// Processes outside the bench (compilers, other test suites) and, on a
+/// virtual machine, the hypervisor's other guests competing for the cores:
+/// cores taken from the bench during each phase (other processes' CPU plus
+/// steal). Above a few tenths, the phases were not measured under the same
+/// conditions.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReportProfile {
+    pub other_cores: BTreeMap<String, f64>,
+}
+
+/// Other processes' load above which the table warns.
+const CONTENTION_WARN_CORES: f64 = 0.25;
+
+impl Report {
+    /// The report as one line of JSON.
+    pub fn json_line(&self) -> String {
+        serde_json::to_string(self).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+    }
+
+    /// The table for people.
+    pub fn table(&self) -> String {
+        let mut t = String::new();
+        let c = &self.capacity;
+        let off = &self.capacity_sync_off;
+        let _ = writeln!(
+            t,
+            "ductor-bench: {} runs of a {STEPS}-step workflow ({INPUTS_PER_RUN} inputs per run){}",
+            c.runs,
+            if self.quick {
+                " -- QUICK smoke run, not a measurement"
+            } else {
+                ""
+            }
+        );
+        let _ = writeln!(t);
+        let _ = writeln!(
+            t,
+            "{:<34} {:>12} {:>12} {:>10}",
+            "", "inputs/s", "runs/s", "seconds"
+        );
+        for (name, cap) in [
+            ("capacity, synchronous_commit on", c),
+            ("capacity, synchronous_commit off", off),
+        ] {
+            let _ = writeln!(
+                t,
+                "{name:<34} {:>12.0} {:>12.1} {:>10.2}",
+                cap.inputs_per_s, cap.runs_per_s, cap.seconds
+            );
+        }
+        let _ = writeln!(
+            t,
+            "{:<34} {:>12.0} {:>12} {:>10}",
+            format!("B1a SQL, 1 input/tx, {} clients", self.b1a.clients),
+            self.b1a.inputs_per_s,
+            "",
+            ""
+        );
+        let _ = writeln!(
+            t,
+            "{:<34} {:>12.0}",
+            format!(
+                "B1b SQL, {} inputs/tx, {} clients",
+                self.b1b.k, self.b1b.clients
+            ),
+            self.b1b.inputs_per_s
+        );
+        let _ = writeln!(
+            t,
+            "{:<34} {:>12.0} {:>12.1} {:>10.2}",
+            "B2 Kafka passthrough", self.b2.inputs_per_s, self.b2.runs_per_s, self.b2.seconds
+        );
+        let _ = writeln!(
+            t,
+            "{:<34} {:>12.0}",
+            "L = 1/(1/B1b + 1/B2)", self.limit_inputs_per_s
+        );
+        let _ = writeln!(t, "{:<34} {:>12.1}", "peak RSS, MiB", self.peak_rss_mb);
+        let _ = writeln!(t);
+        t.push_str(&latency_table(&self.latency));
+        let r = &self.ratios;
+        let contended: Vec<String> = self
+            .profile
+            .other_cores
+            .iter()
+            .filter(|(_, cores)| **cores > CONTENTION_WARN_CORES)
+            .map(|(phase, cores)| format!("{phase} {cores:.2}"))
+            .collect();
+        if !contended.is_empty() {
+            let _ = writeln!(t);
+            let _ = writeln!(
+                t,
+                "WARNING: other processes or the hypervisor took CPU during: {} cores; those figures are not comparable",
+                contended.join(", ")
+            );
+        }
+        let _ = writeln!(t);
+        let _ = writeln!(
+            t,
+            "capacity/L {:.2}   capacity/B1b {:.2}   capacity/B1a {:.2}   sync on/off {:.2}   p99 at 50% {:.1} ms",
+            r.capacity_over_l,
+            r.capacity_over_b1b,
+            r.capacity_over_b1a,
+            r.sync_on_over_off,
+            r.p99_ms_at_50pct
+        );
+        let _ = writeln!(t);
+        for (name, cap) in [("sync on ", c), ("sync off", off)] {
+            let p = &cap.profile;
+            let pg = &p.postgres_per_input;
+            let _ = writeln!(
+                t,
+                "profile {name}: {:.0} tx x {:.1} inputs, apply {:.1} ms avg ({:.0}% of the window), publish ack {:.1} ms; \
+                 per input: {:.2} commits, {:.3} WAL fsyncs, {:.0} WAL bytes, {:.1} WAL records; \
+                 cores: ductor {:.2}, postgres {:.2}, kafka {:.2}, other {:.2}, steal {:.2}; {:.2} msgs/input",
+                p.batches,
+                p.inputs_per_batch,
+                p.apply_ms_avg,
+                p.apply_busy_pct,
+                p.publish_ms_avg,
+                pg.commits,
+                pg.wal_syncs,
+                pg.wal_bytes,
+                pg.wal_records,
+                p.cpu_cores.ductor,
+                p.cpu_cores.postgres,
+                p.cpu_cores.kafka,
+                p.cpu_cores.other,
+                p.cpu_cores.steal,
+                cap.msgs_per_input
+            );
+        }
+        for (name, b) in [("B1a", &self.b1a), ("B1b", &self.b1b)] {
+            if let Some(best) = b.grid.iter().find(|p| p.clients == b.clients && p.k == b.k) {
+                let statements: Vec<String> = footprint::STATEMENTS
+                    .iter()
+                    .filter_map(|s| {
+                        best.profile
+                            .statement_ms
+                            .get(s)
+                            .map(|ms| format!("{s} {ms:.2}"))
+                    })
+                    .collect();
+                let cpu = &best.profile.cpu_cores;
+                let _ = writeln!(
+                    t,
+                    "profile {name} best: ms per transaction: {}; cores: client {:.2}, postgres {:.2}, other {:.2}, steal {:.2}",
+                    statements.join(", "),
+                    cpu.ductor,
+                    cpu.postgres,
+                    cpu.other,
+                    cpu.steal
+                );
+            }
+        }
+        let b2 = &self.b2.profile.cpu_cores;
+        let _ = writeln!(
+            t,
+            "profile B2: cores: ductor {:.2}, postgres {:.2}, kafka {:.2}, other {:.2}, steal {:.2}; {:.2} msgs/input",
+            b2.ductor, b2.postgres, b2.kafka, b2.other, b2.steal, self.b2.msgs_per_input
+        );
+        t
+    }
+}
+
+/// The latency rows and their profile lines.
+fn latency_table(latency: &[Latency]) -> String {
+    let mut t = String::new();
+    let _ = writeln!(
+        t,
+        "{:<10} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9}",
+        "load", "runs/s", "inputs/s", "p50 ms", "p99 ms", "p99.9 ms", "max ms"
+    );
+    for l in latency {
+        let _ = writeln!(
+            t,
+            "{:<10} {:>10.1} {:>10.0} {:>9.1} {:>9.1} {:>9.1} {:>9.1}",
+            format!("{}%", l.load_pct),
+            l.runs_per_s,
+            l.inputs_per_s,
+            l.p50_ms,
+            l.p99_ms,
+            l.p999_ms,
+            l.max_ms
+        );
+    }
+    for l in latency {
+        let p = &l.profile;
+        let _ = writeln!(
+            t,
+            "profile latency {}%: request -> fold p50 {:.1} / p99 {:.1} ms, fold -> event consumed p50 {:.1} / p99 {:.1} ms \
+                 (fold -> event produced p50 {:.1} / p99 {:.1}, produced -> consumed p50 {:.1} / p99 {:.1})",
+            l.load_pct,
+            p.to_fold_p50_ms,
+            p.to_fold_p99_ms,
+            p.fold_to_event_p50_ms,
+            p.fold_to_event_p99_ms,
+            p.fold_to_produce_p50_ms,
+            p.fold_to_produce_p99_ms,
+            p.produce_to_consume_p50_ms,
+            p.produce_to_consume_p99_ms
+        );
+        let _ = writeln!(
+            t,
+            "    means: input age at fetch {:.1} ms, at apply {:.1} ms; apply {:.1} ms for {:.1} inputs; publish ack {:.1} ms; \
+             cores: ductor {:.2}, postgres {:.2}, kafka {:.2}, other {:.2}, steal {:.2}",
+            p.fetch_age_ms_avg,
+            p.apply_age_ms_avg,
+            p.apply_ms_avg,
+            p.inputs_per_batch,
+            p.publish_ms_avg,
+            p.cpu_cores.ductor,
+            p.cpu_cores.postgres,
+            p.cpu_cores.kafka,
+            p.cpu_cores.other,
+            p.cpu_cores.steal
+        );
+        let phases: Vec<String> = pipeline::APPLY_PHASES
+            .iter()
+            .filter_map(|phase| {
+                p.apply_phase_ms_avg
+                    .get(*phase)
+                    .map(|ms| format!("{phase} {ms:.1}"))
+            })
+            .collect();
+        let _ = writeln!(t, "    apply phases, mean ms: {}", phases.join(", "));
+    }
+    t
+}
+
+/// The CLI entry point: runs the bench until done or SIGINT/SIGTERM, prints
+/// the table and then the JSON line on stdout.
+pub async fn main(args: BenchArgs, config: Config) -> anyhow::Result<()> {
+    let shutdown = CancellationToken::new();
+    ductor::cli::serve::cancel_on_signals(shutdown.clone())?;
+    if let Some(rate) = args.latency_at {
+        let latency = run_latency_only(&args, &config, rate, &shutdown).await?;
+        print!("{}", latency_table(&latency));
+        println!(
+            "{}",
+            serde_json::json!({
+                "reference_runs_per_s": rate,
+                "latency": latency,
+                "peak_rss_mb": peak_rss_mb(),
+            })
+        );
+        return Ok(());
+    }
+    let report = run(&args, &config, &shutdown).await?;
+    print!("{}", report.table());
+    println!("{}", report.json_line());
+    Ok(())
+}
+
+/// The latency phases alone, at percentages of `rate` runs/s.
+pub async fn run_latency_only(
+    args: &BenchArgs,
+    config: &Config,
+    rate: f64,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Vec<Latency>> {
+    anyhow::ensure!(
+        rate.is_finite() && rate > 0.0,
+        "--latency-at must be a positive number of runs/s"
+    );
+    let plan = Plan::from_args(args)?;
+    in_own_env(config, shutdown, async |env, progress| {
+        let (_, latency) = sync_on_phases(env, &plan, Some(rate), shutdown, progress).await?;
+        Ok(latency)
+    })
+    .await
+}
+
+/// Runs every phase against the stack `config` points at, in a database and
+/// topics of its own that are removed at the end, whatever happened.
+pub async fn run(
+    args: &BenchArgs,
+    config: &Config,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Report> {
+    let plan = Plan::from_args(args)?;
+    in_own_env(config, shutdown, async |env, progress| {
+        phases(env, &plan, shutdown, progress).await
+    })
+    .await
+}
+
+/// Runs `body` in a bench database and topics of its own, removed at the
+/// end whatever happened; SIGINT/SIGTERM (`shutdown`) interrupts it.
+async fn in_own_env<T>(
+    config: &Config,
+    shutdown: &CancellationToken,
+    body: impl AsyncFnOnce(&BenchEnv, &mut Progress) -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
+    let mut progress = Progress::default();
+    let env = BenchEnv::create(config).await?;
+    progress.done(&format!(
+        "bench database {} and topics bench-{}-*",
+        env.db_name, env.tag
+    ));
+    let result = tokio::select! {
+        r = body(&env, &mut progress) => r,
+        _ = shutdown.cancelled() => Err(anyhow::anyhow!("bench interrupted")),
+    };
+    // Give cancelled pipelines a moment to let go of their connections.
+    if result.is_err() {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let cleanup = env.cleanup().await;
+    match (result, cleanup) {
+        (Ok(value), Ok(())) => Ok(value),
+        (Ok(_), Err(e)) => Err(e),
+        (Err(e), Ok(())) => Err(e),
+        (Err(e), Err(c)) => Err(e.context(format!("and then {c:#}"))),
+    }
+}
+
+/// Capacity and then latency with synchronous commit on. The latency rates
+/// are percentages of `reference` runs/s, or of the measured capacity.
+async fn sync_on_phases(
+    env: &BenchEnv,
+    plan: &Plan,
+    reference: Option<f64>,
+    shutdown: &CancellationToken,
+    progress: &mut Progress,
+) -> anyhow::Result<(Capacity, Vec<Latency>)> {
+    let sync = env.set_synchronous_commit(true).await?;
+    let mut on = Pipeline::start(env, "on", plan.worker_in_flight, shutdown).await?;
+    let capacity = pipeline::capacity(
+        env,
+        &mut on,
+        "on",
+        sync,
+        plan.runs,
+        plan.warmup_runs,
+        progress,
+    )
+    .await?;
+    progress.done(&format!(
+        "capacity (synchronous_commit on{}): {:.0} inputs/s, {:.1} runs/s",
+        if reference.is_some() {
+            ", not used"
+        } else {
+            ""
+        },
+        capacity.inputs_per_s,
+        capacity.runs_per_s
+    ));
+    env.analyze().await?;
+    let latency = pipeline::latency(
+        env,
+        &mut on,
+        reference.unwrap_or(capacity.runs_per_s),
+        &plan.load_pcts,
+        plan.latency,
+        shutdown,
+        progress,
+    )
+    .await?;
+    on.stop().await?;
+    Ok((capacity, latency))
+}
+
+async fn phases(
+    env: &BenchEnv,
+    plan: &Plan,
+    shutdown: &CancellationToken,
+    progress: &mut Progress,
+) -> anyhow::Result<Report> {
+    // 1 and 2: capacity and latency with synchronous commit on.
+    let (capacity, latency) = sync_on_phases(env, plan, None, shutdown, progress).await?;
+
+    // 3: the SQL footprint alone.
+    let b1a_grid =
+        footprint::grid(env, &plan.b1a_clients, &[1], plan.b1_point, "B1a", progress).await?;
+    let b1b_grid = footprint::grid(
+        env,
+        &plan.b1b_clients,
+        &plan.b1b_ks,
+        plan.b1_point,
+        "B1b",
+        progress,
+    )
+    .await?;
+    let b1a = baseline(b1a_grid)?;
+    let b1b = baseline(b1b_grid)?;
+
+    // 4: the Kafka traffic alone.
+    let b2 = passthrough::run(
+        env,
+        plan.runs,
+        plan.warmup_runs,
+        plan.worker_in_flight,
+        shutdown,
+        progress,
+    )
+    .await?;
+    progress.done(&format!(
+        "B2 Kafka passthrough: {:.0} inputs/s",
+        b2.inputs_per_s
+    ));
+
+    // 5: capacity with synchronous commit off.
+    env.truncate().await?;
+    let sync = env.set_synchronous_commit(false).await?;
+    let mut off = Pipeline::start(env, "off", plan.worker_in_flight, shutdown).await?;
+    let capacity_sync_off = pipeline::capacity(
+        env,
+        &mut off,
+        "off",
+        sync,
+        plan.runs,
+        plan.warmup_runs,
+        progress,
+    )
+    .await?;
+    off.stop().await?;
+    progress.done(&format!(
+        "capacity (synchronous_commit off): {:.0} inputs/s, {:.1} runs/s",
+        capacity_sync_off.inputs_per_s, capacity_sync_off.runs_per_s
+    ));
+
+    let limit = 1.0 / (1.0 / b1b.inputs_per_s + 1.0 / b2.inputs_per_s);
+    let p99_at_50 = latency
+        .iter()
+        .find(|l| l.load_pct == 50)
+        .map_or(0.0, |l| l.p99_ms);
+    let ratios = Ratios {
+        capacity_over_l: capacity.inputs_per_s / limit,
+        capacity_over_b1b: capacity.inputs_per_s / b1b.inputs_per_s,
+        capacity_over_b1a: capacity.inputs_per_s / b1a.inputs_per_s,
+        sync_on_over_off: capacity.inputs_per_s / capacity_sync_off.inputs_per_s,
+        p99_ms_at_50pct: p99_at_50,
+    };
+    let best_cpu = |b: &Baseline| {
+        b.grid
+            .iter()
+            .find(|p| p.clients == b.clients && p.k == b.k)
+            .map_or(0.0, |p| taken(&p.profile.cpu_cores))
+    };
+    let mut other_cores = BTreeMap::from([
+        ("capacity".to_string(), taken(&capacity.profile.cpu_cores)),
+        (
+            "capacity_sync_off".to_string(),
+            taken(&capacity_sync_off.profile.cpu_cores),
+        ),
+        ("b1a".to_string(), best_cpu(&b1a)),
+        ("b1b".to_string(), best_cpu(&b1b)),
+        ("b2".to_string(), taken(&b2.profile.cpu_cores)),
+    ]);
+    for l in &latency {
+        other_cores.insert(
+            format!("latency_{}", l.load_pct),
+            taken(&l.profile.cpu_cores),
+        );
+    }
+    Ok(Report {
+        quick: plan.quick,
+        steps_per_run: STEPS,
+        inputs_per_run: INPUTS_PER_RUN,
+        capacity,
+        capacity_sync_off,
+        latency,
+        b1a,
+        b1b,
+        b2,
+        limit_inputs_per_s: limit,
+        ratios,
+        peak_rss_mb: peak_rss_mb(),
+        profile: ReportProfile { other_cores },
+    })
+}
+
+/// This process's peak RSS in MiB (0 where the system does not say).
+fn peak_rss_mb() -> f64 {
+    ductor::infra::telemetry::peak_rss_bytes().map_or(0.0, |b| b as f64 / (1024.0 * 1024.0))
+}
+
+/// Cores taken from the bench by other processes and the hypervisor.
+fn taken(cores: &stats::CpuCores) -> f64 {
+    cores.other + cores.steal
+}
+
+fn baseline(grid: Vec<Point>) -> anyhow::Result<Baseline> {
+    let best = footprint::best(&grid).ok_or_else(|| anyhow::anyhow!("empty baseline grid"))?;
+    Ok(Baseline {
+        inputs_per_s: best.inputs_per_s,
+        clients: best.clients,
+        k: best.k,
+        grid,
+    })
+}

@@ -1,0 +1,414 @@
+//! Baseline B2: the pipeline's Kafka traffic with Postgres taken out.
+//!
+//! A passthrough "coordinator" consumes requests and attempt results with the
+//! ingress' consumer settings, in batches of the same bound and linger, keeps
+//! each run's step in memory, and for every input produces what Ductor's
+//! drainer would publish — the `run.event` and, while steps remain, the
+//! `step.dispatch` — byte-for-byte in Ductor's format, with the same eleven
+//! headers, through a producer with Ductor's settings. The real worker
+//! library answers the dispatches. Messages per input, message sizes and the
+//! topology are therefore those of the real pipeline (timers excepted: the
+//! bench's step timeouts never fall due, so Ductor publishes none either).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use chrono::Utc;
+use futures::future::join_all;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::message::{Header, Message, OwnedHeaders, OwnedMessage};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Offset, TopicPartitionList};
+use serde::Serialize;
+use serde_json::{Value, json};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use super::env::{BenchEnv, INPUTS_PER_RUN, POOL, STEPS, WORKFLOW};
+use super::pipeline::{echo, produce_all, start_request, worker_options};
+use super::stats::{CpuCores, CpuTicks, Progress, Watchdog, messages_between, topic_offsets};
+use ductor::config::Config;
+use ductor::coordinator::fold::{CE_RUN_EVENT, CE_STEP_DISPATCH};
+
+/// Kafka-only throughput of the pipeline's traffic.
+#[derive(Debug, Clone, Serialize)]
+pub struct Passthrough {
+    pub runs: usize,
+    pub seconds: f64,
+    pub inputs_per_s: f64,
+    pub runs_per_s: f64,
+    /// Messages produced to all topics per input; compare with the capacity
+    /// phase's `msgs_per_input`.
+    pub msgs_per_input: f64,
+    pub profile: PassthroughProfile,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PassthroughProfile {
+    pub cpu_cores: CpuCores,
+}
+
+/// Shared between the passthrough task and the driver.
+#[derive(Default)]
+struct Counters {
+    inputs: AtomicU64,
+    finished_runs: AtomicU64,
+    /// Micros since `epoch` of the first input consumed after arming, and of
+    /// the last run finished.
+    first_input_us: AtomicU64,
+    last_finish_us: AtomicU64,
+    armed: std::sync::atomic::AtomicBool,
+}
+
+/// Runs warm-up and a backlog of `runs` through the passthrough pipeline.
+pub async fn run(
+    env: &BenchEnv,
+    runs: usize,
+    warmup_runs: usize,
+    worker_in_flight: usize,
+    parent: &CancellationToken,
+    progress: &mut Progress,
+) -> anyhow::Result<Passthrough> {
+    let config = env.pipeline_config("b2");
+    env.create_topics(&config).await?;
+    let shutdown = parent.child_token();
+    let _stop_on_drop = shutdown.clone().drop_guard();
+    let counters = Arc::new(Counters::default());
+    let epoch = Instant::now();
+    let coordinator: JoinHandle<anyhow::Result<()>> = tokio::spawn(coordinate(
+        config.clone(),
+        counters.clone(),
+        epoch,
+        shutdown.clone(),
+    ));
+    let worker = tokio::spawn(ductor::client::worker::run(
+        worker_options(&config, worker_in_flight),
+        echo,
+        shutdown.clone(),
+    ));
+    let producer = ductor::infra::kafka::producer(&config.kafka, "bench-client")?;
+    let timeout = Duration::from_millis(config.kafka.delivery_timeout_ms);
+    let starts = |prefix: &str, n: usize| -> Vec<(String, String)> {
+        (0..n)
+            .map(|i| {
+                let id = format!("{prefix}-{i}");
+                let value = start_request(&id, i);
+                (id, value)
+            })
+            .collect()
+    };
+    let alive = |c: &JoinHandle<anyhow::Result<()>>, w: &JoinHandle<anyhow::Result<()>>| {
+        anyhow::ensure!(
+            !c.is_finished() && !w.is_finished(),
+            "the Kafka passthrough stopped while the bench was running"
+        );
+        Ok(())
+    };
+
+    produce_all(
+        &producer,
+        &config.requests_topic(),
+        &starts("warm-b2", warmup_runs),
+        timeout,
+    )
+    .await?;
+    let mut watchdog = Watchdog::new(
+        "B2 warm-up",
+        Duration::from_secs(120),
+        Duration::from_secs(30),
+    );
+    while counters.finished_runs.load(Ordering::Relaxed) < warmup_runs as u64 {
+        alive(&coordinator, &worker)?;
+        watchdog.check(
+            counters.finished_runs.load(Ordering::Relaxed),
+            warmup_runs as u64,
+        )?;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let topics = config.all_topics();
+    let offsets_before = topic_offsets(&config.kafka, &topics).await?;
+    let inputs_before = counters.inputs.load(Ordering::Relaxed);
+    let cpu_before = CpuTicks::sample(&env.cpu);
+    counters.armed.store(true, Ordering::SeqCst);
+    produce_all(
+        &producer,
+        &config.requests_topic(),
+        &starts("b2", runs),
+        timeout,
+    )
+    .await?;
+    let target = (warmup_runs + runs) as u64;
+    let limit = Duration::from_secs(120) + Duration::from_millis(100 * runs as u64);
+    let mut watchdog = Watchdog::new("B2 Kafka passthrough", limit, Duration::from_secs(30));
+    let started = Instant::now();
+    loop {
+        let finished = counters.finished_runs.load(Ordering::Relaxed);
+        let done = finished.saturating_sub(warmup_runs as u64);
+        let rate = done as f64 / started.elapsed().as_secs_f64().max(1e-3);
+        progress.update(&format!(
+            "B2 Kafka passthrough: {done}/{runs} runs finished ({rate:.0} runs/s)"
+        ));
+        if finished >= target {
+            break;
+        }
+        alive(&coordinator, &worker)?;
+        watchdog.check(done, runs as u64)?;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let cpu_after = CpuTicks::sample(&env.cpu);
+    let inputs = counters.inputs.load(Ordering::Relaxed) - inputs_before;
+    let seconds = counters
+        .last_finish_us
+        .load(Ordering::SeqCst)
+        .saturating_sub(counters.first_input_us.load(Ordering::SeqCst)) as f64
+        / 1e6;
+    shutdown.cancel();
+    coordinator.await.context("the passthrough panicked")??;
+    worker.await.context("the B2 worker panicked")??;
+    let offsets_after = topic_offsets(&config.kafka, &topics).await?;
+    anyhow::ensure!(seconds > 0.0, "B2: empty measurement window");
+    anyhow::ensure!(
+        inputs == runs as u64 * u64::from(INPUTS_PER_RUN),
+        "B2: {inputs} inputs for {runs} runs"
+    );
+    Ok(Passthrough {
+        runs,
+        seconds,
+        inputs_per_s: inputs as f64 / seconds,
+        runs_per_s: runs as f64 / seconds,
+        msgs_per_input: messages_between(&offsets_before, &offsets_after) as f64 / inputs as f64,
+        profile: PassthroughProfile {
+            cpu_cores: cpu_before.cores_until(&cpu_after),
+        },
+    })
+}
+
+/// A run as the passthrough remembers it.
+struct RunMemo {
+    tenant: String,
+    /// Steps completed so far.
+    completed: u32,
+    seq: i64,
+}
+
+/// One message to publish.
+struct Out {
+    topic: String,
+    key: String,
+    payload: Vec<u8>,
+    headers: OwnedHeaders,
+}
+
+async fn coordinate(
+    config: Config,
+    counters: Arc<Counters>,
+    epoch: Instant,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let consumer: StreamConsumer =
+        ductor::infra::kafka::consumer_config(&config.kafka, &config.kafka.group_id, "b2-ingress")
+            .create()
+            .context("creating the passthrough consumer")?;
+    let producer: FutureProducer = ductor::infra::kafka::producer(&config.kafka, "b2-drainer")?;
+    let requests = config.requests_topic();
+    let results = config.attempt_results_topic();
+    consumer
+        .subscribe(&[requests.as_str(), results.as_str()])
+        .context("subscribing the passthrough")?;
+    let events = config.events_topic();
+    let steps = config.steps_topic(POOL);
+    let max_batch = config.coordinator.batch_max_inputs;
+    let linger = Duration::from_millis(config.coordinator.batch_linger_ms);
+    let timeout = Duration::from_millis(config.kafka.delivery_timeout_ms);
+    let mut memo: HashMap<String, RunMemo> = HashMap::new();
+    loop {
+        // The ingress' batching: wait for one message, then fill up to the
+        // bound or until the linger time has passed.
+        let mut batch: Vec<OwnedMessage> = Vec::new();
+        tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return Ok(()),
+            m = consumer.recv() => batch.push(m.context("passthrough consumer")?.detach()),
+        }
+        if counters.armed.load(Ordering::Relaxed) {
+            let _ = counters.first_input_us.compare_exchange(
+                0,
+                epoch.elapsed().as_micros() as u64,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            );
+        }
+        let deadline = tokio::time::Instant::now() + linger;
+        while batch.len() < max_batch {
+            tokio::select! {
+                biased;
+                m = consumer.recv() => batch.push(m.context("passthrough consumer")?.detach()),
+                _ = tokio::time::sleep_until(deadline) => break,
+            }
+        }
+
+        let mut outs = Vec::with_capacity(batch.len() * 2);
+        let mut finished = 0u64;
+        for msg in &batch {
+            let value: Value = serde_json::from_slice(msg.payload().unwrap_or_default())
+                .context("passthrough input is not JSON")?;
+            let run_id = value["run_id"].as_str().unwrap_or_default().to_string();
+            let input = match value["type"].as_str() {
+                Some("run.start") => {
+                    memo.insert(
+                        run_id.clone(),
+                        RunMemo {
+                            tenant: value["tenant"].as_str().unwrap_or_default().to_string(),
+                            completed: 0,
+                            seq: 0,
+                        },
+                    );
+                    value["input"].clone()
+                }
+                _ => value["output"].clone(),
+            };
+            let Some(run) = memo.get_mut(&run_id) else {
+                anyhow::bail!("passthrough: result for unknown run {run_id}");
+            };
+            if value["type"] != "run.start" {
+                run.completed += 1;
+            }
+            run.seq += 1;
+            let done = run.completed == STEPS;
+            let kind = match (run.seq, done) {
+                (1, _) => "run.started",
+                (_, true) => "run.succeeded",
+                _ => "step.succeeded",
+            };
+            let now = Utc::now();
+            let at = now.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+            let event = json!({
+                "type": "run.event", "schema_version": 1, "run_id": run_id, "tenant": run.tenant,
+                "seq": run.seq, "kind": kind, "status": if done { "succeeded" } else { "running" },
+                "step_index": run.completed.min(STEPS - 1), "attempt": 1, "at": at,
+            });
+            outs.push(out(
+                &events,
+                &run_id,
+                &run.tenant,
+                run.seq,
+                0,
+                CE_RUN_EVENT,
+                &at,
+                &event,
+            )?);
+            if done {
+                memo.remove(&run_id);
+                finished += 1;
+                continue;
+            }
+            let stamp = Uuid::new_v4();
+            let deadline = (now + chrono::Duration::hours(1))
+                .to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+            let dispatch = json!({
+                "type": "step.dispatch", "schema_version": 1, "run_id": run_id,
+                "tenant": run.tenant, "workflow": WORKFLOW, "workflow_version": 1,
+                "step": format!("s{}", run.completed + 1), "step_index": run.completed,
+                "attempt": 1, "stamp": stamp.to_string(), "deadline": deadline, "input": input,
+            });
+            outs.push(out(
+                &steps,
+                &run_id,
+                &run.tenant,
+                run.seq,
+                1,
+                CE_STEP_DISPATCH,
+                &at,
+                &dispatch,
+            )?);
+        }
+
+        let sends = outs.iter().map(|o| {
+            let record = FutureRecord::to(&o.topic)
+                .key(&o.key)
+                .payload(&o.payload)
+                .headers(o.headers.clone());
+            producer.send(record, timeout)
+        });
+        for result in join_all(sends).await {
+            if let Err((e, _)) = result {
+                anyhow::bail!("passthrough publish failed: {e}");
+            }
+        }
+        counters
+            .inputs
+            .fetch_add(batch.len() as u64, Ordering::Relaxed);
+        if finished > 0 {
+            counters.finished_runs.fetch_add(finished, Ordering::SeqCst);
+            counters
+                .last_finish_us
+                .store(epoch.elapsed().as_micros() as u64, Ordering::SeqCst);
+        }
+        store_offsets(&consumer, &batch);
+    }
+}
+
+/// An effect with Ductor's headers.
+#[allow(clippy::too_many_arguments)]
+fn out(
+    topic: &str,
+    run_id: &str,
+    tenant: &str,
+    seq: i64,
+    index: usize,
+    ce_type: &str,
+    at: &str,
+    payload: &Value,
+) -> anyhow::Result<Out> {
+    let key = ductor::apply::idempotency_key(run_id, seq, index);
+    let seq_text = seq.to_string();
+    let source = format!("/ductor/workflows/{WORKFLOW}/v1");
+    let pairs = [
+        ("idempotency-key", key.as_str()),
+        ("ductor-run-id", run_id),
+        ("ductor-seq", seq_text.as_str()),
+        ("ductor-tenant", tenant),
+        ("ce_specversion", "1.0"),
+        ("ce_id", key.as_str()),
+        ("ce_source", source.as_str()),
+        ("ce_type", ce_type),
+        ("ce_time", at),
+        ("ce_subject", run_id),
+        ("content-type", "application/json"),
+    ];
+    let mut headers = OwnedHeaders::new_with_capacity(pairs.len());
+    for (k, v) in pairs {
+        headers = headers.insert(Header {
+            key: k,
+            value: Some(v.as_bytes()),
+        });
+    }
+    Ok(Out {
+        topic: topic.to_string(),
+        key: run_id.to_string(),
+        payload: serde_json::to_vec(payload)?,
+        headers,
+    })
+}
+
+fn store_offsets(consumer: &StreamConsumer, batch: &[OwnedMessage]) {
+    let mut next: BTreeMap<(String, i32), i64> = BTreeMap::new();
+    for msg in batch {
+        let entry = next
+            .entry((msg.topic().to_string(), msg.partition()))
+            .or_insert(0);
+        *entry = (*entry).max(msg.offset() + 1);
+    }
+    let mut tpl = TopicPartitionList::with_capacity(next.len());
+    for ((topic, partition), offset) in &next {
+        let _ = tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset));
+    }
+    if let Err(e) = consumer.store_offsets(&tpl) {
+        tracing::debug!(error = %e, "passthrough offsets not stored");
+    }
+}

@@ -1,0 +1,800 @@
+//! The real pipeline in-process (`serve::run` plus an echo worker), measured
+//! closed-loop for capacity and open-loop for latency.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use chrono::{DateTime, Utc};
+use futures::future::join_all;
+use hdrhistogram::Histogram;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Headers, Message};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
+use rdkafka::{Offset, TopicPartitionList};
+use serde::Serialize;
+use serde_json::json;
+use sqlx::Row;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use super::env::{BenchEnv, INPUTS_PER_RUN, POOL, WORKFLOW};
+use super::stats::{
+    CpuCores, CpuTicks, Histograms, PgCounters, PgPerInput, Progress, Watchdog, messages_between,
+    topic_offsets,
+};
+use ductor::client::worker::{StepInput, StepOutcome, WorkerOptions};
+use ductor::config::Config;
+
+/// How often a wait looks at the database.
+const POLL: Duration = Duration::from_millis(250);
+/// A wait fails when nothing moved for this long.
+const STALL: Duration = Duration::from_secs(30);
+/// Bound of the channel from the events reader to the latency recorder.
+const EVENT_CHANNEL: usize = 65_536;
+/// Longest latency the histogram records, in microseconds (10 minutes).
+const MAX_LATENCY_US: u64 = 600_000_000;
+
+/// The start request of run `i`, the same shape and size in every phase
+/// (and in the Kafka-only baseline).
+pub fn start_request(run_id: &str, i: usize) -> String {
+    json!({
+        "type": "run.start", "schema_version": 1, "run_id": run_id,
+        "tenant": "bench", "workflow": WORKFLOW,
+        "input": {"order": i, "sku": "bench-item-0001", "qty": 1, "note": "echoed by every step"},
+    })
+    .to_string()
+}
+
+/// Worker options for the bench: enough handlers in flight that the echo
+/// worker is never what limits the pipeline.
+pub fn worker_options(config: &Config, max_in_flight: usize) -> WorkerOptions {
+    let mut options = WorkerOptions::from_config(config, POOL);
+    options.max_in_flight = max_in_flight;
+    options
+}
+
+/// The echo worker's handler: a step's output is its input.
+pub async fn echo(step: StepInput) -> StepOutcome {
+    StepOutcome::Succeeded(step.input)
+}
+
+/// Enqueues `(key, value)` pairs on `topic` as fast as the producer takes
+/// them, then waits for every acknowledgement.
+pub async fn produce_all(
+    producer: &FutureProducer,
+    topic: &str,
+    messages: &[(String, String)],
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    let mut pending = Vec::with_capacity(messages.len());
+    for (key, value) in messages {
+        pending.push(enqueue(producer, topic, key, value).await?);
+    }
+    let acks = tokio::time::timeout(timeout, join_all(pending))
+        .await
+        .context("producing start requests: acknowledgements timed out")?;
+    for ack in acks {
+        match ack {
+            Ok(Ok(_)) => {}
+            Ok(Err((e, _))) => anyhow::bail!("producing a start request: {e}"),
+            Err(_) => anyhow::bail!("producing a start request: the producer went away"),
+        }
+    }
+    Ok(())
+}
+
+/// Enqueues one message without waiting for its acknowledgement; waits
+/// only while librdkafka's queue is full.
+async fn enqueue(
+    producer: &FutureProducer,
+    topic: &str,
+    key: &str,
+    value: &str,
+) -> anyhow::Result<DeliveryFuture> {
+    loop {
+        match producer.send_result(FutureRecord::to(topic).key(key).payload(value)) {
+            Ok(delivery) => return Ok(delivery),
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            Err((e, _)) => return Err(e).context("enqueueing a start request"),
+        }
+    }
+}
+
+/// `serve::run` and the echo worker, stopped on drop.
+pub struct Pipeline {
+    pub config: Config,
+    pub producer: FutureProducer,
+    shutdown: CancellationToken,
+    serve: Option<JoinHandle<anyhow::Result<()>>>,
+    worker: Option<JoinHandle<anyhow::Result<()>>>,
+}
+
+impl Drop for Pipeline {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+impl Pipeline {
+    /// Creates the topics of `name` and starts the pipeline under `parent`.
+    pub async fn start(
+        env: &BenchEnv,
+        name: &str,
+        worker_in_flight: usize,
+        parent: &CancellationToken,
+    ) -> anyhow::Result<Pipeline> {
+        let config = env.pipeline_config(name);
+        env.create_topics(&config).await?;
+        let shutdown = parent.child_token();
+        let serve = tokio::spawn(ductor::cli::serve::run(config.clone(), shutdown.clone()));
+        let worker = tokio::spawn(ductor::client::worker::run(
+            worker_options(&config, worker_in_flight),
+            echo,
+            shutdown.clone(),
+        ));
+        let producer = ductor::infra::kafka::producer(&config.kafka, "bench-client")?;
+        Ok(Pipeline {
+            config,
+            producer,
+            shutdown,
+            serve: Some(serve),
+            worker: Some(worker),
+        })
+    }
+
+    /// Fails if `serve` or the worker has stopped.
+    fn check_alive(&mut self) -> anyhow::Result<()> {
+        for (name, slot) in [
+            ("ductor serve", &mut self.serve),
+            ("echo worker", &mut self.worker),
+        ] {
+            if slot.as_ref().is_some_and(|h| h.is_finished()) {
+                anyhow::bail!("{name} stopped while the bench was running; see its log above");
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops both tasks and reports how they ended.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        self.shutdown.cancel();
+        let grace =
+            Duration::from_millis(self.config.server.shutdown_grace_ms) + Duration::from_secs(5);
+        for (name, handle) in [
+            ("ductor serve", self.serve.take()),
+            ("echo worker", self.worker.take()),
+        ] {
+            let Some(handle) = handle else { continue };
+            match tokio::time::timeout(grace, handle).await {
+                Ok(Ok(Ok(()))) => {}
+                Ok(Ok(Err(e))) => return Err(e.context(format!("{name} failed"))),
+                Ok(Err(e)) => anyhow::bail!("{name} panicked: {e}"),
+                Err(_) => anyhow::bail!("{name} did not stop within {} s", grace.as_secs()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Produces the start requests of `prefix-0 .. prefix-(n-1)`.
+    pub async fn start_runs(&self, prefix: &str, n: usize) -> anyhow::Result<()> {
+        let messages: Vec<(String, String)> = (0..n)
+            .map(|i| {
+                let id = format!("{prefix}-{i}");
+                let value = start_request(&id, i);
+                (id, value)
+            })
+            .collect();
+        produce_all(
+            &self.producer,
+            &self.config.requests_topic(),
+            &messages,
+            Duration::from_millis(self.config.kafka.delivery_timeout_ms),
+        )
+        .await
+    }
+
+    /// Waits until the `n` runs whose ids start with `prefix-` are finished,
+    /// showing progress; fails if one did not succeed, on a stall, or after
+    /// `limit`.
+    pub async fn wait_finished(
+        &mut self,
+        env: &BenchEnv,
+        prefix: &str,
+        n: usize,
+        limit: Duration,
+        progress: &mut Progress,
+        label: &str,
+    ) -> anyhow::Result<()> {
+        let pattern = format!("{prefix}-%");
+        let mut watchdog = Watchdog::new(label, limit, STALL);
+        let started = Instant::now();
+        loop {
+            self.check_alive()?;
+            let row = sqlx::query(
+                "SELECT count(*) FILTER (WHERE status <> 'running') AS done, \
+                     count(*) FILTER (WHERE status IN ('failed', 'cancelled')) AS bad \
+                 FROM runs WHERE run_id LIKE $1",
+            )
+            .bind(&pattern)
+            .fetch_one(&env.pool)
+            .await
+            .context("counting finished runs")?;
+            let done: i64 = row.try_get("done")?;
+            let bad: i64 = row.try_get("bad")?;
+            anyhow::ensure!(
+                bad == 0,
+                "{label}: {bad} runs failed; the echo worker never fails, so this is a bug"
+            );
+            let rate = done as f64 / started.elapsed().as_secs_f64().max(1e-3);
+            progress.update(&format!(
+                "{label}: {done}/{n} runs finished ({rate:.0} runs/s)"
+            ));
+            if done as usize >= n {
+                return Ok(());
+            }
+            watchdog.check(done as u64, n as u64)?;
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// Waits until no due intent is left undelivered.
+    pub async fn wait_drained(&mut self, env: &BenchEnv, label: &str) -> anyhow::Result<()> {
+        let mut watchdog = Watchdog::new(
+            format!("{label}: draining the outbox"),
+            Duration::from_secs(120),
+            STALL,
+        );
+        let mut first: Option<i64> = None;
+        loop {
+            self.check_alive()?;
+            let left: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM eec_effect_intent WHERE status <> 'completed' AND not_before <= now()",
+            )
+            .fetch_one(&env.pool)
+            .await
+            .context("counting undelivered intents")?;
+            if left == 0 {
+                return Ok(());
+            }
+            let total = *first.get_or_insert(left);
+            watchdog.check((total - left).max(0) as u64, total as u64)?;
+            tokio::time::sleep(POLL).await;
+        }
+    }
+}
+
+/// Closed-loop capacity of the whole pipeline over a backlog of runs.
+#[derive(Debug, Clone, Serialize)]
+pub struct Capacity {
+    /// As a session opened after the setting sees it (the pipeline's own
+    /// connections are all opened after it).
+    pub synchronous_commit: String,
+    pub runs: usize,
+    /// From the first applied input of the backlog to its last finished run.
+    pub seconds: f64,
+    /// Applied inputs per second: every applied input writes one transition
+    /// row, duplicates and stale inputs write none.
+    pub inputs_per_s: f64,
+    pub transitions_per_s: f64,
+    pub runs_per_s: f64,
+    pub transitions: u64,
+    /// Messages produced to all topics (requests, results, dispatches,
+    /// events) per applied input.
+    pub msgs_per_input: f64,
+    /// Seconds to produce the backlog's start requests.
+    pub backlog_produce_s: f64,
+    pub profile: CapacityProfile,
+}
+
+/// Where the time went during a capacity window.
+#[derive(Debug, Clone, Serialize)]
+pub struct CapacityProfile {
+    /// Apply transactions, their mean size and duration.
+    pub batches: f64,
+    pub inputs_per_batch: f64,
+    pub apply_ms_avg: f64,
+    /// Share of the window the single ingress loop spent inside apply.
+    pub apply_busy_pct: f64,
+    /// Mean broker acknowledgement time of a drainer publish.
+    pub publish_ms_avg: f64,
+    pub avg_event_bytes: f64,
+    pub avg_dispatch_bytes: f64,
+    pub avg_headers_bytes: f64,
+    pub postgres_per_input: PgPerInput,
+    pub cpu_cores: CpuCores,
+}
+
+/// Warm-up, then a backlog of `runs` produced at once and applied by the
+/// running pipeline.
+pub async fn capacity(
+    env: &BenchEnv,
+    pipeline: &mut Pipeline,
+    label: &str,
+    synchronous_commit: String,
+    runs: usize,
+    warmup_runs: usize,
+    progress: &mut Progress,
+) -> anyhow::Result<Capacity> {
+    // Warm-up: consumer groups joined, connections open, statements prepared.
+    let warm = format!("warm-{label}");
+    pipeline.start_runs(&warm, warmup_runs).await?;
+    pipeline
+        .wait_finished(
+            env,
+            &warm,
+            warmup_runs,
+            Duration::from_secs(120),
+            progress,
+            &format!("warm-up ({label})"),
+        )
+        .await?;
+    pipeline.wait_drained(env, label).await?;
+    env.analyze().await?;
+
+    let topics = pipeline.config.all_topics();
+    let offsets_before = topic_offsets(&pipeline.config.kafka, &topics).await?;
+    let pg_before = PgCounters::sample(&env.pool, &env.db_name).await?;
+    let hist_before = Histograms::sample();
+    let cpu_before = CpuTicks::sample(&env.cpu);
+
+    let prefix = format!("cap-{label}");
+    let produce_started = Instant::now();
+    pipeline.start_runs(&prefix, runs).await?;
+    let backlog_produce_s = produce_started.elapsed().as_secs_f64();
+    let limit = Duration::from_secs(120) + Duration::from_millis(100 * runs as u64);
+    pipeline
+        .wait_finished(
+            env,
+            &prefix,
+            runs,
+            limit,
+            progress,
+            &format!("capacity ({label})"),
+        )
+        .await?;
+    let cpu_after = CpuTicks::sample(&env.cpu);
+    let hist_after = Histograms::sample();
+    pipeline.wait_drained(env, label).await?;
+    let offsets_after = topic_offsets(&pipeline.config.kafka, &topics).await?;
+    let pg_after = PgCounters::sample(&env.pool, &env.db_name).await?;
+
+    let pattern = format!("{prefix}-%");
+    let row = sqlx::query(
+        "SELECT EXTRACT(EPOCH FROM (SELECT max(finished_at) FROM runs WHERE run_id LIKE $1) \
+             - (SELECT min(created_at) FROM run_transitions WHERE run_id LIKE $1))::float8 AS seconds, \
+             (SELECT count(*) FROM run_transitions WHERE run_id LIKE $1) AS transitions",
+    )
+    .bind(&pattern)
+    .fetch_one(&env.pool)
+    .await
+    .context("measuring the capacity window")?;
+    let seconds: f64 = row.try_get::<Option<f64>, _>("seconds")?.unwrap_or(0.0);
+    let transitions = row.try_get::<i64, _>("transitions")? as u64;
+    anyhow::ensure!(
+        seconds > 0.0,
+        "capacity ({label}): empty measurement window"
+    );
+    anyhow::ensure!(
+        transitions == runs as u64 * INPUTS_PER_RUN as u64,
+        "capacity ({label}): {transitions} transitions for {runs} runs, expected {} each",
+        INPUTS_PER_RUN
+    );
+
+    let sizes = sqlx::query(
+        "SELECT coalesce(avg(octet_length(payload)) FILTER (WHERE topic = $2), 0)::float8 AS event, \
+             coalesce(avg(octet_length(payload)) FILTER (WHERE topic = $3), 0)::float8 AS dispatch, \
+             coalesce(avg(octet_length(headers::text)), 0)::float8 AS headers \
+         FROM eec_effect_intent WHERE run_id LIKE $1",
+    )
+    .bind(&pattern)
+    .bind(pipeline.config.events_topic())
+    .bind(pipeline.config.steps_topic(POOL))
+    .fetch_one(&env.pool)
+    .await
+    .context("measuring effect sizes")?;
+
+    let (batches, apply_s) = hist_before.delta(&hist_after, "ductor_apply_seconds");
+    let (_, batch_inputs) = hist_before.delta(&hist_after, "ductor_apply_batch_size");
+    let (publishes, publish_s) = hist_before.delta(&hist_after, "ductor_outbox_publish_seconds");
+    let messages = messages_between(&offsets_before, &offsets_after);
+    Ok(Capacity {
+        synchronous_commit,
+        runs,
+        seconds,
+        inputs_per_s: transitions as f64 / seconds,
+        transitions_per_s: transitions as f64 / seconds,
+        runs_per_s: runs as f64 / seconds,
+        transitions,
+        msgs_per_input: messages as f64 / transitions as f64,
+        backlog_produce_s,
+        profile: CapacityProfile {
+            batches,
+            inputs_per_batch: batch_inputs / batches.max(1.0),
+            apply_ms_avg: 1000.0 * apply_s / batches.max(1.0),
+            apply_busy_pct: 100.0 * apply_s / seconds,
+            publish_ms_avg: 1000.0 * publish_s / publishes.max(1.0),
+            avg_event_bytes: sizes.try_get("event")?,
+            avg_dispatch_bytes: sizes.try_get("dispatch")?,
+            avg_headers_bytes: sizes.try_get("headers")?,
+            postgres_per_input: pg_before.per_input(&pg_after, transitions),
+            cpu_cores: cpu_before.cores_until(&cpu_after),
+        },
+    })
+}
+
+/// The phases of an apply transaction, in order.
+pub const APPLY_PHASES: [&str; 5] = ["begin", "load", "fold", "write", "commit"];
+
+/// Open-loop latency at one rate.
+#[derive(Debug, Clone, Serialize)]
+pub struct Latency {
+    /// Percent of the measured capacity (runs/s, synchronous commit on).
+    pub load_pct: u32,
+    pub runs_per_s: f64,
+    /// Inputs per second the pipeline applies at this rate (each run brings
+    /// its start and one result per step).
+    pub inputs_per_s: f64,
+    pub runs: usize,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub p999_ms: f64,
+    pub max_ms: f64,
+    pub profile: LatencyProfile,
+}
+
+/// The latency split at the coordinator's fold (the `at` of the event, the
+/// wall-clock time of the apply): before it, producing, fetching, batching
+/// and loading; after it, the rest of the apply and its commit, the drainer
+/// round and the publish, and the bench's fetch. The part after the fold is
+/// split again at the event's produce time (its Kafka timestamp, in whole
+/// milliseconds): commit and hand-over before it, the Kafka hop after.
+#[derive(Debug, Clone, Serialize)]
+pub struct LatencyProfile {
+    pub to_fold_p50_ms: f64,
+    pub to_fold_p99_ms: f64,
+    pub fold_to_event_p50_ms: f64,
+    pub fold_to_event_p99_ms: f64,
+    pub fold_to_produce_p50_ms: f64,
+    pub fold_to_produce_p99_ms: f64,
+    pub produce_to_consume_p50_ms: f64,
+    pub produce_to_consume_p99_ms: f64,
+    /// Means over every input and batch of the phase (starts and results):
+    /// an input's age when the ingress fetched it and when its batch began
+    /// to apply, the apply transactions' size and duration, and the broker
+    /// acknowledgement time of a drainer publish.
+    pub fetch_age_ms_avg: f64,
+    pub apply_age_ms_avg: f64,
+    pub inputs_per_batch: f64,
+    pub apply_ms_avg: f64,
+    /// Mean time of each phase of an apply transaction (`begin`, `load`,
+    /// `fold`, `write`, `commit`; see `ductor_apply_phase_seconds`).
+    pub apply_phase_ms_avg: BTreeMap<String, f64>,
+    pub publish_ms_avg: f64,
+    /// Cores used while the phase's requests were sent and started.
+    pub cpu_cores: CpuCores,
+}
+
+/// Reads the events topic from its current end and forwards `(run_id,
+/// arrival)` of every `run.started` event (transition seq 1).
+struct EventsReader {
+    stop: CancellationToken,
+    task: JoinHandle<anyhow::Result<()>>,
+    arrivals: mpsc::Receiver<Arrival>,
+}
+
+/// A `run.started` event as the reader saw it.
+struct Arrival {
+    run_id: String,
+    at: Instant,
+    at_wall: DateTime<Utc>,
+    /// The coordinator's `now` when it folded the start (the event's `at`).
+    folded: Option<DateTime<Utc>>,
+    /// When the drainer produced the event (its Kafka timestamp).
+    produced: Option<DateTime<Utc>>,
+}
+
+impl EventsReader {
+    async fn start(config: &Config, parent: &CancellationToken) -> anyhow::Result<EventsReader> {
+        let topic = config.events_topic();
+        let ends = topic_offsets_by_partition(config, &topic).await?;
+        let mut cfg = ductor::infra::kafka::consumer_config(
+            &config.kafka,
+            &format!("{}-bench-events", config.kafka.group_id),
+            "bench-events",
+        );
+        cfg.set("enable.auto.commit", "false");
+        let consumer: StreamConsumer = cfg.create().context("creating the events reader")?;
+        let mut tpl = TopicPartitionList::new();
+        for (partition, high) in ends {
+            tpl.add_partition_offset(&topic, partition, Offset::Offset(high))
+                .context("assigning the events topic")?;
+        }
+        consumer
+            .assign(&tpl)
+            .context("assigning the events topic")?;
+        let (tx, arrivals) = mpsc::channel(EVENT_CHANNEL);
+        let stop = parent.child_token();
+        let token = stop.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let message = tokio::select! {
+                    _ = token.cancelled() => return Ok(()),
+                    m = consumer.recv() => m.context("reading the events topic")?,
+                };
+                let arrived = Instant::now();
+                let arrived_wall = Utc::now();
+                let first = message
+                    .headers()
+                    .and_then(|hs| hs.iter().find(|h| h.key == "ductor-seq"))
+                    .is_some_and(|h| h.value == Some(b"1".as_slice()));
+                if !first {
+                    continue;
+                }
+                let Some(run_id) = message
+                    .key()
+                    .map(|k| String::from_utf8_lossy(k).into_owned())
+                else {
+                    continue;
+                };
+                let folded = message
+                    .payload()
+                    .and_then(|p| serde_json::from_slice::<serde_json::Value>(p).ok())
+                    .and_then(|v| {
+                        v["at"]
+                            .as_str()
+                            .and_then(|a| DateTime::parse_from_rfc3339(a).ok())
+                    })
+                    .map(|t| t.with_timezone(&Utc));
+                let produced = message
+                    .timestamp()
+                    .to_millis()
+                    .and_then(DateTime::from_timestamp_millis);
+                let arrival = Arrival {
+                    run_id,
+                    at: arrived,
+                    at_wall: arrived_wall,
+                    folded,
+                    produced,
+                };
+                if tx.send(arrival).await.is_err() {
+                    return Ok(());
+                }
+            }
+        });
+        Ok(EventsReader {
+            stop,
+            task,
+            arrivals,
+        })
+    }
+
+    async fn stop(self) -> anyhow::Result<()> {
+        self.stop.cancel();
+        drop(self.arrivals);
+        self.task.await.context("events reader panicked")?
+    }
+}
+
+/// High watermark of every partition of `topic`.
+async fn topic_offsets_by_partition(
+    config: &Config,
+    topic: &str,
+) -> anyhow::Result<Vec<(i32, i64)>> {
+    let kafka = config.kafka.clone();
+    let topic = topic.to_string();
+    tokio::task::spawn_blocking(move || {
+        let timeout = Duration::from_millis(kafka.admin_timeout_ms);
+        let consumer: rdkafka::consumer::BaseConsumer =
+            ductor::infra::kafka::consumer_config(&kafka, "bench-offsets", "offsets")
+                .create()
+                .context("creating the offsets client")?;
+        let metadata = consumer.fetch_metadata(Some(&topic), timeout)?;
+        let mut out = Vec::new();
+        for t in metadata.topics() {
+            for p in t.partitions() {
+                let (_, high) = consumer.fetch_watermarks(&topic, p.id(), timeout)?;
+                out.push((p.id(), high));
+            }
+        }
+        anyhow::ensure!(!out.is_empty(), "topic {topic} has no partitions");
+        Ok(out)
+    })
+    .await
+    .context("offsets task")?
+}
+
+/// One open-loop phase per entry of `load_pcts`, each `duration` long, at
+/// that percentage of `capacity_runs_per_s`. Latency runs from the
+/// *intended* send time of a start request to the arrival of its
+/// `run.started` event, so a stalled sender or pipeline shows up in full.
+pub async fn latency(
+    env: &BenchEnv,
+    pipeline: &mut Pipeline,
+    capacity_runs_per_s: f64,
+    load_pcts: &[u32],
+    duration: Duration,
+    parent: &CancellationToken,
+    progress: &mut Progress,
+) -> anyhow::Result<Vec<Latency>> {
+    let mut reader = EventsReader::start(&pipeline.config, parent).await?;
+    let mut out = Vec::with_capacity(load_pcts.len());
+    for &pct in load_pcts {
+        let rate = capacity_runs_per_s * f64::from(pct) / 100.0;
+        let figures = one_rate(env, pipeline, &mut reader, pct, rate, duration, progress).await;
+        match figures {
+            Ok(f) => {
+                progress.done(&format!(
+                    "latency at {pct}% ({:.0} runs/s): p50 {:.1} ms, p99 {:.1} ms, p99.9 {:.1} ms",
+                    f.runs_per_s, f.p50_ms, f.p99_ms, f.p999_ms
+                ));
+                out.push(f);
+            }
+            Err(e) => {
+                let _ = reader.stop().await;
+                return Err(e);
+            }
+        }
+    }
+    reader.stop().await?;
+    Ok(out)
+}
+
+async fn one_rate(
+    env: &BenchEnv,
+    pipeline: &mut Pipeline,
+    reader: &mut EventsReader,
+    pct: u32,
+    rate: f64,
+    duration: Duration,
+    progress: &mut Progress,
+) -> anyhow::Result<Latency> {
+    anyhow::ensure!(
+        rate > 0.0,
+        "latency at {pct}%: the measured capacity is zero"
+    );
+    let n = ((rate * duration.as_secs_f64()).ceil() as usize).max(2);
+    let period = Duration::from_secs_f64(1.0 / rate);
+    let prefix = format!("lat{pct}");
+    let label = format!("latency at {pct}% ({rate:.0} runs/s)");
+    let topic = pipeline.config.requests_topic();
+    let t0 = tokio::time::Instant::now() + Duration::from_millis(50);
+    let t0_wall = Utc::now() + chrono::Duration::milliseconds(50);
+    let intended: Vec<Instant> = (0..n)
+        .map(|i| t0.into_std() + period.mul_f64(i as f64))
+        .collect();
+
+    // The sender keeps to the schedule whatever happens downstream; it only
+    // enqueues, acknowledgements are collected at the end.
+    let sender = {
+        let producer = pipeline.producer.clone();
+        let prefix = prefix.clone();
+        let timeout = Duration::from_millis(pipeline.config.kafka.delivery_timeout_ms);
+        tokio::spawn(async move {
+            let mut acks = Vec::with_capacity(n);
+            for i in 0..n {
+                tokio::time::sleep_until(t0 + period.mul_f64(i as f64)).await;
+                let id = format!("{prefix}-{i}");
+                acks.push(enqueue(&producer, &topic, &id, &start_request(&id, i)).await?);
+            }
+            let acks = tokio::time::timeout(timeout, join_all(acks))
+                .await
+                .context("start requests were not acknowledged in time")?;
+            let failed = acks.iter().filter(|a| !matches!(a, Ok(Ok(_)))).count();
+            anyhow::ensure!(failed == 0, "{failed} start requests failed to publish");
+            Ok(())
+        })
+    };
+
+    let new_histogram = || {
+        Histogram::<u64>::new_with_bounds(1, MAX_LATENCY_US, 3)
+            .context("creating a latency histogram")
+    };
+    let mut histogram = new_histogram()?;
+    let mut to_fold = new_histogram()?;
+    let mut fold_to_event = new_histogram()?;
+    let mut fold_to_produce = new_histogram()?;
+    let mut produce_to_consume = new_histogram()?;
+    let record = |h: &mut Histogram<u64>, us: i64| {
+        h.saturating_record((us.max(1) as u64).min(MAX_LATENCY_US));
+    };
+    let hist_before = Histograms::sample();
+    let cpu_before = CpuTicks::sample(&env.cpu);
+    let mut seen = vec![false; n];
+    let mut count = 0usize;
+    let mut watchdog = Watchdog::new(label.clone(), duration + Duration::from_secs(60), STALL);
+    let mut last_show = Instant::now();
+    while count < n {
+        pipeline.check_alive()?;
+        let arrival = tokio::time::timeout(POLL, reader.arrivals.recv()).await;
+        match arrival {
+            Ok(Some(arrival)) => {
+                let index = arrival
+                    .run_id
+                    .strip_prefix(&prefix)
+                    .and_then(|rest| rest.strip_prefix('-'))
+                    .and_then(|i| i.parse::<usize>().ok())
+                    .filter(|&i| i < n);
+                if let Some(i) = index
+                    && !seen[i]
+                {
+                    seen[i] = true;
+                    count += 1;
+                    let us = arrival
+                        .at
+                        .saturating_duration_since(intended[i])
+                        .as_micros();
+                    record(&mut histogram, us as i64);
+                    if let Some(folded) = arrival.folded {
+                        let intended_wall =
+                            t0_wall + chrono::Duration::from_std(period.mul_f64(i as f64))?;
+                        let micros = |d: chrono::Duration| d.num_microseconds().unwrap_or(0);
+                        record(&mut to_fold, micros(folded - intended_wall));
+                        record(&mut fold_to_event, micros(arrival.at_wall - folded));
+                        if let Some(produced) = arrival.produced {
+                            record(&mut fold_to_produce, micros(produced - folded));
+                            record(&mut produce_to_consume, micros(arrival.at_wall - produced));
+                        }
+                    }
+                }
+            }
+            Ok(None) => anyhow::bail!("{label}: the events reader stopped"),
+            Err(_) => {}
+        }
+        if last_show.elapsed() >= POLL {
+            progress.update(&format!("{label}: {count}/{n} runs started"));
+            last_show = Instant::now();
+        }
+        watchdog.check(count as u64, n as u64)?;
+    }
+    sender.await.context("the latency sender panicked")??;
+    let hist_after = Histograms::sample();
+    let cpu_after = CpuTicks::sample(&env.cpu);
+    let mean_ms = |name: &str| {
+        let (count, sum) = hist_before.delta(&hist_after, name);
+        1000.0 * sum / count.max(1.0)
+    };
+    let (batches, batch_inputs) = hist_before.delta(&hist_after, "ductor_apply_batch_size");
+    // Let the phase's runs finish, so the next rate starts from a quiet pipeline.
+    pipeline
+        .wait_finished(env, &prefix, n, Duration::from_secs(120), progress, &label)
+        .await?;
+    let ms = |q: f64| histogram.value_at_quantile(q) as f64 / 1000.0;
+    Ok(Latency {
+        load_pct: pct,
+        runs_per_s: rate,
+        inputs_per_s: rate * f64::from(INPUTS_PER_RUN),
+        runs: n,
+        p50_ms: ms(0.50),
+        p99_ms: ms(0.99),
+        p999_ms: ms(0.999),
+        max_ms: histogram.max() as f64 / 1000.0,
+        profile: LatencyProfile {
+            to_fold_p50_ms: to_fold.value_at_quantile(0.5) as f64 / 1000.0,
+            to_fold_p99_ms: to_fold.value_at_quantile(0.99) as f64 / 1000.0,
+            fold_to_event_p50_ms: fold_to_event.value_at_quantile(0.5) as f64 / 1000.0,
+            fold_to_event_p99_ms: fold_to_event.value_at_quantile(0.99) as f64 / 1000.0,
+            fold_to_produce_p50_ms: fold_to_produce.value_at_quantile(0.5) as f64 / 1000.0,
+            fold_to_produce_p99_ms: fold_to_produce.value_at_quantile(0.99) as f64 / 1000.0,
+            produce_to_consume_p50_ms: produce_to_consume.value_at_quantile(0.5) as f64 / 1000.0,
+            produce_to_consume_p99_ms: produce_to_consume.value_at_quantile(0.99) as f64 / 1000.0,
+            fetch_age_ms_avg: mean_ms("ductor_ingress_fetch_age_seconds"),
+            apply_age_ms_avg: mean_ms("ductor_ingress_apply_age_seconds"),
+            inputs_per_batch: batch_inputs / batches.max(1.0),
+            apply_ms_avg: mean_ms("ductor_apply_seconds"),
+            apply_phase_ms_avg: APPLY_PHASES
+                .iter()
+                .map(|phase| {
+                    let series = format!("ductor_apply_phase_seconds{{phase=\"{phase}\"}}");
+                    (phase.to_string(), mean_ms(&series))
+                })
+                .collect(),
+            publish_ms_avg: mean_ms("ductor_outbox_publish_seconds"),
+            cpu_cores: cpu_before.cores_until(&cpu_after),
+        },
+    })
+}

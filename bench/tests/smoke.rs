@@ -1,0 +1,101 @@
+//! A smoke run of `ductor-bench --quick` through the library: every phase
+//! runs end to end against the real stack and reports positive figures.
+//! Timings are never asserted; the quick figures are not measurements.
+
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
+use ductor::config::Config;
+use ductor_bench::{BenchArgs, Report};
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+/// Every number in `value`, with its path, except inside `profile` objects
+/// (diagnostics that may legitimately be zero).
+fn figures(path: &str, value: &Value, out: &mut Vec<(String, f64)>) {
+    match value {
+        Value::Number(n) => out.push((path.to_string(), n.as_f64().unwrap_or(f64::NAN))),
+        Value::Array(items) => {
+            for (i, item) in items.iter().enumerate() {
+                figures(&format!("{path}[{i}]"), item, out);
+            }
+        }
+        Value::Object(map) => {
+            for (key, item) in map {
+                if key != "profile" {
+                    figures(&format!("{path}.{key}"), item, out);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_quick_bench_reports_every_figure_positive() {
+    let config = Config::load_from(
+        None,
+        vec![
+            ("DATABASE_URL".to_string(), common::database_url()),
+            (
+                "KAFKA_BOOTSTRAP_SERVERS".to_string(),
+                common::bootstrap_servers(),
+            ),
+        ],
+    )
+    .expect("default configuration is valid");
+    let args = BenchArgs {
+        runs: 30,
+        duration_s: 0.5,
+        quick: true,
+        ..BenchArgs::default()
+    };
+    let report: Report = ductor_bench::run(&args, &config, &CancellationToken::new())
+        .await
+        .expect("the quick bench runs to the end");
+
+    let line = report.json_line();
+    assert!(!line.contains('\n'), "the JSON report is one line");
+    let json: Value = serde_json::from_str(&line).expect("the report is JSON");
+    for key in [
+        "capacity",
+        "capacity_sync_off",
+        "latency",
+        "b1a",
+        "b1b",
+        "b2",
+        "limit_inputs_per_s",
+        "ratios",
+        "peak_rss_mb",
+    ] {
+        assert!(json.get(key).is_some(), "the report has {key}: {line}");
+    }
+    assert_eq!(json["latency"].as_array().map(Vec::len), Some(4));
+    for ratio in [
+        "capacity_over_l",
+        "capacity_over_b1b",
+        "capacity_over_b1a",
+        "sync_on_over_off",
+        "p99_ms_at_50pct",
+    ] {
+        assert!(json["ratios"].get(ratio).is_some(), "ratio {ratio} missing");
+    }
+    let mut all = Vec::new();
+    figures("", &json, &mut all);
+    assert!(all.len() > 30, "expected many figures, got {}", all.len());
+    for (path, value) in &all {
+        assert!(
+            value.is_finite() && *value > 0.0,
+            "{path} = {value} is not positive in {line}"
+        );
+    }
+    assert!(
+        report.table().contains("capacity/L"),
+        "the table shows the ratios"
+    );
+    assert!(
+        report.peak_rss_mb > 1.0,
+        "the serve's peak RSS is reported: {}",
+        report.peak_rss_mb
+    );
+}

@@ -1,0 +1,1423 @@
+//! The checker: waits for the system to settle, then reads the load driver's
+//! log, the whole database and every topic from the beginning (with a fresh
+//! consumer group), and reports violations by kind.
+//!
+//! Violation kinds:
+//!
+//! - `not_settled` — within the bound, the outbox backlog of due intents,
+//!   the coordinator group's lag on the input topics and the number of
+//!   running runs did not all reach zero (two rounds in a row).
+//! - `lost_input` — an acknowledged good input left no trace: a
+//!   client-chosen start without its run; a routed start (Kafka ack or HTTP
+//!   2xx) without a completed decision for its key or without that run; a
+//!   signal or cancel that was never applied although the coordinator later
+//!   applied an input from a higher offset of the same partition to the same
+//!   run (so the run was still running when this one came by); a result whose
+//!   attempt is still `dispatched`.
+//! - `run_not_terminal` — a run still `running` after settling (workers kept
+//!   answering and timeouts retry, so every run must end).
+//! - `seq_gap`, `record_version`, `state_history_mismatch`,
+//!   `input_applied_twice`, `stale_result_applied`, `state_replay_mismatch`,
+//!   `transition_source_missing` — see [`super::history`].
+//! - `event_history_mismatch` — a `run.event` on the events topic names a
+//!   (run, seq) whose transition does not exist or has another kind/status.
+//! - `duplicate_decision` — two decisions for one `(tenant, pool, key)`: HTTP
+//!   answers naming different runs, more than one `run.accepted` run id, or
+//!   an answer that differs from the routing row's decision.
+//! - `dangling_decision` — a completed routing row whose decision is not a
+//!   run of that tenant and pool.
+//! - `bad_input_accepted` — a request meant to be refused (a key reused for
+//!   a different request) was answered 2xx.
+//! - `intent_not_completed` — a committed intent due before the settle point
+//!   is not completed.
+//! - `intent_not_published` — a completed intent appears nowhere on its topic.
+//! - `duplicate_differs` — two deliveries with one idempotency key differ in
+//!   message key, headers or payload.
+//! - `effect_order` — on one (run, topic), the first deliveries of
+//!   immediately due effects do not follow (seq, effect index) order.
+//! - `effect_without_intent` — a delivered message carries an idempotency
+//!   key that no committed intent has (an effect of a rolled-back
+//!   transaction).
+//! - `effect_differs_from_intent` — a delivered effect's topic, key, headers
+//!   or payload differ from its intent row.
+//! - `good_input_dead_lettered` / `bad_input_not_dead_lettered` — matched on
+//!   the `ductor-dlq-topic/partition/offset` headers.
+//! - `effect_dead_lettered` — one of Ductor's own effects (a timer) ended in
+//!   the DLQ.
+//! - `lane_stalled` — a serve's `ductor_ingress_stalled_lanes`, read by the
+//!   load driver every second, was above zero: an apply lane held a batch
+//!   it could not commit for `coordinator.stall_after_ms`.
+//! - `failed_by_timeout_not_slow` — a run failed because its last attempt
+//!   timed out, although the worker's answer to that attempt was
+//!   acknowledged by the broker before the attempt's deadline (and was not
+//!   one it sent late on purpose): a crash of Ductor failed a healthy run.
+//! - `tenant_crossing` — an effect whose `ductor-tenant` header or payload
+//!   tenant is not its run's tenant; a decision (HTTP answer, `run.accepted`,
+//!   the created run) in another tenant than the request's.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::Value;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{PgPool, Row};
+use tokio::time::Instant;
+use uuid::Uuid;
+
+use super::CheckArgs;
+use super::history::{self, AttemptRow, IntentRow, RunRow, RunRows, TransitionRow};
+use super::log::{self, Record};
+use super::topics::{self, Msg};
+use ductor::apply::TopicNames;
+use ductor::config::Config;
+use ductor::coordinator::Workflows;
+use ductor::ingress::dead_letter as dlq;
+
+/// Examples kept per violation kind.
+const MAX_EXAMPLES: usize = 3;
+/// Longest example text.
+const MAX_EXAMPLE_LEN: usize = 300;
+/// Pause between settle rounds; longer than the ingress' offset commit
+/// interval, so a clean round after a clean round means nothing moved.
+const SETTLE_ROUND: Duration = Duration::from_millis(1500);
+/// Bound on reading every topic.
+const READ_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Violations by kind, with a few examples each.
+#[derive(Debug, Default, Clone)]
+pub struct Violations {
+    pub counts: BTreeMap<String, u64>,
+    pub examples: BTreeMap<String, Vec<String>>,
+}
+
+impl Violations {
+    /// Counts one violation; `example` is only built for the first few.
+    pub fn add(&mut self, kind: &str, example: impl FnOnce() -> String) {
+        *self.counts.entry(kind.to_string()).or_default() += 1;
+        let examples = self.examples.entry(kind.to_string()).or_default();
+        if examples.len() < MAX_EXAMPLES {
+            let mut e = example();
+            if let Some((i, _)) = e.char_indices().nth(MAX_EXAMPLE_LEN) {
+                e.truncate(i);
+            }
+            examples.push(e);
+        }
+    }
+
+    pub fn total(&self) -> u64 {
+        self.counts.values().sum()
+    }
+}
+
+/// The checker's one JSON line.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// Faults injected, by kind (from the faults file).
+    pub faults: BTreeMap<String, u64>,
+    /// Inputs the log says were acknowledged (broker acks and HTTP answers).
+    pub inputs: u64,
+    /// Runs in the database.
+    pub runs: u64,
+    /// Deliveries beyond the first, over all effects.
+    pub duplicate_deliveries: u64,
+    pub violations: BTreeMap<String, u64>,
+    pub examples: BTreeMap<String, Vec<String>>,
+}
+
+impl Report {
+    pub fn ok(&self) -> bool {
+        self.violations.is_empty()
+    }
+}
+
+/// Everything read from Postgres.
+#[derive(Default)]
+pub struct DbSnapshot {
+    pub runs: Vec<RunRow>,
+    pub transitions: Vec<TransitionRow>,
+    pub attempts: Vec<AttemptRow>,
+    pub intents: Vec<IntentRow>,
+    pub routing: Vec<RoutingRow>,
+}
+
+/// An `eec_routing_idempotency` row.
+#[derive(Debug, Clone)]
+pub struct RoutingRow {
+    pub tenant: String,
+    pub pool: String,
+    pub key: String,
+    pub status: String,
+    pub decision_id: Option<String>,
+}
+
+/// Settles, reads everything and checks it.
+pub async fn run(args: &CheckArgs, config: &Config) -> anyhow::Result<Report> {
+    let records = log::read(&args.log)?;
+    let faults = match &args.faults {
+        Some(path) => read_faults(path)?,
+        None => BTreeMap::new(),
+    };
+    let workflows = ductor::infra::workflows::load_dir(&config.coordinator.workflows_dir)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let pool = connect(config).await?;
+    let mut v = Violations::default();
+    let settle_at = match settle(&pool, config, Duration::from_secs(args.settle_timeout_s)).await? {
+        Ok(at) => at,
+        Err((why, at)) => {
+            v.add("not_settled", || why);
+            at
+        }
+    };
+    let db = load_db(&pool).await?;
+    pool.close().await;
+    let kafka = config.kafka.clone();
+    let topic_list = all_topics(config, &workflows);
+    let (msgs, missing) =
+        tokio::task::spawn_blocking(move || topics::read_all(&kafka, &topic_list, READ_TIMEOUT))
+            .await
+            .context("reading topics")??;
+    for topic in missing {
+        tracing::info!(topic, "topic does not exist; skipped");
+    }
+    let mut report = analyse(
+        &Inputs {
+            records: &records,
+            db: &db,
+            msgs: &msgs,
+            settle_at,
+            config,
+            workflows: &workflows,
+        },
+        &mut v,
+    );
+    report.faults = faults;
+    Ok(report)
+}
+
+async fn connect(config: &Config) -> anyhow::Result<PgPool> {
+    let options: PgConnectOptions = config
+        .database
+        .url
+        .expose()
+        .parse()
+        .with_context(|| format!("parsing database url {}", config.database.url))?;
+    PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_with(options.application_name("ductor-chaos-check"))
+        .await
+        .with_context(|| format!("connecting to {}", config.database.url))
+}
+
+fn read_faults(path: &Path) -> anyhow::Result<BTreeMap<String, u64>> {
+    let mut out = BTreeMap::new();
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let kind = serde_json::from_str::<Value>(line)
+            .ok()
+            .and_then(|v| v.get("kind").and_then(Value::as_str).map(String::from))
+            .unwrap_or_else(|| "unknown".into());
+        *out.entry(kind).or_default() += 1;
+    }
+    Ok(out)
+}
+
+/// Every topic the checker reads: the inputs, the events, the DLQ, every
+/// step topic and output topic.
+fn all_topics(config: &Config, workflows: &Workflows) -> Vec<String> {
+    let mut set = BTreeSet::new();
+    set.insert(config.requests_topic());
+    set.insert(config.wakeups_topic());
+    set.insert(config.attempt_results_topic());
+    set.insert(config.events_topic());
+    set.insert(config.dlq_topic());
+    for p in &config.kafka.step_pools {
+        set.insert(config.steps_topic(p));
+    }
+    for t in &config.kafka.extra_topics {
+        set.insert(t.clone());
+    }
+    for w in workflows.iter() {
+        for s in &w.steps {
+            set.insert(config.steps_topic(&s.pool));
+        }
+        if let Some(t) = &w.output_topic {
+            set.insert(t.clone());
+        }
+    }
+    set.into_iter().collect()
+}
+
+/// Waits until the due backlog, the coordinator's lag and the running runs
+/// are zero in two rounds in a row. `Ok(settle time)`, or `Err((why, time))`
+/// when the bound ran out. The time is the database's clock.
+async fn settle(
+    pool: &PgPool,
+    config: &Config,
+    timeout: Duration,
+) -> anyhow::Result<Result<DateTime<Utc>, (String, DateTime<Utc>)>> {
+    let deadline = Instant::now() + timeout;
+    let inputs = vec![
+        config.requests_topic(),
+        config.wakeups_topic(),
+        config.attempt_results_topic(),
+    ];
+    let mut clean = 0;
+    loop {
+        let kafka = config.kafka.clone();
+        let group = config.kafka.group_id.clone();
+        let topics = inputs.clone();
+        let lag = tokio::task::spawn_blocking(move || topics::group_lag(&kafka, &group, &topics))
+            .await
+            .context("measuring lag")?;
+        let db = sqlx::query(
+            "SELECT now() AS now, \
+                (SELECT count(*) FROM eec_effect_intent WHERE status <> 'completed' \
+                     AND GREATEST(not_before, deferred_until) <= now()) AS due, \
+                (SELECT count(*) FROM runs WHERE status = 'running') AS running",
+        )
+        .fetch_one(pool)
+        .await;
+        let state = match (&lag, &db) {
+            (Ok(lag), Ok(row)) => {
+                let now: DateTime<Utc> = row.try_get("now")?;
+                let due: i64 = row.try_get("due")?;
+                let running: i64 = row.try_get("running")?;
+                Some((now, *lag, due, running))
+            }
+            _ => None,
+        };
+        if let Some((now, 0, 0, 0)) = state {
+            clean += 1;
+            if clean >= 2 {
+                return Ok(Ok(now));
+            }
+        } else {
+            clean = 0;
+        }
+        if Instant::now() >= deadline {
+            let now: DateTime<Utc> = sqlx::query_scalar("SELECT now()")
+                .fetch_one(pool)
+                .await
+                .unwrap_or_else(|_| Utc::now());
+            let why = match (state, lag, db) {
+                (Some((_, lag, due, running)), _, _) => format!(
+                    "after {} s: lag {lag}, due intents {due}, running runs {running}",
+                    timeout.as_secs()
+                ),
+                (None, Err(e), _) => format!("after {} s: kafka: {e:#}", timeout.as_secs()),
+                (None, _, Err(e)) => format!("after {} s: postgres: {e}", timeout.as_secs()),
+                (None, Ok(_), Ok(_)) => "unknown".into(),
+            };
+            return Ok(Err((why, now)));
+        }
+        tokio::time::sleep(SETTLE_ROUND).await;
+    }
+}
+
+/// Reads every table the checks need.
+pub async fn load_db(pool: &PgPool) -> anyhow::Result<DbSnapshot> {
+    let mut db = DbSnapshot::default();
+    for row in sqlx::query(
+        "SELECT run_id, tenant_scope, pool_id, workflow_name, workflow_version, status, \
+             record_version, last_transition_seq, state, finished_at IS NOT NULL AS finished \
+         FROM runs",
+    )
+    .fetch_all(pool)
+    .await
+    .context("reading runs")?
+    {
+        db.runs.push(RunRow {
+            run_id: row.try_get("run_id")?,
+            tenant: row.try_get("tenant_scope")?,
+            pool: row.try_get("pool_id")?,
+            workflow: row.try_get("workflow_name")?,
+            workflow_version: row.try_get("workflow_version")?,
+            status: row.try_get("status")?,
+            record_version: row.try_get("record_version")?,
+            last_transition_seq: row.try_get("last_transition_seq")?,
+            state: row.try_get("state")?,
+            finished: row.try_get("finished")?,
+        });
+    }
+    for row in sqlx::query(
+        "SELECT run_id, seq, input_ref, kind, from_status, to_status, step_index, detail, \
+             source_topic, source_partition, source_offset, created_at \
+         FROM run_transitions ORDER BY run_id, seq",
+    )
+    .fetch_all(pool)
+    .await
+    .context("reading run_transitions")?
+    {
+        let topic: Option<String> = row.try_get("source_topic")?;
+        let partition: Option<i32> = row.try_get("source_partition")?;
+        let offset: Option<i64> = row.try_get("source_offset")?;
+        db.transitions.push(TransitionRow {
+            run_id: row.try_get("run_id")?,
+            seq: row.try_get("seq")?,
+            input_ref: row.try_get("input_ref")?,
+            kind: row.try_get("kind")?,
+            from_status: row.try_get("from_status")?,
+            to_status: row.try_get("to_status")?,
+            step_index: row.try_get("step_index")?,
+            detail: row.try_get("detail")?,
+            source: match (topic, partition, offset) {
+                (Some(t), Some(p), Some(o)) => Some((t, p, o)),
+                _ => None,
+            },
+            created_at: row.try_get("created_at")?,
+        });
+    }
+    for row in sqlx::query(
+        "SELECT stamp, run_id, step_index, attempt, status, dispatched_at, deadline, finished_at, error \
+         FROM run_attempts",
+    )
+    .fetch_all(pool)
+    .await
+    .context("reading run_attempts")?
+    {
+        db.attempts.push(AttemptRow {
+            stamp: row.try_get("stamp")?,
+            run_id: row.try_get("run_id")?,
+            step_index: row.try_get("step_index")?,
+            attempt: row.try_get("attempt")?,
+            status: row.try_get("status")?,
+            dispatched_at: row.try_get("dispatched_at")?,
+            deadline: row.try_get("deadline")?,
+            finished_at: row.try_get("finished_at")?,
+            error: row.try_get("error")?,
+        });
+    }
+    for row in sqlx::query(
+        "SELECT run_id, seq, effect_index, idempotency_key, tenant_scope, topic, message_key, \
+             headers, payload, ce_type, not_before, \
+             GREATEST(not_before, deferred_until) AS due_at, status \
+         FROM eec_effect_intent ORDER BY run_id, seq, effect_index",
+    )
+    .fetch_all(pool)
+    .await
+    .context("reading eec_effect_intent")?
+    {
+        db.intents.push(IntentRow {
+            run_id: row.try_get("run_id")?,
+            seq: row.try_get("seq")?,
+            effect_index: row.try_get("effect_index")?,
+            key: row.try_get("idempotency_key")?,
+            tenant: row.try_get("tenant_scope")?,
+            topic: row.try_get("topic")?,
+            message_key: row.try_get("message_key")?,
+            headers: row.try_get("headers")?,
+            payload: row.try_get("payload")?,
+            ce_type: row.try_get("ce_type")?,
+            not_before: row.try_get("not_before")?,
+            due_at: row.try_get("due_at")?,
+            status: row.try_get("status")?,
+        });
+    }
+    for row in sqlx::query(
+        "SELECT tenant_scope, pool_id, idempotency_key, status, decision_id \
+         FROM eec_routing_idempotency",
+    )
+    .fetch_all(pool)
+    .await
+    .context("reading eec_routing_idempotency")?
+    {
+        db.routing.push(RoutingRow {
+            tenant: row.try_get("tenant_scope")?,
+            pool: row.try_get("pool_id")?,
+            key: row.try_get("idempotency_key")?,
+            status: row.try_get("status")?,
+            decision_id: row.try_get("decision_id")?,
+        });
+    }
+    Ok(db)
+}
+
+/// Everything [`analyse`] looks at.
+pub struct Inputs<'a> {
+    pub records: &'a [Record],
+    pub db: &'a DbSnapshot,
+    pub msgs: &'a [Msg],
+    /// Database time at which the system was seen settled.
+    pub settle_at: DateTime<Utc>,
+    pub config: &'a Config,
+    pub workflows: &'a Workflows,
+}
+
+/// Runs failed by a timeout although the worker was not slow: the attempt
+/// that exhausted the run's retries timed out, yet an answer to it (not one
+/// sent late on purpose) was acknowledged before its deadline.
+fn timeouts_not_slow(
+    records: &[Record],
+    db: &DbSnapshot,
+    attempt_by_stamp: &HashMap<Uuid, &AttemptRow>,
+    v: &mut Violations,
+) {
+    let mut answered: HashMap<&str, i64> = HashMap::new();
+    for r in records {
+        let result = r.kind.as_deref() == Some(log::KIND_RESULT);
+        if !result || !r.acked || r.note.as_deref() == Some("late") {
+            continue;
+        }
+        let Some(stamp) = r
+            .input_ref
+            .as_deref()
+            .and_then(|i| i.strip_prefix("result:"))
+        else {
+            continue;
+        };
+        let first = answered.entry(stamp).or_insert(r.t_ms);
+        *first = (*first).min(r.t_ms);
+    }
+    for t in &db.transitions {
+        if t.kind != ductor::coordinator::fold::KIND_RUN_FAILED
+            || t.detail["cause"] != "attempts_exhausted"
+        {
+            continue;
+        }
+        let Some(stamp) = t.detail["stamp"].as_str() else {
+            continue;
+        };
+        let Some(attempt) = Uuid::parse_str(stamp)
+            .ok()
+            .and_then(|s| attempt_by_stamp.get(&s))
+        else {
+            continue;
+        };
+        let deadline_ms = attempt.deadline.timestamp_millis();
+        match answered.get(stamp) {
+            Some(&at) if attempt.status == "timed_out" && at <= deadline_ms => {
+                v.add("failed_by_timeout_not_slow", || {
+                    format!(
+                        "{}: attempt {stamp} timed out, answered {} ms before its deadline",
+                        t.run_id,
+                        deadline_ms - at
+                    )
+                })
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Headers as a sorted list, so that the order of a jsonb map does not matter.
+fn header_set(headers: &[(String, Vec<u8>)]) -> Vec<(String, Vec<u8>)> {
+    let mut h = headers.to_vec();
+    h.sort();
+    h
+}
+
+fn intent_headers(intent: &IntentRow) -> Vec<(String, Vec<u8>)> {
+    let mut h: Vec<(String, Vec<u8>)> = intent
+        .headers
+        .as_object()
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| {
+                    (
+                        k.clone(),
+                        v.as_str().unwrap_or_default().as_bytes().to_vec(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    h.sort();
+    h
+}
+
+/// Runs every check over the data.
+pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
+    let config = inp.config;
+    let db = inp.db;
+    let requests_topic = config.requests_topic();
+    let wakeups_topic = config.wakeups_topic();
+    let results_topic = config.attempt_results_topic();
+    let events_topic = config.events_topic();
+    let dlq_topic = config.dlq_topic();
+
+    // Indexes.
+    let runs: HashMap<&str, &RunRow> = db.runs.iter().map(|r| (r.run_id.as_str(), r)).collect();
+    let mut transitions: HashMap<&str, Vec<TransitionRow>> = HashMap::new();
+    for t in &db.transitions {
+        transitions
+            .entry(t.run_id.as_str())
+            .or_default()
+            .push(t.clone());
+    }
+    let mut attempts: HashMap<&str, Vec<AttemptRow>> = HashMap::new();
+    for a in &db.attempts {
+        attempts
+            .entry(a.run_id.as_str())
+            .or_default()
+            .push(a.clone());
+    }
+    let attempt_by_stamp: HashMap<Uuid, &AttemptRow> =
+        db.attempts.iter().map(|a| (a.stamp, a)).collect();
+    let mut intents_by_run: HashMap<&str, Vec<&IntentRow>> = HashMap::new();
+    for i in &db.intents {
+        intents_by_run.entry(i.run_id.as_str()).or_default().push(i);
+    }
+    let intent_by_key: HashMap<&str, &IntentRow> =
+        db.intents.iter().map(|i| (i.key.as_str(), i)).collect();
+    let routing: HashMap<(&str, &str, &str), &RoutingRow> = db
+        .routing
+        .iter()
+        .map(|r| ((r.tenant.as_str(), r.pool.as_str(), r.key.as_str()), r))
+        .collect();
+    let inputs_by_pos: HashMap<(String, i32, i64), &Msg> = inp
+        .msgs
+        .iter()
+        .filter(|m| {
+            m.topic == requests_topic || m.topic == wakeups_topic || m.topic == results_topic
+        })
+        .map(|m| ((m.topic.clone(), m.partition, m.offset), m))
+        .collect();
+
+    // Per run: the stored state agrees with its history.
+    let topic_names = TopicNames {
+        prefix: config.kafka.topic_prefix.clone(),
+    };
+    let ctx = history::Context {
+        workflows: inp.workflows,
+        topics: &topic_names,
+        inputs: &inputs_by_pos,
+        requests_topic: &requests_topic,
+        wakeups_topic: &wakeups_topic,
+        results_topic: &results_topic,
+        limits: config.input_limits(),
+        max_state_bytes: config.coordinator.max_state_bytes,
+    };
+    let empty_t: Vec<TransitionRow> = Vec::new();
+    let empty_a: Vec<AttemptRow> = Vec::new();
+    let empty_i: Vec<&IntentRow> = Vec::new();
+    for run in &db.runs {
+        let id = run.run_id.as_str();
+        history::check_run(
+            &ctx,
+            &RunRows {
+                run,
+                transitions: transitions.get(id).unwrap_or(&empty_t),
+                attempts: attempts.get(id).unwrap_or(&empty_a),
+                intents: intents_by_run.get(id).unwrap_or(&empty_i),
+            },
+            v,
+        );
+        if run.status == "running" {
+            v.add("run_not_terminal", || {
+                format!("{id} is still running after settling")
+            });
+        }
+    }
+    timeouts_not_slow(inp.records, db, &attempt_by_stamp, v);
+    for r in inp.records.iter().filter(|r| r.ev == log::EV_STALL) {
+        v.add("lane_stalled", || {
+            format!(
+                "{} at {}: {}",
+                r.server.as_deref().unwrap_or("?"),
+                r.t_ms,
+                r.note.as_deref().unwrap_or("")
+            )
+        });
+    }
+    for i in &db.intents {
+        if !runs.contains_key(i.run_id.as_str()) {
+            v.add("state_history_mismatch", || {
+                format!("intent {} names a run that does not exist", i.key)
+            });
+        }
+    }
+
+    // Effects as delivered: every message carrying an idempotency key,
+    // except dead letters (which keep the headers of what they carry).
+    let mut deliveries: BTreeMap<&str, Vec<&Msg>> = BTreeMap::new();
+    for m in inp.msgs.iter().filter(|m| m.topic != dlq_topic) {
+        if let Some(key) = m.header_str("idempotency-key") {
+            deliveries.entry(key).or_default().push(m);
+        }
+    }
+    let mut duplicate_deliveries = 0u64;
+    for (key, copies) in &deliveries {
+        duplicate_deliveries += copies.len() as u64 - 1;
+        let first = copies[0];
+        let first_headers = header_set(&first.headers);
+        if copies.iter().skip(1).any(|c| {
+            c.key != first.key
+                || c.payload != first.payload
+                || header_set(&c.headers) != first_headers
+        }) {
+            v.add("duplicate_differs", || {
+                format!("{key}: {} deliveries are not byte-identical", copies.len())
+            });
+        }
+        let Some(intent) = intent_by_key.get(key) else {
+            // A timeout timer whose publish was reported failed (yet may
+            // have landed) can be deleted afterwards by the transition that
+            // finished its attempt: its transition exists, its attempt ended.
+            let run_id = first.header_str("ductor-run-id").unwrap_or("");
+            let seq: i64 = first
+                .header_str("ductor-seq")
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(0);
+            let committed = transitions
+                .get(run_id)
+                .is_some_and(|ts| ts.iter().any(|t| t.seq == seq));
+            let cancelled = serde_json::from_slice::<Value>(&first.payload).is_ok_and(|p| {
+                history::cancelled_timeout(&p, attempts.get(run_id).map_or(&[], Vec::as_slice))
+            });
+            if !(committed && cancelled) {
+                v.add("effect_without_intent", || {
+                    format!("{key} on {} has no committed intent", first.topic)
+                });
+            }
+            continue;
+        };
+        if copies.iter().any(|c| {
+            c.topic != intent.topic
+                || c.key.as_deref() != Some(intent.message_key.as_slice())
+                || c.payload != intent.payload
+                || header_set(&c.headers) != intent_headers(intent)
+        }) {
+            v.add("effect_differs_from_intent", || {
+                format!("{key}: a delivery differs from its intent row")
+            });
+        }
+        // Nothing crosses tenants.
+        let header_tenant = first.header_str("ductor-tenant").unwrap_or("");
+        let payload_tenant = serde_json::from_slice::<Value>(&first.payload)
+            .ok()
+            .and_then(|p| p.get("tenant").and_then(Value::as_str).map(String::from));
+        let run_tenant = first
+            .header_str("ductor-run-id")
+            .and_then(|r| runs.get(r))
+            .map(|r| r.tenant.as_str());
+        if run_tenant.is_some_and(|t| t != header_tenant)
+            || payload_tenant
+                .as_deref()
+                .is_some_and(|t| t != header_tenant)
+        {
+            v.add("tenant_crossing", || {
+                format!(
+                    "{key}: header tenant {header_tenant:?}, payload {payload_tenant:?}, run {run_tenant:?}"
+                )
+            });
+        }
+    }
+
+    // Every committed intent due before the settle point is completed and
+    // on its topic.
+    for i in &db.intents {
+        if i.status != "completed" {
+            if i.due_at <= inp.settle_at {
+                v.add("intent_not_completed", || {
+                    format!("{} ({}) is {} though due", i.key, i.topic, i.status)
+                });
+            }
+            continue;
+        }
+        let on_topic = deliveries
+            .get(i.key.as_str())
+            .is_some_and(|c| c.iter().any(|m| m.topic == i.topic));
+        if !on_topic {
+            v.add("intent_not_published", || {
+                format!("{} is completed but not on {}", i.key, i.topic)
+            });
+        }
+    }
+
+    // First deliveries per (run, topic) follow (seq, effect index) order,
+    // among effects due at once (timers are due later by design).
+    let transition_at: HashMap<(&str, i64), DateTime<Utc>> = db
+        .transitions
+        .iter()
+        .map(|t| ((t.run_id.as_str(), t.seq), t.created_at))
+        .collect();
+    let mut streams: BTreeMap<(&str, &str), Vec<&Msg>> = BTreeMap::new();
+    for copies in deliveries.values() {
+        for m in copies {
+            if let Some(run) = m.header_str("ductor-run-id") {
+                streams.entry((run, m.topic.as_str())).or_default().push(m);
+            }
+        }
+    }
+    for ((run, topic), mut msgs) in streams {
+        msgs.sort_by_key(|m| (m.partition, m.offset));
+        let mut seen = HashSet::new();
+        let mut last: Option<(i64, i32)> = None;
+        for m in msgs {
+            let Some(key) = m.header_str("idempotency-key") else {
+                continue;
+            };
+            if !seen.insert(key) {
+                continue;
+            }
+            let Some(intent) = intent_by_key.get(key) else {
+                continue;
+            };
+            let immediate = transition_at
+                .get(&(run, intent.seq))
+                .is_some_and(|at| intent.not_before <= *at);
+            if !immediate {
+                continue;
+            }
+            let pos = (intent.seq, intent.effect_index);
+            if last.is_some_and(|l| l >= pos) {
+                v.add("effect_order", || {
+                    format!("{run} on {topic}: {key} delivered after {last:?}")
+                });
+            }
+            last = Some(pos);
+        }
+    }
+
+    // The events topic agrees with the history; one decision per key.
+    let mut accepted: BTreeMap<(String, String, String), BTreeSet<String>> = BTreeMap::new();
+    let mut accepted_by_corr: HashMap<String, (String, String)> = HashMap::new();
+    let history_index: HashMap<(&str, i64), (&str, &str)> = db
+        .transitions
+        .iter()
+        .map(|t| {
+            (
+                (t.run_id.as_str(), t.seq),
+                (t.kind.as_str(), t.to_status.as_str()),
+            )
+        })
+        .collect();
+    for copies in deliveries.values() {
+        let m = copies[0];
+        if m.topic != events_topic {
+            continue;
+        }
+        let Ok(p) = serde_json::from_slice::<Value>(&m.payload) else {
+            continue;
+        };
+        let text = |k: &str| p.get(k).and_then(Value::as_str).unwrap_or("").to_string();
+        match p.get("type").and_then(Value::as_str) {
+            Some("run.event") => {
+                let run = text("run_id");
+                let seq = p.get("seq").and_then(Value::as_i64).unwrap_or(0);
+                let (kind, status) = (text("kind"), text("status"));
+                if history_index.get(&(run.as_str(), seq))
+                    != Some(&(kind.as_str(), status.as_str()))
+                {
+                    v.add("event_history_mismatch", || {
+                        format!("{run} seq {seq} {kind}/{status} is not in the history")
+                    });
+                }
+            }
+            Some("run.accepted") => {
+                let (run, tenant, pool) = (text("run_id"), text("tenant"), text("pool"));
+                if let Some(key) = p.get("idempotency_key").and_then(Value::as_str) {
+                    accepted
+                        .entry((tenant.clone(), pool.clone(), key.to_string()))
+                        .or_default()
+                        .insert(run.clone());
+                }
+                if runs.get(run.as_str()).is_some_and(|r| r.tenant != tenant) {
+                    v.add("tenant_crossing", || {
+                        format!("run.accepted for {run} says tenant {tenant}")
+                    });
+                }
+                if let Some(corr) = p.get("correlation_id").and_then(Value::as_str) {
+                    accepted_by_corr.insert(corr.to_string(), (run, tenant));
+                }
+            }
+            _ => {}
+        }
+    }
+    for ((tenant, pool, key), ids) in &accepted {
+        if ids.len() > 1 {
+            v.add("duplicate_decision", || {
+                format!(
+                    "({tenant}, {pool}, {key}) accepted as {} runs: {ids:?}",
+                    ids.len()
+                )
+            });
+        }
+    }
+    for r in &db.routing {
+        if r.status != "completed" {
+            continue;
+        }
+        let ok = r
+            .decision_id
+            .as_deref()
+            .and_then(|d| runs.get(d))
+            .is_some_and(|run| run.tenant == r.tenant && run.pool == r.pool);
+        if !ok {
+            v.add("dangling_decision", || {
+                format!(
+                    "({}, {}, {}) decided {:?}, which is no run of that tenant and pool",
+                    r.tenant, r.pool, r.key, r.decision_id
+                )
+            });
+        }
+    }
+
+    // The dead-letter topic.
+    let mut dead: HashSet<(String, i32, i64)> = HashSet::new();
+    for m in inp.msgs.iter().filter(|m| m.topic == dlq_topic) {
+        let pos = (
+            m.header_str(dlq::HEADER_TOPIC).map(String::from),
+            m.header_str(dlq::HEADER_PARTITION)
+                .and_then(|p| p.parse().ok()),
+            m.header_str(dlq::HEADER_OFFSET)
+                .and_then(|o| o.parse().ok()),
+        );
+        if let (Some(t), Some(p), Some(o)) = pos {
+            dead.insert((t, p, o));
+        }
+        if let Some(key) = m.header_str("idempotency-key") {
+            v.add("effect_dead_lettered", || {
+                format!("Ductor's own effect {key} was dead-lettered")
+            });
+        }
+    }
+
+    // The log: nothing acknowledged is lost; good never dead-lettered, bad always.
+    let mut inputs = 0u64;
+    let sources_by_run: HashMap<&str, Vec<(&str, i32, i64)>> = {
+        let mut m: HashMap<&str, Vec<(&str, i32, i64)>> = HashMap::new();
+        for t in &db.transitions {
+            if let Some((topic, p, o)) = &t.source {
+                m.entry(t.run_id.as_str())
+                    .or_default()
+                    .push((topic.as_str(), *p, *o));
+            }
+        }
+        m
+    };
+    let applied = |run: &str, input_ref: &str| {
+        transitions
+            .get(run)
+            .is_some_and(|ts| ts.iter().any(|t| t.input_ref == input_ref))
+    };
+    // The run was provably still taking inputs from this partition after
+    // this offset.
+    let later_on_partition = |run: &str, topic: &str, p: i32, o: i64| {
+        sources_by_run.get(run).is_some_and(|s| {
+            s.iter()
+                .any(|(t, sp, so)| *t == topic && *sp == p && *so > o)
+        })
+    };
+    // The offset a run was created from, when it is later than `o` on the
+    // same topic and partition.
+    let created_later = |run: &str, topic: &str, p: i32, o: i64| {
+        transitions
+            .get(run)
+            .and_then(|ts| ts.first())
+            .and_then(|t| t.source.as_ref())
+            .filter(|(st, sp, so)| st == topic && *sp == p && *so > o)
+            .map(|(_, _, so)| *so)
+    };
+    // The attempt was dispatched by a transition before `seq`.
+    let attempt_dispatched_before = |run: &str, stamp: Uuid, seq: i64| {
+        transitions.get(run).is_some_and(|ts| {
+            ts.iter()
+                .any(|t| t.seq < seq && history::introduced_stamp(t) == Some(stamp))
+        })
+    };
+    for r in inp.records.iter().filter(|r| r.ev == log::EV_INPUT) {
+        if !r.acked {
+            continue;
+        }
+        inputs += 1;
+        let (Some(topic), Some(p), Some(o)) = (r.topic.as_deref(), r.partition, r.offset) else {
+            continue;
+        };
+        let pos = (topic.to_string(), p, o);
+        let what = || {
+            format!(
+                "{} {} at {topic}/{p}@{o}",
+                r.kind.as_deref().unwrap_or("?"),
+                r.input_ref.as_deref().or(r.bad.as_deref()).unwrap_or("")
+            )
+        };
+        if !r.good {
+            if !dead.contains(&pos) {
+                v.add("bad_input_not_dead_lettered", || {
+                    format!("{} ({})", what(), r.bad.as_deref().unwrap_or(""))
+                });
+            }
+            continue;
+        }
+        if dead.contains(&pos) {
+            v.add("good_input_dead_lettered", what);
+        }
+        let tenant = r.tenant.as_deref().unwrap_or("");
+        let run_id = r.run_id.as_deref().unwrap_or("");
+        match r.kind.as_deref() {
+            Some(log::KIND_START) => match runs.get(run_id) {
+                None => v.add("lost_input", || format!("{}: run {run_id} missing", what())),
+                Some(run) if run.tenant != tenant => v.add("tenant_crossing", || {
+                    format!("{run_id} requested by {tenant}, owned by {}", run.tenant)
+                }),
+                Some(_) => {
+                    if let Some(o1) = created_later(run_id, topic, p, o) {
+                        v.add("lost_input", || {
+                            format!(
+                                "{}: {run_id} was created by a later copy at offset {o1}",
+                                what()
+                            )
+                        });
+                    }
+                }
+            },
+            Some(log::KIND_ROUTED) => {
+                let key = r
+                    .key
+                    .clone()
+                    .unwrap_or_else(|| format!("kafka:{topic}:{p}:{o}"));
+                let pool = r.pool.as_deref().unwrap_or("default");
+                let decided = routing
+                    .get(&(tenant, pool, key.as_str()))
+                    .filter(|row| row.status == "completed")
+                    .and_then(|row| row.decision_id.as_deref());
+                match decided.map(|d| (d, runs.get(d))) {
+                    None => v.add("lost_input", || {
+                        format!("{}: no decision for ({tenant}, {pool}, {key})", what())
+                    }),
+                    Some((d, None)) => v.add("lost_input", || {
+                        format!("{}: decision {d} is no run", what())
+                    }),
+                    Some((d, Some(run))) if run.tenant != tenant => v
+                        .add("tenant_crossing", || {
+                            format!("({tenant}, {key}) decided {d} of tenant {}", run.tenant)
+                        }),
+                    Some((d, Some(_))) => {
+                        // Requests with one key share a partition, in order: a
+                        // decision made from a later offset means this one
+                        // was skipped.
+                        if let Some(o1) = created_later(d, topic, p, o) {
+                            v.add("lost_input", || {
+                                format!(
+                                    "{}: ({tenant}, {key}) was decided at the later offset {o1}",
+                                    what()
+                                )
+                            });
+                        }
+                    }
+                }
+                if let Some((run, t)) = r.corr.as_deref().and_then(|c| accepted_by_corr.get(c))
+                    && t != tenant
+                {
+                    v.add("tenant_crossing", || {
+                        format!("request of {tenant} accepted as {run} of {t}")
+                    });
+                }
+            }
+            Some(log::KIND_SIGNAL | log::KIND_CANCEL) => {
+                let input_ref = r.input_ref.as_deref().unwrap_or("");
+                if !applied(run_id, input_ref) && later_on_partition(run_id, topic, p, o) {
+                    v.add("lost_input", || {
+                        format!(
+                            "{}: {run_id} took later inputs of the partition but not this one",
+                            what()
+                        )
+                    });
+                }
+            }
+            Some(log::KIND_RESULT) => {
+                let stamp = r
+                    .input_ref
+                    .as_deref()
+                    .and_then(|s| s.strip_prefix("result:"))
+                    .and_then(|s| Uuid::parse_str(s).ok());
+                let input_ref = r.input_ref.as_deref().unwrap_or("");
+                let attempt = stamp.and_then(|s| attempt_by_stamp.get(&s));
+                if let Some(a) = attempt
+                    && !applied(run_id, input_ref)
+                {
+                    // The seq at which the attempt stopped being outstanding
+                    // for another reason (timeout or cancel).
+                    let ended_at = a.status != "dispatched";
+                    let ended_seq = transitions.get(run_id).and_then(|ts| {
+                        ts.iter()
+                            .find(|t| {
+                                t.input_ref == format!("timer:timeout:{}", a.stamp)
+                                    || (t.kind == "run.cancelled"
+                                        && t.detail.get("stamp").and_then(Value::as_str)
+                                            == Some(a.stamp.to_string().as_str()))
+                            })
+                            .map(|t| t.seq)
+                    });
+                    // A later message of this partition was applied while the
+                    // attempt was still outstanding: this result came by first
+                    // and should have been applied.
+                    let passed_over = transitions.get(run_id).is_some_and(|ts| {
+                        ts.iter().any(|t| {
+                            t.source
+                                .as_ref()
+                                .is_some_and(|(st, sp, so)| st == topic && *sp == p && *so > o)
+                                && ended_seq.is_some_and(|e| t.seq < e)
+                                && attempt_dispatched_before(run_id, a.stamp, t.seq)
+                        })
+                    });
+                    if !ended_at || passed_over {
+                        v.add("lost_input", || {
+                            format!("{}: not applied while its attempt was outstanding", what())
+                        });
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    // HTTP: one decision per key, in the right tenant, that exists.
+    let mut answers: BTreeMap<(&str, &str, &str), BTreeSet<&str>> = BTreeMap::new();
+    for r in inp.records.iter().filter(|r| r.ev == log::EV_HTTP) {
+        if r.status.is_some() {
+            inputs += 1;
+        }
+        if !r.acked {
+            continue;
+        }
+        let tenant = r.tenant.as_deref().unwrap_or("");
+        let pool = r.pool.as_deref().unwrap_or("default");
+        let Some(run_id) = r.answer_run_id.as_deref() else {
+            v.add("lost_input", || "a 2xx answer without a run id".into());
+            continue;
+        };
+        if !r.good {
+            v.add("bad_input_accepted", || {
+                format!(
+                    "key {:?} reused for another request was answered {:?} with {run_id}",
+                    r.key, r.status
+                )
+            });
+            continue;
+        }
+        if r.answer_tenant.as_deref() != Some(tenant) {
+            v.add("tenant_crossing", || {
+                format!(
+                    "HTTP request of {tenant} answered with tenant {:?}",
+                    r.answer_tenant
+                )
+            });
+        }
+        match runs.get(run_id) {
+            None => v.add("lost_input", || {
+                format!("HTTP {:?} answered {run_id}, which is no run", r.status)
+            }),
+            Some(run) if run.tenant != tenant => v.add("tenant_crossing", || {
+                format!(
+                    "HTTP request of {tenant} answered with {run_id} of {}",
+                    run.tenant
+                )
+            }),
+            Some(_) => {}
+        }
+        if let Some(key) = r.key.as_deref() {
+            answers
+                .entry((tenant, pool, key))
+                .or_default()
+                .insert(run_id);
+        }
+    }
+    for ((tenant, pool, key), ids) in &answers {
+        if ids.len() > 1 {
+            v.add("duplicate_decision", || {
+                format!("({tenant}, {pool}, {key}) answered with {ids:?}")
+            });
+        }
+        let row = routing.get(&(*tenant, *pool, *key));
+        match row
+            .filter(|r| r.status == "completed")
+            .and_then(|r| r.decision_id.as_deref())
+        {
+            Some(d) if ids.iter().all(|id| *id == d) => {}
+            Some(d) => v.add("duplicate_decision", || {
+                format!("({tenant}, {pool}, {key}) answered {ids:?}, decided {d}")
+            }),
+            None => v.add("lost_input", || {
+                format!("({tenant}, {pool}, {key}) answered {ids:?} but has no completed decision")
+            }),
+        }
+    }
+
+    Report {
+        faults: BTreeMap::new(),
+        inputs,
+        runs: db.runs.len() as u64,
+        duplicate_deliveries,
+        violations: v.counts.clone(),
+        examples: v.examples.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(topic: &str, offset: i64, key: &str, payload: &[u8], headers: &[(&str, &str)]) -> Msg {
+        Msg {
+            topic: topic.into(),
+            partition: 0,
+            offset,
+            key: Some(key.as_bytes().to_vec()),
+            payload: payload.to_vec(),
+            headers: headers
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.as_bytes().to_vec()))
+                .collect(),
+            timestamp_ms: None,
+        }
+    }
+
+    fn at() -> DateTime<Utc> {
+        DateTime::from_timestamp(1_800_000_000, 0).unwrap()
+    }
+
+    fn transition(seq: i64) -> TransitionRow {
+        TransitionRow {
+            run_id: "r1".into(),
+            seq,
+            input_ref: format!("signal:{seq}"),
+            kind: "run.signalled".into(),
+            from_status: Some("running".into()),
+            to_status: "running".into(),
+            step_index: 0,
+            detail: Value::Null,
+            source: None,
+            created_at: at(),
+        }
+    }
+
+    fn intent(key: &str, seq: i64, payload: &[u8], headers: Value) -> IntentRow {
+        IntentRow {
+            run_id: "r1".into(),
+            seq,
+            effect_index: 0,
+            key: key.into(),
+            tenant: "acme".into(),
+            topic: "ductor.events".into(),
+            message_key: b"r1".to_vec(),
+            headers,
+            payload: payload.to_vec(),
+            ce_type: "ductor.run.event".into(),
+            not_before: at(),
+            due_at: at(),
+            status: "completed".into(),
+        }
+    }
+
+    /// The outbox, DLQ and decision checks, on hand-made data: each planted
+    /// fault is reported under its kind, and nothing else is.
+    #[test]
+    fn planted_faults_are_reported_by_kind() {
+        let config = Config::load_from(None, Vec::<(String, String)>::new()).unwrap();
+        let h = |k: &str, s: &str| serde_json::json!({"idempotency-key": k, "ductor-run-id": "r1", "ductor-seq": s, "ductor-tenant": "acme"});
+        let db = DbSnapshot {
+            intents: vec![
+                intent("r1/1/0", 1, b"{\"a\":1}", h("r1/1/0", "1")),
+                intent("r1/2/0", 2, b"{\"a\":2}", h("r1/2/0", "2")),
+                intent("r1/3/0", 3, b"{\"a\":3}", h("r1/3/0", "3")),
+            ],
+            transitions: (1..=3).map(transition).collect(),
+            routing: vec![RoutingRow {
+                tenant: "acme".into(),
+                pool: "default".into(),
+                key: "k1".into(),
+                status: "completed".into(),
+                decision_id: Some("nope".into()),
+            }],
+            ..DbSnapshot::default()
+        };
+        let hs = |k: &'static str, s: &'static str| {
+            vec![
+                ("idempotency-key", k),
+                ("ductor-run-id", "r1"),
+                ("ductor-seq", s),
+                ("ductor-tenant", "acme"),
+            ]
+        };
+        let msgs = vec![
+            // r1/1/0 twice, the second copy with other bytes.
+            msg("ductor.events", 0, "r1", b"{\"a\":1}", &hs("r1/1/0", "1")),
+            msg("ductor.events", 1, "r1", b"{\"a\":9}", &hs("r1/1/0", "1")),
+            // r1/3/0 before r1/2/0: out of order. r1/2/0 in another tenant.
+            msg("ductor.events", 2, "r1", b"{\"a\":3}", &hs("r1/3/0", "3")),
+            msg(
+                "ductor.events",
+                3,
+                "r1",
+                b"{\"a\":2,\"tenant\":\"globex\"}",
+                &hs("r1/2/0", "2"),
+            ),
+            // An effect no committed intent backs.
+            msg("ductor.events", 4, "r1", b"{}", &hs("r1/7/0", "7")),
+            // A dead letter for a good input.
+            msg(
+                "ductor.dlq",
+                0,
+                "x",
+                b"{}",
+                &[
+                    ("ductor-dlq-topic", "ductor.wakeups"),
+                    ("ductor-dlq-partition", "0"),
+                    ("ductor-dlq-offset", "5"),
+                ],
+            ),
+        ];
+        let input = |offset: i64, good: bool| Record {
+            ev: log::EV_INPUT.into(),
+            kind: Some(
+                if good {
+                    log::KIND_SIGNAL
+                } else {
+                    log::KIND_BAD
+                }
+                .into(),
+            ),
+            good,
+            acked: true,
+            run_id: Some("r1".into()),
+            tenant: Some("acme".into()),
+            input_ref: Some("signal:s1".into()),
+            topic: Some("ductor.wakeups".into()),
+            partition: Some(0),
+            offset: Some(offset),
+            ..Record::default()
+        };
+        let answer = |run: &str| Record {
+            ev: log::EV_HTTP.into(),
+            kind: Some(log::KIND_ROUTED.into()),
+            good: true,
+            acked: true,
+            tenant: Some("acme".into()),
+            pool: Some("default".into()),
+            key: Some("k1".into()),
+            status: Some(200),
+            answer_run_id: Some(run.into()),
+            answer_tenant: Some("acme".into()),
+            ..Record::default()
+        };
+        let records = vec![input(5, true), input(6, false), answer("ra"), answer("rb")];
+        let mut v = Violations::default();
+        let report = analyse(
+            &Inputs {
+                records: &records,
+                db: &db,
+                msgs: &msgs,
+                settle_at: Utc::now(),
+                config: &config,
+                workflows: &Workflows::default(),
+            },
+            &mut v,
+        );
+        let kinds: Vec<&str> = report.violations.keys().map(String::as_str).collect();
+        assert_eq!(
+            kinds,
+            [
+                "bad_input_not_dead_lettered",
+                "dangling_decision",
+                "duplicate_decision",
+                "duplicate_differs",
+                "effect_differs_from_intent",
+                "effect_order",
+                "effect_without_intent",
+                "good_input_dead_lettered",
+                "lost_input",
+                "state_history_mismatch",
+                "tenant_crossing",
+            ],
+            "{:#?}",
+            report.examples
+        );
+        assert_eq!(report.duplicate_deliveries, 1);
+    }
+
+    /// Only a run whose last attempt timed out although its answer was in
+    /// before the deadline, and not sent late on purpose, is reported.
+    #[test]
+    fn a_run_failed_by_a_timeout_its_worker_beat_is_reported() {
+        let deadline = at();
+        let ms = deadline.timestamp_millis();
+        let mut db = DbSnapshot::default();
+        let mut records = Vec::new();
+        for (run, answered_ms, note) in [
+            ("prompt", ms - 500, None),
+            ("late", ms - 500, Some("late")),
+            ("after", ms + 500, None),
+        ] {
+            let stamp = Uuid::new_v4();
+            db.transitions.push(TransitionRow {
+                run_id: run.into(),
+                kind: "run.failed".into(),
+                to_status: "failed".into(),
+                detail: serde_json::json!({"cause": "attempts_exhausted", "stamp": stamp}),
+                ..transition(9)
+            });
+            db.attempts.push(AttemptRow {
+                stamp,
+                run_id: run.into(),
+                step_index: 0,
+                attempt: 6,
+                status: "timed_out".into(),
+                dispatched_at: deadline - chrono::Duration::seconds(1),
+                deadline,
+                finished_at: Some(deadline),
+                error: None,
+            });
+            records.push(Record {
+                ev: log::EV_INPUT.into(),
+                t_ms: answered_ms,
+                kind: Some(log::KIND_RESULT.into()),
+                good: true,
+                acked: true,
+                run_id: Some(run.into()),
+                input_ref: Some(format!("result:{stamp}")),
+                note: note.map(Into::into),
+                ..Record::default()
+            });
+        }
+        let by_stamp: HashMap<Uuid, &AttemptRow> =
+            db.attempts.iter().map(|a| (a.stamp, a)).collect();
+        let mut v = Violations::default();
+        timeouts_not_slow(&records, &db, &by_stamp, &mut v);
+        assert_eq!(
+            v.counts.get("failed_by_timeout_not_slow"),
+            Some(&1),
+            "{v:?}"
+        );
+        assert_eq!(v.total(), 1);
+        let examples = &v.examples["failed_by_timeout_not_slow"];
+        assert!(examples[0].starts_with("prompt:"), "{examples:?}");
+    }
+
+    /// A stalled-lanes reading the load driver logged is a violation.
+    #[test]
+    fn a_stalled_lane_is_reported() {
+        let config = Config::load_from(None, Vec::<(String, String)>::new()).unwrap();
+        let records = vec![Record {
+            ev: log::EV_STALL.into(),
+            t_ms: 1,
+            server: Some("127.0.0.1:1".into()),
+            note: Some("1 lanes stalled".into()),
+            ..Record::default()
+        }];
+        let mut v = Violations::default();
+        let report = analyse(
+            &Inputs {
+                records: &records,
+                db: &DbSnapshot::default(),
+                msgs: &[],
+                settle_at: Utc::now(),
+                config: &config,
+                workflows: &Workflows::default(),
+            },
+            &mut v,
+        );
+        let kinds: Vec<&str> = report.violations.keys().map(String::as_str).collect();
+        assert_eq!(kinds, ["lane_stalled"], "{:#?}", report.examples);
+    }
+}

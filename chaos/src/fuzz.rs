@@ -1,0 +1,934 @@
+//! The hostile-input harness: many generated inputs that Ductor must refuse,
+//! interleaved with good runs on the same partitions, through the real Kafka
+//! ingress and the HTTP API, against a `ductor serve` in a process of its
+//! own (so that its peak RSS and a crash of it are its own).
+//!
+//! Every hostile input is a mutation of a valid message (truncated, bytes
+//! flipped, U+0000 and control characters, unpaired surrogates, inexact
+//! numbers, values deep, wide or long past a limit, wrong types, duplicated
+//! keys, empty or garbage values, garbage keys and headers) that the
+//! ingress's own decoder refuses; the harness keeps only those, so each one
+//! has a known fate. It then proves:
+//!
+//! - every good run completes (`good_run_not_completed`), although the
+//!   worker sends a failure under a stamp no attempt has and a duplicate of
+//!   its answer for each first step (`hostile_results`);
+//! - every run whose worker returns garbage (U+0000, too deep, too long)
+//!   ends failed, with the refusal's class (`garbage_run_not_failed`);
+//! - every hostile Kafka input reaches the dead-letter topic exactly once,
+//!   with a stage and a class (`bad_input_not_dead_lettered`,
+//!   `bad_input_dead_lettered_twice`, `dead_letter_without_class`), and no
+//!   good input does (`good_input_dead_lettered`);
+//! - every hostile HTTP body gets a 4xx with an error code (`http_not_4xx`);
+//! - the serve never stops, the coordinator's lag returns to zero and its
+//!   `ductor_ingress_stalled_lanes` gauge, read every second, stays zero
+//!   (`serve_stopped`, `lag_not_zero`, `lane_stalled`);
+//! - the serve's peak RSS stays under the bound (`peak_rss_over_bound`).
+//!
+//! The report is one JSON line: `{"bad_inputs":N,"good_runs":N,
+//! "dead_lettered":N,"http_4xx":N,"classes":{..},"peak_rss_mb":N,
+//! "violations":{..}}`.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use serde::Serialize;
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use ductor::apply::Source;
+use ductor::config::Config;
+use ductor::coordinator::{InputLimits, InputTopic};
+
+/// What to send.
+#[derive(Debug, Clone, clap::Args)]
+pub struct FuzzArgs {
+    /// Hostile inputs, over Kafka and HTTP together.
+    #[arg(long, default_value_t = 5_000)]
+    pub bad_inputs: usize,
+    /// Good runs of the `example` workflow, started among them.
+    #[arg(long, default_value_t = 200)]
+    pub good_runs: usize,
+    /// One hostile input in this many goes over HTTP instead of Kafka.
+    #[arg(long, default_value_t = 10)]
+    pub http_every: usize,
+    /// Seed of the generator: the same seed sends the same inputs.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Peak RSS of the serve above which the run is a violation.
+    #[arg(long, default_value_t = 1024.0)]
+    pub rss_bound_mb: f64,
+    /// How long to wait for the good runs and the dead letters.
+    #[arg(long, default_value_t = 300)]
+    pub settle_timeout_s: u64,
+    /// The `ductor` binary the serve runs from; by default the one beside
+    /// this program.
+    #[arg(long)]
+    pub serve_bin: Option<PathBuf>,
+}
+
+/// The harness's verdict.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct FuzzReport {
+    pub bad_inputs: usize,
+    pub good_runs: usize,
+    pub dead_lettered: usize,
+    pub http_4xx: usize,
+    /// Results the harness's worker sent beside its own: a failure under a
+    /// stamp no attempt has, and a duplicate of its answer.
+    pub hostile_results: usize,
+    /// Runs whose worker returned garbage.
+    pub garbage_runs: usize,
+    /// Dead letters and HTTP error codes, by class.
+    pub classes: BTreeMap<String, u64>,
+    pub peak_rss_mb: f64,
+    pub violations: BTreeMap<String, u64>,
+    pub examples: BTreeMap<String, Vec<String>>,
+}
+
+impl FuzzReport {
+    fn violation(&mut self, kind: &str, example: impl FnOnce() -> String) {
+        *self.violations.entry(kind.to_string()).or_default() += 1;
+        let examples = self.examples.entry(kind.to_string()).or_default();
+        if examples.len() < 3 {
+            examples.push(example());
+        }
+    }
+
+    pub fn ok(&self) -> bool {
+        self.violations.is_empty()
+    }
+
+    pub fn json_line(&self) -> String {
+        serde_json::to_string(self).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+    }
+}
+
+/// One hostile message and where it goes.
+#[derive(Debug, Clone)]
+pub struct Hostile {
+    pub topic: InputTopic,
+    pub key: Vec<u8>,
+    pub value: Vec<u8>,
+    pub headers: Vec<(String, Vec<u8>)>,
+}
+
+/// A valid message of `topic`, the base of the mutations.
+fn base(rng: &mut StdRng, topic: InputTopic) -> Value {
+    let run_id = format!("fuzz-{}", rng.random::<u64>());
+    match topic {
+        InputTopic::Requests => json!({
+            "type": "run.start", "schema_version": 1, "run_id": run_id, "tenant": "acme",
+            "workflow": "example", "input": {"order": rng.random::<u32>(), "items": [1, 2.5, "x"]},
+            "correlation_id": "c-1",
+        }),
+        InputTopic::Wakeups => json!({
+            "type": "wakeup.signal", "schema_version": 1, "run_id": run_id, "tenant": "acme",
+            "signal_id": "s-1", "name": "poke", "payload": {"note": "hello"},
+        }),
+        InputTopic::AttemptResults => json!({
+            "type": "attempt.result", "schema_version": 1, "run_id": run_id, "tenant": "acme",
+            "stamp": uuid::Uuid::from_u128(rng.random()), "outcome": "succeeded",
+            "output": {"done": true},
+        }),
+    }
+}
+
+/// A value nested `depth` arrays deep.
+fn deep(depth: usize) -> String {
+    format!("{}1{}", "[".repeat(depth), "]".repeat(depth))
+}
+
+/// `base` with its first string value (after `field`) replaced by `raw`
+/// (JSON text), or appended as a new member when the field is missing.
+fn with_raw(base: &str, field: &str, raw: &str) -> String {
+    let probe = format!("\"{field}\":");
+    match base.find(&probe) {
+        Some(at) => {
+            let start = at + probe.len();
+            // The old value runs to the next top-level comma or the end: good
+            // enough for the flat bases above, and a mutation either way.
+            let end = base[start..]
+                .find(",\"")
+                .map_or(base.len() - 1, |e| start + e);
+            format!("{}{raw}{}", &base[..start], &base[end..])
+        }
+        None => format!("{},{probe}{raw}}}", &base[..base.len() - 1]),
+    }
+}
+
+/// One mutation of a valid message of `topic`; what it becomes may still
+/// be valid, which [`hostile`] checks.
+fn mutate(rng: &mut StdRng, topic: InputTopic, limits: &InputLimits) -> Vec<u8> {
+    let text = base(rng, topic).to_string();
+    let field = match topic {
+        InputTopic::Requests => "input",
+        InputTopic::Wakeups => "payload",
+        InputTopic::AttemptResults => "output",
+    };
+    let bytes = text.as_bytes();
+    match rng.random_range(0..18u32) {
+        0 => bytes[..rng.random_range(0..bytes.len())].to_vec(),
+        1 => {
+            let mut b = bytes.to_vec();
+            for _ in 0..rng.random_range(1..4) {
+                let at = rng.random_range(0..b.len());
+                b[at] ^= 1 << rng.random_range(0..8);
+            }
+            b
+        }
+        2 => with_raw(&text, field, r#""a\u0000b""#).into_bytes(),
+        3 => with_raw(&text, field, r#"{"k\u0000": 1}"#).into_bytes(),
+        4 => with_raw(&text, "correlation_id", r#""\u0000""#).into_bytes(),
+        5 => with_raw(&text, field, r#""\ud800""#).into_bytes(),
+        6 => with_raw(
+            &text,
+            field,
+            [
+                "1e400",
+                "123456789012345678901234567890",
+                "0.10000000000000000001",
+            ][rng.random_range(0..3)],
+        )
+        .into_bytes(),
+        7 => with_raw(&text, field, &deep(limits.shape.max_depth + 1)).into_bytes(),
+        8 => with_raw(
+            &text,
+            field,
+            &format!("\"{}\"", "s".repeat(limits.shape.max_string_bytes + 1)),
+        )
+        .into_bytes(),
+        9 => with_raw(
+            &text,
+            field,
+            &format!(
+                "[{}]",
+                vec!["0"; limits.shape.max_array_items + 1].join(",")
+            ),
+        )
+        .into_bytes(),
+        10 => {
+            let members: Vec<String> = (0..=limits.shape.max_object_keys)
+                .map(|k| format!("\"k{k}\":0"))
+                .collect();
+            with_raw(&text, field, &format!("{{{}}}", members.join(","))).into_bytes()
+        }
+        11 => with_raw(
+            &text,
+            "run_id",
+            ["42", "null", "[]", "\"\""][rng.random_range(0..4)],
+        )
+        .into_bytes(),
+        12 => with_raw(&text, "type", r#""run.explode""#).into_bytes(),
+        13 => format!("{},\"tenant\":\"acme\"}}", &text[..text.len() - 1]).into_bytes(),
+        14 => Vec::new(),
+        15 => (0..rng.random_range(1..64)).map(|_| rng.random()).collect(),
+        16 => ["[]", "null", "\"x\"", "1", "{}"][rng.random_range(0..5)]
+            .as_bytes()
+            .to_vec(),
+        // Just past the size limit.
+        _ => with_raw(
+            &text,
+            field,
+            &format!("\"{}\"", "z".repeat(limits.max_bytes)),
+        )
+        .into_bytes(),
+    }
+}
+
+/// A hostile message for `topic` that the ingress's decoder refuses, with
+/// a garbage key or header now and then; `None` when the mutations drawn
+/// all came out valid.
+pub fn hostile(rng: &mut StdRng, topic: InputTopic, limits: &InputLimits) -> Option<Hostile> {
+    for _ in 0..16 {
+        let value = mutate(rng, topic, limits);
+        let source = Source {
+            topic: String::new(),
+            partition: 0,
+            offset: 0,
+        };
+        if ductor::ingress::classify(topic, &value, &source, limits).is_ok() {
+            continue;
+        }
+        let key = if rng.random_bool(0.2) {
+            (0..rng.random_range(0..32)).map(|_| rng.random()).collect()
+        } else {
+            format!("k-{}", rng.random_range(0..64u32)).into_bytes()
+        };
+        let headers = if rng.random_bool(0.2) {
+            vec![(
+                "x-garbage".to_string(),
+                (0..rng.random_range(0..256))
+                    .map(|_| rng.random())
+                    .collect(),
+            )]
+        } else {
+            Vec::new()
+        };
+        return Some(Hostile {
+            topic,
+            key,
+            value,
+            headers,
+        });
+    }
+    None
+}
+
+/// Runs the harness against a `serve` started here, on `config`'s topics
+/// and database (migrated, the topics created).
+pub async fn run(config: &Config, args: &FuzzArgs) -> anyhow::Result<FuzzReport> {
+    ductor::infra::db::migrate(&ductor::infra::db::connect(&config.database).await?).await?;
+    ductor::infra::kafka::create_configured_topics(config).await?;
+    let bin = match &args.serve_bin {
+        Some(bin) => bin.clone(),
+        None => super::serve_process::beside_this_program("ductor")?,
+    };
+    let mut serve = super::serve_process::ServeProcess::start(&bin, config).await?;
+    let shutdown = CancellationToken::new();
+    let hostile = HostileWorker::new(config)?;
+    let handler = {
+        let hostile = hostile.clone();
+        move |step: ductor::client::worker::StepInput| {
+            let hostile = hostile.clone();
+            async move { hostile.answer(step).await }
+        }
+    };
+    let worker = tokio::spawn(ductor::client::worker::run(
+        ductor::client::worker::WorkerOptions::from_config(config, "default"),
+        handler,
+        shutdown.clone(),
+    ));
+    let watch = tokio::spawn(watch_stalls(serve.addr, shutdown.clone()));
+    let mut report = FuzzReport::default();
+    let sent = send(config, args, serve.addr, &mut report).await;
+    let checked = match sent {
+        Ok(sent) => check(config, args, &sent, &hostile, &mut report).await,
+        Err(e) => Err(e),
+    };
+    shutdown.cancel();
+    let _ = worker.await;
+    report.hostile_results = hostile.sent.load(std::sync::atomic::Ordering::Relaxed);
+    let stalls = watch.await.context("watching for stalls")?;
+    if stalls.samples == 0 {
+        report.violation("stalls_not_watched", || {
+            "the serve's /metrics never answered with the gauge".into()
+        });
+    }
+    if stalls.stalled_samples > 0 {
+        report.violation("lane_stalled", || {
+            format!(
+                "{} of {} samples, up to {} lanes",
+                stalls.stalled_samples, stalls.samples, stalls.max_stalled
+            )
+        });
+    }
+    report.peak_rss_mb = serve
+        .peak_rss_bytes()
+        .map_or(0.0, |b| b as f64 / (1024.0 * 1024.0));
+    if let Some(status) = serve.exited() {
+        let log = serve.log_file.display().to_string();
+        report.violation("serve_stopped", || format!("{status}; its log is {log}"));
+    }
+    serve.stop().await;
+    checked?;
+    if report.peak_rss_mb > args.rss_bound_mb {
+        let (peak, bound) = (report.peak_rss_mb, args.rss_bound_mb);
+        report.violation("peak_rss_over_bound", || {
+            format!("{peak:.0} MiB over {bound:.0}")
+        });
+    }
+    Ok(report)
+}
+
+/// Marks a good run's input so that its worker answers with garbage.
+const GARBAGE_FIELD: &str = "garbage";
+
+/// The harness's worker. Before it answers the first attempt of a first
+/// step, it sends a failed result under a stamp no attempt has (which the
+/// coordinator must ignore) and, but for a garbage run, the result it is
+/// about to send (which the coordinator must apply once).
+#[derive(Clone)]
+struct HostileWorker {
+    producer: FutureProducer,
+    topic: String,
+    sent: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// Where each stale failure landed: the coordinator dead-letters it
+    /// (`unknown_stamp`).
+    stale: std::sync::Arc<std::sync::Mutex<HashSet<(String, i32, i64)>>>,
+}
+
+impl HostileWorker {
+    fn new(config: &Config) -> anyhow::Result<HostileWorker> {
+        Ok(HostileWorker {
+            producer: ductor::infra::kafka::producer(&config.kafka, "fuzz-worker")?,
+            topic: config.attempt_results_topic(),
+            sent: Default::default(),
+            stale: Default::default(),
+        })
+    }
+
+    async fn answer(
+        &self,
+        step: ductor::client::worker::StepInput,
+    ) -> ductor::client::worker::StepOutcome {
+        let outcome = answer(&step);
+        if step.step_index == 0 && step.attempt == 1 {
+            let stale = ductor::client::worker::StepInput {
+                stamp: uuid::Uuid::new_v4(),
+                ..step.clone()
+            };
+            let failed = ductor::client::worker::StepOutcome::Failed {
+                message: "an answer for an attempt that never was".into(),
+                retryable: false,
+            };
+            if let Some(landed) = self.send(&step.run_id, failed.to_result_json(&stale)).await
+                && let Ok(mut stale) = self.stale.lock()
+            {
+                stale.insert(landed);
+            }
+            if step.input.get(GARBAGE_FIELD).is_none() {
+                self.send(&step.run_id, outcome.to_result_json(&step)).await;
+            }
+        }
+        outcome
+    }
+
+    /// Produces `result`, and tells where it landed.
+    async fn send(&self, run_id: &str, result: Value) -> Option<(String, i32, i64)> {
+        let value = result.to_string();
+        let record = FutureRecord::to(&self.topic)
+            .key(run_id.as_bytes())
+            .payload(value.as_bytes());
+        match self.producer.send(record, Duration::from_secs(30)).await {
+            Ok(delivery) => {
+                self.sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Some((self.topic.clone(), delivery.partition, delivery.offset))
+            }
+            Err((e, _)) => {
+                tracing::warn!(error = %e, "producing a hostile result failed");
+                None
+            }
+        }
+    }
+
+    fn stale_positions(&self) -> HashSet<(String, i32, i64)> {
+        self.stale.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+}
+
+/// What the harness's worker answers: each step succeeds, except the first
+/// step of a garbage run, which returns an output the worker's own screen
+/// refuses.
+fn answer(step: &ductor::client::worker::StepInput) -> ductor::client::worker::StepOutcome {
+    let garbage = match step.input.get(GARBAGE_FIELD).and_then(Value::as_u64) {
+        Some(kind) if step.step_index == 0 => kind,
+        _ => return ductor::client::worker::StepOutcome::Succeeded(json!({"step": step.step})),
+    };
+    let output = match garbage % 3 {
+        0 => json!({"note": "a\u{0}b"}),
+        1 => serde_json::from_str(&deep(100)).unwrap_or(Value::Null),
+        _ => json!({"note": "g".repeat(1 << 20)}),
+    };
+    ductor::client::worker::StepOutcome::Succeeded(output)
+}
+
+/// What [`watch_stalls`] saw.
+#[derive(Debug, Default)]
+struct Stalls {
+    samples: u64,
+    stalled_samples: u64,
+    max_stalled: u64,
+}
+
+/// Reads the serve's `ductor_ingress_stalled_lanes` every second until
+/// `stop`.
+async fn watch_stalls(addr: SocketAddr, stop: CancellationToken) -> Stalls {
+    let mut stalls = Stalls::default();
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return stalls,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+        let metrics =
+            super::http::request(addr, "GET", "/metrics", &[], b"", Duration::from_secs(5)).await;
+        let Ok((200, body)) = metrics else { continue };
+        let Some(stalled) = gauge(
+            &String::from_utf8_lossy(&body),
+            "ductor_ingress_stalled_lanes",
+        ) else {
+            continue;
+        };
+        stalls.samples += 1;
+        if stalled > 0.0 {
+            stalls.stalled_samples += 1;
+            stalls.max_stalled = stalls.max_stalled.max(stalled as u64);
+        }
+    }
+}
+
+/// The value of an unlabelled gauge in a Prometheus text exposition.
+pub(crate) fn gauge(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// What was sent: hostile Kafka inputs by (topic, partition, offset), the
+/// good runs, and the runs whose worker answers with garbage.
+struct Sent {
+    bad: HashSet<(String, i32, i64)>,
+    good: Vec<String>,
+    garbage: Vec<String>,
+}
+
+/// One good run in this many is a garbage run.
+const GARBAGE_EVERY: usize = 10;
+
+async fn send(
+    config: &Config,
+    args: &FuzzArgs,
+    addr: SocketAddr,
+    report: &mut FuzzReport,
+) -> anyhow::Result<Sent> {
+    let producer: FutureProducer = ductor::infra::kafka::producer(&config.kafka, "fuzz")?;
+    let limits = config.input_limits();
+    let mut rng = StdRng::seed_from_u64(args.seed);
+    let topics = [
+        (InputTopic::Requests, config.requests_topic()),
+        (InputTopic::Wakeups, config.wakeups_topic()),
+        (InputTopic::AttemptResults, config.attempt_results_topic()),
+    ];
+    let mut sent = Sent {
+        bad: HashSet::new(),
+        good: Vec::new(),
+        garbage: Vec::new(),
+    };
+    let good_every = (args.bad_inputs / args.good_runs.max(1)).max(1);
+    let mut pending = Vec::new();
+    let mut k: usize = 0;
+    while report.bad_inputs < args.bad_inputs {
+        k += 1;
+        if k.is_multiple_of(good_every) && sent.good.len() < args.good_runs {
+            start_good(config, &producer, args.seed, k, &mut sent).await?;
+        }
+        let (kind, topic) = &topics[rng.random_range(0..topics.len())];
+        let Some(h) = hostile(&mut rng, *kind, &limits) else {
+            continue;
+        };
+        report.bad_inputs += 1;
+        if args.http_every > 0 && report.bad_inputs.is_multiple_of(args.http_every) {
+            post_hostile(addr, &h.value, report).await;
+            continue;
+        }
+        pending.push((topic.clone(), h));
+        if pending.len() >= 256 {
+            produce_all(&producer, &mut pending, &mut sent).await?;
+        }
+    }
+    produce_all(&producer, &mut pending, &mut sent).await?;
+    while sent.good.len() < args.good_runs {
+        let run_id = format!("fuzz-good-{}-tail-{}", args.seed, sent.good.len());
+        let status = post_good(addr, &run_id).await?;
+        anyhow::ensure!(status == 201, "a good HTTP start got {status}");
+        sent.good.push(run_id);
+    }
+    Ok(sent)
+}
+
+/// Starts a good run over Kafka, one in [`GARBAGE_EVERY`] a garbage run.
+async fn start_good(
+    config: &Config,
+    producer: &FutureProducer,
+    seed: u64,
+    k: usize,
+    sent: &mut Sent,
+) -> anyhow::Result<()> {
+    let garbage = (sent.good.len() + sent.garbage.len() + 1).is_multiple_of(GARBAGE_EVERY);
+    let run_id = format!("fuzz-good-{seed}-{k}");
+    let input = match garbage {
+        true => json!({"n": k, GARBAGE_FIELD: k}),
+        false => json!({"n": k}),
+    };
+    let start = json!({"type": "run.start", "schema_version": 1, "run_id": run_id,
+        "tenant": "acme", "workflow": "example", "input": input});
+    let key = format!("k-{}", k % 64);
+    let value = start.to_string();
+    let topic = config.requests_topic();
+    let record = FutureRecord::to(&topic)
+        .key(key.as_bytes())
+        .payload(value.as_bytes());
+    producer
+        .send(record, Duration::from_secs(30))
+        .await
+        .map_err(|(e, _)| e)
+        .context("producing a good start")?;
+    match garbage {
+        true => sent.garbage.push(run_id),
+        false => sent.good.push(run_id),
+    }
+    Ok(())
+}
+
+/// Produces what is pending, all in flight at once, and records where each
+/// hostile input landed.
+async fn produce_all(
+    producer: &FutureProducer,
+    pending: &mut Vec<(String, Hostile)>,
+    sent: &mut Sent,
+) -> anyhow::Result<()> {
+    let sends = pending.drain(..).map(|(topic, h)| async move {
+        let mut headers = OwnedHeaders::new();
+        for (k, v) in &h.headers {
+            headers = headers.insert(Header {
+                key: k,
+                value: Some(v.as_slice()),
+            });
+        }
+        let record = FutureRecord::to(&topic)
+            .key(h.key.as_slice())
+            .payload(h.value.as_slice())
+            .headers(headers);
+        let delivery = producer
+            .send(record, Duration::from_secs(30))
+            .await
+            .map_err(|(e, _)| e)
+            .with_context(|| format!("producing a hostile input to {topic}"))?;
+        anyhow::Ok((topic, delivery.partition, delivery.offset))
+    });
+    for landed in futures::future::join_all(sends).await {
+        sent.bad.insert(landed?);
+    }
+    Ok(())
+}
+
+async fn post_hostile(addr: SocketAddr, body: &[u8], report: &mut FuzzReport) {
+    let answer = super::http::request(
+        addr,
+        "POST",
+        "/v1/runs",
+        &[("Content-Type", "application/json")],
+        body,
+        Duration::from_secs(30),
+    )
+    .await;
+    match answer {
+        Ok((status, reply)) if (400..500).contains(&status) => {
+            report.http_4xx += 1;
+            let code = serde_json::from_slice::<Value>(&reply)
+                .ok()
+                .and_then(|v| v["error"]["code"].as_str().map(str::to_owned));
+            match code {
+                Some(code) => *report.classes.entry(format!("http:{code}")).or_default() += 1,
+                None => report.violation("http_without_code", || format!("{status}")),
+            }
+        }
+        Ok((status, _)) => report.violation("http_not_4xx", || {
+            format!(
+                "{status} for {}",
+                String::from_utf8_lossy(&body[..body.len().min(80)])
+            )
+        }),
+        Err(e) => report.violation("http_not_4xx", || format!("{e:#}")),
+    }
+}
+
+async fn post_good(addr: SocketAddr, key: &str) -> anyhow::Result<u16> {
+    let body = json!({"workflow": "example", "tenant": "acme", "input": {"key": key}});
+    let (status, _) = super::http::request(
+        addr,
+        "POST",
+        "/v1/runs",
+        &[
+            ("Content-Type", "application/json"),
+            ("Idempotency-Key", key),
+        ],
+        body.to_string().as_bytes(),
+        Duration::from_secs(30),
+    )
+    .await?;
+    Ok(status)
+}
+
+async fn check(
+    config: &Config,
+    args: &FuzzArgs,
+    sent: &Sent,
+    hostile: &HostileWorker,
+    report: &mut FuzzReport,
+) -> anyhow::Result<()> {
+    report.good_runs = sent.good.len();
+    report.garbage_runs = sent.garbage.len();
+    let pool = ductor::infra::db::connect(&config.database).await?;
+    settle(config, args, sent, &pool).await?;
+    // Every run has ended, so every first step has been answered.
+    let stale = hostile.stale_positions();
+    let mut stale_seen: HashMap<(String, i32, i64), usize> = HashMap::new();
+    let mut seen: HashMap<(String, i32, i64), usize> = HashMap::new();
+    let dlq = vec![config.dlq_topic()];
+    let letters = {
+        let kafka = config.kafka.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut letters = Vec::new();
+            super::topics::read_each(&kafka, &dlq, Duration::from_secs(300), |m| {
+                letters.push(Letter::of(&m))
+            })?;
+            anyhow::Ok(letters)
+        })
+        .await
+        .context("reading the dead-letter topic")??
+    };
+    for letter in letters {
+        let Letter {
+            position,
+            class,
+            staged,
+        } = letter;
+        if class.is_empty() || !staged {
+            report.violation("dead_letter_without_class", || format!("{position:?}"));
+        }
+        if stale.contains(&position) {
+            if class != "unknown_stamp" {
+                report.violation("stale_result_misclassified", || {
+                    format!("{position:?} ({class})")
+                });
+            }
+            *report.classes.entry(class).or_default() += 1;
+            *stale_seen.entry(position).or_default() += 1;
+            continue;
+        }
+        if !sent.bad.contains(&position) {
+            report.violation("good_input_dead_lettered", || {
+                format!("{position:?} ({class})")
+            });
+            continue;
+        }
+        *report.classes.entry(class).or_default() += 1;
+        *seen.entry(position).or_default() += 1;
+    }
+    report.dead_lettered = seen.len();
+    for position in &sent.bad {
+        match seen.get(position) {
+            None => report.violation("bad_input_not_dead_lettered", || format!("{position:?}")),
+            Some(1) => {}
+            Some(n) => report.violation("bad_input_dead_lettered_twice", || {
+                format!("{position:?} {n} times")
+            }),
+        }
+    }
+    for position in &stale {
+        if stale_seen.get(position) != Some(&1) {
+            let n = stale_seen.get(position).copied().unwrap_or(0);
+            report.violation("stale_result_not_dead_lettered_once", || {
+                format!("{position:?} {n} times")
+            });
+        }
+    }
+    let completed = count_status(&pool, &sent.good, "succeeded").await?;
+    if completed < sent.good.len() {
+        let missing = sent.good.len() - completed;
+        for _ in 0..missing {
+            report.violation("good_run_not_completed", || {
+                format!("{missing} of {} good runs", sent.good.len())
+            });
+        }
+    }
+    let failed = garbage_failed(&pool, &sent.garbage).await?;
+    for run in sent.garbage.iter().filter(|r| !failed.contains(*r)) {
+        report.violation("garbage_run_not_failed", || run.clone());
+    }
+    let lag = ingress_lag(config).await?;
+    if lag > 0 {
+        report.violation("lag_not_zero", || format!("{lag} inputs unconsumed"));
+    }
+    Ok(())
+}
+
+/// Waits, within the settle bound, until the dead-letter topic holds at
+/// least a letter per hostile Kafka input, every good and garbage run has
+/// ended and the coordinator's lag is zero. Counting watermarks keeps the
+/// wait in constant memory however long the topic is.
+async fn settle(
+    config: &Config,
+    args: &FuzzArgs,
+    sent: &Sent,
+    pool: &sqlx::PgPool,
+) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.settle_timeout_s);
+    let mut runs = sent.good.clone();
+    runs.extend(sent.garbage.iter().cloned());
+    loop {
+        let letters = {
+            let kafka = config.kafka.clone();
+            let dlq = vec![config.dlq_topic()];
+            tokio::task::spawn_blocking(move || super::topics::message_count(&kafka, &dlq))
+                .await
+                .context("counting dead letters")??
+        };
+        let ended = count_status(pool, &runs, "succeeded").await?
+            + count_status(pool, &runs, "failed").await?;
+        // Offsets are committed a moment after they are stored: the lag
+        // returning to zero is part of settling.
+        let done = letters >= sent.bad.len() as i64
+            && ended >= runs.len()
+            && ingress_lag(config).await? == 0;
+        if done || tokio::time::Instant::now() >= deadline {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// What the checks need of a dead letter: where its input was, its class,
+/// and whether it names a stage.
+struct Letter {
+    position: (String, i32, i64),
+    class: String,
+    staged: bool,
+}
+
+impl Letter {
+    fn of(m: &super::topics::Msg) -> Letter {
+        let position = (
+            m.header_str(ductor::ingress::dead_letter::HEADER_TOPIC)
+                .unwrap_or_default()
+                .to_string(),
+            m.header_str(ductor::ingress::dead_letter::HEADER_PARTITION)
+                .and_then(|p| p.parse().ok())
+                .unwrap_or(-1),
+            m.header_str(ductor::ingress::dead_letter::HEADER_OFFSET)
+                .and_then(|o| o.parse().ok())
+                .unwrap_or(-1),
+        );
+        Letter {
+            position,
+            class: m
+                .header_str(ductor::ingress::dead_letter::HEADER_CLASS)
+                .unwrap_or_default()
+                .to_string(),
+            staged: m
+                .header_str(ductor::ingress::dead_letter::HEADER_STAGE)
+                .is_some(),
+        }
+    }
+}
+
+/// Garbage runs that ended failed, with the worker's refusal of its own
+/// output as the error.
+async fn garbage_failed(pool: &sqlx::PgPool, runs: &[String]) -> anyhow::Result<HashSet<String>> {
+    let rows: Vec<String> = sqlx::query_scalar(
+        "SELECT run_id FROM runs WHERE run_id = ANY($1) AND status = 'failed' \
+             AND state->>'error' LIKE '%result cannot be accepted (%'",
+    )
+    .bind(runs)
+    .fetch_all(pool)
+    .await
+    .context("reading garbage runs")?;
+    Ok(rows.into_iter().collect())
+}
+
+/// What the coordinator's group has not committed past on the input topics.
+async fn ingress_lag(config: &Config) -> anyhow::Result<i64> {
+    let (kafka, group) = (config.kafka.clone(), config.kafka.group_id.clone());
+    let topics = vec![
+        config.requests_topic(),
+        config.wakeups_topic(),
+        config.attempt_results_topic(),
+    ];
+    tokio::task::spawn_blocking(move || super::topics::group_lag(&kafka, &group, &topics))
+        .await
+        .context("measuring lag")?
+}
+
+/// Runs of `runs` in `status`: started over Kafka under their id, or over
+/// HTTP under their idempotency key.
+async fn count_status(pool: &sqlx::PgPool, runs: &[String], status: &str) -> anyhow::Result<usize> {
+    let ids: Vec<&str> = runs.iter().map(String::as_str).collect();
+    let count: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM runs WHERE status = $2 AND (run_id = ANY($1) \
+             OR run_id IN (SELECT decision_id FROM eec_routing_idempotency \
+                           WHERE idempotency_key = ANY($1)))",
+    )
+    .bind(&ids)
+    .bind(status)
+    .fetch_one(pool)
+    .await
+    .context("counting runs")?;
+    Ok(count as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gauges_are_read_from_the_exposition() {
+        let text = "# TYPE ductor_ingress_stalled_lanes gauge\n\
+                    ductor_ingress_stalled_lanes_total 9\n\
+                    ductor_ingress_stalled_lanes 2\n";
+        assert_eq!(gauge(text, "ductor_ingress_stalled_lanes"), Some(2.0));
+        assert_eq!(gauge(text, "ductor_ingress_oldest_batch_age_seconds"), None);
+    }
+
+    /// Every generated input is refused by the decoder, and every kind of
+    /// mutation comes out now and then.
+    #[test]
+    fn generated_inputs_are_all_refused_and_varied() {
+        let limits = InputLimits {
+            max_bytes: 65_536,
+            shape: ductor::coordinator::ShapeLimits {
+                max_depth: 16,
+                max_string_bytes: 1_024,
+                max_array_items: 100,
+                max_object_keys: 50,
+            },
+            max_payload_bytes: 65_536,
+        };
+        let mut rng = StdRng::seed_from_u64(7);
+        let mut classes = BTreeMap::new();
+        let source = Source {
+            topic: String::new(),
+            partition: 0,
+            offset: 0,
+        };
+        for k in 0..3_000 {
+            let topic = [
+                InputTopic::Requests,
+                InputTopic::Wakeups,
+                InputTopic::AttemptResults,
+            ][k % 3];
+            let Some(h) = hostile(&mut rng, topic, &limits) else {
+                continue;
+            };
+            let refused = ductor::ingress::classify(topic, &h.value, &source, &limits)
+                .expect_err("only refused inputs are kept");
+            *classes.entry(refused.class.as_str()).or_insert(0) += 1;
+        }
+        for class in [
+            "malformed",
+            "nul_character",
+            "unpaired_surrogate",
+            "inexact_number",
+            "too_deep",
+            "string_too_long",
+            "array_too_long",
+            "object_too_wide",
+            "duplicate_key",
+            "invalid",
+            "unknown_type",
+            "too_large",
+        ] {
+            assert!(
+                classes.contains_key(class),
+                "{class} never drawn: {classes:?}"
+            );
+        }
+    }
+}

@@ -1,0 +1,669 @@
+//! Per-run checks: the stored state agrees with its history.
+//!
+//! A run is stored as one `runs` row (columns plus the fold's whole state as
+//! `state` jsonb), its append-only `run_transitions`, its `run_attempts` and
+//! the `eec_effect_intent` rows its transitions committed. "The stored state
+//! agrees with its history" means, precisely, all of the following:
+//!
+//! 1. **Numbering** (`seq_gap`): the transitions are numbered exactly
+//!    `1..=n`, and `runs.last_transition_seq = n`.
+//! 2. **Version** (`record_version`): `1 <= runs.record_version <= n` (one
+//!    bump per committed batch that touched the run, and a batch applies at
+//!    least one transition), and the `record_version` inside `state` equals
+//!    the column (the store writes both from the version it read; a write
+//!    that skipped the version check leaves them apart).
+//! 3. **Shape** (`state_history_mismatch`): `state` decodes; its run id,
+//!    tenant, pool, workflow, version, status and `last_transition_seq`
+//!    equal the columns; `finished_at` is set iff the status is terminal; the
+//!    status equals the last transition's `to_status` and the step index its
+//!    `step_index`; the first transition is `run.started` from `start` with
+//!    no `from_status`, each later one starts from the previous `to_status`,
+//!    and nothing follows a terminal transition; the attempts in `state` are
+//!    exactly the `run_attempts` rows (stamp, step, number, status, times to
+//!    the microsecond, error); every attempt's status is explained by the
+//!    history (succeeded/failed: a `result:<stamp>` transition; timed out: a
+//!    `timer:timeout:<stamp>` transition; cancelled: the `run.cancelled`
+//!    transition, or the `run.failed` one of a state too large, names it;
+//!    still dispatched: it is the outstanding attempt of a running run); the
+//!    signals in `state` are, in order, the ids of the `signal:<id>`
+//!    transitions that recorded them (`run.signalled`); every intent belongs
+//!    to a transition.
+//! 4. **At most once** (`input_applied_twice`): no two transitions share an
+//!    `input_ref`.
+//! 5. **No stale result** (`stale_result_applied`): a `result:<stamp>`
+//!    transition never names an attempt that timed out or was cancelled.
+//! 6. **Replay** (`state_replay_mismatch`, `transition_source_missing`):
+//!    every transition's input is read back from Kafka at the
+//!    topic/partition/offset the transition recorded (a start decided over
+//!    HTTP has no source and is rebuilt from the state), and the pure fold
+//!    is run over them in order, each at the transition's recorded time and
+//!    with the stamp the transition introduced (jitter is recovered from the
+//!    recorded backoff). Each fold must yield a transition equal to the
+//!    stored row (seq, input ref, kind, statuses, step, detail), its effects
+//!    must equal the committed intents of that seq (topic, message key,
+//!    payload as a JSON value, type, due time; plus the routing plane's
+//!    trailing `run.accepted` on a routed start; a step's timeout timer may
+//!    be missing once its attempt finished, the store deletes it while
+//!    pending), and the final replayed state must
+//!    equal the stored `state` (timestamps compared to the microsecond,
+//!    `record_version` left out, it is checked by 2).
+
+use std::collections::{HashMap, HashSet};
+
+use chrono::{DateTime, SubsecRound, Utc};
+use serde_json::Value;
+use uuid::Uuid;
+
+use super::check::Violations;
+use super::topics::Msg;
+use ductor::apply::TopicNames;
+use ductor::coordinator::fold::{KIND_RUN_CANCELLED, KIND_RUN_FAILED, KIND_RUN_SIGNALLED};
+use ductor::coordinator::{
+    Decision, Entropy, Input, InputTopic, RunStart, RunState, STATE_TOO_LARGE, Workflows, fold,
+};
+
+/// A `runs` row.
+#[derive(Debug, Clone)]
+pub struct RunRow {
+    pub run_id: String,
+    pub tenant: String,
+    pub pool: String,
+    pub workflow: String,
+    pub workflow_version: i32,
+    pub status: String,
+    pub record_version: i64,
+    pub last_transition_seq: i64,
+    pub state: Value,
+    pub finished: bool,
+}
+
+/// A `run_transitions` row.
+#[derive(Debug, Clone)]
+pub struct TransitionRow {
+    pub run_id: String,
+    pub seq: i64,
+    pub input_ref: String,
+    pub kind: String,
+    pub from_status: Option<String>,
+    pub to_status: String,
+    pub step_index: i32,
+    pub detail: Value,
+    pub source: Option<(String, i32, i64)>,
+    pub created_at: DateTime<Utc>,
+}
+
+/// A `run_attempts` row.
+#[derive(Debug, Clone)]
+pub struct AttemptRow {
+    pub stamp: Uuid,
+    pub run_id: String,
+    pub step_index: i32,
+    pub attempt: i32,
+    pub status: String,
+    pub dispatched_at: DateTime<Utc>,
+    pub deadline: DateTime<Utc>,
+    pub finished_at: Option<DateTime<Utc>>,
+    pub error: Option<String>,
+}
+
+/// An `eec_effect_intent` row.
+#[derive(Debug, Clone)]
+pub struct IntentRow {
+    pub run_id: String,
+    pub seq: i64,
+    pub effect_index: i32,
+    pub key: String,
+    pub tenant: String,
+    pub topic: String,
+    pub message_key: Vec<u8>,
+    pub headers: Value,
+    pub payload: Vec<u8>,
+    pub ce_type: String,
+    pub not_before: DateTime<Utc>,
+    /// When it may be published: `not_before`, or later when it was
+    /// deferred (a failed publish backing off, a step clock restarted).
+    pub due_at: DateTime<Utc>,
+    pub status: String,
+}
+
+/// What the replay needs besides the run's own rows.
+pub struct Context<'a> {
+    pub workflows: &'a Workflows,
+    pub topics: &'a TopicNames,
+    /// Input messages by (topic, partition, offset).
+    pub inputs: &'a HashMap<(String, i32, i64), &'a Msg>,
+    pub requests_topic: &'a str,
+    pub wakeups_topic: &'a str,
+    pub results_topic: &'a str,
+    /// The bounds the serves kept (size and shape).
+    pub limits: ductor::coordinator::InputLimits,
+    /// The serves' `coordinator.max_state_bytes`.
+    pub max_state_bytes: usize,
+}
+
+impl Context<'_> {
+    fn input_topic(&self, topic: &str) -> Option<InputTopic> {
+        InputTopic::classify(
+            topic,
+            self.requests_topic,
+            self.wakeups_topic,
+            self.results_topic,
+        )
+    }
+}
+
+/// The rows of one run.
+pub struct RunRows<'a> {
+    pub run: &'a RunRow,
+    /// Sorted by seq.
+    pub transitions: &'a [TransitionRow],
+    pub attempts: &'a [AttemptRow],
+    /// Sorted by (seq, effect_index).
+    pub intents: &'a [&'a IntentRow],
+}
+
+/// A transition that ends its run's outstanding attempt as cancelled: a
+/// cancel, or the failure of a run whose state would have grown too large
+/// on an input that was not that attempt's result.
+fn abandons_attempts(t: &TransitionRow) -> bool {
+    t.kind == KIND_RUN_CANCELLED
+        || (t.kind == KIND_RUN_FAILED
+            && t.detail.get("cause").and_then(Value::as_str) == Some(STATE_TOO_LARGE))
+}
+
+fn micros(t: DateTime<Utc>) -> DateTime<Utc> {
+    t.trunc_subsecs(6)
+}
+
+/// Runs every check of the module docs on one run.
+pub fn check_run(ctx: &Context<'_>, rows: &RunRows<'_>, v: &mut Violations) {
+    let run = rows.run;
+    let id = &run.run_id;
+    let ts = rows.transitions;
+    let n = ts.len() as i64;
+
+    // 1. Numbering.
+    if let Some((i, t)) = ts.iter().enumerate().find(|(i, t)| t.seq != *i as i64 + 1) {
+        v.add("seq_gap", || {
+            format!("{id}: transition #{} has seq {}", i + 1, t.seq)
+        });
+    }
+    if run.last_transition_seq != n {
+        v.add("seq_gap", || {
+            format!(
+                "{id}: last_transition_seq {} but {n} transitions",
+                run.last_transition_seq
+            )
+        });
+    }
+
+    // 2. Version.
+    if run.record_version < 1 || run.record_version > n.max(1) {
+        v.add("record_version", || {
+            format!(
+                "{id}: record_version {} outside 1..={n}",
+                run.record_version
+            )
+        });
+    }
+    let state: RunState = match serde_json::from_value(run.state.clone()) {
+        Ok(s) => s,
+        Err(e) => {
+            v.add("state_history_mismatch", || {
+                format!("{id}: state does not decode: {e}")
+            });
+            return;
+        }
+    };
+    if state.record_version != run.record_version {
+        v.add("record_version", || {
+            format!(
+                "{id}: state says record_version {}, the column {}",
+                state.record_version, run.record_version
+            )
+        });
+    }
+
+    // 3. Shape.
+    let mut shape = Vec::new();
+    if state.run_id != run.run_id
+        || state.tenant != run.tenant
+        || state.pool != run.pool
+        || state.workflow != run.workflow
+        || i64::from(state.workflow_version) != i64::from(run.workflow_version)
+    {
+        shape.push("identity columns differ from the state".to_string());
+    }
+    if state.status.as_str() != run.status {
+        shape.push(format!(
+            "status column {} but state {}",
+            run.status,
+            state.status.as_str()
+        ));
+    }
+    if state.last_transition_seq != run.last_transition_seq {
+        shape.push(format!(
+            "state last_transition_seq {} but column {}",
+            state.last_transition_seq, run.last_transition_seq
+        ));
+    }
+    if run.finished != state.status.is_terminal() {
+        shape.push("finished_at disagrees with the status".into());
+    }
+    if let Some(last) = ts.last() {
+        if last.to_status != state.status.as_str() {
+            shape.push(format!(
+                "status {} but last transition (seq {}) went to {}",
+                state.status.as_str(),
+                last.seq,
+                last.to_status
+            ));
+        }
+        if i64::from(last.step_index) != i64::from(state.step_index) {
+            shape.push("step_index differs from the last transition's".into());
+        }
+    }
+    for (i, t) in ts.iter().enumerate() {
+        if i == 0 {
+            if t.from_status.is_some() || t.kind != "run.started" || t.input_ref != "start" {
+                shape.push("the first transition is not run.started from start".into());
+            }
+            continue;
+        }
+        let prev = &ts[i - 1];
+        if t.from_status.as_deref() != Some(prev.to_status.as_str()) {
+            shape.push(format!(
+                "seq {} starts from {:?}, seq {} ended in {}",
+                t.seq, t.from_status, prev.seq, prev.to_status
+            ));
+        }
+        if prev.to_status != "running" {
+            shape.push(format!("seq {} follows a terminal transition", t.seq));
+        }
+    }
+    let refs: HashSet<&str> = ts.iter().map(|t| t.input_ref.as_str()).collect();
+    let by_stamp: HashMap<Uuid, &AttemptRow> = rows.attempts.iter().map(|a| (a.stamp, a)).collect();
+    if state.attempts.len() != rows.attempts.len() {
+        shape.push(format!(
+            "{} attempts in state, {} rows",
+            state.attempts.len(),
+            rows.attempts.len()
+        ));
+    }
+    for a in &state.attempts {
+        let Some(row) = by_stamp.get(&a.stamp) else {
+            shape.push(format!("attempt {} has no row", a.stamp));
+            continue;
+        };
+        let same = i64::from(row.step_index) == i64::from(a.step_index)
+            && i64::from(row.attempt) == i64::from(a.attempt)
+            && row.status == a.status.as_str()
+            && row.dispatched_at == micros(a.dispatched_at)
+            && row.deadline == micros(a.deadline)
+            && row.finished_at == a.finished_at.map(micros)
+            && row.error == a.error;
+        if !same {
+            shape.push(format!("attempt {} differs from its row", a.stamp));
+        }
+    }
+    let last = ts.last();
+    for a in rows.attempts {
+        let s = a.stamp;
+        let explained = match a.status.as_str() {
+            "succeeded" | "failed" => refs.contains(format!("result:{s}").as_str()),
+            "timed_out" => refs.contains(format!("timer:timeout:{s}").as_str()),
+            "cancelled" => last.is_some_and(|t| {
+                abandons_attempts(t)
+                    && t.detail.get("stamp").and_then(Value::as_str) == Some(&s.to_string())
+            }),
+            "dispatched" => {
+                !state.status.is_terminal()
+                    && state.outstanding.as_ref().is_some_and(|o| o.stamp == s)
+            }
+            _ => false,
+        };
+        if !explained {
+            shape.push(format!(
+                "attempt {s} is {} without a transition that explains it",
+                a.status
+            ));
+        }
+    }
+    for t in ts {
+        let Some(stamp) = t.input_ref.strip_prefix("result:") else {
+            continue;
+        };
+        let row = Uuid::parse_str(stamp).ok().and_then(|s| by_stamp.get(&s));
+        match row.map(|r| r.status.as_str()) {
+            Some("timed_out" | "cancelled") => v.add("stale_result_applied", || {
+                format!(
+                    "{id}: seq {} applied result:{stamp} of a {} attempt",
+                    t.seq,
+                    row.map_or("", |r| r.status.as_str())
+                )
+            }),
+            Some("succeeded" | "failed") => {}
+            other => shape.push(format!(
+                "seq {} applied a result of an attempt that is {:?}",
+                t.seq, other
+            )),
+        }
+    }
+    let signal_ids: Vec<&str> = ts
+        .iter()
+        .filter(|t| t.kind == KIND_RUN_SIGNALLED)
+        .filter_map(|t| t.input_ref.strip_prefix("signal:"))
+        .collect();
+    let state_signals: Vec<&str> = state.signals.iter().map(|s| s.signal_id.as_str()).collect();
+    if signal_ids != state_signals {
+        shape.push(format!(
+            "signals in state {state_signals:?}, in history {signal_ids:?}"
+        ));
+    }
+    if let Some(i) = rows.intents.iter().find(|i| i.seq < 1 || i.seq > n) {
+        shape.push(format!("intent {} belongs to no transition", i.key));
+    }
+    for s in shape.into_iter().take(1) {
+        v.add("state_history_mismatch", || format!("{id}: {s}"));
+    }
+
+    // 4. At most once.
+    if refs.len() != ts.len() {
+        v.add("input_applied_twice", || {
+            format!(
+                "{id}: {} transitions, {} distinct input refs",
+                ts.len(),
+                refs.len()
+            )
+        });
+    }
+
+    // 6. Replay.
+    replay(ctx, rows, v);
+}
+
+/// The stamp a transition introduced, if it dispatched an attempt.
+pub fn introduced_stamp(t: &TransitionRow) -> Option<Uuid> {
+    let field = match t.kind.as_str() {
+        "run.started" | "step.retried" => "stamp",
+        "step.succeeded" => "next_stamp",
+        _ => return None,
+    };
+    t.detail
+        .get(field)
+        .and_then(Value::as_str)
+        .and_then(|s| Uuid::parse_str(s).ok())
+}
+
+enum Rebuild {
+    Input(Input),
+    Missing(String),
+    Mismatch(String),
+}
+
+/// The input a transition applied, read back from where it came from.
+fn rebuild_input(ctx: &Context<'_>, run: &RunRow, t: &TransitionRow) -> Rebuild {
+    let Some((topic, partition, offset)) = &t.source else {
+        if t.seq != 1 {
+            return Rebuild::Missing(format!("seq {} records no source", t.seq));
+        }
+        // Decided over HTTP: the request is not in Kafka; the state keeps
+        // everything the start carried.
+        let s = &run.state;
+        let text = |k: &str| s.get(k).and_then(Value::as_str).map(String::from);
+        return Rebuild::Input(Input::Start(RunStart {
+            run_id: run.run_id.clone(),
+            tenant: run.tenant.clone(),
+            workflow: run.workflow.clone(),
+            workflow_version: u32::try_from(run.workflow_version).ok(),
+            pool: run.pool.clone(),
+            input: s.get("input").cloned().unwrap_or(Value::Null),
+            correlation_id: text("correlation_id"),
+        }));
+    };
+    let Some(msg) = ctx.inputs.get(&(topic.clone(), *partition, *offset)) else {
+        return Rebuild::Missing(format!(
+            "seq {}: no message at {topic}/{partition}@{offset}",
+            t.seq
+        ));
+    };
+    let Some(kind) = ctx.input_topic(topic) else {
+        return Rebuild::Mismatch(format!("seq {}: source {topic} is no input topic", t.seq));
+    };
+    let source = ductor::apply::Source {
+        topic: topic.clone(),
+        partition: *partition,
+        offset: *offset,
+    };
+    match ductor::ingress::classify(kind, &msg.payload, &source, &ctx.limits) {
+        Ok(ductor::ingress::Classified::Routed(request)) => {
+            let mut start = request.start;
+            start.run_id = run.run_id.clone();
+            Rebuild::Input(Input::Start(start))
+        }
+        Ok(ductor::ingress::Classified::Input(input)) => Rebuild::Input(input),
+        Err(e) => Rebuild::Mismatch(format!(
+            "seq {}: its source message does not decode: {e}",
+            t.seq
+        )),
+    }
+}
+
+/// Runs the fold over the run's inputs; see point 6 of the module docs.
+fn replay(ctx: &Context<'_>, rows: &RunRows<'_>, v: &mut Violations) {
+    let run = rows.run;
+    let id = &run.run_id;
+    let mut state: Option<RunState> = None;
+    for t in rows.transitions {
+        let input = match rebuild_input(ctx, run, t) {
+            Rebuild::Input(i) => i,
+            Rebuild::Missing(why) => {
+                v.add("transition_source_missing", || format!("{id}: {why}"));
+                return;
+            }
+            Rebuild::Mismatch(why) => {
+                v.add("state_replay_mismatch", || format!("{id}: {why}"));
+                return;
+            }
+        };
+        let mut entropy = Entropy {
+            stamp: introduced_stamp(t).unwrap_or(Uuid::nil()),
+            jitter_unit: 0.0,
+        };
+        let mut decision = fold(
+            state.as_ref(),
+            &input,
+            ctx.workflows,
+            ctx.max_state_bytes,
+            t.created_at,
+            &entropy,
+        );
+        if let Some(unit) = recover_jitter(ctx, state.as_ref(), &decision, t) {
+            entropy.jitter_unit = unit;
+            decision = fold(
+                state.as_ref(),
+                &input,
+                ctx.workflows,
+                ctx.max_state_bytes,
+                t.created_at,
+                &entropy,
+            );
+        }
+        let tr = match decision {
+            Decision::Transition(tr) => tr,
+            other => {
+                v.add("state_replay_mismatch", || {
+                    format!(
+                        "{id}: seq {} ({}) replays to {}",
+                        t.seq,
+                        t.input_ref,
+                        match other {
+                            Decision::NoOp(r) => format!("a no-op ({})", r.as_str()),
+                            Decision::Rejection(r) => format!("a rejection ({})", r.class.as_str()),
+                            Decision::Transition(_) => String::new(),
+                        }
+                    )
+                });
+                return;
+            }
+        };
+        let r = &tr.record;
+        let same_record = r.seq == t.seq
+            && r.input_ref == t.input_ref
+            && r.kind == t.kind
+            && r.from_status.map(|s| s.as_str()) == t.from_status.as_deref()
+            && r.to_status.as_str() == t.to_status
+            && i64::from(r.step_index) == i64::from(t.step_index)
+            && r.detail == t.detail;
+        if !same_record {
+            v.add("state_replay_mismatch", || {
+                format!(
+                    "{id}: seq {} replays to {} {} {}, stored {} {} {}",
+                    t.seq, r.kind, r.input_ref, r.detail, t.kind, t.input_ref, t.detail
+                )
+            });
+            return;
+        }
+        if let Err(why) = compare_effects(ctx, rows, t, &tr.effects) {
+            v.add("state_replay_mismatch", || {
+                format!("{id}: seq {}: {why}", t.seq)
+            });
+            return;
+        }
+        state = Some(tr.state);
+    }
+    let Some(replayed) = state else { return };
+    let Ok(mut replayed) = serde_json::to_value(&replayed) else {
+        return;
+    };
+    let mut stored = run.state.clone();
+    normalize(&mut replayed);
+    normalize(&mut stored);
+    if replayed != stored {
+        v.add("state_replay_mismatch", || {
+            format!("{id}: stored state differs from the replay of its history")
+        });
+    }
+}
+
+/// The jitter unit that reproduces the recorded backoff, when the fold with
+/// no jitter chose another one.
+fn recover_jitter(
+    ctx: &Context<'_>,
+    state: Option<&RunState>,
+    decision: &Decision,
+    t: &TransitionRow,
+) -> Option<f64> {
+    let Decision::Transition(tr) = decision else {
+        return None;
+    };
+    let unjittered = tr.record.detail.get("backoff_ms")?.as_u64()?;
+    let recorded = t.detail.get("backoff_ms")?.as_u64()?;
+    if unjittered == recorded || unjittered == 0 {
+        return None;
+    }
+    let s = state?;
+    let def = ctx.workflows.get(&s.workflow, s.workflow_version)?;
+    let jitter = def.steps.get(s.step_index as usize)?.retry.jitter;
+    if jitter <= 0.0 {
+        return None;
+    }
+    Some(((1.0 - recorded as f64 / unjittered as f64) / jitter).clamp(0.0, 0.999_999_999))
+}
+
+/// The effects of a replayed transition against the intents its seq committed.
+fn compare_effects(
+    ctx: &Context<'_>,
+    rows: &RunRows<'_>,
+    t: &TransitionRow,
+    effects: &[ductor::coordinator::Effect],
+) -> Result<(), String> {
+    let run = rows.run;
+    let mine: Vec<&&IntentRow> = rows.intents.iter().filter(|i| i.seq == t.seq).collect();
+    for (index, effect) in effects.iter().enumerate() {
+        let Some(intent) = mine.iter().find(|i| i.effect_index as usize == index) else {
+            if cancelled_timeout(&effect.payload, rows.attempts) {
+                continue;
+            }
+            return Err(format!("effect {index} has no intent"));
+        };
+        // Compared as JSON values: the state is reloaded from jsonb between
+        // batches, which reorders object keys inside step inputs, so the
+        // bytes depend on batch boundaries the history does not record.
+        let stored: Option<Value> = serde_json::from_slice(&intent.payload).ok();
+        let due = micros(effect.not_before.unwrap_or(t.created_at));
+        let differs = [
+            (
+                "topic",
+                intent.topic != ctx.topics.for_target(&effect.target),
+            ),
+            ("payload", stored.as_ref() != Some(&effect.payload)),
+            ("ce_type", intent.ce_type != effect.ce_type),
+            ("not_before", intent.not_before != due),
+            ("tenant", intent.tenant != run.tenant),
+            ("message key", intent.message_key != run.run_id.as_bytes()),
+        ];
+        if let Some((field, _)) = differs.iter().find(|(_, d)| *d) {
+            return Err(format!(
+                "intent {} differs from the replayed effect in its {field}",
+                intent.key
+            ));
+        }
+    }
+    for intent in &mine {
+        let index = intent.effect_index as usize;
+        let routed_accept =
+            t.seq == 1 && index == effects.len() && intent.ce_type == "ductor.run.accepted";
+        if index >= effects.len() && !routed_accept {
+            return Err(format!("intent {} has no replayed effect", intent.key));
+        }
+    }
+    Ok(())
+}
+
+/// A step's timeout timer may be deleted while still pending by the
+/// transition that finishes its attempt (it could only fold into a no-op):
+/// true for such a timer whose attempt is indeed no longer dispatched.
+pub fn cancelled_timeout(payload: &Value, attempts: &[AttemptRow]) -> bool {
+    let text = |k: &str| payload.get(k).and_then(Value::as_str);
+    if text("type") != Some("wakeup.timer") || text("timer") != Some("timeout") {
+        return false;
+    }
+    let Some(stamp) = text("stamp").and_then(|s| Uuid::parse_str(s).ok()) else {
+        return false;
+    };
+    attempts
+        .iter()
+        .any(|a| a.stamp == stamp && a.status != "dispatched")
+}
+
+/// Drops `record_version` and cuts every timestamp to the microsecond, the
+/// precision Postgres keeps, so a state can be compared with its replay.
+pub fn normalize(v: &mut Value) {
+    match v {
+        Value::Object(map) => {
+            map.remove("record_version");
+            for (_, x) in map.iter_mut() {
+                normalize_inner(x);
+            }
+        }
+        other => normalize_inner(other),
+    }
+}
+
+fn normalize_inner(v: &mut Value) {
+    match v {
+        Value::String(s) => {
+            if s.len() >= 20
+                && s.as_bytes().get(4) == Some(&b'-')
+                && let Ok(t) = DateTime::parse_from_rfc3339(s)
+            {
+                *s = micros(t.with_timezone(&Utc))
+                    .to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(normalize_inner),
+        Value::Object(map) => map.iter_mut().for_each(|(_, x)| normalize_inner(x)),
+        _ => {}
+    }
+}

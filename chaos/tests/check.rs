@@ -1,0 +1,171 @@
+//! The chaos checker against the real stack: a tiny load through an
+//! in-process `serve` must check clean, and the same data with one run's
+//! history and another's state corrupted must not.
+
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
+use std::time::Duration;
+
+use common::{TestDb, bootstrap_servers, unique};
+use ductor::config::Config;
+use ductor_chaos::{CheckArgs, LoadArgs, check, load};
+use tokio_util::sync::CancellationToken;
+
+const WORKFLOW: &str = r#"
+name = "chaos"
+version = 1
+
+[[steps]]
+name = "a"
+pool = "chaos-a"
+timeout_ms = 1000
+[steps.retry]
+max_attempts = 4
+initial_backoff_ms = 50
+max_backoff_ms = 200
+
+[[steps]]
+name = "b"
+pool = "chaos-b"
+timeout_ms = 1000
+[steps.retry]
+max_attempts = 4
+initial_backoff_ms = 50
+max_backoff_ms = 200
+jitter = 0.5
+"#;
+
+fn config(db: &TestDb, workflows: &std::path::Path) -> Config {
+    let prefix = unique("cc").chars().take(14).collect::<String>();
+    let env = [
+        ("DATABASE_URL", db.url.clone()),
+        ("KAFKA_BOOTSTRAP_SERVERS", bootstrap_servers()),
+        ("DUCTOR__KAFKA__TOPIC_PREFIX", format!("{prefix}.")),
+        ("DUCTOR__KAFKA__GROUP_ID", format!("{prefix}-coordinator")),
+        ("DUCTOR__KAFKA__PARTITIONS", "2".into()),
+        (
+            "DUCTOR__KAFKA__STEP_POOLS",
+            r#"["chaos-a","chaos-b"]"#.into(),
+        ),
+        ("DUCTOR__KAFKA__EXTRA_TOPICS", "[]".into()),
+        ("DUCTOR__SERVER__LISTEN", "127.0.0.1:0".into()),
+        (
+            "DUCTOR__COORDINATOR__WORKFLOWS_DIR",
+            workflows.display().to_string(),
+        ),
+    ];
+    let config = Config::load_from(
+        None,
+        env.into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect::<Vec<_>>(),
+    )
+    .expect("test configuration is valid");
+    db.owns_topics(config.all_topics());
+    config
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn checker_passes_a_clean_run_and_flags_corrupted_ones() {
+    let db = TestDb::migrated().await;
+    let dir = tempfile::tempdir().unwrap();
+    let workflows = dir.path().join("workflows");
+    std::fs::create_dir(&workflows).unwrap();
+    std::fs::write(workflows.join("chaos.toml"), WORKFLOW).unwrap();
+    let config = config(&db, &workflows);
+    ductor::infra::kafka::create_configured_topics(&config)
+        .await
+        .expect("creating topics");
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let shutdown = CancellationToken::new();
+    let serve = tokio::spawn(ductor::cli::serve::run_on(
+        config.clone(),
+        listener,
+        shutdown.clone(),
+    ));
+
+    let log = dir.path().join("load.jsonl");
+    let summary = load::run(
+        LoadArgs {
+            log: log.clone(),
+            duration_s: 6,
+            rate: 15.0,
+            http: vec![addr],
+            drain_s: 60,
+            tenants: vec!["acme".into(), "globex".into()],
+        },
+        config.clone(),
+        CancellationToken::new(),
+        CancellationToken::new(),
+    )
+    .await
+    .expect("load runs");
+    assert!(
+        summary.acked > 20,
+        "the load produced too little: {summary:?}"
+    );
+    assert!(summary.runs_seen > 5, "too few runs: {summary:?}");
+
+    let args = CheckArgs {
+        log,
+        faults: None,
+        settle_timeout_s: 60,
+    };
+    let report = check::run(&args, &config).await.expect("check runs");
+    assert!(
+        report.ok(),
+        "a fault-free run must check clean: {}",
+        serde_json::to_string(&report).unwrap()
+    );
+    assert!(report.runs > 5 && report.inputs > 20, "{report:?}");
+
+    // Corrupt two finished runs: a hole in one history, a changed output in
+    // another's state.
+    let finished: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT run_id, last_transition_seq FROM runs \
+         WHERE status <> 'running' AND last_transition_seq >= 3 ORDER BY run_id LIMIT 2",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(finished.len(), 2, "need two finished runs with a history");
+    sqlx::query("DELETE FROM run_transitions WHERE run_id = $1 AND seq = 2")
+        .bind(&finished[0].0)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "UPDATE runs SET state = jsonb_set(state, '{input}', '\"tampered\"') WHERE run_id = $1",
+    )
+    .bind(&finished[1].0)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+
+    let report = check::run(
+        &CheckArgs {
+            settle_timeout_s: 10,
+            ..args
+        },
+        &config,
+    )
+    .await
+    .expect("check runs");
+    let v = &report.violations;
+    assert!(!report.ok());
+    assert!(v.get("seq_gap").copied().unwrap_or(0) >= 1, "{v:?}");
+    assert!(
+        v.get("state_replay_mismatch").copied().unwrap_or(0) >= 1,
+        "{v:?}"
+    );
+    let examples = serde_json::to_string(&report.examples).unwrap();
+    assert!(examples.contains(&finished[0].0), "{examples}");
+    assert!(examples.contains(&finished[1].0), "{examples}");
+
+    shutdown.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(30), serve).await;
+    db.drop_db().await;
+}

@@ -1,0 +1,1798 @@
+//! The apply layer: load runs, fold inputs, commit in one transaction.
+//!
+//! A batch of inputs (from one or more partitions, in arrival order) is folded
+//! against the runs it touches and committed in one Postgres transaction:
+//! new runs are inserted, changed runs updated with
+//! `WHERE run_id = .. AND record_version = ..`, and their transition rows,
+//! attempt rows and effect intents are written, all by one set-based
+//! statement. Without routed requests that statement is the transaction.
+//! If any conditional write matches fewer rows than expected, another writer
+//! won a race: the transaction is rolled back and the whole batch recomputed
+//! from fresh state, so no input of the batch is lost or applied twice.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{LazyLock, Mutex};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::{PgConnection, PgPool, Postgres, Row, Transaction as PgTx};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::coordinator::{
+    AttemptRecord, AttemptStatus, AttemptWrite, Decision, Effect, EffectTarget, Entropy, Input,
+    NoOpReason, Rejection, RunState, RunStatus, Workflows, fold,
+};
+use crate::routing::{self, Reservation, ReserveKind, RouteOutcome, RouteRequest};
+
+/// Where an input came from; kept on its transition row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Source {
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+}
+
+/// One decoded input waiting to be applied.
+#[derive(Debug, Clone)]
+pub struct PendingInput {
+    pub input: Input,
+    pub source: Option<Source>,
+}
+
+/// What happened to one input of a batch.
+#[derive(Debug, Clone, PartialEq)]
+pub enum InputOutcome {
+    Applied { seq: i64 },
+    NoOp(NoOpReason),
+    Rejected(Rejection),
+}
+
+#[derive(Debug)]
+pub struct BatchReport {
+    /// One outcome per input, in input order.
+    pub outcomes: Vec<InputOutcome>,
+    /// One outcome per routed request, in order.
+    pub routed: Vec<RouteOutcome>,
+    /// Times the batch was recomputed after losing a race.
+    pub conflicts: u32,
+    /// Effect intents committed.
+    pub intents_written: usize,
+    /// Of those, how many went to the drainer's fast lane.
+    pub intents_handed_off: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApplyError {
+    #[error("the commit's reply was lost (injected fault)")]
+    CommitReplyLost,
+    #[error("an idempotency key of the batch is held by a caller still deciding")]
+    RoutingInProgress,
+    #[error("batch still conflicting after {0} recomputations")]
+    ConflictsExhausted(u32),
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error("encoding state: {0}")]
+    Encode(#[from] serde_json::Error),
+}
+
+/// A failure that retrying cannot mend: what the database refused in the
+/// inputs themselves. `class` is stable (the dead-letter class and the HTTP
+/// error code); `message` names the SQLSTATE and never echoes the input.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApplyFailure {
+    pub class: &'static str,
+    pub message: String,
+}
+
+/// Longest [`ApplyFailure::message`].
+const MAX_FAILURE_MESSAGE_LEN: usize = 512;
+
+impl ApplyError {
+    /// `Some` when the batch's own contents are what failed, so that the
+    /// same inputs fail again however often they are retried: a data
+    /// exception (SQLSTATE class 22, such as U+0000 in `jsonb`), an
+    /// integrity violation (class 23) other than the lost races the apply
+    /// path expects, a program limit (class 54), a stored state that does
+    /// not decode, or a state that does not encode. `None` for everything
+    /// transient: connections, timeouts and cancels, serialization
+    /// failures, deadlocks, lock waits, shutdowns, lost races, and any error
+    /// that is no one input's fault (privileges, a missing table), which
+    /// must not send good inputs to the dead-letter topic.
+    pub fn permanent(&self) -> Option<ApplyFailure> {
+        let failure = |class, message: String| {
+            Some(ApplyFailure {
+                class,
+                message: crate::coordinator::input::truncate(message, MAX_FAILURE_MESSAGE_LEN),
+            })
+        };
+        match self {
+            ApplyError::Database(sqlx::Error::Database(db)) => {
+                let code = db.code().unwrap_or_default().into_owned();
+                let class = match code.get(..2) {
+                    Some("22") => "data_exception",
+                    Some("23") => "integrity_constraint_violation",
+                    Some("54") => "program_limit_exceeded",
+                    _ => return None,
+                };
+                failure(class, format!("postgres {code}: {}", db.message()))
+            }
+            ApplyError::Database(sqlx::Error::ColumnDecode { index, .. }) => failure(
+                "undecodable_state",
+                format!("a stored row does not decode (column {index})"),
+            ),
+            ApplyError::Database(sqlx::Error::Decode(e)) => failure(
+                "undecodable_state",
+                format!("a stored row does not decode: {e}"),
+            ),
+            ApplyError::Encode(e) => failure("unencodable_state", format!("encoding: {e}")),
+            _ => None,
+        }
+    }
+}
+
+/// How transient apply failures are retried: exponential backoff between
+/// `min` and `max`, for as long as it takes (the database coming back is
+/// the only way on), until shutdown.
+#[derive(Debug, Clone, Copy)]
+pub struct RetryPolicy {
+    pub min: Duration,
+    pub max: Duration,
+}
+
+/// A batch applied with its poison isolated: one entry per input and per
+/// routed request, in order, each its outcome or why it failed on its own.
+#[derive(Debug, Default)]
+pub struct IsolatedBatch {
+    pub outcomes: Vec<Option<Result<InputOutcome, ApplyFailure>>>,
+    pub routed: Vec<Option<Result<RouteOutcome, ApplyFailure>>>,
+    /// Recomputations after lost races, over every statement.
+    pub conflicts: u32,
+    pub intents_written: usize,
+    /// Statements the batch took (1 without poison).
+    pub statements: u32,
+}
+
+/// How [`Applier::apply_retrying`] gave up.
+enum Failed {
+    Permanent(ApplyFailure),
+    Stopped(ApplyError),
+}
+
+/// Topic naming, so the pure effects can be given real topic names.
+#[derive(Debug, Clone)]
+pub struct TopicNames {
+    pub prefix: String,
+}
+
+impl TopicNames {
+    pub fn for_target(&self, target: &EffectTarget) -> String {
+        match target {
+            EffectTarget::StepQueue { pool } => format!("{}steps.{pool}", self.prefix),
+            EffectTarget::Events => format!("{}events", self.prefix),
+            EffectTarget::Wakeups => format!("{}wakeups", self.prefix),
+            EffectTarget::Output { topic } => topic.clone(),
+        }
+    }
+}
+
+/// The apply layer's fixed inputs.
+pub struct Applier {
+    pub pool: PgPool,
+    pub workflows: Workflows,
+    /// `coordinator.max_state_bytes`, handed to the fold.
+    pub max_state_bytes: usize,
+    pub topics: TopicNames,
+    pub conflict_retries: u32,
+    /// How long a routing reservation may stay pending.
+    pub pending_ttl: Duration,
+    /// How long a routing decision stays valid.
+    pub completed_ttl: Duration,
+    /// Send `NOTIFY ductor_effect_intent` with every commit that wrote
+    /// intents. Needed when no drainer runs in this process; a process with
+    /// its own drainer wakes it in-process instead, and leaves the NOTIFY
+    /// out because it serialises commits.
+    pub notify_commits: bool,
+    /// The fast lane of the drainer running in this process, if any: due
+    /// intents that wait behind nothing are inserted already claimed by it
+    /// and handed over right after the commit.
+    pub handoff: Option<crate::outbox::Handoff>,
+    /// The states this applier committed last, by run.
+    pub cache: RunCache,
+    /// Canary: publishes effects before the commit that decides them.
+    #[cfg(feature = "canary-dispatch-before-commit")]
+    pub canary_producer: Option<rdkafka::producer::FutureProducer>,
+}
+
+impl Applier {
+    /// An applier configured from `config`.
+    pub fn new(config: &crate::config::Config, pool: PgPool, workflows: Workflows) -> Self {
+        Applier {
+            pool,
+            workflows,
+            max_state_bytes: config.coordinator.max_state_bytes,
+            topics: TopicNames {
+                prefix: config.kafka.topic_prefix.clone(),
+            },
+            conflict_retries: config.coordinator.conflict_retries,
+            pending_ttl: Duration::from_millis(config.routing.pending_ttl_ms),
+            completed_ttl: Duration::from_millis(config.routing.completed_ttl_ms),
+            notify_commits: !config.drainer.enabled,
+            handoff: None,
+            cache: RunCache::new(
+                config.coordinator.run_cache_size,
+                config.coordinator.run_cache_max_bytes,
+            ),
+            #[cfg(feature = "canary-dispatch-before-commit")]
+            canary_producer: crate::infra::kafka::producer(&config.kafka, "canary").ok(),
+        }
+    }
+}
+
+/// Run states as this applier last committed them, so that the next batch
+/// of a run need not load it. An entry is only a guess: the runs UPDATE is
+/// conditional on the `record_version` it carries, so an entry made stale by
+/// another writer loses the race, is dropped, and the batch is recomputed
+/// from the database. Terminal runs are not kept. Bounded twice, by entries
+/// (`coordinator.run_cache_size`) and by the bytes of the states' encoding
+/// (`coordinator.run_cache_max_bytes`, a fair measure of what a state holds
+/// in memory): when either is full, the cache starts over (no bookkeeping
+/// on the hot path), and a state larger than a tenth of the byte bound is
+/// not kept at all.
+pub struct RunCache {
+    capacity: usize,
+    max_bytes: usize,
+    inner: Mutex<CacheInner>,
+}
+
+#[derive(Default)]
+struct CacheInner {
+    states: HashMap<String, (RunState, usize)>,
+    bytes: usize,
+}
+
+impl CacheInner {
+    fn remove(&mut self, run_id: &str) {
+        if let Some((_, size)) = self.states.remove(run_id) {
+            self.bytes -= size;
+        }
+    }
+}
+
+impl RunCache {
+    pub fn new(capacity: usize, max_bytes: usize) -> Self {
+        RunCache {
+            capacity,
+            max_bytes,
+            inner: Mutex::new(CacheInner::default()),
+        }
+    }
+
+    /// Whether the cache keeps states at all (`run_cache_size` above 0).
+    fn enabled(&self) -> bool {
+        self.capacity > 0 && self.max_bytes > 0
+    }
+
+    /// The bytes of the encoded states held now.
+    pub fn bytes(&self) -> usize {
+        self.inner.lock().map_or(0, |i| i.bytes)
+    }
+
+    /// The cached state of each of `ids` that has one.
+    fn get_many<'a>(&self, ids: impl Iterator<Item = &'a str>) -> HashMap<String, RunState> {
+        if !self.enabled() {
+            return HashMap::new();
+        }
+        let Ok(inner) = self.inner.lock() else {
+            return HashMap::new();
+        };
+        ids.filter_map(|id| inner.states.get(id).map(|s| (id.to_string(), s.0.clone())))
+            .collect()
+    }
+
+    /// Remembers committed states (their `record_version` is the new one),
+    /// each with the length of its encoding.
+    fn put_many(&self, committed: Vec<(RunState, usize)>) {
+        if !self.enabled() {
+            return;
+        }
+        let Ok(mut inner) = self.inner.lock() else {
+            return;
+        };
+        for (state, size) in committed {
+            inner.remove(&state.run_id);
+            if state.status.is_terminal() || size > self.max_bytes / 10 {
+                continue;
+            }
+            if inner.states.len() >= self.capacity || inner.bytes + size > self.max_bytes {
+                inner.states.clear();
+                inner.bytes = 0;
+            }
+            inner.bytes += size;
+            inner.states.insert(state.run_id.clone(), (state, size));
+        }
+        metrics::gauge!("ductor_run_cache_bytes").set(inner.bytes as f64);
+    }
+
+    /// Forgets `ids`: their batch lost a race or its outcome is unknown.
+    fn forget<'a>(&self, ids: impl Iterator<Item = &'a str>) {
+        if !self.enabled() {
+            return;
+        }
+        if let Ok(mut inner) = self.inner.lock() {
+            for id in ids {
+                inner.remove(id);
+            }
+        }
+    }
+}
+
+/// The cancel key of the timeout timer of the attempt `stamp`.
+pub fn timeout_cancel_key(stamp: &str) -> String {
+    format!("timeout:{stamp}")
+}
+
+/// The deterministic idempotency key of an effect: the same on every
+/// redelivery because it is derived from the run, the transition seq and the
+/// effect's index in that transition.
+pub fn idempotency_key(run_id: &str, seq: i64, effect_index: usize) -> String {
+    format!("{run_id}/{seq}/{effect_index}")
+}
+
+pub fn status_str(status: RunStatus) -> &'static str {
+    match status {
+        RunStatus::Running => "running",
+        RunStatus::Succeeded => "succeeded",
+        RunStatus::Failed => "failed",
+        RunStatus::Cancelled => "cancelled",
+    }
+}
+
+pub fn attempt_status_str(status: AttemptStatus) -> &'static str {
+    match status {
+        AttemptStatus::Dispatched => "dispatched",
+        AttemptStatus::Succeeded => "succeeded",
+        AttemptStatus::Failed => "failed",
+        AttemptStatus::TimedOut => "timed_out",
+        AttemptStatus::Cancelled => "cancelled",
+    }
+}
+
+fn fresh_entropy() -> Entropy {
+    Entropy {
+        stamp: Uuid::new_v4(),
+        jitter_unit: rand::random::<f64>(),
+    }
+}
+
+/// A run as loaded: its state and the record_version the UPDATE must match.
+struct Loaded {
+    state: Option<RunState>,
+    loaded_version: Option<i64>,
+    changed: bool,
+    /// The state was not read from the database: it came from the cache,
+    /// or the run was taken to be new (see [`load_runs`]).
+    cached: bool,
+}
+
+/// Everything one attempt at committing a batch will write.
+#[derive(Default)]
+struct Writes {
+    transitions: Vec<TransitionRow>,
+    attempt_inserts: Vec<(String, AttemptRecord)>,
+    attempt_finishes: Vec<(Uuid, AttemptStatus, DateTime<Utc>, Option<String>)>,
+    intents: Vec<IntentRow>,
+    /// A routing row could not be completed: another caller took the key.
+    routing_lost: bool,
+}
+
+struct TransitionRow {
+    run_id: String,
+    seq: i64,
+    input_ref: String,
+    kind: String,
+    from_status: Option<&'static str>,
+    to_status: &'static str,
+    step_index: i32,
+    detail: String,
+    source: Option<Source>,
+    at: DateTime<Utc>,
+}
+
+/// An effect intent as it will be published: topic, key, headers and payload
+/// bytes are all fixed here, at commit.
+pub struct IntentRow {
+    pub run_id: String,
+    pub seq: i64,
+    pub effect_index: i32,
+    pub idempotency_key: String,
+    pub tenant: String,
+    pub topic: String,
+    pub message_key: Vec<u8>,
+    pub headers: serde_json::Map<String, Value>,
+    pub payload: Vec<u8>,
+    pub ce_type: String,
+    pub not_before: DateTime<Utc>,
+    /// Set on a step's timeout timer (`timeout:<stamp>`), so the transition
+    /// that finishes the attempt can delete it while it is still pending.
+    pub cancel_key: Option<String>,
+    /// Due at once (no `not_before` of its own): the fast lane may take it.
+    pub due: bool,
+}
+
+/// Where one attempt at a batch runs. A batch with routed requests needs a
+/// transaction: the routing plane's reserve and complete statements commit
+/// with the batch. Any other batch is written by one statement, which is its
+/// own transaction, so it saves the BEGIN and COMMIT round trips; its loads
+/// read outside any transaction, which the optimistic lock makes safe (the
+/// write only lands on the `record_version` that was read).
+enum Session {
+    Transaction(PgTx<'static, Postgres>),
+    Statement(sqlx::pool::PoolConnection<Postgres>),
+}
+
+impl Session {
+    async fn open(pool: &PgPool, single_statement: bool) -> Result<Session, sqlx::Error> {
+        Ok(if single_statement {
+            Session::Statement(pool.acquire().await?)
+        } else {
+            Session::Transaction(pool.begin().await?)
+        })
+    }
+
+    fn conn(&mut self) -> &mut PgConnection {
+        match self {
+            Session::Transaction(tx) => tx,
+            Session::Statement(conn) => conn,
+        }
+    }
+
+    /// Commits the transaction; the single statement has already committed.
+    async fn commit(self) -> Result<(), sqlx::Error> {
+        match self {
+            Session::Transaction(tx) => tx.commit().await,
+            Session::Statement(_) => Ok(()),
+        }
+    }
+
+    /// Rolls the transaction back; a single statement that failed left
+    /// nothing behind.
+    async fn rollback(self) -> Result<(), sqlx::Error> {
+        match self {
+            Session::Transaction(tx) => tx.rollback().await,
+            Session::Statement(_) => Ok(()),
+        }
+    }
+}
+
+/// How one attempt at a batch ended.
+enum Attempt {
+    Committed(BatchReport, Handed),
+    /// A conditional write matched fewer rows than expected: recompute.
+    Conflict,
+    /// A routed request's key is held by another caller that has not decided.
+    Busy,
+    /// An input changed nothing on a state taken from the cache: that
+    /// verdict is only trusted on a state read from the database.
+    Unsure,
+}
+
+impl Applier {
+    /// Applies `inputs` in order, in one transaction, recomputing on conflict.
+    pub async fn apply_batch(&self, inputs: &[PendingInput]) -> Result<BatchReport, ApplyError> {
+        self.apply(inputs, &[]).await
+    }
+
+    /// Applies routed start requests and then `inputs`, in one transaction,
+    /// recomputing on conflict. A routed request whose key is held by another
+    /// caller in flight fails the batch with [`ApplyError::RoutingInProgress`];
+    /// retry it after a pause (the holder decides or is swept).
+    pub async fn apply(
+        &self,
+        inputs: &[PendingInput],
+        routed: &[RouteRequest],
+    ) -> Result<BatchReport, ApplyError> {
+        let started = Instant::now();
+        let mut conflicts = 0;
+        let batch_runs = || inputs.iter().map(|p| p.input.run_id());
+        let mut use_cache = true;
+        loop {
+            // The fast lane's leases start inside this attempt.
+            let leased_at = Instant::now();
+            let mut session = Session::open(&self.pool, routed.is_empty()).await?;
+            record_phase("begin", leased_at);
+            let attempt = match self.apply_in(&mut session, inputs, routed, use_cache).await {
+                Ok(attempt) => attempt,
+                Err(e) => {
+                    self.cache.forget(batch_runs());
+                    return Err(e);
+                }
+            };
+            match attempt {
+                Attempt::Committed(mut report, handed) => {
+                    let committing = Instant::now();
+                    let in_transaction = matches!(session, Session::Transaction(_));
+                    let committed = session.commit().await;
+                    if in_transaction {
+                        record_phase("commit", committing);
+                    }
+                    let lost = committed.is_ok() && commit_reply_lost();
+                    if committed.is_ok() && !lost {
+                        self.cache.put_many(handed.states);
+                    } else {
+                        self.cache.forget(batch_runs());
+                    }
+                    if let Some(handoff) = &self.handoff {
+                        if committed.is_ok() && !lost {
+                            handoff
+                                .committed(
+                                    handed.claimed,
+                                    leased_at,
+                                    handed.pending_due,
+                                    handed.next_timer,
+                                )
+                                .await;
+                        } else {
+                            // Committed or not, nobody else may hold these
+                            // claims for a lease: give them back.
+                            let ids = handed.claimed.iter().map(|c| c.intent_id).collect();
+                            handoff.uncertain(ids).await;
+                        }
+                    }
+                    committed?;
+                    if lost {
+                        return Err(ApplyError::CommitReplyLost);
+                    }
+                    metrics::histogram!("ductor_apply_seconds")
+                        .record(started.elapsed().as_secs_f64());
+                    metrics::histogram!("ductor_apply_batch_size")
+                        .record((inputs.len() + routed.len()) as f64);
+                    report.conflicts = conflicts;
+                    return Ok(report);
+                }
+                Attempt::Busy => {
+                    session.rollback().await?;
+                    return Err(ApplyError::RoutingInProgress);
+                }
+                Attempt::Unsure => {
+                    // Recompute from the database.
+                    self.cache.forget(batch_runs());
+                    use_cache = false;
+                    session.rollback().await?;
+                }
+                Attempt::Conflict => {
+                    // Recompute from the database: the cache's states, or
+                    // the guess that a started run is new, lost the race.
+                    self.cache.forget(batch_runs());
+                    use_cache = false;
+                    session.rollback().await?;
+                    conflicts += 1;
+                    metrics::counter!("ductor_apply_conflicts_total").increment(1);
+                    tracing::debug!(conflicts, "batch lost an optimistic-lock race, recomputing");
+                    if conflicts > self.conflict_retries {
+                        return Err(ApplyError::ConflictsExhausted(conflicts));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Applies a batch whatever it holds. Transient failures are retried
+    /// under `retry`; a permanent one ([`ApplyError::permanent`]) is
+    /// bisected: the first half is applied before the second, each on its
+    /// own, until the inputs that fail alone are found. Those are reported
+    /// as failed and everything else is committed, in order, so a partition
+    /// keeps its order and no good input is refused. Returns `Err` only on
+    /// shutdown, with nothing of the unapplied rest committed.
+    pub async fn apply_isolating(
+        &self,
+        inputs: &[PendingInput],
+        routed: &[RouteRequest],
+        retry: RetryPolicy,
+        shutdown: &CancellationToken,
+    ) -> Result<IsolatedBatch, ApplyError> {
+        let r = routed.len();
+        let mut done = IsolatedBatch {
+            outcomes: vec![None; inputs.len()],
+            routed: vec![None; r],
+            ..IsolatedBatch::default()
+        };
+        // Ranges of one index space: routed requests first, then inputs,
+        // the order one apply takes them in.
+        let mut work = std::collections::VecDeque::new();
+        work.push_back(0..r + inputs.len());
+        while let Some(range) = work.pop_front() {
+            let (routed_part, inputs_part) = (
+                range.start.min(r)..range.end.min(r),
+                range.start.max(r) - r..range.end.max(r) - r,
+            );
+            done.statements += 1;
+            let applied = self
+                .apply_retrying(
+                    &inputs[inputs_part.clone()],
+                    &routed[routed_part.clone()],
+                    retry,
+                    shutdown,
+                )
+                .await;
+            match applied {
+                Ok(report) => {
+                    done.conflicts += report.conflicts;
+                    done.intents_written += report.intents_written;
+                    for (slot, outcome) in done.routed[routed_part].iter_mut().zip(report.routed) {
+                        *slot = Some(Ok(outcome));
+                    }
+                    for (slot, outcome) in
+                        done.outcomes[inputs_part].iter_mut().zip(report.outcomes)
+                    {
+                        *slot = Some(Ok(outcome));
+                    }
+                }
+                Err(Failed::Permanent(failure)) if range.len() == 1 => {
+                    metrics::counter!("ductor_apply_isolated_total", "class" => failure.class)
+                        .increment(1);
+                    tracing::warn!(
+                        class = failure.class,
+                        error = %failure.message,
+                        "an input fails on its own, isolated"
+                    );
+                    if routed_part.is_empty() {
+                        done.outcomes[inputs_part.start] = Some(Err(failure));
+                    } else {
+                        done.routed[routed_part.start] = Some(Err(failure));
+                    }
+                }
+                Err(Failed::Permanent(failure)) => {
+                    tracing::info!(
+                        inputs = range.len(),
+                        class = failure.class,
+                        "a batch fails permanently, bisecting"
+                    );
+                    let mid = range.start + range.len() / 2;
+                    work.push_front(mid..range.end);
+                    work.push_front(range.start..mid);
+                }
+                Err(Failed::Stopped(e)) => return Err(e),
+            }
+        }
+        Ok(done)
+    }
+
+    /// [`Applier::apply`], retrying what is transient until shutdown.
+    async fn apply_retrying(
+        &self,
+        inputs: &[PendingInput],
+        routed: &[RouteRequest],
+        retry: RetryPolicy,
+        shutdown: &CancellationToken,
+    ) -> Result<BatchReport, Failed> {
+        let mut pause = retry.min;
+        loop {
+            let error = match self.apply(inputs, routed).await {
+                Ok(report) => return Ok(report),
+                Err(e) => e,
+            };
+            if let Some(failure) = error.permanent() {
+                return Err(Failed::Permanent(failure));
+            }
+            tracing::warn!(error = %error, retry_in_ms = pause.as_millis() as u64, "applying batch failed, retrying");
+            metrics::counter!("ductor_apply_retries_total").increment(1);
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return Err(Failed::Stopped(error)),
+                _ = tokio::time::sleep(pause) => {}
+            }
+            pause = (pause * 2).min(retry.max);
+        }
+    }
+
+    async fn apply_in(
+        &self,
+        session: &mut Session,
+        inputs: &[PendingInput],
+        routed: &[RouteRequest],
+        use_cache: bool,
+    ) -> Result<Attempt, ApplyError> {
+        let cache = use_cache.then_some(&self.cache);
+        let loading = Instant::now();
+        let mut runs = load_runs(session.conn(), inputs, cache).await?;
+        record_phase("load", loading);
+        let folding = Instant::now();
+        let now = Utc::now();
+        let mut writes = Writes::default();
+
+        let mut routed_outcomes = Vec::with_capacity(routed.len());
+        for request in routed {
+            let Session::Transaction(tx) = session else {
+                unreachable!("a batch with routed requests has its own transaction")
+            };
+            match self
+                .route_one(tx, request, &mut runs, &mut writes, now)
+                .await?
+            {
+                Some(outcome) => routed_outcomes.push(outcome),
+                None => return Ok(Attempt::Busy),
+            }
+        }
+
+        let mut outcomes = Vec::with_capacity(inputs.len());
+        for pending in inputs {
+            let (outcome, _) = self.fold_one(
+                &pending.input,
+                pending.source.as_ref(),
+                &mut runs,
+                &mut writes,
+                now,
+            )?;
+            outcomes.push(outcome);
+        }
+
+        // A cached state that is stale (another writer moved the run on)
+        // would make its UPDATE lose the race, but a verdict that writes
+        // nothing (a duplicate, a stale or unknown stamp) would go unchecked.
+        let unsure = inputs.iter().zip(&outcomes).any(|(pending, outcome)| {
+            !matches!(outcome, InputOutcome::Applied { .. })
+                && runs
+                    .get(pending.input.run_id())
+                    .is_some_and(|loaded| loaded.cached)
+        });
+        if unsure {
+            return Ok(Attempt::Unsure);
+        }
+
+        #[cfg(feature = "canary-dispatch-before-commit")]
+        self.canary_publish(&writes.intents).await;
+        if writes.routing_lost {
+            return Ok(Attempt::Conflict);
+        }
+        record_phase("fold", folding);
+        let writing = Instant::now();
+        let written = write_all(
+            session.conn(),
+            &runs,
+            &writes,
+            self.notify_commits,
+            self.handoff.as_ref(),
+        )
+        .await;
+        record_phase("write", writing);
+        let Some(handed) = written? else {
+            return Ok(Attempt::Conflict);
+        };
+        Ok(Attempt::Committed(
+            BatchReport {
+                outcomes,
+                routed: routed_outcomes,
+                conflicts: 0,
+                intents_written: writes.intents.len(),
+                intents_handed_off: handed.claimed.len(),
+            },
+            handed,
+        ))
+    }
+
+    /// Canary: publishes the batch's effects before its transaction commits,
+    /// so a rolled-back or recomputed batch leaks effects that no committed
+    /// intent backs. Only for proving the chaos checker notices.
+    #[cfg(feature = "canary-dispatch-before-commit")]
+    async fn canary_publish(&self, intents: &[IntentRow]) {
+        use rdkafka::message::{Header, OwnedHeaders};
+        let Some(producer) = &self.canary_producer else {
+            return;
+        };
+        for intent in intents {
+            let mut headers = OwnedHeaders::new();
+            for (k, v) in &intent.headers {
+                headers = headers.insert(Header {
+                    key: k,
+                    value: v.as_str().map(str::as_bytes),
+                });
+            }
+            let record = rdkafka::producer::FutureRecord::to(&intent.topic)
+                .key(&intent.message_key)
+                .payload(&intent.payload)
+                .headers(headers);
+            let _ = producer.send(record, Duration::from_secs(5)).await;
+        }
+    }
+
+    /// Reserves (or checks) a routed request's key and, when it wins, folds
+    /// its start and completes the key with the decision. `None`: the key is
+    /// held by another caller still deciding.
+    async fn route_one(
+        &self,
+        tx: &mut PgTx<'_, Postgres>,
+        request: &RouteRequest,
+        runs: &mut HashMap<String, Loaded>,
+        writes: &mut Writes,
+        now: DateTime<Utc>,
+    ) -> Result<Option<RouteOutcome>, ApplyError> {
+        let start = &request.start;
+        let known = match start.workflow_version {
+            Some(v) => self.workflows.get(&start.workflow, v).is_some(),
+            None => self.workflows.latest(&start.workflow).is_some(),
+        };
+        if !known {
+            // Rejected before reserving, so no reservation is left behind.
+            return Ok(Some(RouteOutcome::Rejected(format!(
+                "unknown workflow {:?}",
+                start.workflow
+            ))));
+        }
+        let kind = match (&request.key, request.reservation) {
+            (None, _) => ReserveKind::Unkeyed,
+            (Some(key), Reservation::InTransaction) => {
+                match routing::reserve_in_tx(tx, request, key, self.pending_ttl).await? {
+                    Ok(kind) => kind,
+                    Err(row) if row.status == "pending" => return Ok(None),
+                    Err(row) => {
+                        return Ok(Some(match row.decision {
+                            Some(decision) if row.fingerprint == request.fingerprint => {
+                                RouteOutcome::Duplicate { decision }
+                            }
+                            _ => RouteOutcome::Mismatch,
+                        }));
+                    }
+                }
+            }
+            (Some(key), Reservation::Held { epoch }) => {
+                if !routing::fence_in_tx(tx, start, key, epoch).await? {
+                    return Ok(Some(RouteOutcome::ClaimLost));
+                }
+                ReserveKind::Fresh
+            }
+        };
+        runs.entry(start.run_id.clone()).or_insert(Loaded {
+            state: None,
+            loaded_version: None,
+            changed: false,
+            cached: false,
+        });
+        let input = Input::Start(start.clone());
+        let (outcome, effects) =
+            self.fold_one(&input, request.source.as_ref(), runs, writes, now)?;
+        let InputOutcome::Applied { seq } = outcome else {
+            return Ok(Some(RouteOutcome::Rejected(match outcome {
+                InputOutcome::Rejected(r) => r.message,
+                other => format!("start was not applied: {other:?}"),
+            })));
+        };
+        let state = runs
+            .get(&start.run_id)
+            .and_then(|l| l.state.as_ref())
+            .expect("an applied start leaves a run");
+        let decision = routing::Decision {
+            run_id: state.run_id.clone(),
+            tenant: state.tenant.clone(),
+            pool: state.pool.clone(),
+            workflow: state.workflow.clone(),
+            workflow_version: state.workflow_version,
+            idempotency_key: request.key.clone(),
+            decided_at: now,
+        };
+        // The caller learns its decision from a run.accepted event, the last
+        // effect of the run's first transition.
+        let accepted = Effect {
+            target: EffectTarget::Events,
+            ce_type: "ductor.run.accepted".to_string(),
+            payload: serde_json::json!({
+                "type": "run.accepted",
+                "schema_version": 1,
+                "run_id": decision.run_id,
+                "tenant": decision.tenant,
+                "pool": decision.pool,
+                "workflow": decision.workflow,
+                "workflow_version": decision.workflow_version,
+                "idempotency_key": decision.idempotency_key,
+                "correlation_id": start.correlation_id,
+            }),
+            not_before: None,
+        };
+        let row = self.intent_row(state, seq, effects, accepted, now)?;
+        writes.intents.push(row);
+        if let Some(key) = &request.key
+            && !routing::complete_in_tx(tx, &decision, key, self.completed_ttl).await?
+        {
+            writes.routing_lost = true;
+        }
+        Ok(Some(RouteOutcome::Decided { decision, kind }))
+    }
+
+    /// Folds one input into the in-memory runs and collects its writes.
+    /// Returns the outcome and, when applied, how many effects it produced.
+    fn fold_one(
+        &self,
+        input: &Input,
+        source: Option<&Source>,
+        runs: &mut HashMap<String, Loaded>,
+        writes: &mut Writes,
+        now: DateTime<Utc>,
+    ) -> Result<(InputOutcome, usize), ApplyError> {
+        let loaded = runs
+            .get_mut(input.run_id())
+            .expect("every input's run was looked up");
+        let entropy = fresh_entropy();
+        let transition = match fold(
+            loaded.state.as_ref(),
+            input,
+            &self.workflows,
+            self.max_state_bytes,
+            now,
+            &entropy,
+        ) {
+            Decision::NoOp(reason) => return Ok((InputOutcome::NoOp(reason), 0)),
+            Decision::Rejection(rejection) => return Ok((InputOutcome::Rejected(rejection), 0)),
+            Decision::Transition(transition) => *transition,
+        };
+        let state = transition.state;
+        let record = transition.record;
+        let seq = record.seq;
+        writes.transitions.push(TransitionRow {
+            run_id: state.run_id.clone(),
+            seq,
+            input_ref: record.input_ref,
+            kind: record.kind,
+            from_status: record.from_status.map(status_str),
+            to_status: status_str(record.to_status),
+            step_index: record.step_index as i32,
+            detail: serde_json::to_string(&record.detail)?,
+            source: source.cloned(),
+            at: record.at,
+        });
+        for write in transition.attempt_writes {
+            match write {
+                AttemptWrite::Insert(attempt) => {
+                    writes.attempt_inserts.push((state.run_id.clone(), attempt))
+                }
+                AttemptWrite::Finish {
+                    stamp,
+                    status,
+                    finished_at,
+                    error,
+                } => {
+                    // An attempt inserted earlier in this batch is finished
+                    // in memory, so each row is written once.
+                    if let Some(row) = writes
+                        .attempt_inserts
+                        .iter_mut()
+                        .map(|(_, a)| a)
+                        .find(|a| a.stamp == stamp)
+                    {
+                        row.status = status;
+                        row.finished_at = Some(finished_at);
+                        row.error = error;
+                    } else {
+                        writes
+                            .attempt_finishes
+                            .push((stamp, status, finished_at, error));
+                    }
+                }
+            }
+        }
+        let effects = transition.effects.len();
+        for (index, effect) in transition.effects.into_iter().enumerate() {
+            writes
+                .intents
+                .push(self.intent_row(&state, seq, index, effect, record.at)?);
+        }
+        loaded.state = Some(state);
+        loaded.changed = true;
+        Ok((InputOutcome::Applied { seq }, effects))
+    }
+
+    fn intent_row(
+        &self,
+        state: &RunState,
+        seq: i64,
+        index: usize,
+        effect: Effect,
+        at: DateTime<Utc>,
+    ) -> Result<IntentRow, ApplyError> {
+        let key = idempotency_key(&state.run_id, seq, index);
+        let topic = self.topics.for_target(&effect.target);
+        let mut headers = serde_json::Map::new();
+        let mut put = |k: &str, v: String| {
+            headers.insert(k.to_string(), Value::String(v));
+        };
+        put("idempotency-key", key.clone());
+        put("ductor-run-id", state.run_id.clone());
+        put("ductor-seq", seq.to_string());
+        put("ductor-tenant", state.tenant.clone());
+        put("ce_specversion", "1.0".to_string());
+        put("ce_id", key.clone());
+        put(
+            "ce_source",
+            format!(
+                "/ductor/workflows/{}/v{}",
+                state.workflow, state.workflow_version
+            ),
+        );
+        put("ce_type", effect.ce_type.clone());
+        put(
+            "ce_time",
+            at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        );
+        put("ce_subject", state.run_id.clone());
+        put("content-type", "application/json".to_string());
+        let cancel_key = match (&effect.target, effect.payload.get("timer")) {
+            (EffectTarget::Wakeups, Some(timer)) if timer == "timeout" => effect
+                .payload
+                .get("stamp")
+                .and_then(Value::as_str)
+                .map(timeout_cancel_key),
+            _ => None,
+        };
+        Ok(IntentRow {
+            cancel_key,
+            run_id: state.run_id.clone(),
+            seq,
+            effect_index: index as i32,
+            idempotency_key: key,
+            tenant: state.tenant.clone(),
+            topic,
+            message_key: state.run_id.as_bytes().to_vec(),
+            headers,
+            payload: serde_json::to_vec(&effect.payload)?,
+            ce_type: effect.ce_type,
+            due: effect.not_before.is_none_or(|t| t <= at),
+            not_before: effect.not_before.unwrap_or(at),
+        })
+    }
+}
+
+/// The runs of a batch's inputs: from the cache when it has them, else
+/// from the database.
+///
+/// With the cache on, a run that the batch names only in `run.start`
+/// inputs, and that the cache does not hold, is taken to be new without a
+/// query: a start is almost always the first input of its run. The guess is
+/// checked where it matters. If the run exists after all (a redelivered
+/// start), its insert matches no row, the batch statement counts a lost
+/// race, and the batch is recomputed from the database, where the start is
+/// found a duplicate. A start that changes nothing on the guess (a
+/// rejection) is recomputed the same way, like any verdict on a state not
+/// read from the database.
+async fn load_runs(
+    conn: &mut PgConnection,
+    inputs: &[PendingInput],
+    cache: Option<&RunCache>,
+) -> Result<HashMap<String, Loaded>, ApplyError> {
+    let mut ids: Vec<String> = inputs
+        .iter()
+        .map(|p| p.input.run_id().to_string())
+        .collect();
+    ids.sort();
+    ids.dedup();
+    let mut cached = cache
+        .map(|c| c.get_many(ids.iter().map(String::as_str)))
+        .unwrap_or_default();
+    let guess = cache.is_some_and(RunCache::enabled);
+    // Runs that an input other than a start names are always read.
+    let named_otherwise: HashSet<&str> = inputs
+        .iter()
+        .filter(|p| !matches!(p.input, Input::Start(_)))
+        .map(|p| p.input.run_id())
+        .collect();
+    let mut runs: HashMap<String, Loaded> = HashMap::with_capacity(ids.len());
+    let mut missing = Vec::with_capacity(ids.len() - cached.len());
+    for id in ids {
+        let state = cached.remove(&id);
+        let guessed = guess && state.is_none() && !named_otherwise.contains(id.as_str());
+        if state.is_none() && !guessed {
+            missing.push(id.clone());
+        }
+        runs.insert(
+            id,
+            Loaded {
+                loaded_version: state.as_ref().map(|s| s.record_version),
+                cached: state.is_some() || guessed,
+                state,
+                changed: false,
+            },
+        );
+    }
+    if missing.is_empty() {
+        return Ok(runs);
+    }
+    let rows = sqlx::query("SELECT run_id, record_version, state FROM runs WHERE run_id = ANY($1)")
+        .bind(&missing)
+        .fetch_all(&mut *conn)
+        .await?;
+    for row in rows {
+        let run_id: String = row.try_get("run_id")?;
+        let version: i64 = row.try_get("record_version")?;
+        let state: sqlx::types::Json<RunState> = row.try_get("state")?;
+        let mut state = state.0;
+        state.record_version = version;
+        if let Some(slot) = runs.get_mut(&run_id) {
+            slot.state = Some(state);
+            slot.loaded_version = Some(version);
+        }
+    }
+    Ok(runs)
+}
+
+/// Time spent in one phase of an apply, whatever the attempt's outcome:
+/// `begin` (the wait for a pooled connection, and BEGIN when the batch has a
+/// transaction), `load`, `fold` (with the routing plane's decisions),
+/// `write` (the batch statement, which is also the commit of a batch without
+/// a transaction) and `commit` (only batches with a transaction).
+fn record_phase(phase: &'static str, since: Instant) {
+    metrics::histogram!("ductor_apply_phase_seconds", "phase" => phase)
+        .record(since.elapsed().as_secs_f64());
+}
+
+/// Failpoint `apply.commit_reply_lost`: the commit went through and its
+/// reply is lost, so the caller cannot know.
+fn commit_reply_lost() -> bool {
+    fail::fail_point!("apply.commit_reply_lost", |_| true);
+    false
+}
+
+/// Intents a transaction inserted already claimed for the fast lane.
+#[derive(Default)]
+struct Handed {
+    claimed: Vec<crate::outbox::ClaimedIntent>,
+    /// Due intents inserted as `pending` (behind an undelivered one).
+    pending_due: usize,
+    /// The earliest `not_before` of the timers inserted.
+    next_timer: Option<DateTime<Utc>>,
+    /// The runs as written, with the length of their encoded state, for
+    /// the cache once committed.
+    states: Vec<(RunState, usize)>,
+}
+
+/// Writes everything; `Ok(None)` when a conditional write lost a race.
+///
+/// One statement, [`WRITE_BATCH_SQL`]: the runs (inserts and conditional
+/// updates), the history and the effects (transitions, attempts, timer
+/// cancels and intents), each set-based over the whole batch, so a batch
+/// costs one round trip whatever its size. A count that falls short of what
+/// was sent is a lost race, and the statement rolls back on its own.
+async fn write_all(
+    conn: &mut PgConnection,
+    runs: &HashMap<String, Loaded>,
+    writes: &Writes,
+    notify: bool,
+    handoff: Option<&crate::outbox::Handoff>,
+) -> Result<Option<Handed>, ApplyError> {
+    // Runs: inserts for new ones, conditional updates for existing ones.
+    let mut ins = RunColumns::default();
+    let mut upd = RunColumns::default();
+    let mut states = Vec::new();
+    for loaded in runs.values().filter(|l| l.changed) {
+        let Some(state) = &loaded.state else { continue };
+        let mut state = state.clone();
+        let encoded = match loaded.loaded_version {
+            None => {
+                state.record_version = 1;
+                ins.push(&state, 0)?
+            }
+            Some(version) => {
+                state.record_version = version + 1;
+                upd.push(&state, version)?
+            }
+        };
+        states.push((state, encoded));
+    }
+    if ins.run_id.is_empty()
+        && upd.run_id.is_empty()
+        && writes.transitions.is_empty()
+        && writes.attempt_inserts.is_empty()
+        && writes.attempt_finishes.is_empty()
+        && writes.intents.is_empty()
+    {
+        // Every input was a no-op or a rejection: nothing to write.
+        return Ok(Some(Handed::default()));
+    }
+    let history = HistoryColumns::new(writes, handoff)?;
+    // Nothing of the batch has reached the database yet.
+    crate::crash_point!("apply.after_update");
+    let expected = (!CANARY_IGNORES_CONFLICTS).then(|| {
+        [
+            ins.run_id.len(),
+            upd.run_id.len(),
+            history.transitions.len(),
+            history.attempts.len(),
+            history.finishes.len(),
+        ]
+        .map(|n| n as i64)
+        .to_vec()
+    });
+    let query = history.bind(upd.bind_update(ins.bind_insert(sqlx::query(&WRITE_BATCH_SQL))));
+    let written = {
+        let fetch = std::pin::pin!(query.bind(expected).fetch_one(&mut *conn));
+        // Sent, and the process dies before the reply: whether the batch
+        // committed is up to the database.
+        #[cfg(feature = "failpoints")]
+        let fetch = crate::infra::failpoints::send_then_crash("apply.mid_batch", fetch).await;
+        fetch.await
+    };
+    let row = match written {
+        Ok(row) => row,
+        Err(e) if lost_race(&e) => return Ok(None),
+        Err(e) => {
+            // Without a transaction around it, a statement whose reply never
+            // came (the connection broke) may still have committed, claims
+            // and all: they are nobody's, so give them back.
+            if let Some(handoff) = handoff {
+                let positions = history
+                    .intents
+                    .iter()
+                    .filter(|i| i.due)
+                    .map(|i| (i.run_id.clone(), i.seq, i.effect_index))
+                    .collect();
+                handoff.uncertain_at(positions).await;
+            }
+            return Err(e.into());
+        }
+    };
+    let mut handed = history.handed(&row)?;
+    handed.states = states;
+    if !writes.intents.is_empty() {
+        crate::crash_point!("apply.after_intents");
+    }
+    if notify && !writes.intents.is_empty() {
+        // Wakes drainers in other processes at the commit (which, without a
+        // transaction around the batch, has just happened).
+        sqlx::query("SELECT pg_notify('ductor_effect_intent', '')")
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(Some(handed))
+}
+
+/// The optimistic lock of the runs update.
+#[cfg(not(feature = "canary-no-version-check"))]
+macro_rules! version_check {
+    () => {
+        "r.record_version = u.expected_version AND r.last_transition_seq < u.seq"
+    };
+}
+
+/// Canary: the version check is gone, so a stale writer overwrites a newer
+/// state (a lost update). Only for proving the chaos checker notices.
+#[cfg(feature = "canary-no-version-check")]
+macro_rules! version_check {
+    () => {
+        "u.expected_version IS NOT NULL"
+    };
+}
+
+/// Canary: a stale writer re-emits effects that the winner already wrote;
+/// swallowing the duplicate rows lets its lost update commit.
+#[cfg(feature = "canary-no-version-check")]
+macro_rules! canary_on_conflict {
+    () => {
+        " ON CONFLICT DO NOTHING"
+    };
+}
+#[cfg(not(feature = "canary-no-version-check"))]
+macro_rules! canary_on_conflict {
+    () => {
+        ""
+    };
+}
+
+/// The runs of a batch, as the common table expressions `ins` and `upd` of
+/// [`WRITE_BATCH_SQL`] (parameters `$1`..`$18`): new ones inserted, changed
+/// ones updated only where `record_version` is still the one loaded (zero
+/// rows for a run means another writer won).
+const RUNS_CTES: &str = concat!(
+    "ins AS ( \
+         INSERT INTO runs (run_id, tenant_scope, pool_id, workflow_name, workflow_version, \
+             status, record_version, last_transition_seq, state, created_at, updated_at, finished_at) \
+         SELECT u.run_id, u.tenant, u.pool, u.workflow, u.version, u.status, 1, u.seq, \
+             u.state::jsonb, u.created_at, u.updated_at, u.finished_at \
+         FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::int4[], $6::text[], \
+             $7::int8[], $8::text[], $9::timestamptz[], $10::timestamptz[], $11::timestamptz[]) \
+             AS u(run_id, tenant, pool, workflow, version, status, seq, state, created_at, \
+                  updated_at, finished_at) \
+         ON CONFLICT (run_id) DO NOTHING \
+         RETURNING 1 \
+     ), upd AS ( \
+         UPDATE runs AS r SET status = u.status, \
+             record_version = r.record_version + 1, last_transition_seq = u.seq, \
+             state = u.state::jsonb, updated_at = u.updated_at, finished_at = u.finished_at \
+         FROM UNNEST($12::text[], $13::int8[], $14::text[], $15::int8[], $16::text[], \
+             $17::timestamptz[], $18::timestamptz[]) \
+             AS u(run_id, expected_version, status, seq, state, updated_at, finished_at) \
+         WHERE r.run_id = u.run_id AND ",
+    version_check!(),
+    " RETURNING 1 \
+     )"
+);
+
+/// Parameters of [`RUNS_CTES`].
+const RUNS_PARAMS: usize = 18;
+
+/// A batch's history and effects, as the common table expressions `t` to
+/// `i` of [`WRITE_BATCH_SQL`] (written with parameters `$1`..`$41`, shifted
+/// behind the runs' there): transitions, attempts (inserted, and finished
+/// only while still `dispatched`), the cancel of the pending timeout timers
+/// of finished attempts, and the effect intents.
+///
+/// The attempts update and the cancel test the status in a `CASE`, so that
+/// the planner cannot take an equality on the status as a sign that only a
+/// few rows qualify (see [`crate::outbox::COMPLETE_SQL`]). On a young table,
+/// whose statistics are older than its rows, `a.status = 'dispatched'` was
+/// estimated at one row: the attempts update compared every attempt of the
+/// table with every attempt of the batch (two million comparisons, over a
+/// second, for 256 attempts against 8000), and the cancel scanned the
+/// pending-intent index instead of probing `eec_effect_intent_cancel_idx`.
+///
+/// With a fast lane (`$40` names its drainer), a due intent with no earlier
+/// undelivered intent of its run and topic (one due by now or by its own
+/// `not_before`, so that a clock running ahead of the database's cannot
+/// hide it) is inserted `claimed` by that drainer. Rows of one statement do not see each other,
+/// so two intents of one run and topic in the same batch are both claimed;
+/// the drainer publishes them as one chain, in order. An intent of another
+/// writer can only appear with a newer `record_version` of its run, which
+/// makes this statement's runs update fall short and roll back.
+const HISTORY_CTES: &str = concat!(
+    "t AS ( \
+         INSERT INTO run_transitions (run_id, seq, input_ref, kind, from_status, to_status, \
+             step_index, detail, source_topic, source_partition, source_offset, created_at) \
+         SELECT u.run_id, u.seq, u.input_ref, u.kind, u.from_status, u.to_status, u.step_index, \
+             u.detail::jsonb, u.source_topic, u.source_partition, u.source_offset, u.at \
+         FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::text[], $5::text[], $6::text[], \
+             $7::int4[], $8::text[], $9::text[], $10::int4[], $11::int8[], $12::timestamptz[]) \
+             AS u(run_id, seq, input_ref, kind, from_status, to_status, step_index, detail, \
+                  source_topic, source_partition, source_offset, at) \
+         ON CONFLICT DO NOTHING \
+         RETURNING 1 \
+     ), ai AS ( \
+         INSERT INTO run_attempts (stamp, run_id, step_index, attempt, status, dispatched_at, \
+             deadline, finished_at, error) \
+         SELECT * FROM UNNEST($13::uuid[], $14::text[], $15::int4[], $16::int4[], $17::text[], \
+             $18::timestamptz[], $19::timestamptz[], $20::timestamptz[], $21::text[]) \
+         ON CONFLICT DO NOTHING \
+         RETURNING 1 \
+     ), af AS ( \
+         UPDATE run_attempts AS a \
+         SET status = u.status, finished_at = u.finished_at, error = u.error \
+         FROM UNNEST($22::uuid[], $23::text[], $24::timestamptz[], $25::text[]) \
+             AS u(stamp, status, finished_at, error) \
+         WHERE a.stamp = u.stamp AND CASE WHEN a.status = 'dispatched' THEN true END \
+         RETURNING 1 \
+     ), d AS ( \
+         DELETE FROM eec_effect_intent WHERE cancel_key = ANY($26::text[]) \
+             AND CASE WHEN status = 'pending' THEN true END \
+         RETURNING 1 \
+     ), iu AS ( \
+         SELECT * FROM UNNEST($27::text[], $28::int8[], $29::int4[], $30::text[], $31::text[], \
+             $32::text[], $33::bytea[], $34::text[], $35::bytea[], $36::text[], \
+             $37::timestamptz[], $38::text[], $39::bool[]) \
+             AS u(run_id, seq, effect_index, key, tenant, topic, message_key, headers, payload, \
+                  ce_type, not_before, cancel_key, due) \
+     ), ic AS ( \
+         SELECT iu.*, iu.due AND $40::text IS NOT NULL AND NOT EXISTS ( \
+             SELECT 1 FROM eec_effect_intent e \
+             WHERE e.run_id = iu.run_id AND e.topic = iu.topic \
+               AND e.status <> 'completed' AND e.status <> 'parked' \
+               AND (e.not_before <= GREATEST(clock_timestamp(), iu.not_before) \
+                    OR e.attempts > 0)) AS fast \
+         FROM iu \
+     ), i AS ( \
+         INSERT INTO eec_effect_intent (run_id, seq, effect_index, idempotency_key, tenant_scope, \
+             topic, message_key, headers, payload, ce_type, not_before, cancel_key, \
+             status, claimed_by, claim_expires_at, attempts) \
+         SELECT ic.run_id, ic.seq, ic.effect_index, ic.key, ic.tenant, ic.topic, ic.message_key, \
+             ic.headers::jsonb, ic.payload, ic.ce_type, ic.not_before, ic.cancel_key, \
+             CASE WHEN ic.fast THEN 'claimed' ELSE 'pending' END, \
+             CASE WHEN ic.fast THEN $40::text END, \
+             CASE WHEN ic.fast THEN clock_timestamp() + make_interval(secs => $41::float8) END, \
+             CASE WHEN ic.fast THEN 1 ELSE 0 END \
+         FROM ic",
+    canary_on_conflict!(),
+    " RETURNING intent_id, run_id, seq, effect_index, status = 'claimed' AS claimed, created_at \
+     )"
+);
+
+/// Parameters of [`HISTORY_CTES`].
+const HISTORY_PARAMS: usize = 41;
+
+/// A whole batch in one statement: [`RUNS_CTES`], then [`HISTORY_CTES`],
+/// then `ductor_write_guard` over what each conditional write matched
+/// (inserted runs, updated runs, transitions, attempts inserted, attempts
+/// finished) against what was sent, the last parameter (`NULL`: no check).
+/// Any shortfall is a lost race: the guard raises [`CONFLICT_SQLSTATE`] and
+/// nothing of the statement is kept. Without a transaction around it, the
+/// statement is the batch's commit.
+pub static WRITE_BATCH_SQL: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH {RUNS_CTES}, {history} \
+         SELECT ductor_write_guard(${guard}::int8[], ARRAY[(SELECT count(*) FROM ins), \
+             (SELECT count(*) FROM upd), (SELECT count(*) FROM t), (SELECT count(*) FROM ai), \
+             (SELECT count(*) FROM af)]) AS guarded, \
+         (SELECT count(*) FROM d) AS timers_cancelled, \
+         (SELECT count(*) FROM i) AS intents, \
+         ARRAY(SELECT intent_id FROM i WHERE claimed ORDER BY intent_id) AS claimed_ids, \
+         ARRAY(SELECT run_id FROM i WHERE claimed ORDER BY intent_id) AS claimed_runs, \
+         ARRAY(SELECT seq FROM i WHERE claimed ORDER BY intent_id) AS claimed_seqs, \
+         ARRAY(SELECT effect_index FROM i WHERE claimed ORDER BY intent_id) AS claimed_indexes, \
+         ARRAY(SELECT created_at FROM i WHERE claimed ORDER BY intent_id) AS claimed_created",
+        history = shift_params(HISTORY_CTES, RUNS_PARAMS),
+        guard = RUNS_PARAMS + HISTORY_PARAMS + 1,
+    )
+});
+
+/// Raised by `ductor_write_guard` when a conditional write of the batch
+/// statement fell short.
+pub(crate) const CONFLICT_SQLSTATE: &str = "DU409";
+
+/// `sql` with every placeholder `$n` renumbered `$(n + by)`.
+fn shift_params(sql: &str, by: usize) -> String {
+    let mut out = String::with_capacity(sql.len() + 16);
+    let mut rest = sql;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..=at]);
+        rest = &rest[at + 1..];
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        if digits > 0 {
+            let n: usize = rest[..digits].parse().expect("digits");
+            out.push_str(&(n + by).to_string());
+            rest = &rest[digits..];
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Whether the batch statement failed because another writer won: the
+/// guard's shortfall, or an intent position another writer took first
+/// (rows of one statement are written in no set order, so the intents may
+/// meet the other writer's before the runs update does).
+fn lost_race(error: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = error else {
+        return false;
+    };
+    match db.code().as_deref() {
+        Some(CONFLICT_SQLSTATE) => true,
+        Some("23505") => db.constraint() == Some("eec_effect_intent_position_unique"),
+        _ => false,
+    }
+}
+
+/// Canaries that remove a guarantee also remove the database's second line
+/// of defence (a write matching fewer rows than expected is a conflict), or
+/// the broken guarantee would never show.
+const CANARY_IGNORES_CONFLICTS: bool = cfg!(any(
+    feature = "canary-no-version-check",
+    feature = "canary-no-stamp-dedup"
+));
+
+/// The bind columns of [`HISTORY_CTES`], built from a batch's writes.
+pub(crate) struct HistoryColumns<'a> {
+    transitions: &'a [TransitionRow],
+    attempts: &'a [(String, AttemptRecord)],
+    finishes: &'a [(Uuid, AttemptStatus, DateTime<Utc>, Option<String>)],
+    cancel_keys: Vec<String>,
+    /// The intents written: all but the timeout timers of attempts that
+    /// were dispatched and finished within this batch (pointless at once).
+    intents: Vec<&'a IntentRow>,
+    headers: Vec<String>,
+    claimer: Option<&'a str>,
+    lease_s: f64,
+}
+
+impl<'a> HistoryColumns<'a> {
+    fn new(
+        writes: &'a Writes,
+        handoff: Option<&'a crate::outbox::Handoff>,
+    ) -> Result<HistoryColumns<'a>, ApplyError> {
+        let finished_here: Vec<String> = writes
+            .attempt_inserts
+            .iter()
+            .filter(|(_, a)| a.status != AttemptStatus::Dispatched)
+            .map(|(_, a)| timeout_cancel_key(&a.stamp.to_string()))
+            .collect();
+        let intents: Vec<&IntentRow> = writes
+            .intents
+            .iter()
+            .filter(|i| {
+                i.cancel_key
+                    .as_ref()
+                    .is_none_or(|k| !finished_here.contains(k))
+            })
+            .collect();
+        let headers = intents
+            .iter()
+            .map(|i| serde_json::to_string(&i.headers))
+            .collect::<Result<_, _>>()?;
+        // Timeout timers of attempts finished by this batch will never do
+        // anything: drop them while they are still pending.
+        let cancel_keys = writes
+            .attempt_finishes
+            .iter()
+            .map(|f| timeout_cancel_key(&f.0.to_string()))
+            .collect();
+        Ok(HistoryColumns {
+            transitions: &writes.transitions,
+            attempts: &writes.attempt_inserts,
+            finishes: &writes.attempt_finishes,
+            cancel_keys,
+            intents,
+            headers,
+            claimer: handoff.map(|h| h.drainer_id()),
+            lease_s: handoff.map_or(0.0, |h| h.lease_s()),
+        })
+    }
+
+    fn bind<'q>(&'q self, query: BatchQuery<'q>) -> BatchQuery<'q> {
+        let t = self.transitions;
+        let a = self.attempts;
+        let f = self.finishes;
+        let i = &self.intents;
+        query
+            .bind(t.iter().map(|r| r.run_id.as_str()).collect::<Vec<_>>())
+            .bind(t.iter().map(|r| r.seq).collect::<Vec<_>>())
+            .bind(t.iter().map(|r| r.input_ref.as_str()).collect::<Vec<_>>())
+            .bind(t.iter().map(|r| r.kind.as_str()).collect::<Vec<_>>())
+            .bind(t.iter().map(|r| r.from_status).collect::<Vec<_>>())
+            .bind(t.iter().map(|r| r.to_status).collect::<Vec<_>>())
+            .bind(t.iter().map(|r| r.step_index).collect::<Vec<_>>())
+            .bind(t.iter().map(|r| r.detail.as_str()).collect::<Vec<_>>())
+            .bind(
+                t.iter()
+                    .map(|r| r.source.as_ref().map(|s| s.topic.as_str()))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                t.iter()
+                    .map(|r| r.source.as_ref().map(|s| s.partition))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                t.iter()
+                    .map(|r| r.source.as_ref().map(|s| s.offset))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(t.iter().map(|r| r.at).collect::<Vec<_>>())
+            .bind(a.iter().map(|(_, r)| r.stamp).collect::<Vec<_>>())
+            .bind(
+                a.iter()
+                    .map(|(run_id, _)| run_id.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                a.iter()
+                    .map(|(_, r)| r.step_index as i32)
+                    .collect::<Vec<_>>(),
+            )
+            .bind(a.iter().map(|(_, r)| r.attempt as i32).collect::<Vec<_>>())
+            .bind(
+                a.iter()
+                    .map(|(_, r)| attempt_status_str(r.status))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(a.iter().map(|(_, r)| r.dispatched_at).collect::<Vec<_>>())
+            .bind(a.iter().map(|(_, r)| r.deadline).collect::<Vec<_>>())
+            .bind(a.iter().map(|(_, r)| r.finished_at).collect::<Vec<_>>())
+            .bind(
+                a.iter()
+                    .map(|(_, r)| r.error.as_deref())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(f.iter().map(|r| r.0).collect::<Vec<_>>())
+            .bind(
+                f.iter()
+                    .map(|r| attempt_status_str(r.1))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(f.iter().map(|r| r.2).collect::<Vec<_>>())
+            .bind(f.iter().map(|r| r.3.as_deref()).collect::<Vec<_>>())
+            .bind(&self.cancel_keys)
+            .bind(i.iter().map(|r| r.run_id.as_str()).collect::<Vec<_>>())
+            .bind(i.iter().map(|r| r.seq).collect::<Vec<_>>())
+            .bind(i.iter().map(|r| r.effect_index).collect::<Vec<_>>())
+            .bind(
+                i.iter()
+                    .map(|r| r.idempotency_key.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(i.iter().map(|r| r.tenant.as_str()).collect::<Vec<_>>())
+            .bind(i.iter().map(|r| r.topic.as_str()).collect::<Vec<_>>())
+            .bind(
+                i.iter()
+                    .map(|r| r.message_key.as_slice())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(&self.headers)
+            .bind(i.iter().map(|r| r.payload.as_slice()).collect::<Vec<_>>())
+            .bind(i.iter().map(|r| r.ce_type.as_str()).collect::<Vec<_>>())
+            .bind(i.iter().map(|r| r.not_before).collect::<Vec<_>>())
+            .bind(
+                i.iter()
+                    .map(|r| r.cancel_key.as_deref())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(i.iter().map(|r| r.due).collect::<Vec<_>>())
+            .bind(self.claimer)
+            .bind(self.lease_s)
+    }
+
+    /// The claimed intents in the statement's answer, ready to publish, and
+    /// what the drainer's claim rounds must be told.
+    fn handed(&self, row: &sqlx::postgres::PgRow) -> Result<Handed, ApplyError> {
+        let ids: Vec<i64> = row.try_get("claimed_ids")?;
+        let runs: Vec<String> = row.try_get("claimed_runs")?;
+        let seqs: Vec<i64> = row.try_get("claimed_seqs")?;
+        let indexes: Vec<i32> = row.try_get("claimed_indexes")?;
+        let created: Vec<DateTime<Utc>> = row.try_get("claimed_created")?;
+        let by_position: HashMap<(&str, i64, i32), &IntentRow> = self
+            .intents
+            .iter()
+            .map(|i| ((i.run_id.as_str(), i.seq, i.effect_index), *i))
+            .collect();
+        let mut handed = Handed::default();
+        for (k, intent_id) in ids.into_iter().enumerate() {
+            let Some(&intent) = by_position.get(&(runs[k].as_str(), seqs[k], indexes[k])) else {
+                continue;
+            };
+            handed.claimed.push(crate::outbox::ClaimedIntent {
+                intent_id,
+                run_id: intent.run_id.clone(),
+                seq: intent.seq,
+                effect_index: intent.effect_index,
+                topic: intent.topic.clone(),
+                message_key: intent.message_key.clone(),
+                headers: crate::outbox::ordered_headers(&intent.headers),
+                payload: intent.payload.clone(),
+                not_before: intent.not_before,
+                created_at: created[k],
+                publish_failures: 0,
+            });
+        }
+        let due = self.intents.iter().filter(|i| i.due).count();
+        handed.pending_due = due.saturating_sub(handed.claimed.len());
+        handed.next_timer = self
+            .intents
+            .iter()
+            .filter(|i| !i.due)
+            .map(|i| i.not_before)
+            .min();
+        Ok(handed)
+    }
+}
+
+#[derive(Default)]
+struct RunColumns {
+    run_id: Vec<String>,
+    tenant: Vec<String>,
+    pool: Vec<String>,
+    workflow: Vec<String>,
+    version: Vec<i32>,
+    status: Vec<String>,
+    expected_version: Vec<i64>,
+    seq: Vec<i64>,
+    state: Vec<String>,
+    created_at: Vec<DateTime<Utc>>,
+    updated_at: Vec<DateTime<Utc>>,
+    finished_at: Vec<Option<DateTime<Utc>>>,
+}
+
+/// A query of [`WRITE_BATCH_SQL`] being bound, parameter by parameter.
+type BatchQuery<'q> = sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>;
+
+impl RunColumns {
+    /// Binds these runs as the inserts of [`RUNS_CTES`] (`$1`..`$11`).
+    fn bind_insert<'q>(&'q self, query: BatchQuery<'q>) -> BatchQuery<'q> {
+        query
+            .bind(&self.run_id)
+            .bind(&self.tenant)
+            .bind(&self.pool)
+            .bind(&self.workflow)
+            .bind(&self.version)
+            .bind(&self.status)
+            .bind(&self.seq)
+            .bind(&self.state)
+            .bind(&self.created_at)
+            .bind(&self.updated_at)
+            .bind(&self.finished_at)
+    }
+
+    /// Binds these runs as the conditional updates of [`RUNS_CTES`]
+    /// (`$12`..`$18`).
+    fn bind_update<'q>(&'q self, query: BatchQuery<'q>) -> BatchQuery<'q> {
+        query
+            .bind(&self.run_id)
+            .bind(&self.expected_version)
+            .bind(&self.status)
+            .bind(&self.seq)
+            .bind(&self.state)
+            .bind(&self.updated_at)
+            .bind(&self.finished_at)
+    }
+
+    /// Adds a run; returns the length of its encoded state.
+    fn push(&mut self, state: &RunState, expected_version: i64) -> Result<usize, ApplyError> {
+        self.run_id.push(state.run_id.clone());
+        self.tenant.push(state.tenant.clone());
+        self.pool.push(state.pool.clone());
+        self.workflow.push(state.workflow.clone());
+        self.version.push(state.workflow_version as i32);
+        self.status.push(status_str(state.status).to_string());
+        self.expected_version.push(expected_version);
+        self.seq.push(state.last_transition_seq);
+        self.state.push(serde_json::to_string(state)?);
+        self.created_at.push(state.created_at);
+        self.updated_at.push(state.updated_at);
+        self.finished_at
+            .push(state.status.is_terminal().then_some(state.updated_at));
+        Ok(self.state.last().map_or(0, String::len))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::coordinator::RunStart;
+
+    /// A started run of the example workflow, with `pad` bytes of input.
+    fn started(run_id: &str, pad: usize) -> RunState {
+        let workflows = crate::infra::workflows::load_dir(std::path::Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/config/workflows"
+        )))
+        .expect("loading the example workflows");
+        let input = Input::Start(RunStart {
+            run_id: run_id.into(),
+            tenant: "acme".into(),
+            workflow: "example".into(),
+            workflow_version: None,
+            pool: "default".into(),
+            input: Value::String("x".repeat(pad)),
+            correlation_id: None,
+        });
+        let entropy = Entropy {
+            stamp: Uuid::from_u128(1),
+            jitter_unit: 0.5,
+        };
+        let now = DateTime::from_timestamp(1_800_000_000, 0).expect("a valid time");
+        match fold(None, &input, &workflows, usize::MAX, now, &entropy) {
+            Decision::Transition(t) => t.state,
+            other => panic!("the start applies: {other:?}"),
+        }
+    }
+
+    fn sized(state: RunState) -> (RunState, usize) {
+        let size = serde_json::to_string(&state).unwrap().len();
+        (state, size)
+    }
+
+    #[test]
+    fn the_run_cache_is_bounded_in_bytes_and_starts_over_when_full() {
+        let one = sized(started("a0", 1_000));
+        let size = one.1;
+        let cache = RunCache::new(1_000, size * 10 + size / 2);
+        cache.put_many(vec![one]);
+        assert_eq!(cache.bytes(), size);
+        let more: Vec<_> = (0..9)
+            .map(|k| sized(started(&format!("b{k}"), 1_000)))
+            .collect();
+        cache.put_many(more);
+        assert_eq!(cache.bytes(), size * 10);
+        assert_eq!(cache.get_many(["a0", "b8"].into_iter()).len(), 2);
+        // The eleventh does not fit: the cache starts over with it.
+        cache.put_many(vec![sized(started("c0", 1_000))]);
+        assert_eq!(cache.bytes(), size);
+        assert_eq!(cache.get_many(["a0", "c0"].into_iter()).len(), 1);
+        // Replacing a run's state counts it once.
+        cache.put_many(vec![sized(started("c0", 1_000))]);
+        assert_eq!(cache.bytes(), size);
+        cache.forget(["c0"].into_iter());
+        assert_eq!(cache.bytes(), 0);
+    }
+
+    #[test]
+    fn a_state_over_a_tenth_of_the_bound_is_not_cached() {
+        let cache = RunCache::new(1_000, 20_000);
+        cache.put_many(vec![sized(started("big", 5_000))]);
+        assert_eq!(cache.bytes(), 0);
+        assert!(cache.get_many(["big"].into_iter()).is_empty());
+        cache.put_many(vec![sized(started("small", 10))]);
+        assert_eq!(cache.get_many(["small"].into_iter()).len(), 1);
+    }
+}

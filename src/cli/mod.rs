@@ -1,0 +1,40 @@
+//! The `ductor` binary's entry points: [`serve`] composes every stage into
+//! one process; [`inspect`] reads durable state for an operator.
+
+pub mod inspect;
+pub mod serve;
+
+use std::future::Future;
+use std::path::Path;
+use std::process::ExitCode;
+
+use crate::config::Config;
+
+/// The frame of every Ductor binary: loads the configuration (`path` over
+/// the built-in defaults, `DUCTOR__*` over both), starts logging and a
+/// multi-threaded runtime, and runs `main` on it. A configuration that does
+/// not load, or a runtime that does not start, exits with status 2.
+pub fn run_binary<F, Fut>(path: Option<&Path>, main: F) -> ExitCode
+where
+    F: FnOnce(Config) -> Fut,
+    Fut: Future<Output = ExitCode>,
+{
+    let config = match Config::load(path) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    crate::infra::telemetry::init_logging(&config.log);
+    match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime.block_on(main(config)),
+        Err(e) => {
+            eprintln!("error: starting the async runtime: {e}");
+            ExitCode::from(2)
+        }
+    }
+}

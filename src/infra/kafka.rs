@@ -1,0 +1,276 @@
+//! Kafka clients with explicit settings, and topic administration.
+//!
+//! Ductor states every librdkafka setting it depends on instead of trusting
+//! defaults; the user's pass-through properties are applied last so that
+//! production deployments can add SASL/TLS or tune anything.
+
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::RDKafkaErrorCode;
+use rdkafka::producer::FutureProducer;
+
+use crate::config::{Config, KafkaConfig};
+
+fn base_config(kafka: &KafkaConfig, role: &str) -> ClientConfig {
+    let mut cfg = ClientConfig::new();
+    cfg.set("bootstrap.servers", &kafka.bootstrap_servers)
+        .set("client.id", format!("{}-{role}", kafka.client_id))
+        // Surface broker-down conditions as errors instead of silent retries.
+        .set("socket.keepalive.enable", "true")
+        .set("reconnect.backoff.ms", "100")
+        .set("reconnect.backoff.max.ms", "5000")
+        .set("log.connection.close", "false");
+    for (key, value) in kafka.properties.iter() {
+        cfg.set(key, value);
+    }
+    cfg
+}
+
+/// A consumer that reads `group_id`'s committed offsets and the topics'
+/// offsets, and never joins the group or commits: `assign`-free, for
+/// looking at the coordinator's progress from outside it.
+pub fn offsets_reader_config(kafka: &KafkaConfig, group_id: &str, role: &str) -> ClientConfig {
+    let mut cfg = base_config(kafka, role);
+    cfg.set("group.id", group_id)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false");
+    with_consumer_properties(cfg, kafka)
+}
+
+/// `kafka.consumer_properties` over what Ductor set: the operator's word
+/// wins.
+fn with_consumer_properties(mut cfg: ClientConfig, kafka: &KafkaConfig) -> ClientConfig {
+    for (key, value) in kafka.consumer_properties.iter() {
+        cfg.set(key, value);
+    }
+    cfg
+}
+
+/// The coordinator's ingress consumer: manual offset store, stored offsets
+/// auto-committed in the background. Offsets are stored only after the
+/// Postgres transaction that applied the messages has committed.
+pub fn consumer_config(kafka: &KafkaConfig, group_id: &str, role: &str) -> ClientConfig {
+    let mut cfg = base_config(kafka, role);
+    cfg.set("group.id", group_id)
+        .set("enable.auto.commit", "true")
+        .set("auto.commit.interval.ms", "500")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("enable.partition.eof", "false")
+        .set("isolation.level", "read_committed")
+        .set("partition.assignment.strategy", "cooperative-sticky")
+        .set("session.timeout.ms", kafka.session_timeout_ms.to_string())
+        .set(
+            "max.poll.interval.ms",
+            kafka.max_poll_interval_ms.to_string(),
+        )
+        .set("fetch.wait.max.ms", kafka.fetch_max_wait_ms.to_string())
+        .set("fetch.min.bytes", "1")
+        .set("queued.max.messages.kbytes", "65536");
+    with_consumer_properties(cfg, kafka)
+}
+
+/// The producer settings a delivery report's truth rests on, with the value
+/// Ductor gives each. [`crate::config::Config::validate`] refuses
+/// pass-through properties that change them.
+pub const PRODUCER_GUARANTEES: [(&str, &str); 3] = [
+    ("enable.idempotence", "true"),
+    ("acks", "all"),
+    ("max.in.flight.requests.per.connection", "1"),
+];
+
+/// An idempotent producer: `enable.idempotence=true`, `acks=all`, and one
+/// request in flight per connection, so retries neither duplicate nor
+/// reorder within a partition and a successful delivery report means the
+/// message is in the log.
+///
+/// One in flight, not librdkafka's five: when a request fails in a way that
+/// leaves its messages' fate unknown (a dropped connection, a timeout) and a
+/// later request of the same partition succeeds, librdkafka concludes that
+/// the first request was written too and reports its messages delivered. The
+/// broker makes that conclusion wrong for a producer id it has no state for
+/// yet, such as one taken just after a broker restart: it accepts the first
+/// batch it sees at whatever sequence number it starts. The outbox would then
+/// mark an effect completed that is in no log. With one request in flight
+/// nothing later is sent before the uncertain request is retried, at its own
+/// sequence numbers. On one broker with `linger.ms` batching this cost no
+/// measurable latency in `ductor-bench`.
+pub fn producer_config(kafka: &KafkaConfig, role: &str) -> ClientConfig {
+    let mut cfg = base_config(kafka, role);
+    for (key, value) in PRODUCER_GUARANTEES {
+        cfg.set(key, value);
+    }
+    cfg.set("retries", "2147483647")
+        .set("linger.ms", kafka.linger_ms.to_string())
+        .set("compression.type", "lz4")
+        .set("message.max.bytes", kafka.message_max_bytes.to_string())
+        .set("request.timeout.ms", kafka.request_timeout_ms.to_string())
+        .set("message.timeout.ms", kafka.delivery_timeout_ms.to_string())
+        .set("queue.buffering.max.messages", "100000");
+    for (key, value) in kafka.producer_properties.iter() {
+        cfg.set(key, value);
+    }
+    cfg
+}
+
+pub fn producer(kafka: &KafkaConfig, role: &str) -> anyhow::Result<FutureProducer> {
+    producer_config(kafka, role)
+        .create()
+        .context("creating kafka producer")
+}
+
+pub fn admin(kafka: &KafkaConfig) -> anyhow::Result<AdminClient<DefaultClientContext>> {
+    base_config(kafka, "admin")
+        .create()
+        .context("creating kafka admin client")
+}
+
+/// What `ensure_topics` did with each topic.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct TopicOutcome {
+    pub topic: String,
+    pub created: bool,
+}
+
+/// Creates the given topics with the configured partition count and
+/// replication factor; topics that already exist are left as they are.
+pub async fn ensure_topics(
+    kafka: &KafkaConfig,
+    topics: &[String],
+    partitions: i32,
+) -> anyhow::Result<Vec<TopicOutcome>> {
+    let admin = admin(kafka)?;
+    let new_topics: Vec<NewTopic<'_>> = topics
+        .iter()
+        .map(|t| {
+            NewTopic::new(
+                t,
+                partitions,
+                TopicReplication::Fixed(kafka.replication_factor),
+            )
+        })
+        .collect();
+    let opts = AdminOptions::new()
+        .operation_timeout(Some(Duration::from_millis(kafka.admin_timeout_ms)))
+        .request_timeout(Some(Duration::from_millis(kafka.admin_timeout_ms)));
+    let results = admin
+        .create_topics(new_topics.iter(), &opts)
+        .await
+        .context("creating topics")?;
+    let mut outcomes = Vec::with_capacity(results.len());
+    for result in results {
+        match result {
+            Ok(topic) => outcomes.push(TopicOutcome {
+                topic,
+                created: true,
+            }),
+            Err((topic, RDKafkaErrorCode::TopicAlreadyExists)) => outcomes.push(TopicOutcome {
+                topic,
+                created: false,
+            }),
+            Err((topic, code)) => bail!("creating topic {topic}: {code}"),
+        }
+    }
+    Ok(outcomes)
+}
+
+/// Deletes the given topics. One that does not exist is not an error (it was
+/// never created, or is already gone); any other failure names its topics.
+pub async fn delete_topics(kafka: &KafkaConfig, topics: &[String]) -> anyhow::Result<()> {
+    let admin = admin(kafka)?;
+    let names: Vec<&str> = topics.iter().map(String::as_str).collect();
+    let timeout = Duration::from_millis(kafka.admin_timeout_ms);
+    let opts = AdminOptions::new()
+        .operation_timeout(Some(timeout))
+        .request_timeout(Some(timeout));
+    let failed: Vec<String> = admin
+        .delete_topics(&names, &opts)
+        .await
+        .context("deleting topics")?
+        .into_iter()
+        .filter_map(|result| match result {
+            Ok(_) | Err((_, RDKafkaErrorCode::UnknownTopicOrPartition)) => None,
+            Err((topic, code)) => Some(format!("{topic}: {code}")),
+        })
+        .collect();
+    if !failed.is_empty() {
+        bail!("deleting topics: {}", failed.join(", "));
+    }
+    Ok(())
+}
+
+/// The topics (of `topics`) that take smaller records than Ductor's
+/// producers may send (`kafka.message_max_bytes`), with their
+/// `max.message.bytes`: an effect or a dead letter within the producer's
+/// limit would be refused there. A topic that does not exist yet is
+/// skipped; `Err` when the broker could not be asked.
+pub async fn topics_below_limit(
+    kafka: &KafkaConfig,
+    topics: &[String],
+) -> anyhow::Result<Vec<(String, u64)>> {
+    let admin = admin(kafka)?;
+    let timeout = Duration::from_millis(kafka.admin_timeout_ms);
+    let opts = AdminOptions::new()
+        .operation_timeout(Some(timeout))
+        .request_timeout(Some(timeout));
+    let specs: Vec<ResourceSpecifier<'_>> =
+        topics.iter().map(|t| ResourceSpecifier::Topic(t)).collect();
+    let results = admin
+        .describe_configs(specs.iter(), &opts)
+        .await
+        .context("describing topic configurations")?;
+    let mut small = Vec::new();
+    for (topic, result) in topics.iter().zip(results) {
+        let limit = match result {
+            Ok(resource) => resource
+                .get("max.message.bytes")
+                .and_then(|e| e.value.as_deref())
+                .and_then(|v| v.parse::<u64>().ok()),
+            Err(RDKafkaErrorCode::UnknownTopicOrPartition) => None,
+            Err(code) => bail!("describing topic {topic}: {code}"),
+        };
+        if let Some(limit) = limit.filter(|l| *l < kafka.message_max_bytes) {
+            small.push((topic.clone(), limit));
+        }
+    }
+    Ok(small)
+}
+
+/// The reason to refuse a configuration whose topics are `small`.
+pub fn limits_error(kafka: &KafkaConfig, small: &[(String, u64)]) -> anyhow::Error {
+    let list: Vec<String> = small
+        .iter()
+        .map(|(topic, limit)| format!("{topic} takes {limit}"))
+        .collect();
+    anyhow::anyhow!(
+        "kafka.message_max_bytes is {} but {}: raise the topics' max.message.bytes or lower \
+         kafka.message_max_bytes (and coordinator.max_input_bytes with it)",
+        kafka.message_max_bytes,
+        list.join(", ")
+    )
+}
+
+/// Creates every topic the configuration names.
+pub async fn create_configured_topics(config: &Config) -> anyhow::Result<Vec<TopicOutcome>> {
+    ensure_topics(&config.kafka, &config.all_topics(), config.kafka.partitions).await
+}
+
+/// A metadata request to the cluster: proves a broker answers, not just that
+/// a port is open. Blocking; call from `spawn_blocking`.
+pub fn probe_metadata(kafka: &KafkaConfig, timeout: Duration) -> anyhow::Result<usize> {
+    let consumer: BaseConsumer = base_config(kafka, "probe")
+        .create()
+        .context("creating kafka probe client")?;
+    let metadata = consumer
+        .fetch_metadata(None, timeout)
+        .context("fetching kafka metadata")?;
+    if metadata.brokers().is_empty() {
+        bail!("kafka metadata lists no brokers");
+    }
+    Ok(metadata.brokers().len())
+}

@@ -1,0 +1,329 @@
+//! The dead-letter topic. A dead letter keeps the original key, value and
+//! headers, and adds headers that say where it came from and why it failed.
+//! Publishing is retried until it succeeds or the process shuts down: the
+//! input's offset is stored only after its dead letter is acknowledged.
+
+use std::time::Duration;
+
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use tokio_util::sync::CancellationToken;
+
+/// Where in the pipeline the input failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// Not a well-formed input: size, JSON, type, version or fields.
+    Decode,
+    /// Well-formed, but the coordinator rejected it (unknown run, tenant
+    /// mismatch, unknown stamp, unknown workflow, ...).
+    Validate,
+    /// A start request the routing plane refused (the same idempotency key
+    /// with a different request).
+    Route,
+    /// Decoded and valid, but the database refuses to store it: found by
+    /// bisecting the batch it failed, so only it is dead-lettered.
+    Apply,
+}
+
+impl Stage {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stage::Decode => "decode",
+            Stage::Validate => "validate",
+            Stage::Route => "route",
+            Stage::Apply => "apply",
+        }
+    }
+}
+
+pub struct DeadLetter<'a> {
+    pub message: &'a OwnedMessage,
+    pub stage: Stage,
+    pub class: String,
+    pub error: String,
+}
+
+impl<'a> DeadLetter<'a> {
+    /// The dead letter of an input that the apply path isolated.
+    pub fn isolated(message: &'a OwnedMessage, failure: &crate::apply::ApplyFailure) -> Self {
+        DeadLetter {
+            message,
+            stage: Stage::Apply,
+            class: failure.class.to_string(),
+            error: failure.message.clone(),
+        }
+    }
+}
+
+pub const HEADER_TOPIC: &str = "ductor-dlq-topic";
+pub const HEADER_PARTITION: &str = "ductor-dlq-partition";
+pub const HEADER_OFFSET: &str = "ductor-dlq-offset";
+pub const HEADER_STAGE: &str = "ductor-dlq-stage";
+pub const HEADER_CLASS: &str = "ductor-dlq-error-class";
+pub const HEADER_MESSAGE: &str = "ductor-dlq-error";
+
+/// Set when the original value was cut to fit: its length in bytes.
+pub const HEADER_TRUNCATED: &str = "ductor-dlq-truncated";
+/// Set when the original headers or key did not fit at all: `headers`,
+/// `key` or `headers,key`.
+pub const HEADER_DROPPED: &str = "ductor-dlq-dropped";
+
+/// What a record costs besides its key, value and header bytes (record
+/// and batch framing, and a header's length fields), generously counted.
+const RECORD_OVERHEAD_BYTES: usize = 512;
+const HEADER_OVERHEAD_BYTES: usize = 16;
+
+/// How much of an input its dead letter carries, so that the letter fits
+/// the producer's `message.max.bytes` however large the input was (it may
+/// have been compressed when it was sent, or have more headers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fit {
+    /// Bytes of the original value kept, from its start.
+    pub value_bytes: usize,
+    pub keep_headers: bool,
+    pub keep_key: bool,
+}
+
+impl Fit {
+    /// The cut for a letter of at most `max_record_bytes`. The value is cut
+    /// first, then the original headers go, then the key.
+    pub fn new(
+        max_record_bytes: usize,
+        own_headers: usize,
+        key: usize,
+        headers: usize,
+        value: usize,
+    ) -> Fit {
+        let room = max_record_bytes.saturating_sub(RECORD_OVERHEAD_BYTES + own_headers);
+        let (keep_headers, keep_key) = if key + headers <= room {
+            (true, true)
+        } else if key <= room {
+            (false, true)
+        } else {
+            (false, false)
+        };
+        let used = usize::from(keep_key) * key + usize::from(keep_headers) * headers;
+        Fit {
+            value_bytes: value.min(room - used),
+            keep_headers,
+            keep_key,
+        }
+    }
+}
+
+pub struct DeadLetterPublisher {
+    pub producer: FutureProducer,
+    pub topic: String,
+    /// Bound on the error message header.
+    pub max_message_bytes: usize,
+    /// The producer's `message.max.bytes`: every letter is cut to fit it.
+    pub max_record_bytes: usize,
+    pub timeout: Duration,
+}
+
+impl DeadLetterPublisher {
+    pub async fn publish(
+        &self,
+        letter: &DeadLetter<'_>,
+        shutdown: &CancellationToken,
+    ) -> anyhow::Result<()> {
+        let msg = letter.message;
+        let partition = msg.partition().to_string();
+        let offset = msg.offset().to_string();
+        let error = truncate(&letter.error, self.max_message_bytes);
+        let original: Vec<(&str, Option<&[u8]>)> = msg
+            .headers()
+            .map(|hs| hs.iter().map(|h| (h.key, h.value)).collect())
+            .unwrap_or_default();
+        let own = [
+            (HEADER_TOPIC, msg.topic()),
+            (HEADER_PARTITION, partition.as_str()),
+            (HEADER_OFFSET, offset.as_str()),
+            (HEADER_STAGE, letter.stage.as_str()),
+            (HEADER_CLASS, letter.class.as_str()),
+            (HEADER_MESSAGE, error),
+        ];
+        let header_bytes = |k: &str, v: usize| k.len() + v + HEADER_OVERHEAD_BYTES;
+        let own_bytes: usize = own
+            .iter()
+            .map(|(k, v)| header_bytes(k, v.len()))
+            .sum::<usize>()
+            + header_bytes(HEADER_TRUNCATED, 20)
+            + header_bytes(HEADER_DROPPED, 11);
+        let original_bytes: usize = original
+            .iter()
+            .map(|(k, v)| header_bytes(k, v.map_or(0, <[u8]>::len)))
+            .sum();
+        let key = msg.key().unwrap_or_default();
+        let value = msg.payload().unwrap_or_default();
+        let mut max_record = self.max_record_bytes;
+        let mut pause = Duration::from_millis(100);
+        loop {
+            let fit = Fit::new(
+                max_record,
+                own_bytes,
+                key.len(),
+                original_bytes,
+                value.len(),
+            );
+            let mut headers = OwnedHeaders::new();
+            if fit.keep_headers {
+                for (key, value) in &original {
+                    headers = headers.insert(Header { key, value: *value });
+                }
+            }
+            for (key, value) in own {
+                headers = headers.insert(Header {
+                    key,
+                    value: Some(value.as_bytes()),
+                });
+            }
+            let truncated = value.len().to_string();
+            if fit.value_bytes < value.len() {
+                headers = headers.insert(Header {
+                    key: HEADER_TRUNCATED,
+                    value: Some(truncated.as_bytes()),
+                });
+            }
+            let dropped = match (
+                fit.keep_headers || original.is_empty(),
+                fit.keep_key || key.is_empty(),
+            ) {
+                (true, true) => None,
+                (false, true) => Some("headers"),
+                (true, false) => Some("key"),
+                (false, false) => Some("headers,key"),
+            };
+            if let Some(dropped) = dropped {
+                headers = headers.insert(Header {
+                    key: HEADER_DROPPED,
+                    value: Some(dropped.as_bytes()),
+                });
+            }
+            let mut record: FutureRecord<'_, [u8], [u8]> =
+                FutureRecord::to(&self.topic).headers(headers);
+            if fit.keep_key && msg.key().is_some() {
+                record = record.key(key);
+            }
+            if msg.payload().is_some() {
+                record = record.payload(&value[..fit.value_bytes]);
+            }
+            let error = match self.producer.send(record, self.timeout).await {
+                Ok(_) => break,
+                Err((e, _)) => e,
+            };
+            if is_too_large(&error) && max_record > RECORD_OVERHEAD_BYTES + own_bytes {
+                // A limit below ours (the topic's or the broker's): cut
+                // harder, down to the letter's own headers alone.
+                tracing::warn!(error = %error, max_record, "dead letter too large for the broker, cutting it");
+                max_record /= 4;
+                continue;
+            }
+            if shutdown.is_cancelled() {
+                return Err(anyhow::Error::new(error).context("publishing dead letter"));
+            }
+            tracing::warn!(error = %error, retry_in_ms = pause.as_millis() as u64, "dead-letter publish failed, retrying");
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => {
+                    return Err(anyhow::Error::new(error).context("publishing dead letter"));
+                }
+                _ = tokio::time::sleep(pause) => {}
+            }
+            pause = (pause * 2).min(Duration::from_secs(5));
+        }
+        tracing::info!(
+            topic = msg.topic(),
+            partition = msg.partition(),
+            offset = msg.offset(),
+            stage = letter.stage.as_str(),
+            class = %letter.class,
+            "input dead-lettered"
+        );
+        metrics::counter!("ductor_dead_letters_total", "stage" => letter.stage.as_str(), "class" => letter.class.clone())
+            .increment(1);
+        Ok(())
+    }
+}
+
+/// Whether the producer or the broker refused a record for its size.
+fn is_too_large(error: &rdkafka::error::KafkaError) -> bool {
+    use rdkafka::types::RDKafkaErrorCode as Code;
+    matches!(
+        error.rdkafka_error_code(),
+        Some(Code::MessageSizeTooLarge | Code::MessageBatchTooLarge | Code::InvalidRecord)
+    )
+}
+
+/// Cuts `s` to at most `max` bytes on a character boundary.
+pub fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MAX: usize = 10_000;
+    const OWN: usize = 300;
+
+    fn size(fit: Fit, key: usize, headers: usize) -> usize {
+        RECORD_OVERHEAD_BYTES
+            + OWN
+            + fit.value_bytes
+            + usize::from(fit.keep_key) * key
+            + usize::from(fit.keep_headers) * headers
+    }
+
+    #[test]
+    fn a_letter_that_fits_keeps_everything() {
+        let fit = Fit::new(MAX, OWN, 40, 200, 5_000);
+        assert_eq!(
+            fit,
+            Fit {
+                value_bytes: 5_000,
+                keep_headers: true,
+                keep_key: true
+            }
+        );
+    }
+
+    #[test]
+    fn the_value_is_cut_first_then_the_headers_then_the_key() {
+        let fit = Fit::new(MAX, OWN, 40, 200, 2 << 20);
+        assert!(fit.keep_headers && fit.keep_key);
+        assert_eq!(size(fit, 40, 200), MAX, "the value fills what is left");
+        let fit = Fit::new(MAX, OWN, 40, 50_000, 2 << 20);
+        assert!(!fit.keep_headers && fit.keep_key);
+        assert_eq!(size(fit, 40, 50_000), MAX);
+        let fit = Fit::new(MAX, OWN, 50_000, 50_000, 2 << 20);
+        assert!(!fit.keep_headers && !fit.keep_key);
+        assert_eq!(size(fit, 50_000, 50_000), MAX);
+    }
+
+    #[test]
+    fn every_cut_fits_whatever_the_sizes() {
+        for max in [0, 100, 900, 1_000, 10_000] {
+            for key in [0, 10, 5_000, 20_000] {
+                for headers in [0, 10, 5_000, 20_000] {
+                    for value in [0, 1, 5_000, 2 << 20] {
+                        let fit = Fit::new(max, OWN, key, headers, value);
+                        assert!(fit.value_bytes <= value);
+                        let room = max.saturating_sub(RECORD_OVERHEAD_BYTES + OWN);
+                        assert!(
+                            size(fit, key, headers) - RECORD_OVERHEAD_BYTES - OWN <= room,
+                            "{max} {key} {headers} {value}: {fit:?}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

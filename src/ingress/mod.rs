@@ -1,0 +1,724 @@
+//! The coordinator's Kafka ingress.
+//!
+//! One consumer group reads `requests`, `wakeups` and `attempt-results`.
+//! Messages are gathered into bounded batches, decoded, and applied in one
+//! Postgres transaction by the [`Applier`]. With `coordinator.apply_lanes`
+//! above one, partition `p` is applied by lane `p % apply_lanes`: each lane
+//! keeps its partitions in order and stores only their offsets, and the
+//! lanes' transactions overlap (one commits while another loads and folds).
+//! A run's inputs share its key and so its partition number; a run touched
+//! by two lanes anyway is fenced by `record_version` like any other race. Inputs that cannot be decoded or
+//! that the coordinator rejects go to the dead-letter topic. Offsets are
+//! stored (`enable.auto.offset.store=false`) only after the transaction and
+//! the dead-letter publishes have succeeded, so a crash anywhere leads to a
+//! redelivery, which the coordinator turns into zero new rows.
+
+pub mod dead_letter;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use anyhow::Context;
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::message::{Headers, Message, OwnedMessage};
+use rdkafka::producer::FutureProducer;
+use rdkafka::{Offset, TopicPartitionList};
+use sqlx::PgPool;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::apply::{Applier, InputOutcome, PendingInput, RetryPolicy, Source};
+use crate::config::Config;
+use crate::coordinator::{
+    Input, InputError, InputLimits, InputTopic, NoOpReason, Workflows, bound_payload, bound_start,
+    decode_value, parse_value,
+};
+use crate::ingress::dead_letter::{DeadLetter, DeadLetterPublisher, Stage};
+use crate::routing::{self, RouteOutcome};
+
+/// The ingress consumer's context: logs rebalances (and is where a chaos
+/// run can crash mid-rebalance).
+pub struct IngressConsumerContext;
+
+impl rdkafka::ClientContext for IngressConsumerContext {}
+
+impl rdkafka::consumer::ConsumerContext for IngressConsumerContext {
+    fn pre_rebalance(
+        &self,
+        _consumer: &rdkafka::consumer::BaseConsumer<Self>,
+        rebalance: &rdkafka::consumer::Rebalance<'_>,
+    ) {
+        match rebalance {
+            rdkafka::consumer::Rebalance::Assign(tpl) => {
+                tracing::info!(partitions = tpl.count(), "partitions assigned")
+            }
+            rdkafka::consumer::Rebalance::Revoke(tpl) => {
+                tracing::info!(partitions = tpl.count(), "partitions revoked")
+            }
+            rdkafka::consumer::Rebalance::Error(e) => {
+                tracing::warn!(error = %e, "rebalance error")
+            }
+        }
+        crate::crash_point!("ingress.rebalance");
+    }
+}
+
+/// Whether the ingress moves: every apply lane records when it took up the
+/// batch in its hands. A lane that has held one for longer than
+/// `coordinator.stall_after_ms` without committing it (the database away,
+/// a lock held, a dead letter that cannot be published) is stalled, and
+/// so are its partitions: readiness says so, and so do the gauges
+/// `ductor_ingress_stalled_lanes` and `ductor_ingress_oldest_batch_age_seconds`.
+#[derive(Debug)]
+pub struct Progress {
+    /// Per lane: when it took up its batch (Unix ms), 0 while idle.
+    busy_since_ms: Vec<std::sync::atomic::AtomicI64>,
+    stall_after: Duration,
+}
+
+impl Progress {
+    pub fn new(lanes: usize, stall_after: Duration) -> Progress {
+        Progress {
+            busy_since_ms: (0..lanes.max(1))
+                .map(|_| std::sync::atomic::AtomicI64::new(0))
+                .collect(),
+            stall_after,
+        }
+    }
+
+    fn slot(&self, lane: usize) -> &std::sync::atomic::AtomicI64 {
+        &self.busy_since_ms[lane % self.busy_since_ms.len()]
+    }
+
+    fn began(&self, lane: usize) {
+        let now = chrono::Utc::now().timestamp_millis();
+        self.slot(lane)
+            .store(now.max(1), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn finished(&self, lane: usize) {
+        self.slot(lane)
+            .store(0, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// How long the longest-held batch has been held, if any.
+    pub fn oldest_batch_age(&self) -> Option<Duration> {
+        let now = chrono::Utc::now().timestamp_millis();
+        self.busy_since_ms
+            .iter()
+            .map(|s| s.load(std::sync::atomic::Ordering::Relaxed))
+            .filter(|since| *since > 0)
+            .map(|since| Duration::from_millis((now - since).max(0) as u64))
+            .max()
+    }
+
+    /// The lanes stalled now, with how long each has held its batch.
+    pub fn stalled(&self) -> Vec<(usize, Duration)> {
+        let now = chrono::Utc::now().timestamp_millis();
+        self.busy_since_ms
+            .iter()
+            .enumerate()
+            .filter_map(|(lane, s)| {
+                let since = s.load(std::sync::atomic::Ordering::Relaxed);
+                let age = Duration::from_millis((now - since).max(0) as u64);
+                (since > 0 && age >= self.stall_after).then_some((lane, age))
+            })
+            .collect()
+    }
+
+    /// Sets the gauges; `serve` calls it every second.
+    pub fn observe(&self) {
+        metrics::gauge!("ductor_ingress_stalled_lanes").set(self.stalled().len() as f64);
+        metrics::gauge!("ductor_ingress_oldest_batch_age_seconds")
+            .set(self.oldest_batch_age().map_or(0.0, |age| age.as_secs_f64()));
+    }
+}
+
+/// Hooks that let tests stop the ingress at a chosen point, as a crash would.
+#[derive(Debug, Clone, Default)]
+pub struct TestHooks {
+    /// Return an error right after the first batch commits, before its
+    /// offsets are stored.
+    pub fail_after_commit: bool,
+}
+
+pub struct IngressContext {
+    pub applier: Applier,
+    pub consumer: StreamConsumer<IngressConsumerContext>,
+    pub dead_letters: DeadLetterPublisher,
+    pub requests_topic: String,
+    pub wakeups_topic: String,
+    pub results_topic: String,
+    pub batch_max_inputs: usize,
+    /// Bytes of values after which a batch is full.
+    pub batch_max_bytes: usize,
+    pub batch_linger: Duration,
+    pub apply_lanes: usize,
+    pub concurrent_batch_min_inputs: usize,
+    /// The bounds every input keeps (size and shape).
+    pub limits: InputLimits,
+    /// How a batch that failed transiently is retried.
+    pub retry: RetryPolicy,
+    pub hooks: TestHooks,
+    /// Poked after a commit that wrote effect intents, so the in-process
+    /// drainer publishes them without waiting for its poll.
+    pub wakeup: Option<crate::outbox::Wakeup>,
+    /// Each lane's progress, shared with readiness.
+    pub progress: std::sync::Arc<Progress>,
+}
+
+impl IngressContext {
+    pub fn new(config: &Config, pool: PgPool, workflows: Workflows) -> anyhow::Result<Self> {
+        let mut consumer_config =
+            crate::infra::kafka::consumer_config(&config.kafka, &config.kafka.group_id, "ingress");
+        if let Some(instance) = &config.kafka.group_instance_id {
+            consumer_config.set("group.instance.id", instance);
+        }
+        let consumer: StreamConsumer<IngressConsumerContext> = consumer_config
+            .create_with_context(IngressConsumerContext)
+            .context("creating ingress consumer")?;
+        let producer: FutureProducer = crate::infra::kafka::producer(&config.kafka, "dlq")?;
+        Ok(Self {
+            applier: Applier::new(config, pool, workflows),
+            consumer,
+            dead_letters: DeadLetterPublisher {
+                producer,
+                topic: config.dlq_topic(),
+                max_message_bytes: config.coordinator.max_error_message_bytes,
+                max_record_bytes: usize::try_from(config.kafka.message_max_bytes)
+                    .unwrap_or(usize::MAX),
+                timeout: Duration::from_millis(config.kafka.delivery_timeout_ms),
+            },
+            requests_topic: config.requests_topic(),
+            wakeups_topic: config.wakeups_topic(),
+            results_topic: config.attempt_results_topic(),
+            batch_max_inputs: config.coordinator.batch_max_inputs,
+            batch_max_bytes: config.coordinator.batch_max_bytes,
+            batch_linger: Duration::from_millis(config.coordinator.batch_linger_ms),
+            apply_lanes: config.coordinator.apply_lanes,
+            concurrent_batch_min_inputs: config.coordinator.concurrent_batch_min_inputs,
+            limits: config.input_limits(),
+            retry: RetryPolicy {
+                min: Duration::from_millis(config.coordinator.apply_retry_min_ms),
+                max: Duration::from_millis(config.coordinator.apply_retry_max_ms),
+            },
+            hooks: TestHooks::default(),
+            wakeup: None,
+            progress: std::sync::Arc::new(Progress::new(
+                config.coordinator.apply_lanes,
+                Duration::from_millis(config.coordinator.stall_after_ms),
+            )),
+        })
+    }
+
+    fn topic_kind(&self, topic: &str) -> Option<InputTopic> {
+        InputTopic::classify(
+            topic,
+            &self.requests_topic,
+            &self.wakeups_topic,
+            &self.results_topic,
+        )
+    }
+}
+
+/// Consumes until `shutdown`, finishing the batch in hand.
+pub async fn run(ctx: IngressContext, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let topics = [
+        ctx.requests_topic.as_str(),
+        ctx.wakeups_topic.as_str(),
+        ctx.results_topic.as_str(),
+    ];
+    ctx.consumer
+        .subscribe(&topics)
+        .context("subscribing to input topics")?;
+    tracing::info!(topics = ?topics, "ingress subscribed");
+    let result = consume(&ctx, &shutdown).await;
+    // Flush the offsets stored so far; the broker keeps them for the group.
+    if let Err(e) = ctx.consumer.commit_consumer_state(CommitMode::Sync) {
+        tracing::debug!(error = %e, "final offset commit skipped");
+    }
+    ctx.consumer.unsubscribe();
+    result
+}
+
+async fn consume(ctx: &IngressContext, shutdown: &CancellationToken) -> anyhow::Result<()> {
+    if ctx.apply_lanes <= 1 {
+        loop {
+            let Some(batch) = next_batch(ctx, shutdown).await? else {
+                return Ok(());
+            };
+            if !handle_batch(ctx, 0, &batch, shutdown).await? {
+                return Ok(());
+            }
+        }
+    }
+    // Lanes: the reader hands each message to its partition's lane; a lane
+    // batches, applies and stores offsets on its own. A failing lane stops
+    // the ingress (the error is returned); stopping leaves what the lanes
+    // have not applied unstored, so it is redelivered.
+    let stop = shutdown.child_token();
+    let turn = tokio::sync::Semaphore::new(1);
+    let mut senders = Vec::with_capacity(ctx.apply_lanes);
+    let mut lanes = Vec::with_capacity(ctx.apply_lanes);
+    for index in 0..ctx.apply_lanes {
+        let (tx, rx) = tokio::sync::mpsc::channel(ctx.batch_max_inputs * 2);
+        senders.push(tx);
+        lanes.push(lane(ctx, index, rx, &turn, &stop));
+    }
+    let reader = async {
+        loop {
+            let msg = tokio::select! {
+                biased;
+                _ = stop.cancelled() => return Ok::<(), anyhow::Error>(()),
+                msg = ctx.consumer.recv() => msg,
+            };
+            match msg {
+                Ok(m) => {
+                    record_age("ductor_ingress_fetch_age_seconds", &m);
+                    let index = m.partition().unsigned_abs() as usize % senders.len();
+                    tokio::select! {
+                        biased;
+                        _ = stop.cancelled() => return Ok(()),
+                        sent = senders[index].send(m.detach()) => {
+                            if sent.is_err() {
+                                return Ok(());
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "kafka consumer error");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    };
+    let lanes = async {
+        let result = futures::future::try_join_all(lanes).await.map(|_| ());
+        // One lane failed or every lane stopped: stop the reader too.
+        stop.cancel();
+        result
+    };
+    let (read, applied) = tokio::join!(reader, lanes);
+    applied.and(read)
+}
+
+/// One apply lane: batches from its channel until shutdown or a failure.
+/// A small batch applies only with `turn`, which the lanes share.
+async fn lane(
+    ctx: &IngressContext,
+    index: usize,
+    mut messages: tokio::sync::mpsc::Receiver<OwnedMessage>,
+    turn: &tokio::sync::Semaphore,
+    stop: &CancellationToken,
+) -> anyhow::Result<()> {
+    loop {
+        let mut batch = Gathered::new(ctx);
+        tokio::select! {
+            biased;
+            _ = stop.cancelled() => return Ok(()),
+            m = messages.recv() => match m {
+                Some(m) => batch.push(m),
+                None => return Ok(()),
+            },
+        }
+        // What queued up while the previous batch was applied is a batch
+        // already: take it without waiting. Only a lone message, one that
+        // found the lane idle, lingers for company.
+        take_queued(&mut messages, &mut batch);
+        if batch.messages.len() == 1 {
+            let deadline = Instant::now() + ctx.batch_linger;
+            while !batch.full() {
+                tokio::select! {
+                    biased;
+                    m = messages.recv() => match m {
+                        Some(m) => batch.push(m),
+                        None => break,
+                    },
+                    _ = tokio::time::sleep_until(deadline) => break,
+                }
+            }
+        }
+        // A batch below the threshold (none by default) takes turns with the
+        // other lanes' small batches, and what arrives while it waits joins
+        // it. A batch at or above it applies at once.
+        let _turn = if batch.messages.len() < ctx.concurrent_batch_min_inputs {
+            let permit = tokio::select! {
+                biased;
+                _ = stop.cancelled() => return Ok(()),
+                permit = turn.acquire() => permit.context("the lanes' turn was closed")?,
+            };
+            take_queued(&mut messages, &mut batch);
+            Some(permit)
+        } else {
+            None
+        };
+        let handled = handle_batch(ctx, index, &batch.messages, stop).await;
+        match handled {
+            Ok(true) => {}
+            Ok(false) => return Ok(()),
+            Err(e) => {
+                stop.cancel();
+                return Err(e);
+            }
+        }
+    }
+}
+
+/// A batch being gathered: full at `coordinator.batch_max_inputs` inputs
+/// or `coordinator.batch_max_bytes` bytes of values, whichever comes first.
+struct Gathered {
+    messages: Vec<OwnedMessage>,
+    bytes: usize,
+    max_inputs: usize,
+    max_bytes: usize,
+}
+
+impl Gathered {
+    fn new(ctx: &IngressContext) -> Gathered {
+        Gathered {
+            messages: Vec::new(),
+            bytes: 0,
+            max_inputs: ctx.batch_max_inputs,
+            max_bytes: ctx.batch_max_bytes,
+        }
+    }
+
+    fn push(&mut self, message: OwnedMessage) {
+        self.bytes += message.payload().map_or(0, <[u8]>::len);
+        self.messages.push(message);
+    }
+
+    fn full(&self) -> bool {
+        self.messages.len() >= self.max_inputs || self.bytes >= self.max_bytes
+    }
+}
+
+/// Moves what is already queued in `messages` into `batch`, until it is full.
+fn take_queued(messages: &mut tokio::sync::mpsc::Receiver<OwnedMessage>, batch: &mut Gathered) {
+    while !batch.full() {
+        match messages.try_recv() {
+            Ok(m) => batch.push(m),
+            Err(_) => break,
+        }
+    }
+}
+
+/// Applies one batch and stores its offsets. `Ok(false)` when shutdown
+/// interrupted it (nothing of it stored, so it is redelivered).
+async fn handle_batch(
+    ctx: &IngressContext,
+    lane: usize,
+    batch: &[OwnedMessage],
+    shutdown: &CancellationToken,
+) -> anyhow::Result<bool> {
+    ctx.progress.began(lane);
+    let handled = handle_batch_in(ctx, batch, shutdown).await;
+    ctx.progress.finished(lane);
+    handled
+}
+
+async fn handle_batch_in(
+    ctx: &IngressContext,
+    batch: &[OwnedMessage],
+    shutdown: &CancellationToken,
+) -> anyhow::Result<bool> {
+    // Canary: storing offsets first loses the batch on a crash.
+    #[cfg(feature = "canary-offsets-before-commit")]
+    store_offsets(ctx, batch);
+    if let Err(e) = process_batch(ctx, batch, shutdown).await {
+        if shutdown.is_cancelled() {
+            // Interrupted while retrying: nothing of the batch is stored,
+            // so it is redelivered after the restart.
+            tracing::info!(
+                error = format!("{e:#}"),
+                "batch left for redelivery at shutdown"
+            );
+            return Ok(false);
+        }
+        return Err(e);
+    }
+    if ctx.hooks.fail_after_commit {
+        anyhow::bail!("test hook: stopped after commit, before storing offsets");
+    }
+    crate::crash_point!("ingress.before_offset_store");
+    #[cfg(not(feature = "canary-offsets-before-commit"))]
+    store_offsets(ctx, batch);
+    Ok(true)
+}
+
+/// Waits for one message, then gathers more until the batch is full or the
+/// linger time has passed. `None` on shutdown with nothing in hand.
+async fn next_batch(
+    ctx: &IngressContext,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Option<Vec<OwnedMessage>>> {
+    let mut batch = Gathered::new(ctx);
+    loop {
+        tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return Ok(None),
+            msg = ctx.consumer.recv() => match msg {
+                Ok(m) => {
+                    record_age("ductor_ingress_fetch_age_seconds", &m);
+                    batch.push(m.detach());
+                    break;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "kafka consumer error");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    }
+    let deadline = Instant::now() + ctx.batch_linger;
+    while !batch.full() {
+        tokio::select! {
+            biased;
+            msg = ctx.consumer.recv() => match msg {
+                Ok(m) => {
+                    record_age("ductor_ingress_fetch_age_seconds", &m);
+                    batch.push(m.detach());
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "kafka consumer error");
+                    break;
+                }
+            },
+            _ = tokio::time::sleep_until(deadline) => break,
+        }
+    }
+    Ok(Some(batch.messages))
+}
+
+/// Decodes, applies and dead-letters one batch. Returns only when every
+/// message of the batch is durably handled, or on shutdown/fatal error.
+pub async fn process_batch(
+    ctx: &IngressContext,
+    batch: &[OwnedMessage],
+    shutdown: &CancellationToken,
+) -> anyhow::Result<()> {
+    for msg in batch {
+        record_age("ductor_ingress_apply_age_seconds", msg);
+    }
+    let mut pending = Vec::with_capacity(batch.len());
+    let mut pending_msgs = Vec::with_capacity(batch.len());
+    let mut routed = Vec::new();
+    let mut routed_msgs = Vec::new();
+    let mut dead = Vec::new();
+    for msg in batch {
+        let Some(kind) = ctx.topic_kind(msg.topic()) else {
+            continue;
+        };
+        let source = Source {
+            topic: msg.topic().to_string(),
+            partition: msg.partition(),
+            offset: msg.offset(),
+        };
+        match classify(
+            kind,
+            msg.payload().unwrap_or_default(),
+            &source,
+            &ctx.limits,
+        ) {
+            Ok(Classified::Routed(mut request)) => {
+                request.source = Some(source);
+                routed.push(*request);
+                routed_msgs.push(msg);
+            }
+            Ok(Classified::Input(input)) => {
+                pending.push(PendingInput {
+                    input,
+                    source: Some(source),
+                });
+                pending_msgs.push(msg);
+            }
+            Err(error) => dead.push(DeadLetter {
+                message: msg,
+                stage: Stage::Decode,
+                class: error.class.as_str().to_string(),
+                error: error.message,
+            }),
+        }
+    }
+
+    if !pending.is_empty() || !routed.is_empty() {
+        let report = ctx
+            .applier
+            .apply_isolating(&pending, &routed, ctx.retry, shutdown)
+            .await
+            .context("applying batch")?;
+        for ((outcome, input), msg) in report.outcomes.iter().zip(&pending).zip(&pending_msgs) {
+            let Some(outcome) = settled(outcome, msg, &mut dead) else {
+                continue;
+            };
+            let topic_label = msg.topic().to_string();
+            let outcome_label = match outcome {
+                InputOutcome::Applied { .. } => "applied",
+                InputOutcome::NoOp(NoOpReason::StaleResult) => "stale",
+                InputOutcome::NoOp(_) => "deduplicated",
+                InputOutcome::Rejected(_) => "rejected",
+            };
+            metrics::counter!("ductor_inputs_total", "topic" => topic_label, "outcome" => outcome_label)
+                .increment(1);
+            match outcome {
+                InputOutcome::Rejected(rejection) => dead.push(DeadLetter {
+                    message: msg,
+                    stage: Stage::Validate,
+                    class: rejection.class.as_str().to_string(),
+                    error: rejection.message.clone(),
+                }),
+                InputOutcome::NoOp(reason) => {
+                    tracing::debug!(
+                        run_id = input.input.run_id(),
+                        reason = reason.as_str(),
+                        "input changed nothing"
+                    );
+                }
+                InputOutcome::Applied { .. } => {}
+            }
+        }
+        for (outcome, msg) in report.routed.iter().zip(&routed_msgs) {
+            let Some(outcome) = settled(outcome, msg, &mut dead) else {
+                continue;
+            };
+            let topic_label = msg.topic().to_string();
+            let (input_label, routing_label) = match outcome {
+                RouteOutcome::Decided { kind, .. } => ("applied", kind.as_str()),
+                RouteOutcome::Duplicate { .. } => ("deduplicated", "duplicate"),
+                RouteOutcome::Mismatch => ("rejected", "mismatch"),
+                RouteOutcome::Rejected(_) => ("rejected", "rejected_request"),
+                // Not produced inside a transaction that reserves for itself.
+                RouteOutcome::InProgress | RouteOutcome::ClaimLost => ("rejected", "in_progress"),
+            };
+            metrics::counter!("ductor_inputs_total", "topic" => topic_label, "outcome" => input_label)
+                .increment(1);
+            routing::count(routing_label);
+            match outcome {
+                RouteOutcome::Mismatch => dead.push(DeadLetter {
+                    message: msg,
+                    stage: Stage::Route,
+                    class: "idempotency_mismatch".to_string(),
+                    error: "the idempotency key was already used for a different request"
+                        .to_string(),
+                }),
+                RouteOutcome::Rejected(message) => dead.push(DeadLetter {
+                    message: msg,
+                    stage: Stage::Validate,
+                    class: "unknown_workflow".to_string(),
+                    error: message.clone(),
+                }),
+                _ => {}
+            }
+        }
+        // With a fast lane the applier hands over and wakes by itself.
+        if report.intents_written > 0
+            && ctx.applier.handoff.is_none()
+            && let Some(wakeup) = &ctx.wakeup
+        {
+            wakeup.wake();
+        }
+        if report.conflicts > 0 {
+            tracing::debug!(
+                conflicts = report.conflicts,
+                "batch recomputed after conflicts"
+            );
+        }
+    }
+
+    for letter in &dead {
+        ctx.dead_letters.publish(letter, shutdown).await?;
+        metrics::counter!("ductor_inputs_total", "topic" => letter.message.topic().to_string(), "outcome" => "dead_lettered")
+            .increment(1);
+    }
+    Ok(())
+}
+
+/// The outcome of one input of an isolated batch, or `None` when it failed
+/// on its own and its dead letter was queued in `dead`.
+fn settled<'r, 'm, T>(
+    outcome: &'r Option<Result<T, crate::apply::ApplyFailure>>,
+    msg: &'m OwnedMessage,
+    dead: &mut Vec<DeadLetter<'m>>,
+) -> Option<&'r T> {
+    match outcome {
+        Some(Ok(outcome)) => Some(outcome),
+        Some(Err(failure)) => {
+            dead.push(DeadLetter::isolated(msg, failure));
+            None
+        }
+        None => unreachable!("every input of an isolated batch has an outcome"),
+    }
+}
+
+/// What a message on an input topic is.
+#[derive(Debug)]
+pub enum Classified {
+    /// A start without `run_id`: the routing plane decides its run.
+    Routed(Box<routing::RouteRequest>),
+    Input(Input),
+}
+
+/// Decodes one message read from an input topic of `kind`: pure, and
+/// never panics. A start without `run_id` and without a key of its own is
+/// keyed by its position in Kafka, so a redelivery is never a second run.
+pub fn classify(
+    kind: InputTopic,
+    payload: &[u8],
+    source: &Source,
+    limits: &InputLimits,
+) -> Result<Classified, InputError> {
+    let value = parse_value(payload, limits)?;
+    if kind == InputTopic::Requests {
+        let default_key = format!(
+            "kafka:{}:{}:{}",
+            source.topic, source.partition, source.offset
+        );
+        if let Some(request) = routing::decode_route_request(&value, Some(default_key))? {
+            bound_start(&request.start, payload.len(), limits)?;
+            return Ok(Classified::Routed(Box::new(request)));
+        }
+    }
+    let input = decode_value(kind, &value)?;
+    bound_payload(input, payload.len(), limits).map(Classified::Input)
+}
+
+/// Records how long ago `msg` was produced (its Kafka timestamp), when the
+/// ingress fetched it or began to apply it: the input's age, in seconds.
+fn record_age<M: Message>(name: &'static str, msg: &M) {
+    if let Some(ms) = msg.timestamp().to_millis() {
+        let now_ms = chrono::Utc::now().timestamp_millis();
+        metrics::histogram!(name).record((now_ms - ms).max(0) as f64 / 1000.0);
+    }
+}
+
+/// Stores the next offset of every partition in the batch. A partition that
+/// was revoked meanwhile refuses the store; its new owner re-reads the
+/// messages and they apply as no-ops.
+fn store_offsets(ctx: &IngressContext, batch: &[OwnedMessage]) {
+    let mut next: BTreeMap<(String, i32), i64> = BTreeMap::new();
+    for msg in batch {
+        let entry = next
+            .entry((msg.topic().to_string(), msg.partition()))
+            .or_insert(0);
+        *entry = (*entry).max(msg.offset() + 1);
+    }
+    let mut tpl = TopicPartitionList::with_capacity(next.len());
+    for ((topic, partition), offset) in &next {
+        if let Err(e) = tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset)) {
+            tracing::warn!(error = %e, topic, partition, "could not record offset");
+        }
+    }
+    if let Err(e) = ctx.consumer.store_offsets(&tpl) {
+        tracing::info!(error = %e, "offsets not stored (partition revoked?); they will be redelivered as no-ops");
+    }
+}
+
+/// Header value as text, for logs and dead letters.
+pub fn header_text<H: Headers>(headers: &H, name: &str) -> Option<String> {
+    headers
+        .iter()
+        .find(|h| h.key == name)
+        .and_then(|h| h.value)
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+}

@@ -1,0 +1,460 @@
+//! The HTTP ingress of the routing plane, for callers who want a synchronous
+//! answer:
+//!
+//! - `POST /v1/runs` with an optional `Idempotency-Key` header starts a run:
+//!   201 with the decision when it is new, 200 with the same body for a
+//!   duplicate, 409 while the first caller is still deciding under the
+//!   `reject` policy (or when a `wait` ran out), 422 when the key was used for
+//!   a different request or the workflow is unknown;
+//! - `GET /v1/runs/{id}` with an `X-Ductor-Tenant` header returns the run.
+//!
+//! Errors are JSON, `{"error": {"code": "...", "message": "..."}}`, with a
+//! stable `code`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, Request, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde_json::{Value, json};
+use sqlx::Row;
+use tokio::time::Instant;
+
+use crate::apply::Applier;
+use crate::config::{DuplicatePolicy, RoutingConfig};
+use crate::coordinator::{InputError, InputErrorClass, InputLimits, parse_value};
+use crate::routing::{self, Decision, Reservation, ReserveKind, RouteOutcome, RouteRequest};
+
+/// How often a reservation is re-tried after it was lost to a sweep, before
+/// the caller is told to come back.
+const MAX_RESERVE_ROUNDS: u32 = 8;
+
+#[derive(Clone)]
+pub struct ApiState {
+    pub applier: Arc<Applier>,
+    pub routing: RoutingConfig,
+    /// The bounds a body keeps, as every input does on Kafka.
+    pub limits: InputLimits,
+    /// Pokes the in-process drainer after a decision committed effects.
+    pub wakeup: Option<crate::outbox::Wakeup>,
+}
+
+pub fn router(state: ApiState) -> Router {
+    Router::new()
+        .route("/v1/runs", post(create_run))
+        .route("/v1/runs/{run_id}", get(get_run))
+        .with_state(state)
+}
+
+/// An error answer with a stable code.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {"code": self.code, "message": self.message}});
+        (self.status, axum::Json(body)).into_response()
+    }
+}
+
+/// The answer to a start request, as `submit` reports it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Submitted {
+    Created(Decision),
+    Duplicate(Decision),
+}
+
+impl Submitted {
+    pub fn decision(&self) -> &Decision {
+        match self {
+            Submitted::Created(d) | Submitted::Duplicate(d) => d,
+        }
+    }
+}
+
+async fn create_run(State(state): State<ApiState>, request: Request<Body>) -> Response {
+    match create_run_inner(&state, request).await {
+        Ok(Submitted::Created(d)) => (StatusCode::CREATED, axum::Json(d)).into_response(),
+        Ok(Submitted::Duplicate(d)) => (StatusCode::OK, axum::Json(d)).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn create_run_inner(state: &ApiState, request: Request<Body>) -> Result<Submitted, ApiError> {
+    let key = idempotency_key(request.headers())?;
+    let limit = state.routing.max_body_bytes;
+    let bytes = axum::body::to_bytes(request.into_body(), limit)
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body_too_large",
+                format!("the request body exceeds {limit} bytes"),
+            )
+        })?;
+    let body = parse_value(&bytes, &state.limits).map_err(body_error)?;
+    let request = route_request_from_body(body, key)?;
+    crate::coordinator::bound_start(&request.start, bytes.len(), &state.limits).map_err(|e| {
+        ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            e.class.as_str(),
+            e.message,
+        )
+    })?;
+    let submitted = submit(&state.applier, &state.routing, request).await?;
+    if let (Submitted::Created(_), Some(wakeup)) = (&submitted, &state.wakeup) {
+        wakeup.wake();
+    }
+    Ok(submitted)
+}
+
+/// The answer to a body that is no acceptable JSON: 422 with the
+/// screen's class for valid JSON that cannot be kept as sent, 413 for one
+/// over the size limit, 400 for anything else.
+pub fn body_error(error: InputError) -> ApiError {
+    match error.class {
+        InputErrorClass::Refused(violation) => ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            violation.as_str(),
+            error.message,
+        ),
+        InputErrorClass::TooLarge => ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            error.message,
+        ),
+        _ => ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_json",
+            format!("the body is {}", error.message),
+        ),
+    }
+}
+
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(value) = headers.get("idempotency-key") else {
+        return Ok(None);
+    };
+    let key = value.to_str().map_err(|_| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_idempotency_key",
+            "Idempotency-Key must be visible ASCII",
+        )
+    })?;
+    if key.chars().count() > routing::MAX_KEY_LEN {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_idempotency_key",
+            format!(
+                "Idempotency-Key is longer than {} characters",
+                routing::MAX_KEY_LEN
+            ),
+        ));
+    }
+    // An empty key opts out of deduplication.
+    Ok(Some(key.to_string()).filter(|k| !k.is_empty()))
+}
+
+/// Turns a `POST /v1/runs` body into a routed request. The body holds
+/// `workflow`, and optionally `workflow_version`, `tenant` (default
+/// "default"), `pool`, `input` and `correlation_id`; the run id is the
+/// server's choice and the key comes from the header.
+pub fn route_request_from_body(body: Value, key: Option<String>) -> Result<RouteRequest, ApiError> {
+    let Value::Object(mut obj) = body else {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            "the body must be a JSON object",
+        ));
+    };
+    for forbidden in ["run_id", "idempotency_key", "type", "schema_version"] {
+        if obj.contains_key(forbidden) {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                format!(
+                    "{forbidden}: not accepted here (the run id is chosen by the server; the key goes in the Idempotency-Key header)"
+                ),
+            ));
+        }
+    }
+    obj.entry("tenant").or_insert_with(|| json!("default"));
+    obj.insert("type".into(), json!("run.start"));
+    obj.insert("schema_version".into(), json!(1));
+    obj.insert(
+        "idempotency_key".into(),
+        json!(key.clone().unwrap_or_default()),
+    );
+    let mut request = routing::decode_route_request(&Value::Object(obj), None)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.class.as_str(), e.message))?
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                "not a start request",
+            )
+        })?;
+    request.key = key;
+    Ok(request)
+}
+
+/// Routes one start request to its decision: reserve, decide, or follow the
+/// pool's duplicate-waiter policy. Shared by HTTP and `ductor submit`.
+pub async fn submit(
+    applier: &Applier,
+    config: &RoutingConfig,
+    mut request: RouteRequest,
+) -> Result<Submitted, ApiError> {
+    let Some(key) = request.key.clone() else {
+        request.reservation = Reservation::InTransaction;
+        return match decide(applier, &request).await? {
+            RouteOutcome::Decided { decision, .. } => {
+                routing::count(ReserveKind::Unkeyed.as_str());
+                Ok(Submitted::Created(decision))
+            }
+            other => Err(unexpected(other)),
+        };
+    };
+    let (policy, wait_timeout) = routing::policy_for(config, &request.start.pool);
+    let pending_ttl = Duration::from_millis(config.pending_ttl_ms);
+    let start = request.start.clone();
+    let deadline = Instant::now() + wait_timeout;
+    let mut waited = false;
+    let mut pause = Duration::from_millis(5);
+    for _ in 0..MAX_RESERVE_ROUNDS {
+        let before = routing::existing(&applier.pool, &start.tenant, &start.pool, &key)
+            .await
+            .map_err(database)?;
+        let won = routing::reserve(
+            &applier.pool,
+            &start.tenant,
+            &start.pool,
+            &key,
+            &request.fingerprint,
+            pending_ttl,
+        )
+        .await
+        .map_err(database)?;
+        if let Some(epoch) = won {
+            let kind = match before {
+                None => ReserveKind::Fresh,
+                Some(row) if row.status == "completed" => ReserveKind::Expired,
+                Some(_) => ReserveKind::Reclaimed,
+            };
+            request.reservation = Reservation::Held { epoch };
+            crate::crash_point!("routing.after_reserve");
+            match decide(applier, &request).await? {
+                RouteOutcome::Decided { decision, .. } => {
+                    crate::crash_point!("api.after_decision");
+                    routing::count(kind.as_str());
+                    return Ok(Submitted::Created(decision));
+                }
+                RouteOutcome::ClaimLost => {
+                    // Swept and taken over while we decided: the new owner's
+                    // answer is the answer.
+                    routing::count("claim_lost");
+                    continue;
+                }
+                other => return Err(unexpected(other)),
+            }
+        }
+        // Someone else holds the key.
+        loop {
+            let row = routing::existing(&applier.pool, &start.tenant, &start.pool, &key)
+                .await
+                .map_err(database)?;
+            let Some(row) = row else { break };
+            if row.fingerprint != request.fingerprint
+                && !row.expired
+                && (row.status == "completed" || row.status == "pending")
+            {
+                // The earlier request is not echoed back.
+                routing::count("mismatch");
+                return Err(ApiError::new(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "idempotency_key_mismatch",
+                    "this idempotency key was already used for a different request",
+                ));
+            }
+            match row.status.as_str() {
+                "completed" if !row.expired => {
+                    let decision = row.decision.ok_or_else(|| {
+                        ApiError::new(
+                            StatusCode::INTERNAL_SERVER_ERROR,
+                            "internal",
+                            "a completed key has no decision",
+                        )
+                    })?;
+                    routing::count(if waited { "waited" } else { "duplicate" });
+                    return Ok(Submitted::Duplicate(decision));
+                }
+                "pending" => {
+                    if policy == DuplicatePolicy::Reject {
+                        routing::count("rejected");
+                        return Err(ApiError::new(
+                            StatusCode::CONFLICT,
+                            "in_progress",
+                            "a request with this idempotency key is in progress",
+                        ));
+                    }
+                    if Instant::now() >= deadline {
+                        routing::count("rejected");
+                        return Err(ApiError::new(
+                            StatusCode::CONFLICT,
+                            "in_progress",
+                            format!(
+                                "a request with this idempotency key is still in progress after {} ms",
+                                wait_timeout.as_millis()
+                            ),
+                        ));
+                    }
+                    waited = true;
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(50));
+                }
+                // Failed or expired: reserve again, which reclaims it.
+                _ => break,
+            }
+        }
+    }
+    Err(ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "contended",
+        "the idempotency key changed hands too often; retry",
+    ))
+}
+
+async fn decide(applier: &Applier, request: &RouteRequest) -> Result<RouteOutcome, ApiError> {
+    let report = applier
+        .apply(&[], std::slice::from_ref(request))
+        .await
+        .map_err(|e| {
+            if let Some(failure) = e.permanent() {
+                // The request itself is what the database refuses: the
+                // same request would fail again.
+                tracing::warn!(class = failure.class, error = %failure.message, "a start request cannot be stored");
+                return ApiError::new(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    failure.class,
+                    failure.message,
+                );
+            }
+            tracing::warn!(error = %e, "deciding a start request failed");
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "the decision could not be committed; retry with the same key",
+            )
+        })?;
+    let outcome = report
+        .routed
+        .into_iter()
+        .next()
+        .ok_or_else(|| unexpected(RouteOutcome::InProgress))?;
+    if let RouteOutcome::Rejected(message) = outcome {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "unknown_workflow",
+            message,
+        ));
+    }
+    Ok(outcome)
+}
+
+fn database(e: sqlx::Error) -> ApiError {
+    tracing::warn!(error = %e, "routing query failed");
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "unavailable",
+        "the database is unavailable; retry with the same key",
+    )
+}
+
+fn unexpected(outcome: RouteOutcome) -> ApiError {
+    tracing::error!(?outcome, "unexpected routing outcome");
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "internal",
+        "unexpected routing outcome",
+    )
+}
+
+async fn get_run(
+    State(state): State<ApiState>,
+    Path(run_id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let Some(tenant) = headers
+        .get("x-ductor-tenant")
+        .and_then(|v| v.to_str().ok())
+        .filter(|t| !t.is_empty())
+    else {
+        return ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "missing_tenant",
+            "the X-Ductor-Tenant header is required",
+        )
+        .into_response();
+    };
+    match run_summary(&state.applier.pool, &run_id, tenant).await {
+        Ok(Some(body)) => (StatusCode::OK, axum::Json(body)).into_response(),
+        // Another tenant's run looks exactly like a missing one.
+        Ok(None) => {
+            ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such run").into_response()
+        }
+        Err(e) => database(e).into_response(),
+    }
+}
+
+async fn run_summary(
+    pool: &sqlx::PgPool,
+    run_id: &str,
+    tenant: &str,
+) -> Result<Option<Value>, sqlx::Error> {
+    let row = sqlx::query(
+        "SELECT run_id, tenant_scope, pool_id, workflow_name, workflow_version, status, \
+             last_transition_seq, created_at, updated_at, finished_at, \
+             state->'output' AS output, state->'error' AS error \
+         FROM runs WHERE run_id = $1 AND tenant_scope = $2",
+    )
+    .bind(run_id)
+    .bind(tenant)
+    .fetch_optional(pool)
+    .await?;
+    let Some(row) = row else { return Ok(None) };
+    let status: String = row.try_get("status")?;
+    let output: Option<Value> = row.try_get("output")?;
+    Ok(Some(json!({
+        "run_id": row.try_get::<String, _>("run_id")?,
+        "tenant": row.try_get::<String, _>("tenant_scope")?,
+        "pool": row.try_get::<String, _>("pool_id")?,
+        "workflow": row.try_get::<String, _>("workflow_name")?,
+        "workflow_version": row.try_get::<i32, _>("workflow_version")?,
+        "status": status,
+        "last_transition_seq": row.try_get::<i64, _>("last_transition_seq")?,
+        "created_at": row.try_get::<chrono::DateTime<chrono::Utc>, _>("created_at")?,
+        "updated_at": row.try_get::<chrono::DateTime<chrono::Utc>, _>("updated_at")?,
+        "finished_at": row.try_get::<Option<chrono::DateTime<chrono::Utc>>, _>("finished_at")?,
+        "output": if status == "succeeded" { output.unwrap_or(Value::Null) } else { Value::Null },
+        "error": row.try_get::<Option<Value>, _>("error")?.unwrap_or(Value::Null),
+    })))
+}

@@ -1,0 +1,485 @@
+//! The routing plane: turns an idempotent start request into exactly one
+//! decision (a run) per `(tenant_scope, pool_id, idempotency_key)`.
+//!
+//! `eec_routing_idempotency` rows move pending → completed |
+//! failed_before_commit:
+//!
+//! - **reserve** is one `INSERT ... ON CONFLICT DO UPDATE ... WHERE` whose
+//!   `WHERE` is the reclaim clause: a `failed_before_commit` row, or a
+//!   `completed` row past its validity TTL, is taken over (its `claim_epoch`
+//!   bumped); any other existing row wins and the caller is a duplicate;
+//! - **complete** happens in the transaction that creates the run: the row is
+//!   updated to `completed` with the decision, fenced on
+//!   `status = 'pending' AND claim_epoch = <ours>`, so a caller whose row was
+//!   swept and reclaimed meanwhile cannot complete over the new owner;
+//! - the **sweeper** moves `pending` rows past their deadline to
+//!   `failed_before_commit`, the **retention** worker deletes long-dead rows in
+//!   bounded batches and never touches a `pending` row.
+//!
+//! An empty key opts out of deduplication. The same key with a different
+//! request (by canonical fingerprint, envelope fields excluded) is rejected.
+//! Requests read from Kafka reserve and decide in the ingress batch's own
+//! transaction; HTTP requests reserve first, so that duplicates arriving while
+//! the first caller is in flight see a `pending` row and follow the pool's
+//! duplicate-waiter policy.
+
+pub mod http;
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use sha2::{Digest, Sha256};
+use sqlx::{PgPool, Postgres, Row, Transaction as PgTx};
+
+use crate::config::{DuplicatePolicy, RoutingConfig};
+use crate::coordinator::{Input, InputError, InputErrorClass, InputTopic, RunStart, decode_value};
+
+/// Longest idempotency key accepted.
+pub const MAX_KEY_LEN: usize = 256;
+
+/// The decision returned to every caller with the same key: the first gets it
+/// with 201, duplicates with 200, byte for byte the same body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Decision {
+    pub run_id: String,
+    pub tenant: String,
+    pub pool: String,
+    pub workflow: String,
+    pub workflow_version: u32,
+    /// `null` when the caller opted out of deduplication.
+    pub idempotency_key: Option<String>,
+    pub decided_at: DateTime<Utc>,
+}
+
+/// A start request on its way to a decision.
+#[derive(Debug, Clone)]
+pub struct RouteRequest {
+    /// The start as the coordinator will fold it; its `run_id` is the
+    /// decision this request makes if it wins.
+    pub start: RunStart,
+    /// `None`: the caller opted out (empty key); always a fresh decision.
+    pub key: Option<String>,
+    pub fingerprint: String,
+    pub reservation: Reservation,
+    /// Where a Kafka request came from; kept on the run's first transition.
+    pub source: Option<crate::apply::Source>,
+}
+
+/// How a request holds its row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reservation {
+    /// Reserve inside the deciding transaction (the Kafka path): the pending
+    /// state is never visible to others.
+    InTransaction,
+    /// Reserved earlier by this caller with this claim epoch (the HTTP path).
+    Held { epoch: i64 },
+}
+
+/// What routing did with a request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RouteOutcome {
+    /// A new run; `kind` says whether the row was new, reclaimed from a
+    /// failed caller, or renewed after its TTL.
+    Decided {
+        decision: Decision,
+        kind: ReserveKind,
+    },
+    /// The key already has a valid decision for the same request.
+    Duplicate { decision: Decision },
+    /// The key already has a decision for a different request.
+    Mismatch,
+    /// Another caller holds the key and has not decided yet.
+    InProgress,
+    /// Our reservation was swept and taken over by another caller.
+    ClaimLost,
+    /// The start itself was rejected (e.g. unknown workflow).
+    Rejected(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReserveKind {
+    Fresh,
+    Reclaimed,
+    Expired,
+    Unkeyed,
+}
+
+impl ReserveKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReserveKind::Fresh => "fresh",
+            ReserveKind::Reclaimed => "reclaimed",
+            ReserveKind::Expired => "expired",
+            ReserveKind::Unkeyed => "fresh",
+        }
+    }
+}
+
+/// The canonical fingerprint of a start request: SHA-256 over its meaning
+/// (tenant, pool, workflow, requested version, input), with object keys
+/// sorted, so that envelope fields (correlation ids, timestamps) and key order
+/// do not matter.
+pub fn fingerprint(start: &RunStart) -> String {
+    let mut canonical = String::new();
+    let meaning = serde_json::json!({
+        "tenant": start.tenant,
+        "pool": start.pool,
+        "workflow": start.workflow,
+        "workflow_version": start.workflow_version,
+        "input": start.input,
+    });
+    write_canonical(&meaning, &mut canonical);
+    let digest = Sha256::digest(canonical.as_bytes());
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn write_canonical(value: &Value, out: &mut String) {
+    match value {
+        Value::Object(map) => {
+            let mut keys: Vec<&String> = map.keys().collect();
+            keys.sort();
+            out.push('{');
+            for (i, k) in keys.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&Value::String((*k).clone()).to_string());
+                out.push(':');
+                write_canonical(&map[k.as_str()], out);
+            }
+            out.push('}');
+        }
+        Value::Array(items) => {
+            out.push('[');
+            for (i, v) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_canonical(v, out);
+            }
+            out.push(']');
+        }
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+/// Reads a start request that asks for a server-chosen decision: a
+/// `run.start` without `run_id`, with an optional `idempotency_key`. `None`
+/// when the value carries a `run_id` (a client-chosen run, handled by the
+/// coordinator directly). `default_key` is used when the request names no key
+/// (for Kafka: its topic, partition and offset, so a redelivery is never a
+/// second run); an explicit empty key opts out.
+pub fn decode_route_request(
+    value: &Value,
+    default_key: Option<String>,
+) -> Result<Option<RouteRequest>, InputError> {
+    let Value::Object(obj) = value else {
+        return Ok(None);
+    };
+    if obj.get("type").and_then(Value::as_str) != Some("run.start") {
+        return Ok(None);
+    }
+    let key = match obj.get("idempotency_key") {
+        None | Some(Value::Null) => default_key,
+        Some(Value::String(k)) if k.is_empty() => None,
+        Some(Value::String(k)) if k.chars().count() <= MAX_KEY_LEN => Some(k.clone()),
+        Some(Value::String(_)) => {
+            return Err(InputError::new(
+                InputErrorClass::Invalid,
+                format!("idempotency_key: longer than {MAX_KEY_LEN} characters"),
+            ));
+        }
+        Some(_) => {
+            return Err(InputError::new(
+                InputErrorClass::Invalid,
+                "idempotency_key: must be a string",
+            ));
+        }
+    };
+    match obj.get("run_id") {
+        None | Some(Value::Null) => {}
+        Some(_) if obj.contains_key("idempotency_key") => {
+            return Err(InputError::new(
+                InputErrorClass::Invalid,
+                "run.start takes either run_id (a client-chosen run) or idempotency_key, not both",
+            ));
+        }
+        Some(_) => return Ok(None),
+    }
+    let mut with_id: Map<String, Value> = obj.clone();
+    with_id.insert(
+        "run_id".into(),
+        Value::String(uuid::Uuid::new_v4().to_string()),
+    );
+    let Input::Start(start) = decode_value(InputTopic::Requests, &Value::Object(with_id))? else {
+        return Ok(None);
+    };
+    let fingerprint = fingerprint(&start);
+    Ok(Some(RouteRequest {
+        start,
+        key,
+        fingerprint,
+        reservation: Reservation::InTransaction,
+        source: None,
+    }))
+}
+
+/// The existing row for a key, as a duplicate sees it.
+#[derive(Debug, Clone)]
+pub struct ExistingRow {
+    pub status: String,
+    pub fingerprint: String,
+    pub decision: Option<Decision>,
+    pub expired: bool,
+}
+
+/// The outcome of [`reserve`].
+#[derive(Debug, Clone)]
+pub enum Reserved {
+    Won { epoch: i64, kind: ReserveKind },
+    Existing(ExistingRow),
+}
+
+const RESERVE_SQL: &str = "\
+    INSERT INTO eec_routing_idempotency AS r (tenant_scope, pool_id, idempotency_key, status, \
+        request_fingerprint, claim_epoch, reserved_at, pending_expires_at, updated_at) \
+    VALUES ($1, $2, $3, 'pending', $4, 1, now(), now() + make_interval(secs => $5), now()) \
+    ON CONFLICT (tenant_scope, pool_id, idempotency_key) DO UPDATE SET \
+        status = 'pending', request_fingerprint = EXCLUDED.request_fingerprint, \
+        claim_epoch = r.claim_epoch + 1, decision_id = NULL, decision = NULL, \
+        reserved_at = now(), pending_expires_at = EXCLUDED.pending_expires_at, \
+        expires_at = NULL, completed_at = NULL, updated_at = now() \
+    WHERE r.status = 'failed_before_commit' \
+       OR (r.status = 'completed' AND r.expires_at <= now()) \
+    RETURNING r.claim_epoch";
+
+/// Reserves `(tenant, pool, key)`, reclaiming a failed or expired row; on an
+/// executor that is either the pool (autocommit) or a transaction.
+pub async fn reserve<'e, E>(
+    executor: E,
+    tenant: &str,
+    pool_id: &str,
+    key: &str,
+    fingerprint: &str,
+    pending_ttl: Duration,
+) -> Result<Option<i64>, sqlx::Error>
+where
+    E: sqlx::Executor<'e, Database = Postgres>,
+{
+    sqlx::query_scalar(RESERVE_SQL)
+        .bind(tenant)
+        .bind(pool_id)
+        .bind(key)
+        .bind(fingerprint)
+        .bind(pending_ttl.as_secs_f64())
+        .fetch_optional(executor)
+        .await
+}
+
+pub async fn existing<'e, E>(
+    executor: E,
+    tenant: &str,
+    pool_id: &str,
+    key: &str,
+) -> Result<Option<ExistingRow>, sqlx::Error>
+where
+    E: sqlx::Executor<'e, Database = Postgres>,
+{
+    let row = sqlx::query(
+        "SELECT status, request_fingerprint, decision, \
+             (status = 'completed' AND expires_at <= now()) AS expired \
+         FROM eec_routing_idempotency \
+         WHERE tenant_scope = $1 AND pool_id = $2 AND idempotency_key = $3",
+    )
+    .bind(tenant)
+    .bind(pool_id)
+    .bind(key)
+    .fetch_optional(executor)
+    .await?;
+    let Some(row) = row else { return Ok(None) };
+    let decision: Option<Value> = row.try_get("decision")?;
+    Ok(Some(ExistingRow {
+        status: row.try_get("status")?,
+        fingerprint: row.try_get("request_fingerprint")?,
+        decision: decision.and_then(|d| serde_json::from_value(d).ok()),
+        expired: row.try_get("expired")?,
+    }))
+}
+
+/// What kind of reservation a won claim was, judged from the row before it.
+async fn kind_before<'e, E>(
+    executor: E,
+    tenant: &str,
+    pool_id: &str,
+    key: &str,
+) -> Result<ReserveKind, sqlx::Error>
+where
+    E: sqlx::Executor<'e, Database = Postgres>,
+{
+    let status: Option<String> = sqlx::query_scalar(
+        "SELECT status FROM eec_routing_idempotency \
+         WHERE tenant_scope = $1 AND pool_id = $2 AND idempotency_key = $3",
+    )
+    .bind(tenant)
+    .bind(pool_id)
+    .bind(key)
+    .fetch_optional(executor)
+    .await?;
+    Ok(match status.as_deref() {
+        None => ReserveKind::Fresh,
+        Some("completed") => ReserveKind::Expired,
+        Some(_) => ReserveKind::Reclaimed,
+    })
+}
+
+/// Reserve inside the deciding transaction. `Ok(Err(existing))` when another
+/// row holds the key.
+pub async fn reserve_in_tx(
+    tx: &mut PgTx<'_, Postgres>,
+    request: &RouteRequest,
+    key: &str,
+    pending_ttl: Duration,
+) -> Result<Result<ReserveKind, ExistingRow>, sqlx::Error> {
+    let start = &request.start;
+    let kind = kind_before(&mut **tx, &start.tenant, &start.pool, key).await?;
+    let won = reserve(
+        &mut **tx,
+        &start.tenant,
+        &start.pool,
+        key,
+        &request.fingerprint,
+        pending_ttl,
+    )
+    .await?;
+    if won.is_some() {
+        return Ok(Ok(kind));
+    }
+    let row = existing(&mut **tx, &start.tenant, &start.pool, key)
+        .await?
+        .ok_or(sqlx::Error::RowNotFound)?;
+    Ok(Err(row))
+}
+
+/// Checks that a held reservation is still ours; locks the row.
+pub async fn fence_in_tx(
+    tx: &mut PgTx<'_, Postgres>,
+    start: &RunStart,
+    key: &str,
+    epoch: i64,
+) -> Result<bool, sqlx::Error> {
+    let held = sqlx::query(
+        "SELECT 1 FROM eec_routing_idempotency \
+         WHERE tenant_scope = $1 AND pool_id = $2 AND idempotency_key = $3 \
+           AND status = 'pending' AND claim_epoch = $4 \
+         FOR UPDATE",
+    )
+    .bind(&start.tenant)
+    .bind(&start.pool)
+    .bind(key)
+    .bind(epoch)
+    .fetch_optional(&mut **tx)
+    .await?;
+    Ok(held.is_some())
+}
+
+/// Marks the key completed with its decision and a fresh validity TTL.
+pub async fn complete_in_tx(
+    tx: &mut PgTx<'_, Postgres>,
+    decision: &Decision,
+    key: &str,
+    completed_ttl: Duration,
+) -> Result<bool, sqlx::Error> {
+    let body = serde_json::to_value(decision).map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
+    let done = sqlx::query(
+        "UPDATE eec_routing_idempotency SET status = 'completed', decision_id = $4, \
+             decision = $5, completed_at = now(), \
+             expires_at = now() + make_interval(secs => $6), updated_at = now() \
+         WHERE tenant_scope = $1 AND pool_id = $2 AND idempotency_key = $3 AND status = 'pending'",
+    )
+    .bind(&decision.tenant)
+    .bind(&decision.pool)
+    .bind(key)
+    .bind(&decision.run_id)
+    .bind(body)
+    .bind(completed_ttl.as_secs_f64())
+    .execute(&mut **tx)
+    .await?
+    .rows_affected();
+    Ok(done == 1)
+}
+
+/// Moves expired `pending` rows to `failed_before_commit`, at most `batch`.
+pub async fn sweep(pool: &PgPool, batch: usize) -> Result<u64, sqlx::Error> {
+    let swept = sqlx::query(
+        "UPDATE eec_routing_idempotency SET status = 'failed_before_commit', updated_at = now() \
+         WHERE (tenant_scope, pool_id, idempotency_key) IN ( \
+             SELECT tenant_scope, pool_id, idempotency_key FROM eec_routing_idempotency \
+             WHERE status = 'pending' AND pending_expires_at < now() \
+             ORDER BY pending_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED)",
+    )
+    .bind(batch as i64)
+    .execute(pool)
+    .await?
+    .rows_affected();
+    if swept > 0 {
+        tracing::info!(swept, "swept expired pending reservations");
+        metrics::counter!("ductor_routing_swept_total").increment(swept);
+    }
+    Ok(swept)
+}
+
+/// Deletes long-dead rows (failed, or completed past their TTL, for longer
+/// than `retention`) in batches of `batch`, at most `max_rounds` statements.
+/// Never deletes a `pending` row.
+pub async fn purge(
+    pool: &PgPool,
+    retention: Duration,
+    batch: usize,
+    max_rounds: u32,
+) -> Result<u64, sqlx::Error> {
+    let mut total = 0;
+    for _ in 0..max_rounds {
+        let deleted = sqlx::query(
+            "DELETE FROM eec_routing_idempotency \
+             WHERE (tenant_scope, pool_id, idempotency_key) IN ( \
+                 SELECT tenant_scope, pool_id, idempotency_key FROM eec_routing_idempotency \
+                 WHERE (status = 'failed_before_commit' \
+                         AND updated_at < now() - make_interval(secs => $1)) \
+                    OR (status = 'completed' \
+                         AND expires_at < now() - make_interval(secs => $1)) \
+                 LIMIT $2 FOR UPDATE SKIP LOCKED) \
+               AND status <> 'pending'",
+        )
+        .bind(retention.as_secs_f64())
+        .bind(batch as i64)
+        .execute(pool)
+        .await?
+        .rows_affected();
+        total += deleted;
+        if deleted < batch as u64 {
+            break;
+        }
+    }
+    if total > 0 {
+        tracing::info!(purged = total, "purged long-dead idempotency rows");
+    }
+    Ok(total)
+}
+
+/// The duplicate-waiter policy of a pool.
+pub fn policy_for(config: &RoutingConfig, pool: &str) -> (DuplicatePolicy, Duration) {
+    let pool_cfg = config.pools.get(pool);
+    let policy = pool_cfg
+        .and_then(|p| p.duplicate_policy)
+        .unwrap_or(config.duplicate_policy);
+    let wait = pool_cfg
+        .and_then(|p| p.wait_timeout_ms)
+        .unwrap_or(config.wait_timeout_ms);
+    (policy, Duration::from_millis(wait))
+}
+
+pub fn count(outcome: &'static str) {
+    metrics::counter!("ductor_routing_requests_total", "outcome" => outcome).increment(1);
+}
