@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use ductor::client::worker::{DEFAULT_MAX_IN_FLIGHT, StepInput, StepOutcome, WorkerOptions};
+use ductor::client::worker::{DEFAULT_MAX_IN_FLIGHT, StepDispatch, StepOutcome, WorkerOptions};
 use ductor::config::Config;
 use rand::Rng;
 use serde_json::{Map, Value, json};
@@ -67,7 +67,7 @@ async fn main() -> anyhow::Result<()> {
     ductor::client::worker::run(options, move |step| handle(step, fail_rate, work), shutdown).await
 }
 
-async fn handle(step: StepInput, fail_rate: f64, work: Duration) -> StepOutcome {
+async fn handle(step: StepDispatch, fail_rate: f64, work: Duration) -> StepOutcome {
     tokio::time::sleep(work).await;
     if step.step == "charge" && rand::rng().random_bool(fail_rate) {
         tracing::info!(attempt = step.attempt, "charge declined (simulated)");

@@ -16,7 +16,8 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-use crate::coordinator::{InputLimits, ShapeLimits};
+use crate::contract::names::TopicNames;
+use crate::contract::{InputLimits, ShapeLimits};
 use figment::Figment;
 use figment::providers::{Format, Serialized, Toml};
 use serde::{Deserialize, Serialize};
@@ -722,28 +723,35 @@ impl Config {
         format!("{}{}", self.kafka.topic_prefix, suffix)
     }
 
+    /// The deployment's topic names, under `kafka.topic_prefix`.
+    pub fn topic_names(&self) -> TopicNames {
+        TopicNames {
+            prefix: self.kafka.topic_prefix.clone(),
+        }
+    }
+
     pub fn requests_topic(&self) -> String {
-        self.topic("requests")
+        self.topic_names().requests()
     }
 
     pub fn wakeups_topic(&self) -> String {
-        self.topic("wakeups")
+        self.topic_names().wakeups()
     }
 
     pub fn attempt_results_topic(&self) -> String {
-        self.topic("attempt-results")
+        self.topic_names().attempt_results()
     }
 
     pub fn events_topic(&self) -> String {
-        self.topic("events")
+        self.topic_names().events()
     }
 
     pub fn dlq_topic(&self) -> String {
-        self.topic("dlq")
+        self.topic_names().dead_letters()
     }
 
     pub fn steps_topic(&self, pool: &str) -> String {
-        self.topic(&format!("steps.{pool}"))
+        self.topic_names().steps(pool)
     }
 
     /// Every topic `ductor topics create` makes.

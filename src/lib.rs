@@ -26,6 +26,7 @@ pub mod apply;
 pub mod cli;
 pub mod client;
 pub mod config;
+pub mod contract;
 pub mod coordinator;
 pub mod infra;
 pub mod ingress;

@@ -179,7 +179,7 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
 
 async fn submit(args: SubmitArgs, config: Config) -> anyhow::Result<()> {
     let limits = config.input_limits();
-    let input: serde_json::Value = ductor::coordinator::parse_value(args.input.as_bytes(), &limits)
+    let input: serde_json::Value = ductor::contract::parse_value(args.input.as_bytes(), &limits)
         .map_err(|e| anyhow::anyhow!("--input: {e}"))?;
     let mut body = serde_json::json!({
         "workflow": args.workflow,
@@ -193,7 +193,7 @@ async fn submit(args: SubmitArgs, config: Config) -> anyhow::Result<()> {
     let key = args.idempotency_key.filter(|k| !k.is_empty());
     let request = ductor::routing::http::route_request_from_body(body, key)
         .map_err(|e| anyhow::anyhow!("{}: {}", e.code, e.message))?;
-    ductor::coordinator::bound_start(&request.start, args.input.len(), &limits)
+    ductor::contract::bound_start(&request.start, args.input.len(), &limits)
         .map_err(|e| anyhow::anyhow!("--input: {}: {}", e.class.as_str(), e.message))?;
     let workflows = ductor::infra::workflows::load_dir(&config.coordinator.workflows_dir)
         .map_err(|e| anyhow::anyhow!("{e}"))?;

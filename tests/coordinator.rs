@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::*;
 use ductor::apply::{InputOutcome, PendingInput};
 use ductor::config::Config;
-use ductor::coordinator::{InputLimits, InputTopic, decode_input};
+use ductor::contract::{InputLimits, InputTopic, decode_input};
 use ductor::ingress::{IngressContext, TestHooks};
 use rdkafka::message::{Headers, Message};
 use rdkafka::producer::FutureProducer;
@@ -757,7 +757,7 @@ async fn a_batch_with_an_input_postgres_refuses_commits_the_rest_and_isolates_it
         .map(|r| pending(InputTopic::Requests, start_json(r)))
         .collect();
     let poison = |run_id: &str, input: serde_json::Value| PendingInput {
-        input: ductor::coordinator::Input::Start(ductor::coordinator::RunStart {
+        input: ductor::contract::Input::Start(ductor::contract::RunStart {
             run_id: run_id.to_string(),
             tenant: "acme".into(),
             workflow: "example".into(),

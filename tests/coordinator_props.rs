@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use chrono::{DateTime, Utc};
+use ductor::contract::*;
 use ductor::coordinator::*;
 use proptest::prelude::*;
 use rand::rngs::StdRng;

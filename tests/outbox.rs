@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use common::*;
-use ductor::client::worker::{StepInput, StepOutcome};
+use ductor::client::worker::{StepDispatch, StepOutcome};
 use ductor::config::Config;
 use ductor::ingress::IngressContext;
 use ductor::outbox::{Drainer, RoundOutcome, Wakeup};
@@ -117,7 +117,7 @@ impl Env {
 
     fn worker<F, Fut>(&self, handler: F) -> Task
     where
-        F: Fn(StepInput) -> Fut + Send + Sync + 'static,
+        F: Fn(StepDispatch) -> Fut + Send + Sync + 'static,
         Fut: std::future::Future<Output = StepOutcome> + Send + 'static,
     {
         let options = ductor::client::worker::WorkerOptions::from_config(&self.config, "p");
@@ -195,7 +195,7 @@ impl Env {
     /// run, has succeeded, and proves that none of its attempts timed out.
     async fn serve_until_it_succeeds_on_time(&self, run_id: &str) {
         let serve = self.serve();
-        let worker = self.worker(|step: StepInput| async move {
+        let worker = self.worker(|step: StepDispatch| async move {
             StepOutcome::Succeeded(json!({"step": step.step}))
         });
         self.wait_all("succeeded", 1).await;
@@ -333,10 +333,9 @@ async fn committed_effects_take_the_fast_lane_and_runs_finish_without_polling() 
     )
     .await;
     let serve = env.serve();
-    let worker =
-        env.worker(
-            |step: StepInput| async move { StepOutcome::Succeeded(json!({"step": step.step})) },
-        );
+    let worker = env.worker(|step: StepDispatch| async move {
+        StepOutcome::Succeeded(json!({"step": step.step}))
+    });
     let before = fast_lane_total();
     let runs: Vec<String> = (0..RUNS).map(|i| format!("{}-{i}", unique("f"))).collect();
     env.start_runs(&runs).await;
@@ -369,7 +368,7 @@ async fn a_thousand_runs_with_a_flaky_step_all_succeed_with_headers_and_order() 
     .await;
     let serve = env.serve();
     // Step "b" fails (retryably) on its first attempt for every third run.
-    let worker = env.worker(|step: StepInput| async move {
+    let worker = env.worker(|step: StepDispatch| async move {
         let flaky = step.run_id.ends_with(['0', '3', '6', '9']);
         if step.step == "b" && step.attempt == 1 && flaky {
             StepOutcome::Failed {
@@ -568,7 +567,7 @@ async fn a_retry_fires_after_its_backoff_and_a_pending_timer_survives_a_restart(
     )
     .await;
     let first = env.serve();
-    let worker = env.worker(|step: StepInput| async move {
+    let worker = env.worker(|step: StepDispatch| async move {
         if step.step == "a" && step.attempt == 1 {
             StepOutcome::Failed {
                 message: "try again".into(),
@@ -909,7 +908,7 @@ async fn an_effect_the_broker_refuses_is_parked_without_holding_anything_up_and_
     })
     .await;
     let serve = env.serve();
-    let worker = env.worker(|step: StepInput| async move {
+    let worker = env.worker(|step: StepDispatch| async move {
         if step.step == "c" && step.run_id.starts_with("big-") {
             // Random hex: lz4 cannot shrink it below the topic's limit.
             let noise: String = (0..256)
@@ -966,7 +965,7 @@ async fn an_effect_the_broker_refuses_is_parked_without_holding_anything_up_and_
              WHERE run_id = $1 AND ce_type = $2 AND status = 'completed'",
         )
         .bind(&big)
-        .bind(ductor::outbox::CE_EFFECT_PARKED)
+        .bind(ductor::contract::EffectKind::EffectParked.ce_type())
         .fetch_optional(&env.db.pool)
         .await
         .unwrap()

@@ -12,10 +12,10 @@ use std::time::Duration;
 use chrono::{TimeDelta, Utc};
 use common::*;
 use ductor::client::dedup::{self, Claim, ClaimError};
-use ductor::client::worker::{StepInput, StepOutcome, TestHooks, WorkerOptions};
+use ductor::client::worker::{StepDispatch, StepOutcome, TestHooks, WorkerOptions};
 use ductor::config::Config;
-use ductor::coordinator::fold::rfc3339;
-use ductor::coordinator::{
+use ductor::contract::effects::rfc3339;
+use ductor::contract::{
     AttemptOutcome, AttemptResult, Input, InputLimits, InputTopic, decode_input,
 };
 use rdkafka::ClientConfig;
@@ -97,7 +97,7 @@ impl Harness {
 
     fn start<F, Fut>(&self, options: WorkerOptions, handler: F) -> RunningWorker
     where
-        F: Fn(StepInput) -> Fut + Send + Sync + 'static,
+        F: Fn(StepDispatch) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = StepOutcome> + Send + 'static,
     {
         let shutdown = CancellationToken::new();
@@ -202,8 +202,8 @@ fn key_of(msg: &OwnedMessage) -> String {
 /// A handler that reports every stamp it sees and echoes its input.
 fn echo(
     seen: mpsc::UnboundedSender<Uuid>,
-) -> impl Fn(StepInput) -> std::future::Ready<StepOutcome> {
-    move |step: StepInput| {
+) -> impl Fn(StepDispatch) -> std::future::Ready<StepOutcome> {
+    move |step: StepDispatch| {
         let _ = seen.send(step.stamp);
         std::future::ready(StepOutcome::Succeeded(
             json!({"echo": step.input, "step": step.step}),
@@ -272,7 +272,7 @@ async fn a_failing_handler_publishes_failed_with_the_retryable_flag_it_returned(
         .await;
         expected.insert(run_id, (stamp, retryable));
     }
-    let worker = h.start(h.options.clone(), |step: StepInput| async move {
+    let worker = h.start(h.options.clone(), |step: StepDispatch| async move {
         StepOutcome::Failed {
             message: format!("boom in {}", step.run_id),
             retryable: step.input["retryable"].as_bool().unwrap_or(true),
@@ -395,7 +395,7 @@ async fn a_later_dispatch_finishing_first_does_not_move_the_offset_past_an_unfin
 
     let mut options = h.options.clone();
     options.shutdown_grace = Duration::from_millis(200);
-    let worker = h.start(options, move |step: StepInput| async move {
+    let worker = h.start(options, move |step: StepDispatch| async move {
         if step.stamp == stuck {
             std::future::pending::<()>().await;
         }
@@ -437,7 +437,7 @@ async fn a_panicking_or_overrunning_handler_reports_a_retryable_failure() {
     }
     let mut options = h.options.clone();
     options.handler_timeout = Some(Duration::from_millis(300));
-    let worker = h.start(options, move |step: StepInput| async move {
+    let worker = h.start(options, move |step: StepDispatch| async move {
         if step.stamp == panics {
             panic!("handler bug");
         }
@@ -661,7 +661,7 @@ async fn a_result_the_coordinator_would_refuse_is_reported_as_a_failure_for_good
     }
     let mut options = h.options.clone();
     options.max_result_bytes = 4096;
-    let worker = h.start(options, |step: StepInput| async move {
+    let worker = h.start(options, |step: StepDispatch| async move {
         let deep = (0..100).fold(json!(1), |v, _| json!([v]));
         match step.input["kind"].as_str().unwrap_or_default() {
             "big" => StepOutcome::Succeeded(json!("x".repeat(10_000))),

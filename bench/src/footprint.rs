@@ -29,9 +29,8 @@ use uuid::Uuid;
 
 use super::env::{BenchEnv, WORKFLOW};
 use super::stats::{CpuCores, CpuTicks, Progress};
-use ductor::coordinator::{
-    AttemptOutcome, AttemptResult, Decision, Entropy, Input, RunStart, Transition, fold,
-};
+use ductor::contract::{AttemptOutcome, AttemptResult, Input, RunStart};
+use ductor::coordinator::{Decision, Entropy, Transition, fold};
 
 /// Runs seeded at least, so tables and indexes have a realistic size.
 const MIN_SEEDED_RUNS: usize = 2_000;
@@ -119,7 +118,7 @@ impl Template {
             now,
             &entropy(),
         ))?;
-        let topics = ductor::apply::TopicNames {
+        let topics = ductor::contract::TopicNames {
             prefix: config.kafka.topic_prefix,
         };
         let effects = second
@@ -128,19 +127,19 @@ impl Template {
             .map(|e| {
                 Ok((
                     topics.for_target(&e.target),
-                    e.ce_type.clone(),
+                    e.kind.ce_type().to_owned(),
                     serde_json::to_vec(&e.payload)?,
                     e.not_before.is_none(),
                 ))
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         anyhow::ensure!(effects.len() == 3, "expected event, dispatch and timer");
-        let key = ductor::apply::idempotency_key(&run_id, 2, 0);
+        let key = ductor::contract::idempotency_key(&run_id, 2, 0);
         let headers = json!({
             "idempotency-key": key, "ductor-run-id": run_id, "ductor-seq": "2",
             "ductor-tenant": "bench", "ce_specversion": "1.0", "ce_id": key,
             "ce_source": format!("/ductor/workflows/{WORKFLOW}/v1"),
-            "ce_type": ductor::coordinator::fold::CE_RUN_EVENT,
+            "ce_type": ductor::contract::EffectKind::RunEvent.ce_type(),
             "ce_time": now.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
             "ce_subject": run_id, "content-type": "application/json",
         });
@@ -423,7 +422,7 @@ async fn iteration(
     let none_big: Vec<i64> = Vec::new();
     let none_time: Vec<DateTime<Utc>> = Vec::new();
     let none_opt_time: Vec<Option<DateTime<Utc>>> = Vec::new();
-    let query = sqlx::query(&ductor::apply::WRITE_BATCH_SQL)
+    let query = sqlx::query(&ductor::apply::batch::WRITE_BATCH_SQL)
         .bind(&none_text)
         .bind(&none_text)
         .bind(&none_text)
@@ -464,7 +463,7 @@ async fn iteration(
             run_ids.push(id.as_str());
             seq_col.push(seqs[j]);
             index_col.push(index as i32);
-            keys.push(ductor::apply::idempotency_key(id, seqs[j], index));
+            keys.push(ductor::contract::idempotency_key(id, seqs[j], index));
             topics.push(topic.as_str());
             message_keys.push(id.as_bytes());
             payloads.push(payload.as_slice());
@@ -481,7 +480,7 @@ async fn iteration(
     }
     let finished_timers: Vec<String> = old_stamps
         .iter()
-        .map(|s| ductor::apply::timeout_cancel_key(&s.to_string()))
+        .map(|s| ductor::contract::timeout_cancel_key(&s.to_string()))
         .collect();
     let row = query
         .bind(&ids)

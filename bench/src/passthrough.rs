@@ -32,7 +32,7 @@ use super::env::{BenchEnv, INPUTS_PER_RUN, POOL, STEPS, WORKFLOW};
 use super::pipeline::{echo, produce_all, start_request, worker_options};
 use super::stats::{CpuCores, CpuTicks, Progress, Watchdog, messages_between, topic_offsets};
 use ductor::config::Config;
-use ductor::coordinator::fold::{CE_RUN_EVENT, CE_STEP_DISPATCH};
+use ductor::contract::EffectKind;
 
 /// Kafka-only throughput of the pipeline's traffic.
 #[derive(Debug, Clone, Serialize)]
@@ -298,7 +298,7 @@ async fn coordinate(
                 &run.tenant,
                 run.seq,
                 0,
-                CE_RUN_EVENT,
+                EffectKind::RunEvent.ce_type(),
                 &at,
                 &event,
             )?);
@@ -322,7 +322,7 @@ async fn coordinate(
                 &run.tenant,
                 run.seq,
                 1,
-                CE_STEP_DISPATCH,
+                EffectKind::StepDispatch.ce_type(),
                 &at,
                 &dispatch,
             )?);
@@ -365,7 +365,7 @@ fn out(
     at: &str,
     payload: &Value,
 ) -> anyhow::Result<Out> {
-    let key = ductor::apply::idempotency_key(run_id, seq, index);
+    let key = ductor::contract::idempotency_key(run_id, seq, index);
     let seq_text = seq.to_string();
     let source = format!("/ductor/workflows/{WORKFLOW}/v1");
     let pairs = [

@@ -25,7 +25,7 @@ use super::stats::{
     CpuCores, CpuTicks, Histograms, PgCounters, PgPerInput, Progress, Watchdog, messages_between,
     topic_offsets,
 };
-use ductor::client::worker::{StepInput, StepOutcome, WorkerOptions};
+use ductor::client::worker::{StepDispatch, StepOutcome, WorkerOptions};
 use ductor::config::Config;
 
 /// How often a wait looks at the database.
@@ -57,7 +57,7 @@ pub fn worker_options(config: &Config, max_in_flight: usize) -> WorkerOptions {
 }
 
 /// The echo worker's handler: a step's output is its input.
-pub async fn echo(step: StepInput) -> StepOutcome {
+pub async fn echo(step: StepDispatch) -> StepOutcome {
     StepOutcome::Succeeded(step.input)
 }
 

@@ -72,10 +72,10 @@ use super::CheckArgs;
 use super::history::{self, AttemptRow, IntentRow, RunRow, RunRows, TransitionRow};
 use super::log::{self, Record};
 use super::topics::{self, Msg};
-use ductor::apply::TopicNames;
 use ductor::config::Config;
+use ductor::contract::TopicNames;
+use ductor::contract::headers;
 use ductor::coordinator::Workflows;
-use ductor::ingress::dead_letter as dlq;
 
 /// Examples kept per violation kind.
 const MAX_EXAMPLES: usize = 3;
@@ -866,10 +866,10 @@ pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
     let mut dead: HashSet<(String, i32, i64)> = HashSet::new();
     for m in inp.msgs.iter().filter(|m| m.topic == dlq_topic) {
         let pos = (
-            m.header_str(dlq::HEADER_TOPIC).map(String::from),
-            m.header_str(dlq::HEADER_PARTITION)
+            m.header_str(headers::DLQ_TOPIC).map(String::from),
+            m.header_str(headers::DLQ_PARTITION)
                 .and_then(|p| p.parse().ok()),
-            m.header_str(dlq::HEADER_OFFSET)
+            m.header_str(headers::DLQ_OFFSET)
                 .and_then(|o| o.parse().ok()),
         );
         if let (Some(t), Some(p), Some(o)) = pos {

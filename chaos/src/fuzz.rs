@@ -45,7 +45,7 @@ use tokio_util::sync::CancellationToken;
 
 use ductor::apply::Source;
 use ductor::config::Config;
-use ductor::coordinator::{InputLimits, InputTopic};
+use ductor::contract::{InputLimits, InputTopic};
 
 /// What to send.
 #[derive(Debug, Clone, clap::Args)]
@@ -296,7 +296,7 @@ pub async fn run(config: &Config, args: &FuzzArgs) -> anyhow::Result<FuzzReport>
     let hostile = HostileWorker::new(config)?;
     let handler = {
         let hostile = hostile.clone();
-        move |step: ductor::client::worker::StepInput| {
+        move |step: ductor::client::worker::StepDispatch| {
             let hostile = hostile.clone();
             async move { hostile.answer(step).await }
         }
@@ -377,11 +377,11 @@ impl HostileWorker {
 
     async fn answer(
         &self,
-        step: ductor::client::worker::StepInput,
+        step: ductor::client::worker::StepDispatch,
     ) -> ductor::client::worker::StepOutcome {
         let outcome = answer(&step);
         if step.step_index == 0 && step.attempt == 1 {
-            let stale = ductor::client::worker::StepInput {
+            let stale = ductor::client::worker::StepDispatch {
                 stamp: uuid::Uuid::new_v4(),
                 ..step.clone()
             };
@@ -427,7 +427,7 @@ impl HostileWorker {
 /// What the harness's worker answers: each step succeeds, except the first
 /// step of a garbage run, which returns an output the worker's own screen
 /// refuses.
-fn answer(step: &ductor::client::worker::StepInput) -> ductor::client::worker::StepOutcome {
+fn answer(step: &ductor::client::worker::StepDispatch) -> ductor::client::worker::StepOutcome {
     let garbage = match step.input.get(GARBAGE_FIELD).and_then(Value::as_u64) {
         Some(kind) if step.step_index == 0 => kind,
         _ => return ductor::client::worker::StepOutcome::Succeeded(json!({"step": step.step})),
@@ -797,25 +797,23 @@ struct Letter {
 impl Letter {
     fn of(m: &super::topics::Msg) -> Letter {
         let position = (
-            m.header_str(ductor::ingress::dead_letter::HEADER_TOPIC)
+            m.header_str(ductor::contract::headers::DLQ_TOPIC)
                 .unwrap_or_default()
                 .to_string(),
-            m.header_str(ductor::ingress::dead_letter::HEADER_PARTITION)
+            m.header_str(ductor::contract::headers::DLQ_PARTITION)
                 .and_then(|p| p.parse().ok())
                 .unwrap_or(-1),
-            m.header_str(ductor::ingress::dead_letter::HEADER_OFFSET)
+            m.header_str(ductor::contract::headers::DLQ_OFFSET)
                 .and_then(|o| o.parse().ok())
                 .unwrap_or(-1),
         );
         Letter {
             position,
             class: m
-                .header_str(ductor::ingress::dead_letter::HEADER_CLASS)
+                .header_str(ductor::contract::headers::DLQ_CLASS)
                 .unwrap_or_default()
                 .to_string(),
-            staged: m
-                .header_str(ductor::ingress::dead_letter::HEADER_STAGE)
-                .is_some(),
+            staged: m.header_str(ductor::contract::headers::DLQ_STAGE).is_some(),
         }
     }
 }
@@ -883,7 +881,7 @@ mod tests {
     fn generated_inputs_are_all_refused_and_varied() {
         let limits = InputLimits {
             max_bytes: 65_536,
-            shape: ductor::coordinator::ShapeLimits {
+            shape: ductor::contract::ShapeLimits {
                 max_depth: 16,
                 max_string_bytes: 1_024,
                 max_array_items: 100,

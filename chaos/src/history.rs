@@ -56,11 +56,10 @@ use uuid::Uuid;
 
 use super::check::Violations;
 use super::topics::Msg;
-use ductor::apply::TopicNames;
+use ductor::contract::TopicNames;
+use ductor::contract::{Input, InputTopic, RunStart};
 use ductor::coordinator::fold::{KIND_RUN_CANCELLED, KIND_RUN_FAILED, KIND_RUN_SIGNALLED};
-use ductor::coordinator::{
-    Decision, Entropy, Input, InputTopic, RunStart, RunState, STATE_TOO_LARGE, Workflows, fold,
-};
+use ductor::coordinator::{Decision, Entropy, RunState, STATE_TOO_LARGE, Workflows, fold};
 
 /// A `runs` row.
 #[derive(Debug, Clone)]
@@ -136,7 +135,7 @@ pub struct Context<'a> {
     pub wakeups_topic: &'a str,
     pub results_topic: &'a str,
     /// The bounds the serves kept (size and shape).
-    pub limits: ductor::coordinator::InputLimits,
+    pub limits: ductor::contract::InputLimits,
     /// The serves' `coordinator.max_state_bytes`.
     pub max_state_bytes: usize,
 }
@@ -576,7 +575,7 @@ fn compare_effects(
     ctx: &Context<'_>,
     rows: &RunRows<'_>,
     t: &TransitionRow,
-    effects: &[ductor::coordinator::Effect],
+    effects: &[ductor::contract::Effect],
 ) -> Result<(), String> {
     let run = rows.run;
     let mine: Vec<&&IntentRow> = rows.intents.iter().filter(|i| i.seq == t.seq).collect();
@@ -598,7 +597,7 @@ fn compare_effects(
                 intent.topic != ctx.topics.for_target(&effect.target),
             ),
             ("payload", stored.as_ref() != Some(&effect.payload)),
-            ("ce_type", intent.ce_type != effect.ce_type),
+            ("ce_type", intent.ce_type != effect.kind.ce_type()),
             ("not_before", intent.not_before != due),
             ("tenant", intent.tenant != run.tenant),
             ("message key", intent.message_key != run.run_id.as_bytes()),

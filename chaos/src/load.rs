@@ -50,7 +50,7 @@ use uuid::Uuid;
 
 use super::LoadArgs;
 use super::log::{self, LogWriter, Record};
-use ductor::client::worker::{StepInput, StepOutcome};
+use ductor::client::worker::{StepDispatch, StepOutcome};
 use ductor::config::Config;
 
 /// Kafka sends in flight at once.
@@ -138,7 +138,7 @@ struct Driver {
     wakeups: String,
     results: String,
     /// The serves' input limits, for generating inputs they must refuse.
-    limits: ductor::coordinator::InputLimits,
+    limits: ductor::contract::InputLimits,
     workflows: Vec<String>,
     tenants: Vec<String>,
     http: Vec<SocketAddr>,
@@ -885,7 +885,7 @@ impl Driver {
 
     /// One of the fuzz harness's hostile inputs, on a random input topic.
     async fn hostile(&self) {
-        use ductor::coordinator::InputTopic;
+        use ductor::contract::InputTopic;
         use rand::SeedableRng;
         let (kind, topic) = match rand::random_range(0..3u32) {
             0 => (InputTopic::Requests, &self.requests),
@@ -1147,7 +1147,7 @@ impl Driver {
                     continue;
                 }
             };
-            let Ok(step) = StepInput::decode(m.payload().unwrap_or_default()) else {
+            let Ok(step) = StepDispatch::decode(m.payload().unwrap_or_default()) else {
                 continue;
             };
             self.touch();
@@ -1157,7 +1157,7 @@ impl Driver {
         }
     }
 
-    async fn answer(&self, step: StepInput) {
+    async fn answer(&self, step: StepDispatch) {
         let success = StepOutcome::Succeeded(json!({
             "step": step.step, "attempt": step.attempt, "n": self.next_n(),
         }));
@@ -1222,7 +1222,7 @@ impl Driver {
         }
     }
 
-    async fn delayed(&self, step: StepInput, outcome: StepOutcome, delay: Duration, note: &str) {
+    async fn delayed(&self, step: StepDispatch, outcome: StepOutcome, delay: Duration, note: &str) {
         if self.delayed.fetch_add(1, Ordering::SeqCst) >= MAX_DELAYED_ANSWERS {
             self.delayed.fetch_sub(1, Ordering::SeqCst);
             return self.send_result(&step, &outcome, Some(note)).await;
@@ -1232,7 +1232,7 @@ impl Driver {
         self.delayed.fetch_sub(1, Ordering::SeqCst);
     }
 
-    async fn send_result(&self, step: &StepInput, outcome: &StepOutcome, note: Option<&str>) {
+    async fn send_result(&self, step: &StepDispatch, outcome: &StepOutcome, note: Option<&str>) {
         let bytes = serde_json::to_vec(&outcome.to_result_json(step)).unwrap_or_default();
         let rec = Record {
             kind: Some(log::KIND_RESULT.into()),

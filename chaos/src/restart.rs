@@ -119,7 +119,7 @@ pub async fn run(config: &Config, args: &RestartArgs) -> anyhow::Result<RestartR
     let shutdown = CancellationToken::new();
     let worker = tokio::spawn(ductor::client::worker::run(
         ductor::client::worker::WorkerOptions::from_config(&config, WORKFLOW),
-        |step: ductor::client::worker::StepInput| async move {
+        |step: ductor::client::worker::StepDispatch| async move {
             ductor::client::worker::StepOutcome::Succeeded(json!({"step": step.step}))
         },
         shutdown.clone(),

@@ -10,8 +10,11 @@
 //! won a race: the transaction is rolled back and the whole batch recomputed
 //! from fresh state, so no input of the batch is lost or applied twice.
 
+pub mod batch;
+mod plan;
+
 use std::collections::{HashMap, HashSet};
-use std::sync::{LazyLock, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -20,9 +23,15 @@ use sqlx::{PgConnection, PgPool, Postgres, Row, Transaction as PgTx};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::contract::effects::RunAccepted;
+use crate::contract::headers::{EffectOrigin, effect_headers};
+use crate::contract::input::SCHEMA_VERSION;
+use crate::contract::{
+    Effect, EffectKind, EffectTarget, Input, TopicNames, idempotency_key, timeout_cancel_key,
+};
 use crate::coordinator::{
-    AttemptRecord, AttemptStatus, AttemptWrite, Decision, Effect, EffectTarget, Entropy, Input,
-    NoOpReason, Rejection, RunState, RunStatus, Workflows, fold,
+    AttemptRecord, AttemptStatus, AttemptWrite, Decision, Entropy, NoOpReason, Rejection, RunState,
+    RunStatus, Workflows, fold,
 };
 use crate::routing::{self, Reservation, ReserveKind, RouteOutcome, RouteRequest};
 
@@ -104,7 +113,7 @@ impl ApplyError {
         let failure = |class, message: String| {
             Some(ApplyFailure {
                 class,
-                message: crate::coordinator::input::truncate(message, MAX_FAILURE_MESSAGE_LEN),
+                message: crate::contract::input::truncate(message, MAX_FAILURE_MESSAGE_LEN),
             })
         };
         match self {
@@ -158,23 +167,6 @@ pub struct IsolatedBatch {
 enum Failed {
     Permanent(ApplyFailure),
     Stopped(ApplyError),
-}
-
-/// Topic naming, so the pure effects can be given real topic names.
-#[derive(Debug, Clone)]
-pub struct TopicNames {
-    pub prefix: String,
-}
-
-impl TopicNames {
-    pub fn for_target(&self, target: &EffectTarget) -> String {
-        match target {
-            EffectTarget::StepQueue { pool } => format!("{}steps.{pool}", self.prefix),
-            EffectTarget::Events => format!("{}events", self.prefix),
-            EffectTarget::Wakeups => format!("{}wakeups", self.prefix),
-            EffectTarget::Output { topic } => topic.clone(),
-        }
-    }
 }
 
 /// The apply layer's fixed inputs.
@@ -328,37 +320,6 @@ impl RunCache {
     }
 }
 
-/// The cancel key of the timeout timer of the attempt `stamp`.
-pub fn timeout_cancel_key(stamp: &str) -> String {
-    format!("timeout:{stamp}")
-}
-
-/// The deterministic idempotency key of an effect: the same on every
-/// redelivery because it is derived from the run, the transition seq and the
-/// effect's index in that transition.
-pub fn idempotency_key(run_id: &str, seq: i64, effect_index: usize) -> String {
-    format!("{run_id}/{seq}/{effect_index}")
-}
-
-pub fn status_str(status: RunStatus) -> &'static str {
-    match status {
-        RunStatus::Running => "running",
-        RunStatus::Succeeded => "succeeded",
-        RunStatus::Failed => "failed",
-        RunStatus::Cancelled => "cancelled",
-    }
-}
-
-pub fn attempt_status_str(status: AttemptStatus) -> &'static str {
-    match status {
-        AttemptStatus::Dispatched => "dispatched",
-        AttemptStatus::Succeeded => "succeeded",
-        AttemptStatus::Failed => "failed",
-        AttemptStatus::TimedOut => "timed_out",
-        AttemptStatus::Cancelled => "cancelled",
-    }
-}
-
 fn fresh_entropy() -> Entropy {
     Entropy {
         stamp: Uuid::new_v4(),
@@ -367,6 +328,7 @@ fn fresh_entropy() -> Entropy {
 }
 
 /// A run as loaded: its state and the record_version the UPDATE must match.
+#[derive(Debug)]
 struct Loaded {
     state: Option<RunState>,
     loaded_version: Option<i64>,
@@ -377,16 +339,26 @@ struct Loaded {
 }
 
 /// Everything one attempt at committing a batch will write.
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct Writes {
     transitions: Vec<TransitionRow>,
     attempt_inserts: Vec<(String, AttemptRecord)>,
-    attempt_finishes: Vec<(Uuid, AttemptStatus, DateTime<Utc>, Option<String>)>,
+    attempt_finishes: Vec<AttemptFinish>,
     intents: Vec<IntentRow>,
     /// A routing row could not be completed: another caller took the key.
     routing_lost: bool,
 }
 
+/// An attempt the batch finishes, updated only while still `dispatched`.
+#[derive(Debug)]
+struct AttemptFinish {
+    stamp: Uuid,
+    status: AttemptStatus,
+    finished_at: DateTime<Utc>,
+    error: Option<String>,
+}
+
+#[derive(Debug)]
 struct TransitionRow {
     run_id: String,
     seq: i64,
@@ -402,6 +374,7 @@ struct TransitionRow {
 
 /// An effect intent as it will be published: topic, key, headers and payload
 /// bytes are all fixed here, at commit.
+#[derive(Debug)]
 pub struct IntentRow {
     pub run_id: String,
     pub seq: i64,
@@ -873,22 +846,17 @@ impl Applier {
         };
         // The caller learns its decision from a run.accepted event, the last
         // effect of the run's first transition.
-        let accepted = Effect {
-            target: EffectTarget::Events,
-            ce_type: "ductor.run.accepted".to_string(),
-            payload: serde_json::json!({
-                "type": "run.accepted",
-                "schema_version": 1,
-                "run_id": decision.run_id,
-                "tenant": decision.tenant,
-                "pool": decision.pool,
-                "workflow": decision.workflow,
-                "workflow_version": decision.workflow_version,
-                "idempotency_key": decision.idempotency_key,
-                "correlation_id": start.correlation_id,
-            }),
-            not_before: None,
+        let accepted = RunAccepted {
+            schema_version: SCHEMA_VERSION,
+            run_id: &decision.run_id,
+            tenant: &decision.tenant,
+            pool: &decision.pool,
+            workflow: &decision.workflow,
+            workflow_version: decision.workflow_version,
+            idempotency_key: decision.idempotency_key.as_deref(),
+            correlation_id: start.correlation_id.as_deref(),
         };
+        let accepted = Effect::now(EffectTarget::Events, EffectKind::RunAccepted, &accepted);
         let row = self.intent_row(state, seq, effects, accepted, now)?;
         writes.intents.push(row);
         if let Some(key) = &request.key
@@ -933,8 +901,8 @@ impl Applier {
             seq,
             input_ref: record.input_ref,
             kind: record.kind,
-            from_status: record.from_status.map(status_str),
-            to_status: status_str(record.to_status),
+            from_status: record.from_status.map(RunStatus::as_str),
+            to_status: record.to_status.as_str(),
             step_index: record.step_index as i32,
             detail: serde_json::to_string(&record.detail)?,
             source: source.cloned(),
@@ -963,9 +931,12 @@ impl Applier {
                         row.finished_at = Some(finished_at);
                         row.error = error;
                     } else {
-                        writes
-                            .attempt_finishes
-                            .push((stamp, status, finished_at, error));
+                        writes.attempt_finishes.push(AttemptFinish {
+                            stamp,
+                            status,
+                            finished_at,
+                            error,
+                        });
                     }
                 }
             }
@@ -991,30 +962,15 @@ impl Applier {
     ) -> Result<IntentRow, ApplyError> {
         let key = idempotency_key(&state.run_id, seq, index);
         let topic = self.topics.for_target(&effect.target);
-        let mut headers = serde_json::Map::new();
-        let mut put = |k: &str, v: String| {
-            headers.insert(k.to_string(), Value::String(v));
+        let origin = EffectOrigin {
+            run_id: &state.run_id,
+            tenant: &state.tenant,
+            workflow: &state.workflow,
+            workflow_version: state.workflow_version,
+            seq,
+            at,
         };
-        put("idempotency-key", key.clone());
-        put("ductor-run-id", state.run_id.clone());
-        put("ductor-seq", seq.to_string());
-        put("ductor-tenant", state.tenant.clone());
-        put("ce_specversion", "1.0".to_string());
-        put("ce_id", key.clone());
-        put(
-            "ce_source",
-            format!(
-                "/ductor/workflows/{}/v{}",
-                state.workflow, state.workflow_version
-            ),
-        );
-        put("ce_type", effect.ce_type.clone());
-        put(
-            "ce_time",
-            at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-        );
-        put("ce_subject", state.run_id.clone());
-        put("content-type", "application/json".to_string());
+        let headers = effect_headers(&origin, &key, effect.kind.ce_type());
         let cancel_key = match (&effect.target, effect.payload.get("timer")) {
             (EffectTarget::Wakeups, Some(timer)) if timer == "timeout" => effect
                 .payload
@@ -1034,7 +990,7 @@ impl Applier {
             message_key: state.run_id.as_bytes().to_vec(),
             headers,
             payload: serde_json::to_vec(&effect.payload)?,
-            ce_type: effect.ce_type,
+            ce_type: effect.kind.ce_type().to_owned(),
             due: effect.not_before.is_none_or(|t| t <= at),
             not_before: effect.not_before.unwrap_or(at),
         })
@@ -1145,11 +1101,12 @@ struct Handed {
 
 /// Writes everything; `Ok(None)` when a conditional write lost a race.
 ///
-/// One statement, [`WRITE_BATCH_SQL`]: the runs (inserts and conditional
-/// updates), the history and the effects (transitions, attempts, timer
-/// cancels and intents), each set-based over the whole batch, so a batch
-/// costs one round trip whatever its size. A count that falls short of what
-/// was sent is a lost race, and the statement rolls back on its own.
+/// One statement, [`batch::WRITE_BATCH_SQL`]: the runs (inserts and
+/// conditional updates), the history and the effects (transitions,
+/// attempts, timer cancels and intents), each set-based over the whole
+/// batch, so a batch costs one round trip whatever its size. A count that
+/// falls short of what was sent is a lost race, and the statement rolls
+/// back on its own.
 async fn write_all(
     conn: &mut PgConnection,
     runs: &HashMap<String, Loaded>,
@@ -1157,52 +1114,18 @@ async fn write_all(
     notify: bool,
     handoff: Option<&crate::outbox::Handoff>,
 ) -> Result<Option<Handed>, ApplyError> {
-    // Runs: inserts for new ones, conditional updates for existing ones.
-    let mut ins = RunColumns::default();
-    let mut upd = RunColumns::default();
-    let mut states = Vec::new();
-    for loaded in runs.values().filter(|l| l.changed) {
-        let Some(state) = &loaded.state else { continue };
-        let mut state = state.clone();
-        let encoded = match loaded.loaded_version {
-            None => {
-                state.record_version = 1;
-                ins.push(&state, 0)?
-            }
-            Some(version) => {
-                state.record_version = version + 1;
-                upd.push(&state, version)?
-            }
-        };
-        states.push((state, encoded));
-    }
-    if ins.run_id.is_empty()
-        && upd.run_id.is_empty()
-        && writes.transitions.is_empty()
-        && writes.attempt_inserts.is_empty()
-        && writes.attempt_finishes.is_empty()
-        && writes.intents.is_empty()
-    {
-        // Every input was a no-op or a rejection: nothing to write.
+    let claim = handoff.map(|h| plan::FastLaneClaim {
+        drainer_id: h.drainer_id(),
+        lease_s: h.lease_s(),
+    });
+    let plan = plan::plan(runs, writes, claim)?;
+    if plan.write.is_empty() {
         return Ok(Some(Handed::default()));
     }
-    let history = HistoryColumns::new(writes, handoff)?;
     // Nothing of the batch has reached the database yet.
     crate::crash_point!("apply.after_update");
-    let expected = (!CANARY_IGNORES_CONFLICTS).then(|| {
-        [
-            ins.run_id.len(),
-            upd.run_id.len(),
-            history.transitions.len(),
-            history.attempts.len(),
-            history.finishes.len(),
-        ]
-        .map(|n| n as i64)
-        .to_vec()
-    });
-    let query = history.bind(upd.bind_update(ins.bind_insert(sqlx::query(&WRITE_BATCH_SQL))));
     let written = {
-        let fetch = std::pin::pin!(query.bind(expected).fetch_one(&mut *conn));
+        let fetch = std::pin::pin!(plan.write.query().fetch_one(&mut *conn));
         // Sent, and the process dies before the reply: whether the batch
         // committed is up to the database.
         #[cfg(feature = "failpoints")]
@@ -1217,19 +1140,12 @@ async fn write_all(
             // came (the connection broke) may still have committed, claims
             // and all: they are nobody's, so give them back.
             if let Some(handoff) = handoff {
-                let positions = history
-                    .intents
-                    .iter()
-                    .filter(|i| i.due)
-                    .map(|i| (i.run_id.clone(), i.seq, i.effect_index))
-                    .collect();
-                handoff.uncertain_at(positions).await;
+                handoff.uncertain_at(due_positions(&plan.intents)).await;
             }
             return Err(e.into());
         }
     };
-    let mut handed = history.handed(&row)?;
-    handed.states = states;
+    let handed = handed(plan, &row)?;
     if !writes.intents.is_empty() {
         crate::crash_point!("apply.after_intents");
     }
@@ -1243,201 +1159,13 @@ async fn write_all(
     Ok(Some(handed))
 }
 
-/// The optimistic lock of the runs update.
-#[cfg(not(feature = "canary-no-version-check"))]
-macro_rules! version_check {
-    () => {
-        "r.record_version = u.expected_version AND r.last_transition_seq < u.seq"
-    };
-}
-
-/// Canary: the version check is gone, so a stale writer overwrites a newer
-/// state (a lost update). Only for proving the chaos checker notices.
-#[cfg(feature = "canary-no-version-check")]
-macro_rules! version_check {
-    () => {
-        "u.expected_version IS NOT NULL"
-    };
-}
-
-/// Canary: a stale writer re-emits effects that the winner already wrote;
-/// swallowing the duplicate rows lets its lost update commit.
-#[cfg(feature = "canary-no-version-check")]
-macro_rules! canary_on_conflict {
-    () => {
-        " ON CONFLICT DO NOTHING"
-    };
-}
-#[cfg(not(feature = "canary-no-version-check"))]
-macro_rules! canary_on_conflict {
-    () => {
-        ""
-    };
-}
-
-/// The runs of a batch, as the common table expressions `ins` and `upd` of
-/// [`WRITE_BATCH_SQL`] (parameters `$1`..`$18`): new ones inserted, changed
-/// ones updated only where `record_version` is still the one loaded (zero
-/// rows for a run means another writer won).
-const RUNS_CTES: &str = concat!(
-    "ins AS ( \
-         INSERT INTO runs (run_id, tenant_scope, pool_id, workflow_name, workflow_version, \
-             status, record_version, last_transition_seq, state, created_at, updated_at, finished_at) \
-         SELECT u.run_id, u.tenant, u.pool, u.workflow, u.version, u.status, 1, u.seq, \
-             u.state::jsonb, u.created_at, u.updated_at, u.finished_at \
-         FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::int4[], $6::text[], \
-             $7::int8[], $8::text[], $9::timestamptz[], $10::timestamptz[], $11::timestamptz[]) \
-             AS u(run_id, tenant, pool, workflow, version, status, seq, state, created_at, \
-                  updated_at, finished_at) \
-         ON CONFLICT (run_id) DO NOTHING \
-         RETURNING 1 \
-     ), upd AS ( \
-         UPDATE runs AS r SET status = u.status, \
-             record_version = r.record_version + 1, last_transition_seq = u.seq, \
-             state = u.state::jsonb, updated_at = u.updated_at, finished_at = u.finished_at \
-         FROM UNNEST($12::text[], $13::int8[], $14::text[], $15::int8[], $16::text[], \
-             $17::timestamptz[], $18::timestamptz[]) \
-             AS u(run_id, expected_version, status, seq, state, updated_at, finished_at) \
-         WHERE r.run_id = u.run_id AND ",
-    version_check!(),
-    " RETURNING 1 \
-     )"
-);
-
-/// Parameters of [`RUNS_CTES`].
-const RUNS_PARAMS: usize = 18;
-
-/// A batch's history and effects, as the common table expressions `t` to
-/// `i` of [`WRITE_BATCH_SQL`] (written with parameters `$1`..`$41`, shifted
-/// behind the runs' there): transitions, attempts (inserted, and finished
-/// only while still `dispatched`), the cancel of the pending timeout timers
-/// of finished attempts, and the effect intents.
-///
-/// The attempts update and the cancel test the status in a `CASE`, so that
-/// the planner cannot take an equality on the status as a sign that only a
-/// few rows qualify (see [`crate::outbox::COMPLETE_SQL`]). On a young table,
-/// whose statistics are older than its rows, `a.status = 'dispatched'` was
-/// estimated at one row: the attempts update compared every attempt of the
-/// table with every attempt of the batch (two million comparisons, over a
-/// second, for 256 attempts against 8000), and the cancel scanned the
-/// pending-intent index instead of probing `eec_effect_intent_cancel_idx`.
-///
-/// With a fast lane (`$40` names its drainer), a due intent with no earlier
-/// undelivered intent of its run and topic (one due by now or by its own
-/// `not_before`, so that a clock running ahead of the database's cannot
-/// hide it) is inserted `claimed` by that drainer. Rows of one statement do not see each other,
-/// so two intents of one run and topic in the same batch are both claimed;
-/// the drainer publishes them as one chain, in order. An intent of another
-/// writer can only appear with a newer `record_version` of its run, which
-/// makes this statement's runs update fall short and roll back.
-const HISTORY_CTES: &str = concat!(
-    "t AS ( \
-         INSERT INTO run_transitions (run_id, seq, input_ref, kind, from_status, to_status, \
-             step_index, detail, source_topic, source_partition, source_offset, created_at) \
-         SELECT u.run_id, u.seq, u.input_ref, u.kind, u.from_status, u.to_status, u.step_index, \
-             u.detail::jsonb, u.source_topic, u.source_partition, u.source_offset, u.at \
-         FROM UNNEST($1::text[], $2::int8[], $3::text[], $4::text[], $5::text[], $6::text[], \
-             $7::int4[], $8::text[], $9::text[], $10::int4[], $11::int8[], $12::timestamptz[]) \
-             AS u(run_id, seq, input_ref, kind, from_status, to_status, step_index, detail, \
-                  source_topic, source_partition, source_offset, at) \
-         ON CONFLICT DO NOTHING \
-         RETURNING 1 \
-     ), ai AS ( \
-         INSERT INTO run_attempts (stamp, run_id, step_index, attempt, status, dispatched_at, \
-             deadline, finished_at, error) \
-         SELECT * FROM UNNEST($13::uuid[], $14::text[], $15::int4[], $16::int4[], $17::text[], \
-             $18::timestamptz[], $19::timestamptz[], $20::timestamptz[], $21::text[]) \
-         ON CONFLICT DO NOTHING \
-         RETURNING 1 \
-     ), af AS ( \
-         UPDATE run_attempts AS a \
-         SET status = u.status, finished_at = u.finished_at, error = u.error \
-         FROM UNNEST($22::uuid[], $23::text[], $24::timestamptz[], $25::text[]) \
-             AS u(stamp, status, finished_at, error) \
-         WHERE a.stamp = u.stamp AND CASE WHEN a.status = 'dispatched' THEN true END \
-         RETURNING 1 \
-     ), d AS ( \
-         DELETE FROM eec_effect_intent WHERE cancel_key = ANY($26::text[]) \
-             AND CASE WHEN status = 'pending' THEN true END \
-         RETURNING 1 \
-     ), iu AS ( \
-         SELECT * FROM UNNEST($27::text[], $28::int8[], $29::int4[], $30::text[], $31::text[], \
-             $32::text[], $33::bytea[], $34::text[], $35::bytea[], $36::text[], \
-             $37::timestamptz[], $38::text[], $39::bool[]) \
-             AS u(run_id, seq, effect_index, key, tenant, topic, message_key, headers, payload, \
-                  ce_type, not_before, cancel_key, due) \
-     ), ic AS ( \
-         SELECT iu.*, iu.due AND $40::text IS NOT NULL AND NOT EXISTS ( \
-             SELECT 1 FROM eec_effect_intent e \
-             WHERE e.run_id = iu.run_id AND e.topic = iu.topic \
-               AND e.status <> 'completed' AND e.status <> 'parked' \
-               AND (e.not_before <= GREATEST(clock_timestamp(), iu.not_before) \
-                    OR e.attempts > 0)) AS fast \
-         FROM iu \
-     ), i AS ( \
-         INSERT INTO eec_effect_intent (run_id, seq, effect_index, idempotency_key, tenant_scope, \
-             topic, message_key, headers, payload, ce_type, not_before, cancel_key, \
-             status, claimed_by, claim_expires_at, attempts) \
-         SELECT ic.run_id, ic.seq, ic.effect_index, ic.key, ic.tenant, ic.topic, ic.message_key, \
-             ic.headers::jsonb, ic.payload, ic.ce_type, ic.not_before, ic.cancel_key, \
-             CASE WHEN ic.fast THEN 'claimed' ELSE 'pending' END, \
-             CASE WHEN ic.fast THEN $40::text END, \
-             CASE WHEN ic.fast THEN clock_timestamp() + make_interval(secs => $41::float8) END, \
-             CASE WHEN ic.fast THEN 1 ELSE 0 END \
-         FROM ic",
-    canary_on_conflict!(),
-    " RETURNING intent_id, run_id, seq, effect_index, status = 'claimed' AS claimed, created_at \
-     )"
-);
-
-/// Parameters of [`HISTORY_CTES`].
-const HISTORY_PARAMS: usize = 41;
-
-/// A whole batch in one statement: [`RUNS_CTES`], then [`HISTORY_CTES`],
-/// then `ductor_write_guard` over what each conditional write matched
-/// (inserted runs, updated runs, transitions, attempts inserted, attempts
-/// finished) against what was sent, the last parameter (`NULL`: no check).
-/// Any shortfall is a lost race: the guard raises [`CONFLICT_SQLSTATE`] and
-/// nothing of the statement is kept. Without a transaction around it, the
-/// statement is the batch's commit.
-pub static WRITE_BATCH_SQL: LazyLock<String> = LazyLock::new(|| {
-    format!(
-        "WITH {RUNS_CTES}, {history} \
-         SELECT ductor_write_guard(${guard}::int8[], ARRAY[(SELECT count(*) FROM ins), \
-             (SELECT count(*) FROM upd), (SELECT count(*) FROM t), (SELECT count(*) FROM ai), \
-             (SELECT count(*) FROM af)]) AS guarded, \
-         (SELECT count(*) FROM d) AS timers_cancelled, \
-         (SELECT count(*) FROM i) AS intents, \
-         ARRAY(SELECT intent_id FROM i WHERE claimed ORDER BY intent_id) AS claimed_ids, \
-         ARRAY(SELECT run_id FROM i WHERE claimed ORDER BY intent_id) AS claimed_runs, \
-         ARRAY(SELECT seq FROM i WHERE claimed ORDER BY intent_id) AS claimed_seqs, \
-         ARRAY(SELECT effect_index FROM i WHERE claimed ORDER BY intent_id) AS claimed_indexes, \
-         ARRAY(SELECT created_at FROM i WHERE claimed ORDER BY intent_id) AS claimed_created",
-        history = shift_params(HISTORY_CTES, RUNS_PARAMS),
-        guard = RUNS_PARAMS + HISTORY_PARAMS + 1,
-    )
-});
-
-/// Raised by `ductor_write_guard` when a conditional write of the batch
-/// statement fell short.
-pub(crate) const CONFLICT_SQLSTATE: &str = "DU409";
-
-/// `sql` with every placeholder `$n` renumbered `$(n + by)`.
-fn shift_params(sql: &str, by: usize) -> String {
-    let mut out = String::with_capacity(sql.len() + 16);
-    let mut rest = sql;
-    while let Some(at) = rest.find('$') {
-        out.push_str(&rest[..=at]);
-        rest = &rest[at + 1..];
-        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
-        if digits > 0 {
-            let n: usize = rest[..digits].parse().expect("digits");
-            out.push_str(&(n + by).to_string());
-            rest = &rest[digits..];
-        }
-    }
-    out.push_str(rest);
-    out
+/// The positions of the due intents, which the fast lane may have claimed.
+fn due_positions(intents: &[&IntentRow]) -> Vec<(String, i64, i32)> {
+    intents
+        .iter()
+        .filter(|i| i.due)
+        .map(|i| (i.run_id.clone(), i.seq, i.effect_index))
+        .collect()
 }
 
 /// Whether the batch statement failed because another writer won: the
@@ -1449,289 +1177,63 @@ fn lost_race(error: &sqlx::Error) -> bool {
         return false;
     };
     match db.code().as_deref() {
-        Some(CONFLICT_SQLSTATE) => true,
+        Some(batch::CONFLICT_SQLSTATE) => true,
         Some("23505") => db.constraint() == Some("eec_effect_intent_position_unique"),
         _ => false,
     }
 }
 
-/// Canaries that remove a guarantee also remove the database's second line
-/// of defence (a write matching fewer rows than expected is a conflict), or
-/// the broken guarantee would never show.
-const CANARY_IGNORES_CONFLICTS: bool = cfg!(any(
-    feature = "canary-no-version-check",
-    feature = "canary-no-stamp-dedup"
-));
-
-/// The bind columns of [`HISTORY_CTES`], built from a batch's writes.
-pub(crate) struct HistoryColumns<'a> {
-    transitions: &'a [TransitionRow],
-    attempts: &'a [(String, AttemptRecord)],
-    finishes: &'a [(Uuid, AttemptStatus, DateTime<Utc>, Option<String>)],
-    cancel_keys: Vec<String>,
-    /// The intents written: all but the timeout timers of attempts that
-    /// were dispatched and finished within this batch (pointless at once).
-    intents: Vec<&'a IntentRow>,
-    headers: Vec<String>,
-    claimer: Option<&'a str>,
-    lease_s: f64,
-}
-
-impl<'a> HistoryColumns<'a> {
-    fn new(
-        writes: &'a Writes,
-        handoff: Option<&'a crate::outbox::Handoff>,
-    ) -> Result<HistoryColumns<'a>, ApplyError> {
-        let finished_here: Vec<String> = writes
-            .attempt_inserts
-            .iter()
-            .filter(|(_, a)| a.status != AttemptStatus::Dispatched)
-            .map(|(_, a)| timeout_cancel_key(&a.stamp.to_string()))
-            .collect();
-        let intents: Vec<&IntentRow> = writes
-            .intents
-            .iter()
-            .filter(|i| {
-                i.cancel_key
-                    .as_ref()
-                    .is_none_or(|k| !finished_here.contains(k))
-            })
-            .collect();
-        let headers = intents
-            .iter()
-            .map(|i| serde_json::to_string(&i.headers))
-            .collect::<Result<_, _>>()?;
-        // Timeout timers of attempts finished by this batch will never do
-        // anything: drop them while they are still pending.
-        let cancel_keys = writes
-            .attempt_finishes
-            .iter()
-            .map(|f| timeout_cancel_key(&f.0.to_string()))
-            .collect();
-        Ok(HistoryColumns {
-            transitions: &writes.transitions,
-            attempts: &writes.attempt_inserts,
-            finishes: &writes.attempt_finishes,
-            cancel_keys,
-            intents,
-            headers,
-            claimer: handoff.map(|h| h.drainer_id()),
-            lease_s: handoff.map_or(0.0, |h| h.lease_s()),
-        })
+/// The claimed intents in the statement's answer, ready to publish, and
+/// what the drainer's claim rounds must be told.
+fn handed(plan: plan::Plan<'_>, row: &sqlx::postgres::PgRow) -> Result<Handed, ApplyError> {
+    let ids: Vec<i64> = row.try_get("claimed_ids")?;
+    let runs: Vec<String> = row.try_get("claimed_runs")?;
+    let seqs: Vec<i64> = row.try_get("claimed_seqs")?;
+    let indexes: Vec<i32> = row.try_get("claimed_indexes")?;
+    let created: Vec<DateTime<Utc>> = row.try_get("claimed_created")?;
+    let by_position: HashMap<(&str, i64, i32), &IntentRow> = plan
+        .intents
+        .iter()
+        .map(|i| ((i.run_id.as_str(), i.seq, i.effect_index), *i))
+        .collect();
+    let mut handed = Handed::default();
+    for (k, intent_id) in ids.into_iter().enumerate() {
+        let Some(&intent) = by_position.get(&(runs[k].as_str(), seqs[k], indexes[k])) else {
+            continue;
+        };
+        handed.claimed.push(crate::outbox::ClaimedIntent {
+            intent_id,
+            run_id: intent.run_id.clone(),
+            seq: intent.seq,
+            effect_index: intent.effect_index,
+            topic: intent.topic.clone(),
+            message_key: intent.message_key.clone(),
+            headers: crate::outbox::ordered_headers(&intent.headers),
+            payload: intent.payload.clone(),
+            not_before: intent.not_before,
+            created_at: created[k],
+            publish_failures: 0,
+        });
     }
-
-    fn bind<'q>(&'q self, query: BatchQuery<'q>) -> BatchQuery<'q> {
-        let t = self.transitions;
-        let a = self.attempts;
-        let f = self.finishes;
-        let i = &self.intents;
-        query
-            .bind(t.iter().map(|r| r.run_id.as_str()).collect::<Vec<_>>())
-            .bind(t.iter().map(|r| r.seq).collect::<Vec<_>>())
-            .bind(t.iter().map(|r| r.input_ref.as_str()).collect::<Vec<_>>())
-            .bind(t.iter().map(|r| r.kind.as_str()).collect::<Vec<_>>())
-            .bind(t.iter().map(|r| r.from_status).collect::<Vec<_>>())
-            .bind(t.iter().map(|r| r.to_status).collect::<Vec<_>>())
-            .bind(t.iter().map(|r| r.step_index).collect::<Vec<_>>())
-            .bind(t.iter().map(|r| r.detail.as_str()).collect::<Vec<_>>())
-            .bind(
-                t.iter()
-                    .map(|r| r.source.as_ref().map(|s| s.topic.as_str()))
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                t.iter()
-                    .map(|r| r.source.as_ref().map(|s| s.partition))
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                t.iter()
-                    .map(|r| r.source.as_ref().map(|s| s.offset))
-                    .collect::<Vec<_>>(),
-            )
-            .bind(t.iter().map(|r| r.at).collect::<Vec<_>>())
-            .bind(a.iter().map(|(_, r)| r.stamp).collect::<Vec<_>>())
-            .bind(
-                a.iter()
-                    .map(|(run_id, _)| run_id.as_str())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                a.iter()
-                    .map(|(_, r)| r.step_index as i32)
-                    .collect::<Vec<_>>(),
-            )
-            .bind(a.iter().map(|(_, r)| r.attempt as i32).collect::<Vec<_>>())
-            .bind(
-                a.iter()
-                    .map(|(_, r)| attempt_status_str(r.status))
-                    .collect::<Vec<_>>(),
-            )
-            .bind(a.iter().map(|(_, r)| r.dispatched_at).collect::<Vec<_>>())
-            .bind(a.iter().map(|(_, r)| r.deadline).collect::<Vec<_>>())
-            .bind(a.iter().map(|(_, r)| r.finished_at).collect::<Vec<_>>())
-            .bind(
-                a.iter()
-                    .map(|(_, r)| r.error.as_deref())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(f.iter().map(|r| r.0).collect::<Vec<_>>())
-            .bind(
-                f.iter()
-                    .map(|r| attempt_status_str(r.1))
-                    .collect::<Vec<_>>(),
-            )
-            .bind(f.iter().map(|r| r.2).collect::<Vec<_>>())
-            .bind(f.iter().map(|r| r.3.as_deref()).collect::<Vec<_>>())
-            .bind(&self.cancel_keys)
-            .bind(i.iter().map(|r| r.run_id.as_str()).collect::<Vec<_>>())
-            .bind(i.iter().map(|r| r.seq).collect::<Vec<_>>())
-            .bind(i.iter().map(|r| r.effect_index).collect::<Vec<_>>())
-            .bind(
-                i.iter()
-                    .map(|r| r.idempotency_key.as_str())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(i.iter().map(|r| r.tenant.as_str()).collect::<Vec<_>>())
-            .bind(i.iter().map(|r| r.topic.as_str()).collect::<Vec<_>>())
-            .bind(
-                i.iter()
-                    .map(|r| r.message_key.as_slice())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(&self.headers)
-            .bind(i.iter().map(|r| r.payload.as_slice()).collect::<Vec<_>>())
-            .bind(i.iter().map(|r| r.ce_type.as_str()).collect::<Vec<_>>())
-            .bind(i.iter().map(|r| r.not_before).collect::<Vec<_>>())
-            .bind(
-                i.iter()
-                    .map(|r| r.cancel_key.as_deref())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(i.iter().map(|r| r.due).collect::<Vec<_>>())
-            .bind(self.claimer)
-            .bind(self.lease_s)
-    }
-
-    /// The claimed intents in the statement's answer, ready to publish, and
-    /// what the drainer's claim rounds must be told.
-    fn handed(&self, row: &sqlx::postgres::PgRow) -> Result<Handed, ApplyError> {
-        let ids: Vec<i64> = row.try_get("claimed_ids")?;
-        let runs: Vec<String> = row.try_get("claimed_runs")?;
-        let seqs: Vec<i64> = row.try_get("claimed_seqs")?;
-        let indexes: Vec<i32> = row.try_get("claimed_indexes")?;
-        let created: Vec<DateTime<Utc>> = row.try_get("claimed_created")?;
-        let by_position: HashMap<(&str, i64, i32), &IntentRow> = self
-            .intents
-            .iter()
-            .map(|i| ((i.run_id.as_str(), i.seq, i.effect_index), *i))
-            .collect();
-        let mut handed = Handed::default();
-        for (k, intent_id) in ids.into_iter().enumerate() {
-            let Some(&intent) = by_position.get(&(runs[k].as_str(), seqs[k], indexes[k])) else {
-                continue;
-            };
-            handed.claimed.push(crate::outbox::ClaimedIntent {
-                intent_id,
-                run_id: intent.run_id.clone(),
-                seq: intent.seq,
-                effect_index: intent.effect_index,
-                topic: intent.topic.clone(),
-                message_key: intent.message_key.clone(),
-                headers: crate::outbox::ordered_headers(&intent.headers),
-                payload: intent.payload.clone(),
-                not_before: intent.not_before,
-                created_at: created[k],
-                publish_failures: 0,
-            });
-        }
-        let due = self.intents.iter().filter(|i| i.due).count();
-        handed.pending_due = due.saturating_sub(handed.claimed.len());
-        handed.next_timer = self
-            .intents
-            .iter()
-            .filter(|i| !i.due)
-            .map(|i| i.not_before)
-            .min();
-        Ok(handed)
-    }
-}
-
-#[derive(Default)]
-struct RunColumns {
-    run_id: Vec<String>,
-    tenant: Vec<String>,
-    pool: Vec<String>,
-    workflow: Vec<String>,
-    version: Vec<i32>,
-    status: Vec<String>,
-    expected_version: Vec<i64>,
-    seq: Vec<i64>,
-    state: Vec<String>,
-    created_at: Vec<DateTime<Utc>>,
-    updated_at: Vec<DateTime<Utc>>,
-    finished_at: Vec<Option<DateTime<Utc>>>,
-}
-
-/// A query of [`WRITE_BATCH_SQL`] being bound, parameter by parameter.
-type BatchQuery<'q> = sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>;
-
-impl RunColumns {
-    /// Binds these runs as the inserts of [`RUNS_CTES`] (`$1`..`$11`).
-    fn bind_insert<'q>(&'q self, query: BatchQuery<'q>) -> BatchQuery<'q> {
-        query
-            .bind(&self.run_id)
-            .bind(&self.tenant)
-            .bind(&self.pool)
-            .bind(&self.workflow)
-            .bind(&self.version)
-            .bind(&self.status)
-            .bind(&self.seq)
-            .bind(&self.state)
-            .bind(&self.created_at)
-            .bind(&self.updated_at)
-            .bind(&self.finished_at)
-    }
-
-    /// Binds these runs as the conditional updates of [`RUNS_CTES`]
-    /// (`$12`..`$18`).
-    fn bind_update<'q>(&'q self, query: BatchQuery<'q>) -> BatchQuery<'q> {
-        query
-            .bind(&self.run_id)
-            .bind(&self.expected_version)
-            .bind(&self.status)
-            .bind(&self.seq)
-            .bind(&self.state)
-            .bind(&self.updated_at)
-            .bind(&self.finished_at)
-    }
-
-    /// Adds a run; returns the length of its encoded state.
-    fn push(&mut self, state: &RunState, expected_version: i64) -> Result<usize, ApplyError> {
-        self.run_id.push(state.run_id.clone());
-        self.tenant.push(state.tenant.clone());
-        self.pool.push(state.pool.clone());
-        self.workflow.push(state.workflow.clone());
-        self.version.push(state.workflow_version as i32);
-        self.status.push(status_str(state.status).to_string());
-        self.expected_version.push(expected_version);
-        self.seq.push(state.last_transition_seq);
-        self.state.push(serde_json::to_string(state)?);
-        self.created_at.push(state.created_at);
-        self.updated_at.push(state.updated_at);
-        self.finished_at
-            .push(state.status.is_terminal().then_some(state.updated_at));
-        Ok(self.state.last().map_or(0, String::len))
-    }
+    let due = plan.intents.iter().filter(|i| i.due).count();
+    handed.pending_due = due.saturating_sub(handed.claimed.len());
+    handed.next_timer = plan
+        .intents
+        .iter()
+        .filter(|i| !i.due)
+        .map(|i| i.not_before)
+        .min();
+    handed.states = plan.states;
+    Ok(handed)
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
-    use crate::coordinator::RunStart;
+    use crate::contract::RunStart;
 
     /// A started run of the example workflow, with `pad` bytes of input.
-    fn started(run_id: &str, pad: usize) -> RunState {
+    pub(crate) fn started(run_id: &str, pad: usize) -> RunState {
         let workflows = crate::infra::workflows::load_dir(std::path::Path::new(concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/config/workflows"

@@ -53,8 +53,8 @@ use std::time::Duration;
 use rdkafka::message::{Headers, Message};
 use sqlx::{PgPool, Postgres, Transaction};
 
-/// The header every Ductor effect carries.
-pub const HEADER_IDEMPOTENCY_KEY: &str = "idempotency-key";
+use crate::contract::headers::IDEMPOTENCY_KEY;
+
 /// Longest consumer name and idempotency key accepted, in bytes.
 pub const MAX_KEY_BYTES: usize = 1024;
 
@@ -85,9 +85,9 @@ pub enum Claim {
 /// Why [`claim_message`] could not claim.
 #[derive(Debug, thiserror::Error)]
 pub enum ClaimError {
-    #[error("message has no {HEADER_IDEMPOTENCY_KEY} header")]
+    #[error("message has no {IDEMPOTENCY_KEY} header")]
     MissingKey,
-    #[error("{HEADER_IDEMPOTENCY_KEY} header is not 1 to {MAX_KEY_BYTES} bytes of UTF-8")]
+    #[error("{IDEMPOTENCY_KEY} header is not 1 to {MAX_KEY_BYTES} bytes of UTF-8")]
     InvalidKey,
     #[error("claiming idempotency key: {0}")]
     Database(#[from] sqlx::Error),
@@ -137,7 +137,7 @@ pub async fn claim(
 pub fn idempotency_key<M: Message>(msg: &M) -> Result<String, ClaimError> {
     let value = msg
         .headers()
-        .and_then(|headers| headers.iter().find(|h| h.key == HEADER_IDEMPOTENCY_KEY))
+        .and_then(|headers| headers.iter().find(|h| h.key == IDEMPOTENCY_KEY))
         .and_then(|h| h.value)
         .ok_or(ClaimError::MissingKey)?;
     match std::str::from_utf8(value) {

@@ -3,7 +3,7 @@
 //! attempt's stamp.
 //!
 //! ```no_run
-//! use ductor::client::worker::{StepInput, StepOutcome, WorkerOptions};
+//! use ductor::client::worker::{StepDispatch, StepOutcome, WorkerOptions};
 //! use tokio_util::sync::CancellationToken;
 //!
 //! # async fn example() -> anyhow::Result<()> {
@@ -13,7 +13,7 @@
 //! ductor::cli::serve::cancel_on_signals(shutdown.clone())?;
 //! ductor::client::worker::run(
 //!     options,
-//!     |step: StepInput| async move { StepOutcome::Succeeded(step.input) },
+//!     |step: StepDispatch| async move { StepOutcome::Succeeded(step.input) },
 //!     shutdown,
 //! )
 //! .await
@@ -44,7 +44,7 @@ use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::util::Timeout;
 use rdkafka::{Offset, TopicPartitionList};
-use serde_json::{Map, Value};
+use serde_json::Value;
 use tokio::task::{JoinError, JoinSet};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -52,153 +52,18 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::config::{Config, KafkaConfig};
-use crate::coordinator::input::{MAX_ERROR_MESSAGE_LEN, SCHEMA_VERSION, is_id, truncate};
-use crate::coordinator::{AttemptOutcome, AttemptResult, Input};
+/// What a handler receives: one attempt of one step, as the contract defines it.
+pub use crate::contract::StepDispatch;
+use crate::contract::input::{MAX_ERROR_MESSAGE_LEN, truncate};
+use crate::contract::{AttemptOutcome, AttemptResult, Input};
 
 /// Dispatches handled at once when the caller does not say otherwise.
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 32;
-/// The wire `type` of a dispatch.
-pub const DISPATCH_TYPE: &str = "step.dispatch";
-/// Longest [`DecodeError::message`].
-pub const MAX_DECODE_ERROR_LEN: usize = 512;
-/// Longest step / workflow name accepted in a dispatch.
-const MAX_NAME_LEN: usize = 100;
 /// Backoff bounds of result publishing.
 const PUBLISH_RETRY_MIN: Duration = Duration::from_millis(100);
 const PUBLISH_RETRY_MAX: Duration = Duration::from_secs(5);
 /// Pause after a consumer error, so a broken connection does not spin.
 const CONSUMER_ERROR_PAUSE: Duration = Duration::from_millis(100);
-
-/// A decoded `step.dispatch`: one attempt of one step of one run.
-#[derive(Debug, Clone, PartialEq)]
-pub struct StepInput {
-    pub run_id: String,
-    pub tenant: String,
-    pub workflow: String,
-    pub workflow_version: u32,
-    /// The step's name in the workflow definition.
-    pub step: String,
-    pub step_index: u32,
-    /// 1 for the first attempt of the step.
-    pub attempt: u32,
-    /// The attempt's fencing token; the result must carry it.
-    pub stamp: Uuid,
-    /// After this instant the coordinator times the attempt out and ignores
-    /// its result.
-    pub deadline: DateTime<Utc>,
-    /// The run's input for the first step, the previous step's output after.
-    pub input: Value,
-}
-
-/// A dispatch that does not follow the contract: a version mismatch between
-/// the coordinator and this worker.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("undecodable step dispatch: {message}")]
-pub struct DecodeError {
-    /// Names the field; bounded to [`MAX_DECODE_ERROR_LEN`]; never echoes payloads.
-    pub message: String,
-}
-
-impl DecodeError {
-    fn new(message: impl Into<String>) -> Self {
-        Self {
-            message: truncate(message.into(), MAX_DECODE_ERROR_LEN),
-        }
-    }
-}
-
-impl StepInput {
-    /// Decodes a `step.dispatch` value. Pure; never panics, whatever the bytes.
-    /// Unknown extra fields are tolerated, as on every Ductor topic.
-    pub fn decode(bytes: &[u8]) -> Result<StepInput, DecodeError> {
-        let value: Value = serde_json::from_slice(bytes)
-            .map_err(|e| DecodeError::new(format!("not JSON: {e}")))?;
-        let Value::Object(obj) = value else {
-            return Err(DecodeError::new("not a JSON object"));
-        };
-        let f = Fields(&obj);
-        match f.str("type")? {
-            DISPATCH_TYPE => {}
-            _ => return Err(DecodeError::new(format!("type: must be {DISPATCH_TYPE:?}"))),
-        }
-        match f.u64("schema_version")? {
-            SCHEMA_VERSION => {}
-            other => {
-                return Err(DecodeError::new(format!(
-                    "schema_version {other} is not supported (supported: {SCHEMA_VERSION})"
-                )));
-            }
-        }
-        let deadline = DateTime::parse_from_rfc3339(f.str("deadline")?)
-            .map_err(|_| DecodeError::new("deadline: must be an RFC 3339 timestamp"))?
-            .with_timezone(&Utc);
-        Ok(StepInput {
-            run_id: f.id("run_id")?,
-            tenant: f.id("tenant")?,
-            workflow: f.name("workflow")?,
-            workflow_version: f.u32("workflow_version")?,
-            step: f.name("step")?,
-            step_index: f.u32("step_index")?,
-            attempt: f.u32("attempt")?,
-            stamp: Uuid::parse_str(f.str("stamp")?)
-                .map_err(|_| DecodeError::new("stamp: must be a UUID"))?,
-            deadline,
-            input: obj.get("input").cloned().unwrap_or(Value::Null),
-        })
-    }
-
-    /// The coordinator has timed (or will time) this attempt out.
-    pub fn is_expired(&self, now: DateTime<Utc>) -> bool {
-        self.deadline <= now
-    }
-}
-
-/// Typed access to the fields of a dispatch; every error names its field.
-struct Fields<'a>(&'a Map<String, Value>);
-
-impl Fields<'_> {
-    fn str(&self, name: &str) -> Result<&str, DecodeError> {
-        match self.0.get(name) {
-            Some(Value::String(s)) => Ok(s),
-            Some(Value::Null) | None => Err(DecodeError::new(format!("{name}: missing"))),
-            Some(_) => Err(DecodeError::new(format!("{name}: must be a string"))),
-        }
-    }
-
-    fn u64(&self, name: &str) -> Result<u64, DecodeError> {
-        match self.0.get(name) {
-            Some(Value::Null) | None => Err(DecodeError::new(format!("{name}: missing"))),
-            Some(v) => v
-                .as_u64()
-                .ok_or_else(|| DecodeError::new(format!("{name}: must be a non-negative integer"))),
-        }
-    }
-
-    fn u32(&self, name: &str) -> Result<u32, DecodeError> {
-        u32::try_from(self.u64(name)?)
-            .map_err(|_| DecodeError::new(format!("{name}: must be at most 4294967295")))
-    }
-
-    fn id(&self, name: &str) -> Result<String, DecodeError> {
-        let s = self.str(name)?;
-        if is_id(s) {
-            Ok(s.to_owned())
-        } else {
-            Err(DecodeError::new(format!(
-                "{name}: must be 1 to 128 characters of [A-Za-z0-9_.:-]"
-            )))
-        }
-    }
-
-    fn name(&self, name: &str) -> Result<String, DecodeError> {
-        let s = self.str(name)?;
-        if !s.is_empty() && s.len() <= MAX_NAME_LEN {
-            Ok(s.to_owned())
-        } else {
-            Err(DecodeError::new(format!("{name}: must be 1 to 100 bytes")))
-        }
-    }
-}
 
 /// What a handler made of one attempt.
 #[derive(Debug, Clone, PartialEq)]
@@ -215,7 +80,7 @@ pub enum StepOutcome {
 impl StepOutcome {
     /// The `attempt.result` input answering `step`, exactly as the
     /// coordinator decodes it from the attempt-results topic.
-    pub fn to_result_json(&self, step: &StepInput) -> Value {
+    pub fn to_result_json(&self, step: &StepDispatch) -> Value {
         self.result_for(&step.run_id, &step.tenant, step.stamp)
     }
 
@@ -278,7 +143,7 @@ pub struct WorkerOptions {
     /// holds what cannot be stored (U+0000, an unpaired surrogate, an
     /// inexact number), is replaced by a non-retryable failure that names
     /// the class, instead of being dead-lettered and timing out.
-    pub result_shape: crate::coordinator::ShapeLimits,
+    pub result_shape: crate::contract::ShapeLimits,
     /// After shutdown, how long in-flight handlers and publishes may take.
     /// What is still running then is abandoned, its offset unstored.
     pub shutdown_grace: Duration,
@@ -353,7 +218,7 @@ pub async fn run<F, Fut>(
     shutdown: CancellationToken,
 ) -> anyhow::Result<()>
 where
-    F: Fn(StepInput) -> Fut + Send + Sync + 'static,
+    F: Fn(StepDispatch) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = StepOutcome> + Send + 'static,
 {
     anyhow::ensure!(
@@ -381,7 +246,7 @@ where
         results_topic: options.results_topic.clone(),
         pool: options.pool.clone(),
         handler_timeout: options.handler_timeout,
-        result_limits: crate::coordinator::InputLimits {
+        result_limits: crate::contract::InputLimits {
             max_bytes: options.max_result_bytes,
             shape: options.result_shape,
             max_payload_bytes: options.max_result_bytes,
@@ -416,7 +281,7 @@ struct Shared<F> {
     results_topic: String,
     pool: String,
     handler_timeout: Option<Duration>,
-    result_limits: crate::coordinator::InputLimits,
+    result_limits: crate::contract::InputLimits,
     publish_timeout: Duration,
     stop_before_publish: bool,
     shutdown: CancellationToken,
@@ -447,7 +312,7 @@ impl Worker {
         shutdown: &CancellationToken,
     ) -> anyhow::Result<()>
     where
-        F: Fn(StepInput) -> Fut + Send + Sync + 'static,
+        F: Fn(StepDispatch) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = StepOutcome> + Send + 'static,
     {
         loop {
@@ -489,8 +354,8 @@ impl Worker {
     /// The dispatch to run, or `None` for one to skip (its offset is stored).
     /// Its deadline counts from when it was published, when that was late
     /// (see [`crate::coordinator::LATE_DISPATCH_MS`]).
-    fn admit(&self, pool: &str, payload: &[u8], msg: &impl Message) -> Option<StepInput> {
-        let step = match StepInput::decode(payload) {
+    fn admit(&self, pool: &str, payload: &[u8], msg: &impl Message) -> Option<StepDispatch> {
+        let step = match StepDispatch::decode(payload) {
             Ok(step) => step,
             Err(e) => {
                 // The coordinator wrote it, so this is a version mismatch
@@ -588,9 +453,9 @@ impl Worker {
 }
 
 /// One attempt: run the handler, publish its result, report the ticket.
-async fn attempt<F, Fut>(shared: Arc<Shared<F>>, step: StepInput, ticket: Ticket) -> Finished
+async fn attempt<F, Fut>(shared: Arc<Shared<F>>, step: StepDispatch, ticket: Ticket) -> Finished
 where
-    F: Fn(StepInput) -> Fut + Send + Sync + 'static,
+    F: Fn(StepDispatch) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = StepOutcome> + Send + 'static,
 {
     let (run_id, tenant, stamp) = (step.run_id.clone(), step.tenant.clone(), step.stamp);
@@ -617,8 +482,7 @@ where
     tracing::debug!(outcome = label, "step handled");
 
     let mut payload = outcome.result_for(&run_id, &tenant, stamp).to_string();
-    if let Err(refused) = crate::coordinator::parse_value(payload.as_bytes(), &shared.result_limits)
-    {
+    if let Err(refused) = crate::contract::parse_value(payload.as_bytes(), &shared.result_limits) {
         // The coordinator would dead-letter it and the step would time out:
         // fail it now, for good, saying why.
         tracing::warn!(
@@ -785,9 +649,9 @@ impl OffsetTracker {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::contract::{EffectTarget, InputLimits, InputTopic, RunStart, decode_input};
     use crate::coordinator::{
-        Decision, EffectTarget, Entropy, InputLimits, InputTopic, RetryPolicy, RunStart,
-        StepDefinition, WorkflowDefinition, Workflows, decode_input, fold,
+        Decision, Entropy, RetryPolicy, StepDefinition, WorkflowDefinition, Workflows, fold,
     };
     use serde_json::json;
 
@@ -841,10 +705,11 @@ mod tests {
     #[test]
     fn decodes_the_dispatch_the_fold_emits() {
         let (_, payload) = dispatch_from_fold();
-        let step = StepInput::decode(payload.to_string().as_bytes()).unwrap();
+        let step = StepDispatch::decode(payload.to_string().as_bytes()).unwrap();
         assert_eq!(
             step,
-            StepInput {
+            StepDispatch {
+                schema_version: 1,
                 run_id: "run-1".into(),
                 tenant: "acme".into(),
                 workflow: "wf".into(),
@@ -864,7 +729,7 @@ mod tests {
     #[test]
     fn a_result_built_from_a_dispatch_is_accepted_by_the_coordinator() {
         let (state, payload) = dispatch_from_fold();
-        let step = StepInput::decode(payload.to_string().as_bytes()).unwrap();
+        let step = StepDispatch::decode(payload.to_string().as_bytes()).unwrap();
         let result = StepOutcome::Succeeded(json!({"reserved": true})).to_result_json(&step);
         let input = decode_input(
             InputTopic::AttemptResults,
@@ -904,7 +769,7 @@ mod tests {
     #[test]
     fn failures_round_trip_with_their_retryable_flag_and_a_bounded_message() {
         let (_, payload) = dispatch_from_fold();
-        let step = StepInput::decode(payload.to_string().as_bytes()).unwrap();
+        let step = StepDispatch::decode(payload.to_string().as_bytes()).unwrap();
         for retryable in [true, false] {
             let outcome = StepOutcome::Failed {
                 message: "x".repeat(MAX_ERROR_MESSAGE_LEN + 10),
@@ -987,15 +852,15 @@ mod tests {
             ),
         ];
         for (value, needle) in cases {
-            let err = StepInput::decode(value.to_string().as_bytes()).unwrap_err();
+            let err = StepDispatch::decode(value.to_string().as_bytes()).unwrap_err();
             assert!(err.message.contains(needle), "{needle}: {err}");
         }
-        assert!(StepInput::decode(b"\xff\x00").is_err());
-        assert!(StepInput::decode(b"").is_err());
+        assert!(StepDispatch::decode(b"\xff\x00").is_err());
+        assert!(StepDispatch::decode(b"").is_err());
         // Unknown extra fields are tolerated.
         let mut extra = good;
         extra["added_later"] = json!(1);
-        assert!(StepInput::decode(extra.to_string().as_bytes()).is_ok());
+        assert!(StepDispatch::decode(extra.to_string().as_bytes()).is_ok());
     }
 
     #[test]

@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-/// Longest workflow, step or pool name.
-pub const MAX_NAME_LEN: usize = 100;
+use crate::contract::names::{MAX_NAME_LEN, is_name, is_topic};
+
 /// Most steps one workflow may declare.
 pub const MAX_STEPS: usize = 64;
 /// Longest step timeout (one day).
@@ -16,8 +16,6 @@ pub const MAX_TIMEOUT_MS: u64 = 86_400_000;
 pub const MAX_ATTEMPTS_LIMIT: u32 = 100;
 /// Longest retry backoff (one day).
 pub const MAX_BACKOFF_LIMIT_MS: u64 = 86_400_000;
-/// Longest Kafka topic name the broker accepts.
-pub const MAX_TOPIC_LEN: usize = 249;
 
 /// One versioned workflow: an ordered list of steps.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -119,19 +117,6 @@ impl DefinitionError {
             message: message.into(),
         }
     }
-}
-
-/// `[A-Za-z0-9_.-]{1,max}`: the characters Kafka allows in a topic name.
-pub(crate) fn is_name(s: &str, max: usize) -> bool {
-    !s.is_empty()
-        && s.len() <= max
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
-}
-
-/// A legal Kafka topic name (`.` and `..` are reserved by the broker).
-pub(crate) fn is_topic(s: &str) -> bool {
-    is_name(s, MAX_TOPIC_LEN) && s != "." && s != ".."
 }
 
 impl WorkflowDefinition {

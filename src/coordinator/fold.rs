@@ -5,28 +5,22 @@
 //! state untouched (the fold only borrows it); a Transition carries the whole new
 //! state plus the rows and effects the store commits with it in one transaction.
 
-use chrono::{DateTime, SecondsFormat, TimeDelta, Utc};
-use serde_json::{Map, Value, json};
+use chrono::{DateTime, TimeDelta, Utc};
+use serde_json::{Map, Value};
 use uuid::Uuid;
 
 use super::definition::{StepDefinition, WorkflowDefinition, Workflows};
-use super::input::{
-    AttemptOutcome, AttemptResult, CancelWakeup, Input, RunStart, SCHEMA_VERSION, SignalWakeup,
-    TimerKind, TimerWakeup, encoded_len, truncate,
-};
 use super::state::{
     AttemptRecord, AttemptStatus, MAX_SIGNALS_PER_RUN, Outstanding, PendingRetry, RunState,
     RunStatus, SignalRecord,
 };
+use crate::contract::effects::{RunEvent, RunOutput, rfc3339};
+use crate::contract::input::{
+    AttemptOutcome, AttemptResult, CancelWakeup, Input, RunStart, SCHEMA_VERSION, SignalWakeup,
+    TimerKind, TimerWakeup, encoded_len, truncate,
+};
+use crate::contract::{Effect, EffectKind, EffectTarget, StepDispatch};
 
-/// CloudEvents type of the lifecycle event every transition publishes to `ductor.events`.
-pub const CE_RUN_EVENT: &str = "ductor.run.event";
-/// CloudEvents type of an attempt published to `ductor.steps.<pool>`.
-pub const CE_STEP_DISPATCH: &str = "ductor.step.dispatch";
-/// CloudEvents type of a durable timer published to the wakeups topic at `not_before`.
-pub const CE_WAKEUP_TIMER: &str = "ductor.wakeup.timer";
-/// CloudEvents type of a run's final output published to the workflow's output topic.
-pub const CE_RUN_OUTPUT: &str = "ductor.run.output";
 /// Longest error text copied into a transition's `detail`.
 pub const MAX_DETAIL_ERROR_LEN: usize = 256;
 /// The class of a run failed because its state would have outgrown
@@ -169,29 +163,6 @@ pub enum AttemptWrite {
         finished_at: DateTime<Utc>,
         error: Option<String>,
     },
-}
-
-/// A side effect as data; the store writes it as an outbox intent.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Effect {
-    pub target: EffectTarget,
-    /// One of the `CE_*` constants.
-    pub ce_type: String,
-    pub payload: Value,
-    /// Publish no earlier than this (durable timers); `None` = as soon as committed.
-    pub not_before: Option<DateTime<Utc>>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum EffectTarget {
-    /// `ductor.steps.<pool>`.
-    StepQueue { pool: String },
-    /// `ductor.events`.
-    Events,
-    /// The wakeups input topic (timers).
-    Wakeups,
-    /// A workflow's `output_topic`, used verbatim.
-    Output { topic: String },
 }
 
 /// Folds one input into a run. See the module docs of `crate::coordinator`.
@@ -487,22 +458,18 @@ impl Ctx<'_> {
         b.state.status = RunStatus::Succeeded;
         if let Some(topic) = &def.output_topic {
             let s = &b.state;
-            let payload = json!({
-                "type": "run.output",
-                "schema_version": SCHEMA_VERSION,
-                "run_id": s.run_id,
-                "tenant": s.tenant,
-                "workflow": s.workflow,
-                "output": output,
-            });
-            b.effects.push(Effect {
-                target: EffectTarget::Output {
-                    topic: topic.clone(),
-                },
-                ce_type: CE_RUN_OUTPUT.to_owned(),
-                payload,
-                not_before: None,
-            });
+            let output = RunOutput {
+                schema_version: SCHEMA_VERSION,
+                run_id: &s.run_id,
+                tenant: &s.tenant,
+                workflow: &s.workflow,
+                output,
+            };
+            let target = EffectTarget::Output {
+                topic: topic.clone(),
+            };
+            let effect = Effect::now(target, EffectKind::RunOutput, &output);
+            b.effects.push(effect);
         }
         b.finish(KIND_RUN_SUCCEEDED, self.input.dedup_ref())
     }
@@ -626,11 +593,6 @@ fn add_ms(t: DateTime<Utc>, ms: u64) -> DateTime<Utc> {
         .unwrap_or(DateTime::<Utc>::MAX_UTC)
 }
 
-/// RFC 3339 with milliseconds and `Z`, as used in every payload.
-pub fn rfc3339(t: DateTime<Utc>) -> String {
-    t.to_rfc3339_opts(SecondsFormat::Millis, true)
-}
-
 /// Accumulates one transition: the new state, attempt writes, effects after the event.
 struct Builder<'a> {
     state: RunState,
@@ -703,28 +665,24 @@ impl<'a> Builder<'a> {
         } else {
             s.output.clone()
         };
-        let payload = json!({
-            "type": "step.dispatch",
-            "schema_version": SCHEMA_VERSION,
-            "run_id": s.run_id,
-            "tenant": s.tenant,
-            "workflow": s.workflow,
-            "workflow_version": s.workflow_version,
-            "step": step.name,
-            "step_index": step_index,
-            "attempt": attempt,
-            "stamp": stamp.to_string(),
-            "deadline": rfc3339(deadline),
-            "input": step_input,
-        });
-        self.effects.push(Effect {
-            target: EffectTarget::StepQueue {
-                pool: step.pool.clone(),
-            },
-            ce_type: CE_STEP_DISPATCH.to_owned(),
-            payload,
-            not_before: None,
-        });
+        let dispatch = StepDispatch {
+            schema_version: SCHEMA_VERSION,
+            run_id: s.run_id.clone(),
+            tenant: s.tenant.clone(),
+            workflow: s.workflow.clone(),
+            workflow_version: s.workflow_version,
+            step: step.name.clone(),
+            step_index,
+            attempt,
+            stamp,
+            deadline,
+            input: step_input,
+        };
+        let target = EffectTarget::StepQueue {
+            pool: step.pool.clone(),
+        };
+        let effect = Effect::now(target, EffectKind::StepDispatch, &dispatch);
+        self.effects.push(effect);
         self.timer(TimerKind::Timeout, stamp, deadline);
         Some(stamp)
     }
@@ -739,7 +697,7 @@ impl<'a> Builder<'a> {
         });
         self.effects.push(Effect {
             target: EffectTarget::Wakeups,
-            ce_type: CE_WAKEUP_TIMER.to_owned(),
+            kind: EffectKind::WakeupTimer,
             payload: wakeup.to_json(),
             not_before: Some(due),
         });
@@ -815,23 +773,18 @@ impl<'a> Builder<'a> {
         self.state.last_transition_seq = seq;
         self.state.updated_at = self.now;
         let s = &self.state;
-        let event = Effect {
-            target: EffectTarget::Events,
-            ce_type: CE_RUN_EVENT.to_owned(),
-            payload: json!({
-                "type": "run.event",
-                "schema_version": SCHEMA_VERSION,
-                "run_id": s.run_id,
-                "tenant": s.tenant,
-                "seq": seq,
-                "kind": kind,
-                "status": s.status.as_str(),
-                "step_index": s.step_index,
-                "attempt": s.attempt,
-                "at": rfc3339(self.now),
-            }),
-            not_before: None,
+        let event = RunEvent {
+            schema_version: SCHEMA_VERSION,
+            run_id: &s.run_id,
+            tenant: &s.tenant,
+            seq,
+            kind,
+            status: s.status.as_str(),
+            step_index: s.step_index,
+            attempt: s.attempt,
+            at: self.now,
         };
+        let event = Effect::now(EffectTarget::Events, EffectKind::RunEvent, &event);
         let mut effects = Vec::with_capacity(self.effects.len() + 1);
         effects.push(event);
         effects.append(&mut self.effects);

@@ -5,13 +5,13 @@
 //! clock, generates no randomness and performs no I/O, so it is tested exhaustively
 //! (unit and property tests) and the apply layer around it stays thin:
 //!
-//! 1. decode the Kafka message with [`decode_input`] (errors go to the DLQ with
-//!    [`InputErrorClass::as_str`] as the error class);
+//! 1. decode the Kafka message with [`crate::contract::decode_input`] (errors go
+//!    to the DLQ with [`crate::contract::InputErrorClass::as_str`] as the error class);
 //! 2. load the run (`None` if it does not exist) with its `record_version`;
 //! 3. call [`fold`] with `now` and one fresh [`Entropy`];
 //! 4. on [`Decision::Transition`], commit in one transaction: the new state
 //!    (`UPDATE ... WHERE record_version = $old`, bumping it), the [`TransitionRecord`],
-//!    the [`AttemptWrite`]s and one outbox intent per [`Effect`], in order. A
+//!    the [`AttemptWrite`]s and one outbox intent per [`crate::contract::Effect`], in order. A
 //!    [`Decision::NoOp`] or [`Decision::Rejection`] writes nothing.
 //!
 //! Exactly-once progress rests on three checks made here: `run.start` for an existing
@@ -30,21 +30,13 @@
 
 pub mod definition;
 pub mod fold;
-pub mod input;
-pub mod screen;
 pub mod state;
 
 pub use definition::{DefinitionError, RetryPolicy, StepDefinition, WorkflowDefinition, Workflows};
 pub use fold::{
-    AttemptWrite, Decision, Effect, EffectTarget, Entropy, LATE_DISPATCH_MS, NoOpReason, Rejection,
-    RejectionClass, STATE_TOO_LARGE, Transition, TransitionRecord, fold,
+    AttemptWrite, Decision, Entropy, LATE_DISPATCH_MS, NoOpReason, Rejection, RejectionClass,
+    STATE_TOO_LARGE, Transition, TransitionRecord, fold,
 };
-pub use input::{
-    AttemptOutcome, AttemptResult, CancelWakeup, Input, InputError, InputErrorClass, InputLimits,
-    InputTopic, RunStart, SignalWakeup, TimerKind, TimerWakeup, bound_payload, bound_start,
-    decode_input, decode_value, parse_value,
-};
-pub use screen::{ShapeLimits, Violation};
 pub use state::{
     AttemptRecord, AttemptStatus, MAX_SIGNALS_PER_RUN, Outstanding, PendingRetry, RunState,
     RunStatus, SignalRecord,

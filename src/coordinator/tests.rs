@@ -6,6 +6,7 @@ use uuid::Uuid;
 
 use super::fold::*;
 use super::*;
+use crate::contract::*;
 
 /// A state cap no test run reaches unless it means to.
 const STATE_CAP: usize = 1 << 20;
@@ -1021,7 +1022,7 @@ fn an_output_that_would_outgrow_its_effect_fails_the_attempt_for_good() {
         AttemptOutcome::Failed { message, retryable } => {
             assert!(!retryable);
             assert!(message.starts_with("payload_too_large"), "{message}");
-            assert!(message.chars().count() <= super::input::MAX_ERROR_MESSAGE_LEN);
+            assert!(message.chars().count() <= crate::contract::input::MAX_ERROR_MESSAGE_LEN);
         }
         other => panic!("not failed: {other:?}"),
     }

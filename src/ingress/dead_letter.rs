@@ -9,6 +9,11 @@ use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use tokio_util::sync::CancellationToken;
 
+use crate::contract::headers::{
+    DLQ_CLASS, DLQ_DROPPED, DLQ_MESSAGE, DLQ_OFFSET, DLQ_PARTITION, DLQ_STAGE, DLQ_TOPIC,
+    DLQ_TRUNCATED,
+};
+
 /// Where in the pipeline the input failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stage {
@@ -54,19 +59,6 @@ impl<'a> DeadLetter<'a> {
         }
     }
 }
-
-pub const HEADER_TOPIC: &str = "ductor-dlq-topic";
-pub const HEADER_PARTITION: &str = "ductor-dlq-partition";
-pub const HEADER_OFFSET: &str = "ductor-dlq-offset";
-pub const HEADER_STAGE: &str = "ductor-dlq-stage";
-pub const HEADER_CLASS: &str = "ductor-dlq-error-class";
-pub const HEADER_MESSAGE: &str = "ductor-dlq-error";
-
-/// Set when the original value was cut to fit: its length in bytes.
-pub const HEADER_TRUNCATED: &str = "ductor-dlq-truncated";
-/// Set when the original headers or key did not fit at all: `headers`,
-/// `key` or `headers,key`.
-pub const HEADER_DROPPED: &str = "ductor-dlq-dropped";
 
 /// What a record costs besides its key, value and header bytes (record
 /// and batch framing, and a header's length fields), generously counted.
@@ -136,20 +128,20 @@ impl DeadLetterPublisher {
             .map(|hs| hs.iter().map(|h| (h.key, h.value)).collect())
             .unwrap_or_default();
         let own = [
-            (HEADER_TOPIC, msg.topic()),
-            (HEADER_PARTITION, partition.as_str()),
-            (HEADER_OFFSET, offset.as_str()),
-            (HEADER_STAGE, letter.stage.as_str()),
-            (HEADER_CLASS, letter.class.as_str()),
-            (HEADER_MESSAGE, error),
+            (DLQ_TOPIC, msg.topic()),
+            (DLQ_PARTITION, partition.as_str()),
+            (DLQ_OFFSET, offset.as_str()),
+            (DLQ_STAGE, letter.stage.as_str()),
+            (DLQ_CLASS, letter.class.as_str()),
+            (DLQ_MESSAGE, error),
         ];
         let header_bytes = |k: &str, v: usize| k.len() + v + HEADER_OVERHEAD_BYTES;
         let own_bytes: usize = own
             .iter()
             .map(|(k, v)| header_bytes(k, v.len()))
             .sum::<usize>()
-            + header_bytes(HEADER_TRUNCATED, 20)
-            + header_bytes(HEADER_DROPPED, 11);
+            + header_bytes(DLQ_TRUNCATED, 20)
+            + header_bytes(DLQ_DROPPED, 11);
         let original_bytes: usize = original
             .iter()
             .map(|(k, v)| header_bytes(k, v.map_or(0, <[u8]>::len)))
@@ -181,7 +173,7 @@ impl DeadLetterPublisher {
             let truncated = value.len().to_string();
             if fit.value_bytes < value.len() {
                 headers = headers.insert(Header {
-                    key: HEADER_TRUNCATED,
+                    key: DLQ_TRUNCATED,
                     value: Some(truncated.as_bytes()),
                 });
             }
@@ -196,7 +188,7 @@ impl DeadLetterPublisher {
             };
             if let Some(dropped) = dropped {
                 headers = headers.insert(Header {
-                    key: HEADER_DROPPED,
+                    key: DLQ_DROPPED,
                     value: Some(dropped.as_bytes()),
                 });
             }

@@ -29,10 +29,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::apply::{Applier, InputOutcome, PendingInput, RetryPolicy, Source};
 use crate::config::Config;
-use crate::coordinator::{
-    Input, InputError, InputLimits, InputTopic, NoOpReason, Workflows, bound_payload, bound_start,
-    decode_value, parse_value,
+use crate::contract::{
+    Input, InputError, InputLimits, InputTopic, bound_payload, bound_start, decode_value,
+    parse_value,
 };
+use crate::coordinator::{NoOpReason, Workflows};
 use crate::ingress::dead_letter::{DeadLetter, DeadLetterPublisher, Stage};
 use crate::routing::{self, RouteOutcome};
 

@@ -41,13 +41,17 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde_json::Value;
 
-use crate::outbox::frontier::Frontier;
 use sqlx::postgres::PgListener;
 use sqlx::{PgPool, Row};
 use tokio::sync::{Notify, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 
+use self::frontier::Frontier;
 use crate::config::DrainerConfig;
+use crate::contract::effects::{EffectParked, to_value};
+use crate::contract::input::SCHEMA_VERSION;
+use crate::contract::names::parked_notice_key;
+use crate::contract::{EffectKind, headers};
 
 /// The channel the apply layer notifies after committing intents.
 pub const NOTIFY_CHANNEL: &str = "ductor_effect_intent";
@@ -145,9 +149,6 @@ const NOTICE_SQL: &str = "INSERT INTO eec_effect_intent (run_id, seq, effect_ind
      $7::text[], $8::text[]) AS n(run_id, seq, effect_index, key, tenant, topic, headers, payload) \
  ON CONFLICT DO NOTHING";
 
-/// The CloudEvents type of the notice that one of a run's effects was
-/// parked.
-pub const CE_EFFECT_PARKED: &str = "ductor.run.effect_parked";
 /// A parked effect's notice takes the effect's place in its transition
 /// shifted by this, so that it has a position of its own.
 const NOTICE_INDEX_OFFSET: i32 = 1 << 20;
@@ -185,14 +186,15 @@ pub struct ParkedNotice {
 
 /// The notice of `parked`, on `events_topic`, at `now`.
 pub fn parked_notice(parked: &Parked, events_topic: &str, now: DateTime<Utc>) -> ParkedNotice {
-    let key = format!("{}/parked", parked.key);
+    let key = parked_notice_key(&parked.key);
     let mut headers = parked.headers.clone();
     let at = now.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+    let ce_type = EffectKind::EffectParked.ce_type();
     for (name, value) in [
-        (crate::client::dedup::HEADER_IDEMPOTENCY_KEY, key.as_str()),
-        ("ce_id", key.as_str()),
-        ("ce_type", CE_EFFECT_PARKED),
-        ("ce_time", at.as_str()),
+        (headers::IDEMPOTENCY_KEY, key.as_str()),
+        (headers::CE_ID, key.as_str()),
+        (headers::CE_TYPE, ce_type),
+        (headers::CE_TIME, at.as_str()),
     ] {
         headers.insert(name.to_string(), Value::String(value.to_string()));
     }
@@ -200,6 +202,16 @@ pub fn parked_notice(parked: &Parked, events_topic: &str, now: DateTime<Utc>) ->
     if let Some((cut, _)) = error.char_indices().nth(MAX_NOTICE_ERROR_LEN) {
         error.truncate(cut);
     }
+    let payload = EffectParked {
+        schema_version: SCHEMA_VERSION,
+        run_id: &parked.run_id,
+        tenant: &parked.tenant,
+        seq: parked.seq,
+        effect_index: parked.effect_index,
+        topic: &parked.topic,
+        error: &error,
+        at: &at,
+    };
     ParkedNotice {
         run_id: parked.run_id.clone(),
         seq: parked.seq,
@@ -208,17 +220,7 @@ pub fn parked_notice(parked: &Parked, events_topic: &str, now: DateTime<Utc>) ->
         tenant: parked.tenant.clone(),
         topic: events_topic.to_string(),
         headers: Value::Object(headers),
-        payload: serde_json::json!({
-            "type": "run.effect_parked",
-            "schema_version": crate::coordinator::input::SCHEMA_VERSION,
-            "run_id": parked.run_id,
-            "tenant": parked.tenant,
-            "seq": parked.seq,
-            "effect_index": parked.effect_index,
-            "topic": parked.topic,
-            "error": error,
-            "at": at,
-        }),
+        payload: to_value(&payload),
     }
 }
 
@@ -1436,7 +1438,7 @@ async fn insert_notices(
         .bind(col(|n| n.topic.clone()))
         .bind(col(|n| n.headers.to_string()))
         .bind(col(|n| n.payload.to_string()))
-        .bind(CE_EFFECT_PARKED)
+        .bind(EffectKind::EffectParked.ce_type())
         .execute(&mut **tx)
         .await
         .context("writing the notices of parked effects")?;
@@ -1477,7 +1479,7 @@ mod tests {
         assert_eq!((n.seq, n.effect_index), (3, 2 + NOTICE_INDEX_OFFSET));
         assert_eq!(n.headers["idempotency-key"], "r1/3/2/parked");
         assert_eq!(n.headers["ce_id"], "r1/3/2/parked");
-        assert_eq!(n.headers["ce_type"], CE_EFFECT_PARKED);
+        assert_eq!(n.headers["ce_type"], "ductor.run.effect_parked");
         assert_eq!(n.headers["ductor-run-id"], "r1");
         assert_eq!(n.payload["type"], "run.effect_parked");
         assert_eq!(n.payload["topic"], "ductor.outputs");

@@ -26,7 +26,7 @@ use tokio::time::Instant;
 
 use crate::apply::Applier;
 use crate::config::{DuplicatePolicy, RoutingConfig};
-use crate::coordinator::{InputError, InputErrorClass, InputLimits, parse_value};
+use crate::contract::{InputError, InputErrorClass, InputLimits, parse_value};
 use crate::routing::{self, Decision, Reservation, ReserveKind, RouteOutcome, RouteRequest};
 
 /// How often a reservation is re-tried after it was lost to a sweep, before
@@ -112,7 +112,7 @@ async fn create_run_inner(state: &ApiState, request: Request<Body>) -> Result<Su
         })?;
     let body = parse_value(&bytes, &state.limits).map_err(body_error)?;
     let request = route_request_from_body(body, key)?;
-    crate::coordinator::bound_start(&request.start, bytes.len(), &state.limits).map_err(|e| {
+    crate::contract::bound_start(&request.start, bytes.len(), &state.limits).map_err(|e| {
         ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             e.class.as_str(),

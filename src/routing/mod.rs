@@ -34,7 +34,7 @@ use sha2::{Digest, Sha256};
 use sqlx::{PgPool, Postgres, Row, Transaction as PgTx};
 
 use crate::config::{DuplicatePolicy, RoutingConfig};
-use crate::coordinator::{Input, InputError, InputErrorClass, InputTopic, RunStart, decode_value};
+use crate::contract::{Input, InputError, InputErrorClass, InputTopic, RunStart, decode_value};
 
 /// Longest idempotency key accepted.
 pub const MAX_KEY_LEN: usize = 256;

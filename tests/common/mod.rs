@@ -137,7 +137,10 @@ pub fn test_config(db: &TestDb) -> Config {
         ),
         (
             "DUCTOR__COORDINATOR__WORKFLOWS_DIR".to_string(),
-            concat!(env!("CARGO_MANIFEST_DIR"), "/config/workflows").to_string(),
+            workspace_dir()
+                .join("config/workflows")
+                .display()
+                .to_string(),
         ),
     ];
     let config = Config::load_from(None, env).expect("test configuration is valid");
@@ -387,4 +390,13 @@ pub fn ductor_bin() -> std::path::PathBuf {
         bin.display()
     );
     bin
+}
+
+/// The workspace's root (where `config/` is), from any of its packages.
+pub fn workspace_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .find(|dir| dir.join("config/workflows").is_dir())
+        .expect("a package of this workspace is below its config/workflows")
+        .to_path_buf()
 }

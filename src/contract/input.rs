@@ -9,7 +9,7 @@
 use serde_json::{Map, Value, json};
 use uuid::Uuid;
 
-use super::definition::{MAX_NAME_LEN, is_name};
+use super::names::{MAX_NAME_LEN, is_name};
 use super::screen::{ShapeLimits, Violation, screen};
 
 /// The only schema version this coordinator understands.

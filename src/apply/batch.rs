@@ -1,0 +1,323 @@
+//! The batch statement ([`WRITE_BATCH_SQL`], `write_batch.sql`) and its one
+//! binding: a [`BatchWrite`] holds every parameter as a column, in the
+//! statement's placeholder order, and [`BatchWrite::bind`] binds them. The
+//! apply path fills it from a planned batch, the benchmark from its own
+//! rows; neither binds a parameter of its own.
+
+use std::sync::LazyLock;
+
+use chrono::{DateTime, Utc};
+use sqlx::Postgres;
+use uuid::Uuid;
+
+/// The statement as written, placeholders `$1`..`$60` in bind order.
+const WRITE_BATCH_TEXT: &str = include_str!("write_batch.sql");
+
+/// How many placeholders [`WRITE_BATCH_SQL`] has, and so how many
+/// parameters [`BatchWrite::bind`] binds.
+pub const WRITE_BATCH_PARAMS: usize = 60;
+
+/// Raised by `ductor_write_guard` when a conditional write of the batch
+/// statement fell short.
+pub const CONFLICT_SQLSTATE: &str = "DU409";
+
+/// The batch statement of this build (a canary build rewrites a guarantee
+/// out of it; see [`canary_rewrite`]).
+pub static WRITE_BATCH_SQL: LazyLock<String> =
+    LazyLock::new(|| canary_rewrite(WRITE_BATCH_TEXT.to_owned()));
+
+/// The optimistic lock of the runs update.
+const VERSION_CHECK: &str =
+    "r.record_version = u.expected_version AND r.last_transition_seq < u.seq";
+
+/// Canary `no-version-check`: the version check is gone, so a stale writer
+/// overwrites a newer state (a lost update), and the duplicate effects it
+/// re-emits are swallowed so that its lost update commits. Only for proving
+/// that the chaos checker notices.
+#[cfg(feature = "canary-no-version-check")]
+fn canary_rewrite(sql: String) -> String {
+    assert!(sql.contains(VERSION_CHECK) && sql.contains("    FROM ic\n"));
+    sql.replace(VERSION_CHECK, "u.expected_version IS NOT NULL")
+        .replace("    FROM ic\n", "    FROM ic ON CONFLICT DO NOTHING\n")
+}
+
+#[cfg(not(feature = "canary-no-version-check"))]
+fn canary_rewrite(sql: String) -> String {
+    debug_assert!(sql.contains(VERSION_CHECK));
+    sql
+}
+
+/// A query of [`WRITE_BATCH_SQL`] being bound, parameter by parameter.
+pub type BatchQuery<'q> = sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>;
+
+/// New runs (`$1`..`$11`).
+#[derive(Debug, Default)]
+pub struct RunInserts<'a> {
+    pub run_id: Vec<&'a str>,
+    pub tenant: Vec<&'a str>,
+    pub pool: Vec<&'a str>,
+    pub workflow: Vec<&'a str>,
+    pub version: Vec<i32>,
+    pub status: Vec<&'a str>,
+    pub seq: Vec<i64>,
+    /// The encoded state.
+    pub state: Vec<String>,
+    pub created_at: Vec<DateTime<Utc>>,
+    pub updated_at: Vec<DateTime<Utc>>,
+    pub finished_at: Vec<Option<DateTime<Utc>>>,
+}
+
+/// Changed runs, each updated only at the `record_version` it was loaded
+/// with (`$12`..`$18`).
+#[derive(Debug, Default)]
+pub struct RunUpdates<'a> {
+    pub run_id: Vec<&'a str>,
+    pub expected_version: Vec<i64>,
+    pub status: Vec<&'a str>,
+    pub seq: Vec<i64>,
+    pub state: Vec<String>,
+    pub updated_at: Vec<DateTime<Utc>>,
+    pub finished_at: Vec<Option<DateTime<Utc>>>,
+}
+
+/// History rows (`$19`..`$30`).
+#[derive(Debug, Default)]
+pub struct TransitionRows<'a> {
+    pub run_id: Vec<&'a str>,
+    pub seq: Vec<i64>,
+    pub input_ref: Vec<&'a str>,
+    pub kind: Vec<&'a str>,
+    pub from_status: Vec<Option<&'a str>>,
+    pub to_status: Vec<&'a str>,
+    pub step_index: Vec<i32>,
+    pub detail: Vec<&'a str>,
+    pub source_topic: Vec<Option<&'a str>>,
+    pub source_partition: Vec<Option<i32>>,
+    pub source_offset: Vec<Option<i64>>,
+    pub at: Vec<DateTime<Utc>>,
+}
+
+/// New attempts (`$31`..`$39`).
+#[derive(Debug, Default)]
+pub struct AttemptInserts<'a> {
+    pub stamp: Vec<Uuid>,
+    pub run_id: Vec<&'a str>,
+    pub step_index: Vec<i32>,
+    pub attempt: Vec<i32>,
+    pub status: Vec<&'a str>,
+    pub dispatched_at: Vec<DateTime<Utc>>,
+    pub deadline: Vec<DateTime<Utc>>,
+    pub finished_at: Vec<Option<DateTime<Utc>>>,
+    pub error: Vec<Option<&'a str>>,
+}
+
+/// Attempts finished, each only while still `dispatched` (`$40`..`$43`).
+#[derive(Debug, Default)]
+pub struct AttemptFinishes<'a> {
+    pub stamp: Vec<Uuid>,
+    pub status: Vec<&'a str>,
+    pub finished_at: Vec<DateTime<Utc>>,
+    pub error: Vec<Option<&'a str>>,
+}
+
+/// Effect intents (`$45`..`$57`).
+#[derive(Debug, Default)]
+pub struct IntentRows<'a> {
+    pub run_id: Vec<&'a str>,
+    pub seq: Vec<i64>,
+    pub effect_index: Vec<i32>,
+    pub key: Vec<&'a str>,
+    pub tenant: Vec<&'a str>,
+    pub topic: Vec<&'a str>,
+    pub message_key: Vec<&'a [u8]>,
+    /// The headers as a JSON object.
+    pub headers: Vec<String>,
+    pub payload: Vec<&'a [u8]>,
+    pub ce_type: Vec<&'a str>,
+    pub not_before: Vec<DateTime<Utc>>,
+    pub cancel_key: Vec<Option<&'a str>>,
+    pub due: Vec<bool>,
+}
+
+/// Every parameter of one batch statement.
+#[derive(Debug, Default)]
+pub struct BatchWrite<'a> {
+    pub inserts: RunInserts<'a>,
+    pub updates: RunUpdates<'a>,
+    pub transitions: TransitionRows<'a>,
+    pub attempts: AttemptInserts<'a>,
+    pub finishes: AttemptFinishes<'a>,
+    /// The cancel keys of pending timers to delete (`$44`).
+    pub cancel_keys: Vec<String>,
+    pub intents: IntentRows<'a>,
+    /// The fast lane's drainer, which claims due intents at insert (`$58`).
+    pub claimer: Option<&'a str>,
+    /// The lease of those claims, in seconds (`$59`).
+    pub lease_s: f64,
+    /// What the guard expects each conditional write to match: runs
+    /// inserted, runs updated, transitions, attempts inserted, attempts
+    /// finished; `None` checks nothing (`$60`).
+    pub expected: Option<Vec<i64>>,
+}
+
+impl<'a> BatchWrite<'a> {
+    /// Nothing to write: every input was a no-op or a rejection.
+    pub fn is_empty(&self) -> bool {
+        self.inserts.run_id.is_empty()
+            && self.updates.run_id.is_empty()
+            && self.transitions.run_id.is_empty()
+            && self.attempts.stamp.is_empty()
+            && self.finishes.stamp.is_empty()
+            && self.intents.run_id.is_empty()
+    }
+
+    /// The counts the guard checks, from the columns themselves.
+    pub fn guarded_counts(&self) -> Vec<i64> {
+        [
+            self.inserts.run_id.len(),
+            self.updates.run_id.len(),
+            self.transitions.run_id.len(),
+            self.attempts.stamp.len(),
+            self.finishes.stamp.len(),
+        ]
+        .map(|n| n as i64)
+        .to_vec()
+    }
+
+    /// The batch statement with every parameter bound.
+    pub fn query(&'a self) -> BatchQuery<'a> {
+        self.bind(sqlx::query(&WRITE_BATCH_SQL))
+    }
+
+    /// Binds `$1`..`$60`, in order.
+    pub fn bind(&'a self, query: BatchQuery<'a>) -> BatchQuery<'a> {
+        let query = self.bind_runs(query);
+        let query = self.bind_history(query);
+        let query = self.bind_intents(query);
+        query.bind(&self.expected)
+    }
+
+    fn bind_runs(&'a self, query: BatchQuery<'a>) -> BatchQuery<'a> {
+        let (n, u) = (&self.inserts, &self.updates);
+        query
+            .bind(&n.run_id)
+            .bind(&n.tenant)
+            .bind(&n.pool)
+            .bind(&n.workflow)
+            .bind(&n.version)
+            .bind(&n.status)
+            .bind(&n.seq)
+            .bind(&n.state)
+            .bind(&n.created_at)
+            .bind(&n.updated_at)
+            .bind(&n.finished_at)
+            .bind(&u.run_id)
+            .bind(&u.expected_version)
+            .bind(&u.status)
+            .bind(&u.seq)
+            .bind(&u.state)
+            .bind(&u.updated_at)
+            .bind(&u.finished_at)
+    }
+
+    fn bind_history(&'a self, query: BatchQuery<'a>) -> BatchQuery<'a> {
+        let (t, a, f) = (&self.transitions, &self.attempts, &self.finishes);
+        query
+            .bind(&t.run_id)
+            .bind(&t.seq)
+            .bind(&t.input_ref)
+            .bind(&t.kind)
+            .bind(&t.from_status)
+            .bind(&t.to_status)
+            .bind(&t.step_index)
+            .bind(&t.detail)
+            .bind(&t.source_topic)
+            .bind(&t.source_partition)
+            .bind(&t.source_offset)
+            .bind(&t.at)
+            .bind(&a.stamp)
+            .bind(&a.run_id)
+            .bind(&a.step_index)
+            .bind(&a.attempt)
+            .bind(&a.status)
+            .bind(&a.dispatched_at)
+            .bind(&a.deadline)
+            .bind(&a.finished_at)
+            .bind(&a.error)
+            .bind(&f.stamp)
+            .bind(&f.status)
+            .bind(&f.finished_at)
+            .bind(&f.error)
+            .bind(&self.cancel_keys)
+    }
+
+    fn bind_intents(&'a self, query: BatchQuery<'a>) -> BatchQuery<'a> {
+        let i = &self.intents;
+        query
+            .bind(&i.run_id)
+            .bind(&i.seq)
+            .bind(&i.effect_index)
+            .bind(&i.key)
+            .bind(&i.tenant)
+            .bind(&i.topic)
+            .bind(&i.message_key)
+            .bind(&i.headers)
+            .bind(&i.payload)
+            .bind(&i.ce_type)
+            .bind(&i.not_before)
+            .bind(&i.cancel_key)
+            .bind(&i.due)
+            .bind(self.claimer)
+            .bind(self.lease_s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use sqlx::{Arguments, Execute};
+
+    use super::*;
+
+    /// The highest `$n` of the statement, outside its comments.
+    fn highest_placeholder(sql: &str) -> usize {
+        let body: String = sql
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("--"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        body.split('$')
+            .skip(1)
+            .filter_map(|rest| {
+                let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+                digits.parse::<usize>().ok()
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    #[test]
+    fn the_binding_binds_one_parameter_per_placeholder() {
+        let write = BatchWrite::default();
+        let mut query = write.query();
+        let arguments = query
+            .take_arguments()
+            .expect("binding succeeds")
+            .expect("the query has arguments");
+        assert_eq!(highest_placeholder(&WRITE_BATCH_SQL), WRITE_BATCH_PARAMS);
+        assert_eq!(arguments.len(), WRITE_BATCH_PARAMS);
+    }
+
+    #[test]
+    fn every_placeholder_up_to_the_last_is_used() {
+        for n in 1..=WRITE_BATCH_PARAMS {
+            let used = WRITE_BATCH_SQL
+                .lines()
+                .filter(|l| !l.trim_start().starts_with("--"))
+                .any(|l| {
+                    l.match_indices(&format!("${n}"))
+                        .any(|(at, m)| !l[at + m.len()..].starts_with(|c: char| c.is_ascii_digit()))
+                });
+            assert!(used, "${n} is bound but never used");
+        }
+    }
+}

@@ -1,0 +1,399 @@
+//! The effects: what the coordinator decides to publish, where, and in
+//! which shape. Each payload is a typed struct that encodes to the JSON
+//! value on the wire (`type` first, then `schema_version`); a consumer that
+//! decodes it uses the same type ([`StepDispatch::decode`] for workers).
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use serde::{Serialize, Serializer};
+use serde_json::{Map, Value};
+use uuid::Uuid;
+
+use super::input::{SCHEMA_VERSION, is_id, truncate};
+use super::names::MAX_NAME_LEN;
+
+/// Longest [`DecodeError::message`].
+pub const MAX_DECODE_ERROR_LEN: usize = 512;
+
+/// Every kind of record the outbox publishes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EffectKind {
+    /// A run's lifecycle event, first effect of every transition, on the
+    /// events topic.
+    RunEvent,
+    /// One attempt of a step, on its pool's steps topic.
+    StepDispatch,
+    /// A durable timer, the canonical `wakeup.timer` input, on the wakeups
+    /// topic at its due time.
+    WakeupTimer,
+    /// A succeeded run's output, on its workflow's `output_topic`.
+    RunOutput,
+    /// The decision of a routed start, last effect of its run's first
+    /// transition, on the events topic.
+    RunAccepted,
+    /// One of a run's effects was parked, on the events topic.
+    EffectParked,
+}
+
+impl EffectKind {
+    pub const ALL: [EffectKind; 6] = [
+        EffectKind::RunEvent,
+        EffectKind::StepDispatch,
+        EffectKind::WakeupTimer,
+        EffectKind::RunOutput,
+        EffectKind::RunAccepted,
+        EffectKind::EffectParked,
+    ];
+
+    /// The payload's `type` field.
+    pub fn wire_type(self) -> &'static str {
+        match self {
+            EffectKind::RunEvent => "run.event",
+            EffectKind::StepDispatch => "step.dispatch",
+            EffectKind::WakeupTimer => "wakeup.timer",
+            EffectKind::RunOutput => "run.output",
+            EffectKind::RunAccepted => "run.accepted",
+            EffectKind::EffectParked => "run.effect_parked",
+        }
+    }
+
+    /// The CloudEvents type (header `ce_type`): `ductor.` and the wire type.
+    pub fn ce_type(self) -> &'static str {
+        match self {
+            EffectKind::RunEvent => "ductor.run.event",
+            EffectKind::StepDispatch => "ductor.step.dispatch",
+            EffectKind::WakeupTimer => "ductor.wakeup.timer",
+            EffectKind::RunOutput => "ductor.run.output",
+            EffectKind::RunAccepted => "ductor.run.accepted",
+            EffectKind::EffectParked => "ductor.run.effect_parked",
+        }
+    }
+
+    /// The kind whose CloudEvents type is `ce_type`.
+    pub fn from_ce_type(ce_type: &str) -> Option<EffectKind> {
+        EffectKind::ALL.into_iter().find(|k| k.ce_type() == ce_type)
+    }
+}
+
+/// Where an effect goes; [`super::names::TopicNames::for_target`] names the topic.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum EffectTarget {
+    /// `ductor.steps.<pool>`.
+    StepQueue { pool: String },
+    /// `ductor.events`.
+    Events,
+    /// The wakeups input topic (timers).
+    Wakeups,
+    /// A workflow's `output_topic`, used verbatim.
+    Output { topic: String },
+}
+
+/// A side effect as data; the apply stage writes it as an outbox intent.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Effect {
+    pub target: EffectTarget,
+    pub kind: EffectKind,
+    pub payload: Value,
+    /// Publish no earlier than this (durable timers); `None` = as soon as committed.
+    pub not_before: Option<DateTime<Utc>>,
+}
+
+impl Effect {
+    /// An effect to publish as soon as its transition is committed.
+    pub fn now(target: EffectTarget, kind: EffectKind, payload: &impl Serialize) -> Effect {
+        Effect {
+            target,
+            kind,
+            payload: to_value(payload),
+            not_before: None,
+        }
+    }
+}
+
+/// The JSON value of a payload. The payload types hold only strings,
+/// numbers and JSON values, so their encoding cannot fail.
+pub fn to_value(payload: &impl Serialize) -> Value {
+    serde_json::to_value(payload).unwrap_or(Value::Null)
+}
+
+/// Timestamps in payloads: RFC 3339, milliseconds, `Z`.
+pub fn rfc3339(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(SecondsFormat::Millis, true)
+}
+
+fn rfc3339_millis<S: Serializer>(t: &DateTime<Utc>, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&rfc3339(*t))
+}
+
+/// `run.event`: one transition of a run, as its followers see it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "type", rename = "run.event")]
+pub struct RunEvent<'a> {
+    pub schema_version: u64,
+    pub run_id: &'a str,
+    pub tenant: &'a str,
+    pub seq: i64,
+    /// The transition's kind (`run.started`, `step.succeeded`, ...).
+    pub kind: &'a str,
+    pub status: &'a str,
+    pub step_index: u32,
+    pub attempt: u32,
+    #[serde(serialize_with = "rfc3339_millis")]
+    pub at: DateTime<Utc>,
+}
+
+/// `run.output`: a succeeded run's output.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "type", rename = "run.output")]
+pub struct RunOutput<'a> {
+    pub schema_version: u64,
+    pub run_id: &'a str,
+    pub tenant: &'a str,
+    pub workflow: &'a str,
+    pub output: &'a Value,
+}
+
+/// `run.accepted`: the decision a routed start got.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "type", rename = "run.accepted")]
+pub struct RunAccepted<'a> {
+    pub schema_version: u64,
+    pub run_id: &'a str,
+    pub tenant: &'a str,
+    pub pool: &'a str,
+    pub workflow: &'a str,
+    pub workflow_version: u32,
+    pub idempotency_key: Option<&'a str>,
+    pub correlation_id: Option<&'a str>,
+}
+
+/// `run.effect_parked`: one of a run's effects was parked after failing
+/// for good; `seq` and `effect_index` name it, `topic` is where it was for.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "type", rename = "run.effect_parked")]
+pub struct EffectParked<'a> {
+    pub schema_version: u64,
+    pub run_id: &'a str,
+    pub tenant: &'a str,
+    pub seq: i64,
+    pub effect_index: i32,
+    pub topic: &'a str,
+    pub error: &'a str,
+    /// RFC 3339, microseconds: the parking's time, as in its `ce_time`.
+    pub at: &'a str,
+}
+
+/// A decoded `step.dispatch`: one attempt of one step of one run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "type", rename = "step.dispatch")]
+pub struct StepDispatch {
+    pub schema_version: u64,
+    pub run_id: String,
+    pub tenant: String,
+    pub workflow: String,
+    pub workflow_version: u32,
+    /// The step's name in the workflow definition.
+    pub step: String,
+    pub step_index: u32,
+    /// 1 for the first attempt of the step.
+    pub attempt: u32,
+    /// The attempt's fencing token; the result must carry it.
+    pub stamp: Uuid,
+    /// After this instant the coordinator times the attempt out and ignores
+    /// its result.
+    #[serde(serialize_with = "rfc3339_millis")]
+    pub deadline: DateTime<Utc>,
+    /// The run's input for the first step, the previous step's output after.
+    pub input: Value,
+}
+
+/// A dispatch that does not follow the contract: a version mismatch between
+/// the coordinator and this worker.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("undecodable step dispatch: {message}")]
+pub struct DecodeError {
+    /// Names the field; bounded to [`MAX_DECODE_ERROR_LEN`]; never echoes payloads.
+    pub message: String,
+}
+
+impl DecodeError {
+    fn new(message: impl Into<String>) -> Self {
+        Self {
+            message: truncate(message.into(), MAX_DECODE_ERROR_LEN),
+        }
+    }
+}
+
+impl StepDispatch {
+    /// Decodes a `step.dispatch` value. Pure; never panics, whatever the bytes.
+    /// Unknown extra fields are tolerated, as on every Ductor topic.
+    pub fn decode(bytes: &[u8]) -> Result<StepDispatch, DecodeError> {
+        let value: Value = serde_json::from_slice(bytes)
+            .map_err(|e| DecodeError::new(format!("not JSON: {e}")))?;
+        let Value::Object(obj) = value else {
+            return Err(DecodeError::new("not a JSON object"));
+        };
+        let f = Fields(&obj);
+        let wire_type = EffectKind::StepDispatch.wire_type();
+        if f.str("type")? != wire_type {
+            return Err(DecodeError::new(format!("type: must be {wire_type:?}")));
+        }
+        match f.u64("schema_version")? {
+            SCHEMA_VERSION => {}
+            other => {
+                return Err(DecodeError::new(format!(
+                    "schema_version {other} is not supported (supported: {SCHEMA_VERSION})"
+                )));
+            }
+        }
+        let deadline = DateTime::parse_from_rfc3339(f.str("deadline")?)
+            .map_err(|_| DecodeError::new("deadline: must be an RFC 3339 timestamp"))?
+            .with_timezone(&Utc);
+        Ok(StepDispatch {
+            schema_version: SCHEMA_VERSION,
+            run_id: f.id("run_id")?,
+            tenant: f.id("tenant")?,
+            workflow: f.name("workflow")?,
+            workflow_version: f.u32("workflow_version")?,
+            step: f.name("step")?,
+            step_index: f.u32("step_index")?,
+            attempt: f.u32("attempt")?,
+            stamp: Uuid::parse_str(f.str("stamp")?)
+                .map_err(|_| DecodeError::new("stamp: must be a UUID"))?,
+            deadline,
+            input: obj.get("input").cloned().unwrap_or(Value::Null),
+        })
+    }
+
+    /// The coordinator has timed (or will time) this attempt out.
+    pub fn is_expired(&self, now: DateTime<Utc>) -> bool {
+        self.deadline <= now
+    }
+}
+
+/// Typed access to the fields of a dispatch; every error names its field.
+struct Fields<'a>(&'a Map<String, Value>);
+
+impl Fields<'_> {
+    fn str(&self, name: &str) -> Result<&str, DecodeError> {
+        match self.0.get(name) {
+            Some(Value::String(s)) => Ok(s),
+            Some(Value::Null) | None => Err(DecodeError::new(format!("{name}: missing"))),
+            Some(_) => Err(DecodeError::new(format!("{name}: must be a string"))),
+        }
+    }
+
+    fn u64(&self, name: &str) -> Result<u64, DecodeError> {
+        match self.0.get(name) {
+            Some(Value::Null) | None => Err(DecodeError::new(format!("{name}: missing"))),
+            Some(v) => v
+                .as_u64()
+                .ok_or_else(|| DecodeError::new(format!("{name}: must be a non-negative integer"))),
+        }
+    }
+
+    fn u32(&self, name: &str) -> Result<u32, DecodeError> {
+        u32::try_from(self.u64(name)?)
+            .map_err(|_| DecodeError::new(format!("{name}: must be at most 4294967295")))
+    }
+
+    fn id(&self, name: &str) -> Result<String, DecodeError> {
+        let s = self.str(name)?;
+        if is_id(s) {
+            Ok(s.to_owned())
+        } else {
+            Err(DecodeError::new(format!(
+                "{name}: must be 1 to 128 characters of [A-Za-z0-9_.:-]"
+            )))
+        }
+    }
+
+    fn name(&self, name: &str) -> Result<String, DecodeError> {
+        let s = self.str(name)?;
+        if !s.is_empty() && s.len() <= MAX_NAME_LEN {
+            Ok(s.to_owned())
+        } else {
+            Err(DecodeError::new(format!("{name}: must be 1 to 100 bytes")))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dispatch() -> StepDispatch {
+        StepDispatch {
+            schema_version: SCHEMA_VERSION,
+            run_id: "run-1".into(),
+            tenant: "acme".into(),
+            workflow: "wf".into(),
+            workflow_version: 3,
+            step: "charge".into(),
+            step_index: 1,
+            attempt: 2,
+            stamp: Uuid::from_u128(7),
+            deadline: DateTime::parse_from_rfc3339("2026-01-01T00:00:05.250Z")
+                .unwrap()
+                .with_timezone(&Utc),
+            input: serde_json::json!({"amount": 5}),
+        }
+    }
+
+    #[test]
+    fn a_dispatch_decodes_to_what_was_encoded() {
+        let encoded = to_value(&dispatch()).to_string();
+        assert_eq!(StepDispatch::decode(encoded.as_bytes()), Ok(dispatch()));
+    }
+
+    #[test]
+    fn payloads_put_their_type_and_version_first() {
+        let value = to_value(&dispatch());
+        let keys: Vec<&str> = value
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        assert_eq!(
+            keys,
+            [
+                "type",
+                "schema_version",
+                "run_id",
+                "tenant",
+                "workflow",
+                "workflow_version",
+                "step",
+                "step_index",
+                "attempt",
+                "stamp",
+                "deadline",
+                "input"
+            ]
+        );
+        assert_eq!(value["type"], EffectKind::StepDispatch.wire_type());
+        assert_eq!(value["deadline"], "2026-01-01T00:00:05.250Z");
+        assert_eq!(value["stamp"], Uuid::from_u128(7).to_string());
+        let accepted = to_value(&RunAccepted {
+            schema_version: SCHEMA_VERSION,
+            run_id: "r",
+            tenant: "t",
+            pool: "p",
+            workflow: "w",
+            workflow_version: 1,
+            idempotency_key: None,
+            correlation_id: Some("c"),
+        });
+        assert_eq!(accepted["type"], EffectKind::RunAccepted.wire_type());
+        assert_eq!(accepted["idempotency_key"], Value::Null);
+    }
+
+    #[test]
+    fn every_kind_is_named_by_its_ce_type() {
+        for kind in EffectKind::ALL {
+            assert_eq!(EffectKind::from_ce_type(kind.ce_type()), Some(kind));
+            assert_eq!(kind.ce_type(), format!("ductor.{}", kind.wire_type()));
+        }
+        assert_eq!(EffectKind::from_ce_type("ductor.nope"), None);
+    }
+}

@@ -1,0 +1,91 @@
+//! Header names of every record Ductor publishes, and the headers of an
+//! effect.
+//!
+//! Every effect carries an idempotency key (a consumer that honours it, as
+//! [`crate::client::dedup`] does, applies the effect once however often it is
+//! redelivered), the run it belongs to, and the CloudEvents attributes in
+//! Kafka's binary content mode (`ce_*`).
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use serde_json::{Map, Value};
+
+/// The effect's deterministic idempotency key ([`super::names::idempotency_key`]).
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+/// The run the record belongs to.
+pub const RUN_ID: &str = "ductor-run-id";
+/// The transition (`last_transition_seq`) that made the effect.
+pub const SEQ: &str = "ductor-seq";
+/// The run's tenant.
+pub const TENANT: &str = "ductor-tenant";
+pub const CE_SPECVERSION: &str = "ce_specversion";
+/// Equal to the idempotency key.
+pub const CE_ID: &str = "ce_id";
+/// `/ductor/workflows/<workflow>/v<version>`.
+pub const CE_SOURCE: &str = "ce_source";
+/// One of [`super::effects::EffectKind::ce_type`].
+pub const CE_TYPE: &str = "ce_type";
+/// When the transition committed (RFC 3339, microseconds); a worker counts a
+/// late dispatch's deadline from its record timestamp instead.
+pub const CE_TIME: &str = "ce_time";
+/// The run id.
+pub const CE_SUBJECT: &str = "ce_subject";
+pub const CONTENT_TYPE: &str = "content-type";
+
+/// On a dead letter: the topic, partition and offset the input came from.
+pub const DLQ_TOPIC: &str = "ductor-dlq-topic";
+pub const DLQ_PARTITION: &str = "ductor-dlq-partition";
+pub const DLQ_OFFSET: &str = "ductor-dlq-offset";
+/// On a dead letter: the stage that refused it (`decode`, `apply`, ...).
+pub const DLQ_STAGE: &str = "ductor-dlq-stage";
+/// On a dead letter: the stable error class, one of the `as_str` values of
+/// the input, rejection and apply error classes.
+pub const DLQ_CLASS: &str = "ductor-dlq-error-class";
+/// On a dead letter: the bounded error message.
+pub const DLQ_MESSAGE: &str = "ductor-dlq-error";
+/// On a dead letter whose original value was cut to fit: its length in bytes.
+pub const DLQ_TRUNCATED: &str = "ductor-dlq-truncated";
+/// On a dead letter whose original headers or key did not fit at all:
+/// `headers`, `key` or `headers,key`.
+pub const DLQ_DROPPED: &str = "ductor-dlq-dropped";
+
+/// The run an effect belongs to, as its headers name it.
+#[derive(Debug, Clone, Copy)]
+pub struct EffectOrigin<'a> {
+    pub run_id: &'a str,
+    pub tenant: &'a str,
+    pub workflow: &'a str,
+    pub workflow_version: u32,
+    /// The transition that made the effect.
+    pub seq: i64,
+    /// When that transition committed.
+    pub at: DateTime<Utc>,
+}
+
+/// The headers of an effect with idempotency key `key` and CloudEvents type
+/// `ce_type`, in the order they are published.
+pub fn effect_headers(origin: &EffectOrigin<'_>, key: &str, ce_type: &str) -> Map<String, Value> {
+    let source = format!(
+        "/ductor/workflows/{}/v{}",
+        origin.workflow, origin.workflow_version
+    );
+    let pairs = [
+        (IDEMPOTENCY_KEY, key.to_owned()),
+        (RUN_ID, origin.run_id.to_owned()),
+        (SEQ, origin.seq.to_string()),
+        (TENANT, origin.tenant.to_owned()),
+        (CE_SPECVERSION, "1.0".to_owned()),
+        (CE_ID, key.to_owned()),
+        (CE_SOURCE, source),
+        (CE_TYPE, ce_type.to_owned()),
+        (
+            CE_TIME,
+            origin.at.to_rfc3339_opts(SecondsFormat::Micros, true),
+        ),
+        (CE_SUBJECT, origin.run_id.to_owned()),
+        (CONTENT_TYPE, "application/json".to_owned()),
+    ];
+    pairs
+        .into_iter()
+        .map(|(name, value)| (name.to_owned(), Value::String(value)))
+        .collect()
+}

@@ -1,0 +1,28 @@
+//! The wire: every name and shape that crosses Kafka between Ductor's
+//! stages, its users' producers and workers, and the checker — one
+//! authority for each.
+//!
+//! - [`input`]: the typed inputs (`run.start`, `attempt.result`,
+//!   `wakeup.timer`, `wakeup.signal`, `wakeup.cancel`), decoded within the
+//!   size and shape limits of [`screen`];
+//! - [`effects`]: what the coordinator publishes (`run.event`,
+//!   `step.dispatch`, `wakeup.timer`, `run.output`, `run.accepted`,
+//!   `run.effect_parked`), as typed payloads;
+//! - [`headers`]: the header names of every published record and the
+//!   dead-letter topic;
+//! - [`names`]: topic names and the keys derived for effects.
+
+pub mod effects;
+pub mod headers;
+pub mod input;
+pub mod names;
+pub mod screen;
+
+pub use effects::{DecodeError, Effect, EffectKind, EffectTarget, StepDispatch};
+pub use input::{
+    AttemptOutcome, AttemptResult, CancelWakeup, Input, InputError, InputErrorClass, InputLimits,
+    InputTopic, RunStart, SignalWakeup, TimerKind, TimerWakeup, bound_payload, bound_start,
+    decode_input, decode_value, parse_value,
+};
+pub use names::{TopicNames, idempotency_key, timeout_cancel_key};
+pub use screen::{ShapeLimits, Violation};

@@ -1,0 +1,88 @@
+//! Names on the wire: topics, and the keys Ductor derives for what it
+//! publishes.
+
+use super::effects::EffectTarget;
+
+/// Longest workflow, step or pool name.
+pub const MAX_NAME_LEN: usize = 100;
+/// Longest Kafka topic name the broker accepts.
+pub const MAX_TOPIC_LEN: usize = 249;
+
+/// `[A-Za-z0-9_.-]{1,max}`: the characters Kafka allows in a topic name.
+pub fn is_name(s: &str, max: usize) -> bool {
+    !s.is_empty()
+        && s.len() <= max
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+}
+
+/// A legal Kafka topic name (`.` and `..` are reserved by the broker).
+pub fn is_topic(s: &str) -> bool {
+    is_name(s, MAX_TOPIC_LEN) && s != "." && s != ".."
+}
+
+/// The topics of one deployment, all under `kafka.topic_prefix`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TopicNames {
+    pub prefix: String,
+}
+
+impl TopicNames {
+    /// `<prefix>requests`: run starts, signals and cancels.
+    pub fn requests(&self) -> String {
+        format!("{}requests", self.prefix)
+    }
+
+    /// `<prefix>wakeups`: durable timers, published at their due time.
+    pub fn wakeups(&self) -> String {
+        format!("{}wakeups", self.prefix)
+    }
+
+    /// `<prefix>attempt-results`: what workers made of their attempts.
+    pub fn attempt_results(&self) -> String {
+        format!("{}attempt-results", self.prefix)
+    }
+
+    /// `<prefix>events`: every run's lifecycle.
+    pub fn events(&self) -> String {
+        format!("{}events", self.prefix)
+    }
+
+    /// `<prefix>steps.<pool>`: the dispatches of one worker pool.
+    pub fn steps(&self, pool: &str) -> String {
+        format!("{}steps.{pool}", self.prefix)
+    }
+
+    /// `<prefix>dlq`: inputs that cannot apply, with their class.
+    pub fn dead_letters(&self) -> String {
+        format!("{}dlq", self.prefix)
+    }
+
+    /// Where an effect of the fold goes.
+    pub fn for_target(&self, target: &EffectTarget) -> String {
+        match target {
+            EffectTarget::StepQueue { pool } => self.steps(pool),
+            EffectTarget::Events => self.events(),
+            EffectTarget::Wakeups => self.wakeups(),
+            EffectTarget::Output { topic } => topic.clone(),
+        }
+    }
+}
+
+/// The deterministic idempotency key of an effect: the same on every
+/// redelivery because it is derived from the run, the transition seq and the
+/// effect's index in that transition.
+pub fn idempotency_key(run_id: &str, seq: i64, effect_index: usize) -> String {
+    format!("{run_id}/{seq}/{effect_index}")
+}
+
+/// The idempotency key of the `run.effect_parked` notice of the effect whose
+/// key is `effect_key`: one notice per parked effect.
+pub fn parked_notice_key(effect_key: &str) -> String {
+    format!("{effect_key}/parked")
+}
+
+/// The cancel key of the timeout timer of the attempt `stamp`.
+pub fn timeout_cancel_key(stamp: &str) -> String {
+    format!("timeout:{stamp}")
+}
