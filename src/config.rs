@@ -35,6 +35,15 @@ pub const STATE_ENVELOPE_BYTES: u64 = 65_536;
 /// The defaults, compiled in so the binary runs from any directory.
 pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
 
+/// The producer settings a delivery report's truth rests on, with the value
+/// Ductor gives each; every producer Ductor makes sets them.
+/// [`Config::validate`] refuses pass-through properties that change them.
+pub const PRODUCER_GUARANTEES: [(&str, &str); 3] = [
+    ("enable.idempotence", "true"),
+    ("acks", "all"),
+    ("max.in.flight.requests.per.connection", "1"),
+];
+
 /// Every error loading or validating the configuration. The message names the
 /// offending key.
 #[derive(Debug, thiserror::Error)]
@@ -160,7 +169,7 @@ pub struct KafkaConfig {
     /// librdkafka properties for producers only. Neither this map nor
     /// `properties` may change `enable.idempotence`, `acks` or
     /// `max.in.flight.requests.per.connection` from Ductor's values
-    /// ([`crate::infra::kafka::PRODUCER_GUARANTEES`]): the outbox trusts delivery
+    /// ([`PRODUCER_GUARANTEES`]): the outbox trusts delivery
     /// reports, and those settings are what make them true.
     pub producer_properties: KafkaProperties,
 }
@@ -459,12 +468,17 @@ impl Config {
 
     /// Rejects values that deserialize but cannot work.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        fn invalid(key: &'static str, message: impl Into<String>) -> ConfigError {
-            ConfigError::Invalid {
-                key,
-                message: message.into(),
-            }
-        }
+        self.validate_database()?;
+        self.validate_kafka()?;
+        self.validate_batches()?;
+        self.validate_state_bound()?;
+        self.validate_inputs()?;
+        self.validate_drainer()?;
+        self.validate_routing()
+    }
+
+    /// The database URL and pool.
+    fn validate_database(&self) -> Result<(), ConfigError> {
         url::Url::parse(self.database.url.expose())
             .ok()
             .filter(|u| matches!(u.scheme(), "postgres" | "postgresql"))
@@ -478,6 +492,11 @@ impl Config {
                 "must not exceed database.max_connections",
             ));
         }
+        Ok(())
+    }
+
+    /// Topics, the consumer group, and the producer guarantees no pass-through property may weaken.
+    fn validate_kafka(&self) -> Result<(), ConfigError> {
         if self.kafka.bootstrap_servers.trim().is_empty() {
             return Err(invalid("kafka.bootstrap_servers", "must not be empty"));
         }
@@ -526,6 +545,19 @@ impl Config {
                 format!("{topic:?} is not a valid topic name"),
             ));
         }
+        for (key, props) in [
+            ("kafka.properties", &self.kafka.properties),
+            ("kafka.producer_properties", &self.kafka.producer_properties),
+        ] {
+            if let Some(message) = props.weakened_producer_guarantee() {
+                return Err(invalid(key, message));
+            }
+        }
+        Ok(())
+    }
+
+    /// The apply lanes and the bounds of a batch and of one input.
+    fn validate_batches(&self) -> Result<(), ConfigError> {
         if self.coordinator.apply_lanes == 0 || self.coordinator.apply_lanes > 64 {
             return Err(invalid(
                 "coordinator.apply_lanes",
@@ -568,7 +600,11 @@ impl Config {
                 ),
             ));
         }
-        self.validate_state_bound()?;
+        Ok(())
+    }
+
+    /// The stall detector, the apply retries and the shape limits of inputs.
+    fn validate_inputs(&self) -> Result<(), ConfigError> {
         let c = &self.coordinator;
         if c.stall_after_ms == 0 {
             return Err(invalid("coordinator.stall_after_ms", "must be at least 1"));
@@ -600,14 +636,11 @@ impl Config {
                 "must be at least 32",
             ));
         }
-        for (key, props) in [
-            ("kafka.properties", &self.kafka.properties),
-            ("kafka.producer_properties", &self.kafka.producer_properties),
-        ] {
-            if let Some(message) = props.weakened_producer_guarantee() {
-                return Err(invalid(key, message));
-            }
-        }
+        Ok(())
+    }
+
+    /// The outbox drainer: its batches, lease, intervals and retention.
+    fn validate_drainer(&self) -> Result<(), ConfigError> {
         let d = &self.drainer;
         if d.batch_max_intents == 0 || d.batch_max_intents > 10_000 {
             return Err(invalid(
@@ -652,6 +685,11 @@ impl Config {
         if d.purge_batch == 0 {
             return Err(invalid("drainer.purge_batch", "must be at least 1"));
         }
+        Ok(())
+    }
+
+    /// The routing plane: its TTLs, intervals, batches and body bound.
+    fn validate_routing(&self) -> Result<(), ConfigError> {
         let r = &self.routing;
         for (key, value) in [
             ("routing.pending_ttl_ms", r.pending_ttl_ms),
@@ -771,6 +809,14 @@ impl Config {
     }
 }
 
+/// The error of a setting `key` that breaks a rule.
+fn invalid(key: &'static str, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key,
+        message: message.into(),
+    }
+}
+
 /// Reads an environment value as a TOML value where it parses as one
 /// (`5000`, `true`, `["a", "b"]`), otherwise as a plain string, so that
 /// `DUCTOR__LOG__FILTER=info` needs no quotes.
@@ -874,7 +920,7 @@ impl KafkaProperties {
     }
 
     /// Why these properties would change a producer setting that the outbox
-    /// relies on ([`crate::infra::kafka::PRODUCER_GUARANTEES`]), if they do. A
+    /// relies on ([`PRODUCER_GUARANTEES`]), if they do. A
     /// delivery report is what marks an effect completed, so a producer that
     /// may report a message delivered that is not in the log (without
     /// idempotence, with `acks` below `all`, or with more than one request in
@@ -887,7 +933,7 @@ impl KafkaProperties {
                 "max.in.flight" => "max.in.flight.requests.per.connection",
                 other => other,
             };
-            let (name, required) = crate::infra::kafka::PRODUCER_GUARANTEES
+            let (name, required) = PRODUCER_GUARANTEES
                 .into_iter()
                 .find(|(guarded, _)| *guarded == name)?;
             let same = value.trim() == required || (name == "acks" && value.trim() == "-1");

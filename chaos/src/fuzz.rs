@@ -43,8 +43,8 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-use ductor::apply::Source;
 use ductor::config::Config;
+use ductor::contract::Source;
 use ductor::contract::{InputLimits, InputTopic};
 
 /// What to send.

@@ -429,7 +429,7 @@ fn rebuild_input(ctx: &Context<'_>, run: &RunRow, t: &TransitionRow) -> Rebuild 
     let Some(kind) = ctx.input_topic(topic) else {
         return Rebuild::Mismatch(format!("seq {}: source {topic} is no input topic", t.seq));
     };
-    let source = ductor::apply::Source {
+    let source = ductor::contract::Source {
         topic: topic.clone(),
         partition: *partition,
         offset: *offset,

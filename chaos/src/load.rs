@@ -896,7 +896,7 @@ impl Driver {
         let Some(h) = super::fuzz::hostile(&mut rng, kind, &self.limits) else {
             return;
         };
-        let source = ductor::apply::Source {
+        let source = ductor::contract::Source {
             topic: topic.clone(),
             partition: 0,
             offset: 0,

@@ -23,6 +23,7 @@ use sqlx::{PgConnection, PgPool, Postgres, Row, Transaction as PgTx};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::contract::Source;
 use crate::contract::effects::RunAccepted;
 use crate::contract::headers::{EffectOrigin, effect_headers};
 use crate::contract::input::SCHEMA_VERSION;
@@ -34,14 +35,6 @@ use crate::coordinator::{
     RunStatus, Workflows, fold,
 };
 use crate::routing::{self, Reservation, ReserveKind, RouteOutcome, RouteRequest};
-
-/// Where an input came from; kept on its transition row.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Source {
-    pub topic: String,
-    pub partition: i32,
-    pub offset: i64,
-}
 
 /// One decoded input waiting to be applied.
 #[derive(Debug, Clone)]

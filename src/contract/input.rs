@@ -205,6 +205,14 @@ pub(crate) fn truncate(mut s: String, max: usize) -> String {
     s
 }
 
+/// Where an input came from: its Kafka position, kept on its transition row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Source {
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+}
+
 const TYPE_RUN_START: &str = "run.start";
 const TYPE_ATTEMPT_RESULT: &str = "attempt.result";
 const TYPE_WAKEUP_TIMER: &str = "wakeup.timer";

@@ -21,7 +21,7 @@ pub mod screen;
 pub use effects::{DecodeError, Effect, EffectKind, EffectTarget, StepDispatch};
 pub use input::{
     AttemptOutcome, AttemptResult, CancelWakeup, Input, InputError, InputErrorClass, InputLimits,
-    InputTopic, RunStart, SignalWakeup, TimerKind, TimerWakeup, bound_payload, bound_start,
+    InputTopic, RunStart, SignalWakeup, Source, TimerKind, TimerWakeup, bound_payload, bound_start,
     decode_input, decode_value, parse_value,
 };
 pub use names::{TopicNames, idempotency_key, timeout_cancel_key};

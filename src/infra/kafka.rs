@@ -14,7 +14,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::producer::FutureProducer;
 
-use crate::config::{Config, KafkaConfig};
+use crate::config::{Config, KafkaConfig, PRODUCER_GUARANTEES};
 
 fn base_config(kafka: &KafkaConfig, role: &str) -> ClientConfig {
     let mut cfg = ClientConfig::new();
@@ -74,15 +74,6 @@ pub fn consumer_config(kafka: &KafkaConfig, group_id: &str, role: &str) -> Clien
         .set("queued.max.messages.kbytes", "65536");
     with_consumer_properties(cfg, kafka)
 }
-
-/// The producer settings a delivery report's truth rests on, with the value
-/// Ductor gives each. [`crate::config::Config::validate`] refuses
-/// pass-through properties that change them.
-pub const PRODUCER_GUARANTEES: [(&str, &str); 3] = [
-    ("enable.idempotence", "true"),
-    ("acks", "all"),
-    ("max.in.flight.requests.per.connection", "1"),
-];
 
 /// An idempotent producer: `enable.idempotence=true`, `acks=all`, and one
 /// request in flight per connection, so retries neither duplicate nor

@@ -27,8 +27,9 @@ use sqlx::PgPool;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::apply::{Applier, InputOutcome, PendingInput, RetryPolicy, Source};
+use crate::apply::{Applier, InputOutcome, PendingInput, RetryPolicy};
 use crate::config::Config;
+use crate::contract::Source;
 use crate::contract::{
     Input, InputError, InputLimits, InputTopic, bound_payload, bound_start, decode_value,
     parse_value,

@@ -64,7 +64,7 @@ pub struct RouteRequest {
     pub fingerprint: String,
     pub reservation: Reservation,
     /// Where a Kafka request came from; kept on the run's first transition.
-    pub source: Option<crate::apply::Source>,
+    pub source: Option<crate::contract::Source>,
 }
 
 /// How a request holds its row.
