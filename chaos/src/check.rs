@@ -69,49 +69,23 @@ use tokio::time::Instant;
 use uuid::Uuid;
 
 use super::CheckArgs;
-use super::history::{self, AttemptRow, IntentRow, RunRow, RunRows, TransitionRow};
+use super::history::{self, RunRows};
 use super::log::{self, Record};
+use super::snapshot::{
+    AttemptRow, DbSnapshot, IntentRow, RoutingRow, RunRow, TransitionRow, load_db,
+};
 use super::topics::{self, Msg};
+use super::violations::Violations;
 use ductor::apply::TopicNames;
 use ductor::config::Config;
 use ductor::coordinator::Workflows;
 use ductor::ingress::dead_letter as dlq;
 
-/// Examples kept per violation kind.
-const MAX_EXAMPLES: usize = 3;
-/// Longest example text.
-const MAX_EXAMPLE_LEN: usize = 300;
 /// Pause between settle rounds; longer than the ingress' offset commit
 /// interval, so a clean round after a clean round means nothing moved.
 const SETTLE_ROUND: Duration = Duration::from_millis(1500);
 /// Bound on reading every topic.
 const READ_TIMEOUT: Duration = Duration::from_secs(600);
-
-/// Violations by kind, with a few examples each.
-#[derive(Debug, Default, Clone)]
-pub struct Violations {
-    pub counts: BTreeMap<String, u64>,
-    pub examples: BTreeMap<String, Vec<String>>,
-}
-
-impl Violations {
-    /// Counts one violation; `example` is only built for the first few.
-    pub fn add(&mut self, kind: &str, example: impl FnOnce() -> String) {
-        *self.counts.entry(kind.to_string()).or_default() += 1;
-        let examples = self.examples.entry(kind.to_string()).or_default();
-        if examples.len() < MAX_EXAMPLES {
-            let mut e = example();
-            if let Some((i, _)) = e.char_indices().nth(MAX_EXAMPLE_LEN) {
-                e.truncate(i);
-            }
-            examples.push(e);
-        }
-    }
-
-    pub fn total(&self) -> u64 {
-        self.counts.values().sum()
-    }
-}
 
 /// The checker's one JSON line.
 #[derive(Debug, Clone, Serialize)]
@@ -132,26 +106,6 @@ impl Report {
     pub fn ok(&self) -> bool {
         self.violations.is_empty()
     }
-}
-
-/// Everything read from Postgres.
-#[derive(Default)]
-pub struct DbSnapshot {
-    pub runs: Vec<RunRow>,
-    pub transitions: Vec<TransitionRow>,
-    pub attempts: Vec<AttemptRow>,
-    pub intents: Vec<IntentRow>,
-    pub routing: Vec<RoutingRow>,
-}
-
-/// An `eec_routing_idempotency` row.
-#[derive(Debug, Clone)]
-pub struct RoutingRow {
-    pub tenant: String,
-    pub pool: String,
-    pub key: String,
-    pub status: String,
-    pub decision_id: Option<String>,
 }
 
 /// Settles, reads everything and checks it.
@@ -321,124 +275,6 @@ async fn settle(
         }
         tokio::time::sleep(SETTLE_ROUND).await;
     }
-}
-
-/// Reads every table the checks need.
-pub async fn load_db(pool: &PgPool) -> anyhow::Result<DbSnapshot> {
-    let mut db = DbSnapshot::default();
-    for row in sqlx::query(
-        "SELECT run_id, tenant_scope, pool_id, workflow_name, workflow_version, status, \
-             record_version, last_transition_seq, state, finished_at IS NOT NULL AS finished \
-         FROM runs",
-    )
-    .fetch_all(pool)
-    .await
-    .context("reading runs")?
-    {
-        db.runs.push(RunRow {
-            run_id: row.try_get("run_id")?,
-            tenant: row.try_get("tenant_scope")?,
-            pool: row.try_get("pool_id")?,
-            workflow: row.try_get("workflow_name")?,
-            workflow_version: row.try_get("workflow_version")?,
-            status: row.try_get("status")?,
-            record_version: row.try_get("record_version")?,
-            last_transition_seq: row.try_get("last_transition_seq")?,
-            state: row.try_get("state")?,
-            finished: row.try_get("finished")?,
-        });
-    }
-    for row in sqlx::query(
-        "SELECT run_id, seq, input_ref, kind, from_status, to_status, step_index, detail, \
-             source_topic, source_partition, source_offset, created_at \
-         FROM run_transitions ORDER BY run_id, seq",
-    )
-    .fetch_all(pool)
-    .await
-    .context("reading run_transitions")?
-    {
-        let topic: Option<String> = row.try_get("source_topic")?;
-        let partition: Option<i32> = row.try_get("source_partition")?;
-        let offset: Option<i64> = row.try_get("source_offset")?;
-        db.transitions.push(TransitionRow {
-            run_id: row.try_get("run_id")?,
-            seq: row.try_get("seq")?,
-            input_ref: row.try_get("input_ref")?,
-            kind: row.try_get("kind")?,
-            from_status: row.try_get("from_status")?,
-            to_status: row.try_get("to_status")?,
-            step_index: row.try_get("step_index")?,
-            detail: row.try_get("detail")?,
-            source: match (topic, partition, offset) {
-                (Some(t), Some(p), Some(o)) => Some((t, p, o)),
-                _ => None,
-            },
-            created_at: row.try_get("created_at")?,
-        });
-    }
-    for row in sqlx::query(
-        "SELECT stamp, run_id, step_index, attempt, status, dispatched_at, deadline, finished_at, error \
-         FROM run_attempts",
-    )
-    .fetch_all(pool)
-    .await
-    .context("reading run_attempts")?
-    {
-        db.attempts.push(AttemptRow {
-            stamp: row.try_get("stamp")?,
-            run_id: row.try_get("run_id")?,
-            step_index: row.try_get("step_index")?,
-            attempt: row.try_get("attempt")?,
-            status: row.try_get("status")?,
-            dispatched_at: row.try_get("dispatched_at")?,
-            deadline: row.try_get("deadline")?,
-            finished_at: row.try_get("finished_at")?,
-            error: row.try_get("error")?,
-        });
-    }
-    for row in sqlx::query(
-        "SELECT run_id, seq, effect_index, idempotency_key, tenant_scope, topic, message_key, \
-             headers, payload, ce_type, not_before, \
-             GREATEST(not_before, deferred_until) AS due_at, status \
-         FROM eec_effect_intent ORDER BY run_id, seq, effect_index",
-    )
-    .fetch_all(pool)
-    .await
-    .context("reading eec_effect_intent")?
-    {
-        db.intents.push(IntentRow {
-            run_id: row.try_get("run_id")?,
-            seq: row.try_get("seq")?,
-            effect_index: row.try_get("effect_index")?,
-            key: row.try_get("idempotency_key")?,
-            tenant: row.try_get("tenant_scope")?,
-            topic: row.try_get("topic")?,
-            message_key: row.try_get("message_key")?,
-            headers: row.try_get("headers")?,
-            payload: row.try_get("payload")?,
-            ce_type: row.try_get("ce_type")?,
-            not_before: row.try_get("not_before")?,
-            due_at: row.try_get("due_at")?,
-            status: row.try_get("status")?,
-        });
-    }
-    for row in sqlx::query(
-        "SELECT tenant_scope, pool_id, idempotency_key, status, decision_id \
-         FROM eec_routing_idempotency",
-    )
-    .fetch_all(pool)
-    .await
-    .context("reading eec_routing_idempotency")?
-    {
-        db.routing.push(RoutingRow {
-            tenant: row.try_get("tenant_scope")?,
-            pool: row.try_get("pool_id")?,
-            key: row.try_get("idempotency_key")?,
-            status: row.try_get("status")?,
-            decision_id: row.try_get("decision_id")?,
-        });
-    }
-    Ok(db)
 }
 
 /// Everything [`analyse`] looks at.

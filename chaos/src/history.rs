@@ -54,77 +54,14 @@ use chrono::{DateTime, SubsecRound, Utc};
 use serde_json::Value;
 use uuid::Uuid;
 
-use super::check::Violations;
+use super::snapshot::{AttemptRow, IntentRow, RunRow, TransitionRow};
 use super::topics::Msg;
+use super::violations::Violations;
 use ductor::apply::TopicNames;
 use ductor::coordinator::fold::{KIND_RUN_CANCELLED, KIND_RUN_FAILED, KIND_RUN_SIGNALLED};
 use ductor::coordinator::{
     Decision, Entropy, Input, InputTopic, RunStart, RunState, STATE_TOO_LARGE, Workflows, fold,
 };
-
-/// A `runs` row.
-#[derive(Debug, Clone)]
-pub struct RunRow {
-    pub run_id: String,
-    pub tenant: String,
-    pub pool: String,
-    pub workflow: String,
-    pub workflow_version: i32,
-    pub status: String,
-    pub record_version: i64,
-    pub last_transition_seq: i64,
-    pub state: Value,
-    pub finished: bool,
-}
-
-/// A `run_transitions` row.
-#[derive(Debug, Clone)]
-pub struct TransitionRow {
-    pub run_id: String,
-    pub seq: i64,
-    pub input_ref: String,
-    pub kind: String,
-    pub from_status: Option<String>,
-    pub to_status: String,
-    pub step_index: i32,
-    pub detail: Value,
-    pub source: Option<(String, i32, i64)>,
-    pub created_at: DateTime<Utc>,
-}
-
-/// A `run_attempts` row.
-#[derive(Debug, Clone)]
-pub struct AttemptRow {
-    pub stamp: Uuid,
-    pub run_id: String,
-    pub step_index: i32,
-    pub attempt: i32,
-    pub status: String,
-    pub dispatched_at: DateTime<Utc>,
-    pub deadline: DateTime<Utc>,
-    pub finished_at: Option<DateTime<Utc>>,
-    pub error: Option<String>,
-}
-
-/// An `eec_effect_intent` row.
-#[derive(Debug, Clone)]
-pub struct IntentRow {
-    pub run_id: String,
-    pub seq: i64,
-    pub effect_index: i32,
-    pub key: String,
-    pub tenant: String,
-    pub topic: String,
-    pub message_key: Vec<u8>,
-    pub headers: Value,
-    pub payload: Vec<u8>,
-    pub ce_type: String,
-    pub not_before: DateTime<Utc>,
-    /// When it may be published: `not_before`, or later when it was
-    /// deferred (a failed publish backing off, a step clock restarted).
-    pub due_at: DateTime<Utc>,
-    pub status: String,
-}
 
 /// What the replay needs besides the run's own rows.
 pub struct Context<'a> {
