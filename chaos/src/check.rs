@@ -336,30 +336,12 @@ struct Index<'a> {
 
 impl<'a> Index<'a> {
     fn of(db: &'a DbSnapshot) -> Index<'a> {
-        let mut transitions: HashMap<&str, Vec<TransitionRow>> = HashMap::new();
-        for t in &db.transitions {
-            transitions
-                .entry(t.run_id.as_str())
-                .or_default()
-                .push(t.clone());
-        }
-        let mut attempts: HashMap<&str, Vec<AttemptRow>> = HashMap::new();
-        for a in &db.attempts {
-            attempts
-                .entry(a.run_id.as_str())
-                .or_default()
-                .push(a.clone());
-        }
-        let mut intents_by_run: HashMap<&str, Vec<&IntentRow>> = HashMap::new();
-        for i in &db.intents {
-            intents_by_run.entry(i.run_id.as_str()).or_default().push(i);
-        }
         Index {
             runs: db.runs.iter().map(|r| (r.run_id.as_str(), r)).collect(),
-            transitions,
-            attempts,
+            transitions: by_run(&db.transitions, |t| t.run_id.as_str(), TransitionRow::clone),
+            attempts: by_run(&db.attempts, |a| a.run_id.as_str(), AttemptRow::clone),
             attempt_by_stamp: db.attempts.iter().map(|a| (a.stamp, a)).collect(),
-            intents_by_run,
+            intents_by_run: by_run(&db.intents, |i| i.run_id.as_str(), |i| i),
             intent_by_key: db.intents.iter().map(|i| (i.key.as_str(), i)).collect(),
             routing: db
                 .routing
@@ -420,6 +402,19 @@ impl<'a> Index<'a> {
             .iter()
             .any(|t| t.seq < seq && history::introduced_stamp(t) == Some(stamp))
     }
+}
+
+/// `rows` grouped by the run they belong to, each kept in its order.
+fn by_run<'a, R, T>(
+    rows: &'a [R],
+    run_id: impl Fn(&'a R) -> &'a str,
+    keep: impl Fn(&'a R) -> T,
+) -> HashMap<&'a str, Vec<T>> {
+    let mut out: HashMap<&str, Vec<T>> = HashMap::new();
+    for row in rows {
+        out.entry(run_id(row)).or_default().push(keep(row));
+    }
+    out
 }
 
 /// Per run: the stored state agrees with its history (see
