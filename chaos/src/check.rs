@@ -69,49 +69,23 @@ use tokio::time::Instant;
 use uuid::Uuid;
 
 use super::CheckArgs;
-use super::history::{self, AttemptRow, IntentRow, RunRow, RunRows, TransitionRow};
+use super::history::{self, RunRows};
 use super::log::{self, Record};
+use super::snapshot::{
+    AttemptRow, DbSnapshot, IntentRow, RoutingRow, RunRow, TransitionRow, load_db,
+};
 use super::topics::{self, Msg};
+use super::violations::Violations;
 use ductor::config::Config;
 use ductor::contract::TopicNames;
 use ductor::contract::headers;
 use ductor::coordinator::Workflows;
 
-/// Examples kept per violation kind.
-const MAX_EXAMPLES: usize = 3;
-/// Longest example text.
-const MAX_EXAMPLE_LEN: usize = 300;
 /// Pause between settle rounds; longer than the ingress' offset commit
 /// interval, so a clean round after a clean round means nothing moved.
 const SETTLE_ROUND: Duration = Duration::from_millis(1500);
 /// Bound on reading every topic.
 const READ_TIMEOUT: Duration = Duration::from_secs(600);
-
-/// Violations by kind, with a few examples each.
-#[derive(Debug, Default, Clone)]
-pub struct Violations {
-    pub counts: BTreeMap<String, u64>,
-    pub examples: BTreeMap<String, Vec<String>>,
-}
-
-impl Violations {
-    /// Counts one violation; `example` is only built for the first few.
-    pub fn add(&mut self, kind: &str, example: impl FnOnce() -> String) {
-        *self.counts.entry(kind.to_string()).or_default() += 1;
-        let examples = self.examples.entry(kind.to_string()).or_default();
-        if examples.len() < MAX_EXAMPLES {
-            let mut e = example();
-            if let Some((i, _)) = e.char_indices().nth(MAX_EXAMPLE_LEN) {
-                e.truncate(i);
-            }
-            examples.push(e);
-        }
-    }
-
-    pub fn total(&self) -> u64 {
-        self.counts.values().sum()
-    }
-}
 
 /// The checker's one JSON line.
 #[derive(Debug, Clone, Serialize)]
@@ -132,26 +106,6 @@ impl Report {
     pub fn ok(&self) -> bool {
         self.violations.is_empty()
     }
-}
-
-/// Everything read from Postgres.
-#[derive(Default)]
-pub struct DbSnapshot {
-    pub runs: Vec<RunRow>,
-    pub transitions: Vec<TransitionRow>,
-    pub attempts: Vec<AttemptRow>,
-    pub intents: Vec<IntentRow>,
-    pub routing: Vec<RoutingRow>,
-}
-
-/// An `eec_routing_idempotency` row.
-#[derive(Debug, Clone)]
-pub struct RoutingRow {
-    pub tenant: String,
-    pub pool: String,
-    pub key: String,
-    pub status: String,
-    pub decision_id: Option<String>,
 }
 
 /// Settles, reads everything and checks it.
@@ -323,124 +277,6 @@ async fn settle(
     }
 }
 
-/// Reads every table the checks need.
-pub async fn load_db(pool: &PgPool) -> anyhow::Result<DbSnapshot> {
-    let mut db = DbSnapshot::default();
-    for row in sqlx::query(
-        "SELECT run_id, tenant_scope, pool_id, workflow_name, workflow_version, status, \
-             record_version, last_transition_seq, state, finished_at IS NOT NULL AS finished \
-         FROM runs",
-    )
-    .fetch_all(pool)
-    .await
-    .context("reading runs")?
-    {
-        db.runs.push(RunRow {
-            run_id: row.try_get("run_id")?,
-            tenant: row.try_get("tenant_scope")?,
-            pool: row.try_get("pool_id")?,
-            workflow: row.try_get("workflow_name")?,
-            workflow_version: row.try_get("workflow_version")?,
-            status: row.try_get("status")?,
-            record_version: row.try_get("record_version")?,
-            last_transition_seq: row.try_get("last_transition_seq")?,
-            state: row.try_get("state")?,
-            finished: row.try_get("finished")?,
-        });
-    }
-    for row in sqlx::query(
-        "SELECT run_id, seq, input_ref, kind, from_status, to_status, step_index, detail, \
-             source_topic, source_partition, source_offset, created_at \
-         FROM run_transitions ORDER BY run_id, seq",
-    )
-    .fetch_all(pool)
-    .await
-    .context("reading run_transitions")?
-    {
-        let topic: Option<String> = row.try_get("source_topic")?;
-        let partition: Option<i32> = row.try_get("source_partition")?;
-        let offset: Option<i64> = row.try_get("source_offset")?;
-        db.transitions.push(TransitionRow {
-            run_id: row.try_get("run_id")?,
-            seq: row.try_get("seq")?,
-            input_ref: row.try_get("input_ref")?,
-            kind: row.try_get("kind")?,
-            from_status: row.try_get("from_status")?,
-            to_status: row.try_get("to_status")?,
-            step_index: row.try_get("step_index")?,
-            detail: row.try_get("detail")?,
-            source: match (topic, partition, offset) {
-                (Some(t), Some(p), Some(o)) => Some((t, p, o)),
-                _ => None,
-            },
-            created_at: row.try_get("created_at")?,
-        });
-    }
-    for row in sqlx::query(
-        "SELECT stamp, run_id, step_index, attempt, status, dispatched_at, deadline, finished_at, error \
-         FROM run_attempts",
-    )
-    .fetch_all(pool)
-    .await
-    .context("reading run_attempts")?
-    {
-        db.attempts.push(AttemptRow {
-            stamp: row.try_get("stamp")?,
-            run_id: row.try_get("run_id")?,
-            step_index: row.try_get("step_index")?,
-            attempt: row.try_get("attempt")?,
-            status: row.try_get("status")?,
-            dispatched_at: row.try_get("dispatched_at")?,
-            deadline: row.try_get("deadline")?,
-            finished_at: row.try_get("finished_at")?,
-            error: row.try_get("error")?,
-        });
-    }
-    for row in sqlx::query(
-        "SELECT run_id, seq, effect_index, idempotency_key, tenant_scope, topic, message_key, \
-             headers, payload, ce_type, not_before, \
-             GREATEST(not_before, deferred_until) AS due_at, status \
-         FROM eec_effect_intent ORDER BY run_id, seq, effect_index",
-    )
-    .fetch_all(pool)
-    .await
-    .context("reading eec_effect_intent")?
-    {
-        db.intents.push(IntentRow {
-            run_id: row.try_get("run_id")?,
-            seq: row.try_get("seq")?,
-            effect_index: row.try_get("effect_index")?,
-            key: row.try_get("idempotency_key")?,
-            tenant: row.try_get("tenant_scope")?,
-            topic: row.try_get("topic")?,
-            message_key: row.try_get("message_key")?,
-            headers: row.try_get("headers")?,
-            payload: row.try_get("payload")?,
-            ce_type: row.try_get("ce_type")?,
-            not_before: row.try_get("not_before")?,
-            due_at: row.try_get("due_at")?,
-            status: row.try_get("status")?,
-        });
-    }
-    for row in sqlx::query(
-        "SELECT tenant_scope, pool_id, idempotency_key, status, decision_id \
-         FROM eec_routing_idempotency",
-    )
-    .fetch_all(pool)
-    .await
-    .context("reading eec_routing_idempotency")?
-    {
-        db.routing.push(RoutingRow {
-            tenant: row.try_get("tenant_scope")?,
-            pool: row.try_get("pool_id")?,
-            key: row.try_get("idempotency_key")?,
-            status: row.try_get("status")?,
-            decision_id: row.try_get("decision_id")?,
-        });
-    }
-    Ok(db)
-}
-
 /// Everything [`analyse`] looks at.
 pub struct Inputs<'a> {
     pub records: &'a [Record],
@@ -450,6 +286,190 @@ pub struct Inputs<'a> {
     pub settle_at: DateTime<Utc>,
     pub config: &'a Config,
     pub workflows: &'a Workflows,
+}
+
+/// Runs every check over the data.
+pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
+    let db = inp.db;
+    let ix = Index::of(db);
+    let dlq_topic = inp.config.dlq_topic();
+
+    histories(inp, &ix, v);
+    timeouts_not_slow(inp.records, db, &ix.attempt_by_stamp, v);
+    lanes_stalled(inp.records, v);
+    intents_without_run(db, &ix, v);
+
+    let deliveries = deliveries(inp.msgs, &dlq_topic);
+    effects_as_committed(&deliveries, &ix, v);
+    intents_published(db, &deliveries, inp.settle_at, v);
+    effect_order(db, &deliveries, &ix, v);
+    let accepted = events_agree(db, &deliveries, &inp.config.events_topic(), &ix, v);
+    dangling_decisions(db, &ix, v);
+
+    let dead = dead_letters(inp.msgs, &dlq_topic, v);
+    let logged = logged_inputs(inp.records, &ix, &dead, &accepted, v);
+    let answered = http_answers(inp.records, &ix, v);
+
+    Report {
+        faults: BTreeMap::new(),
+        inputs: logged + answered,
+        runs: db.runs.len() as u64,
+        duplicate_deliveries: duplicate_deliveries(&deliveries),
+        violations: v.counts.clone(),
+        examples: v.examples.clone(),
+    }
+}
+
+/// The database rows, indexed the ways the checks look them up.
+struct Index<'a> {
+    runs: HashMap<&'a str, &'a RunRow>,
+    /// By run, in seq order.
+    transitions: HashMap<&'a str, Vec<TransitionRow>>,
+    attempts: HashMap<&'a str, Vec<AttemptRow>>,
+    attempt_by_stamp: HashMap<Uuid, &'a AttemptRow>,
+    /// By run, in (seq, effect index) order.
+    intents_by_run: HashMap<&'a str, Vec<&'a IntentRow>>,
+    intent_by_key: HashMap<&'a str, &'a IntentRow>,
+    /// By (tenant, pool, key).
+    routing: HashMap<(&'a str, &'a str, &'a str), &'a RoutingRow>,
+}
+
+impl<'a> Index<'a> {
+    fn of(db: &'a DbSnapshot) -> Index<'a> {
+        Index {
+            runs: db.runs.iter().map(|r| (r.run_id.as_str(), r)).collect(),
+            transitions: by_run(&db.transitions, |t| t.run_id.as_str(), TransitionRow::clone),
+            attempts: by_run(&db.attempts, |a| a.run_id.as_str(), AttemptRow::clone),
+            attempt_by_stamp: db.attempts.iter().map(|a| (a.stamp, a)).collect(),
+            intents_by_run: by_run(&db.intents, |i| i.run_id.as_str(), |i| i),
+            intent_by_key: db.intents.iter().map(|i| (i.key.as_str(), i)).collect(),
+            routing: db
+                .routing
+                .iter()
+                .map(|r| ((r.tenant.as_str(), r.pool.as_str(), r.key.as_str()), r))
+                .collect(),
+        }
+    }
+
+    fn transitions(&self, run: &str) -> &[TransitionRow] {
+        self.transitions.get(run).map_or(&[], Vec::as_slice)
+    }
+
+    fn attempts(&self, run: &str) -> &[AttemptRow] {
+        self.attempts.get(run).map_or(&[], Vec::as_slice)
+    }
+
+    fn intents(&self, run: &str) -> &[&'a IntentRow] {
+        self.intents_by_run.get(run).map_or(&[], Vec::as_slice)
+    }
+
+    /// The run a completed routing row decided for (tenant, pool, key).
+    fn decision(&self, tenant: &str, pool: &str, key: &str) -> Option<&'a str> {
+        self.routing
+            .get(&(tenant, pool, key))
+            .filter(|row| row.status == "completed")
+            .and_then(|row| row.decision_id.as_deref())
+    }
+
+    /// The run recorded a transition for `input_ref`.
+    fn applied(&self, run: &str, input_ref: &str) -> bool {
+        self.transitions(run)
+            .iter()
+            .any(|t| t.input_ref == input_ref)
+    }
+
+    /// The run was provably still taking inputs from this partition after
+    /// this offset.
+    fn later_on_partition(&self, run: &str, at: At<'_>) -> bool {
+        self.transitions(run)
+            .iter()
+            .any(|t| at.is_before(t.source.as_ref()))
+    }
+
+    /// The offset a run was created from, when it is later than `at` on the
+    /// same topic and partition.
+    fn created_later(&self, run: &str, at: At<'_>) -> Option<i64> {
+        self.transitions(run)
+            .first()
+            .and_then(|t| t.source.as_ref())
+            .filter(|source| at.is_before(Some(*source)))
+            .map(|(_, _, so)| *so)
+    }
+
+    /// The attempt was dispatched by a transition before `seq`.
+    fn attempt_dispatched_before(&self, run: &str, stamp: Uuid, seq: i64) -> bool {
+        self.transitions(run)
+            .iter()
+            .any(|t| t.seq < seq && history::introduced_stamp(t) == Some(stamp))
+    }
+}
+
+/// `rows` grouped by the run they belong to, each kept in its order.
+fn by_run<'a, R, T>(
+    rows: &'a [R],
+    run_id: impl Fn(&'a R) -> &'a str,
+    keep: impl Fn(&'a R) -> T,
+) -> HashMap<&'a str, Vec<T>> {
+    let mut out: HashMap<&str, Vec<T>> = HashMap::new();
+    for row in rows {
+        out.entry(run_id(row)).or_default().push(keep(row));
+    }
+    out
+}
+
+/// Per run: the stored state agrees with its history (see
+/// [`super::history`]), and the run ended.
+fn histories(inp: &Inputs<'_>, ix: &Index<'_>, v: &mut Violations) {
+    let config = inp.config;
+    let requests_topic = config.requests_topic();
+    let wakeups_topic = config.wakeups_topic();
+    let results_topic = config.attempt_results_topic();
+    let inputs_by_pos: HashMap<(String, i32, i64), &Msg> = inp
+        .msgs
+        .iter()
+        .filter(|m| {
+            m.topic == requests_topic || m.topic == wakeups_topic || m.topic == results_topic
+        })
+        .map(|m| ((m.topic.clone(), m.partition, m.offset), m))
+        .collect();
+    let topic_names = TopicNames {
+        prefix: config.kafka.topic_prefix.clone(),
+    };
+    let ctx = history::Context {
+        workflows: inp.workflows,
+        topics: &topic_names,
+        inputs: &inputs_by_pos,
+        requests_topic: &requests_topic,
+        wakeups_topic: &wakeups_topic,
+        results_topic: &results_topic,
+        limits: config.input_limits(),
+        max_state_bytes: config.coordinator.max_state_bytes,
+    };
+    for run in &inp.db.runs {
+        let id = run.run_id.as_str();
+        history::check_run(
+            &ctx,
+            &RunRows {
+                run,
+                transitions: ix.transitions(id),
+                attempts: ix.attempts(id),
+                intents: ix.intents(id),
+            },
+            v,
+        );
+        if run.status == "running" {
+            v.add("run_not_terminal", || {
+                format!("{id} is still running after settling")
+            });
+        }
+    }
+}
+
+/// The stamp of a logged worker answer (`result:<stamp>`).
+fn result_stamp(r: &Record) -> Option<&str> {
+    r.input_ref
+        .as_deref()
+        .and_then(|i| i.strip_prefix("result:"))
 }
 
 /// Runs failed by a timeout although the worker was not slow: the attempt
@@ -467,11 +487,7 @@ fn timeouts_not_slow(
         if !result || !r.acked || r.note.as_deref() == Some("late") {
             continue;
         }
-        let Some(stamp) = r
-            .input_ref
-            .as_deref()
-            .and_then(|i| i.strip_prefix("result:"))
-        else {
+        let Some(stamp) = result_stamp(r) else {
             continue;
         };
         let first = answered.entry(stamp).or_insert(r.t_ms);
@@ -508,6 +524,54 @@ fn timeouts_not_slow(
     }
 }
 
+/// Every stalled-lanes reading the load driver logged: a lane held a batch
+/// it could not commit.
+fn lanes_stalled(records: &[Record], v: &mut Violations) {
+    for r in records.iter().filter(|r| r.ev == log::EV_STALL) {
+        v.add("lane_stalled", || {
+            format!(
+                "{} at {}: {}",
+                r.server.as_deref().unwrap_or("?"),
+                r.t_ms,
+                r.note.as_deref().unwrap_or("")
+            )
+        });
+    }
+}
+
+/// An intent is committed by a transition of an existing run.
+fn intents_without_run(db: &DbSnapshot, ix: &Index<'_>, v: &mut Violations) {
+    for i in &db.intents {
+        if !ix.runs.contains_key(i.run_id.as_str()) {
+            v.add("state_history_mismatch", || {
+                format!("intent {} names a run that does not exist", i.key)
+            });
+        }
+    }
+}
+
+/// Effects as delivered, by idempotency key: every message carrying one,
+/// except dead letters (which keep the headers of what they carry).
+type Deliveries<'m> = BTreeMap<&'m str, Vec<&'m Msg>>;
+
+fn deliveries<'m>(msgs: &'m [Msg], dlq_topic: &str) -> Deliveries<'m> {
+    let mut deliveries: Deliveries<'m> = BTreeMap::new();
+    for m in msgs.iter().filter(|m| m.topic != dlq_topic) {
+        if let Some(key) = m.header_str("idempotency-key") {
+            deliveries.entry(key).or_default().push(m);
+        }
+    }
+    deliveries
+}
+
+/// Deliveries beyond the first, over all effects.
+fn duplicate_deliveries(deliveries: &Deliveries<'_>) -> u64 {
+    deliveries
+        .values()
+        .map(|copies| copies.len() as u64 - 1)
+        .sum()
+}
+
 /// Headers as a sorted list, so that the order of a jsonb map does not matter.
 fn header_set(headers: &[(String, Vec<u8>)]) -> Vec<(String, Vec<u8>)> {
     let mut h = headers.to_vec();
@@ -534,189 +598,105 @@ fn intent_headers(intent: &IntentRow) -> Vec<(String, Vec<u8>)> {
     h
 }
 
-/// Runs every check over the data.
-pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
-    let config = inp.config;
-    let db = inp.db;
-    let requests_topic = config.requests_topic();
-    let wakeups_topic = config.wakeups_topic();
-    let results_topic = config.attempt_results_topic();
-    let events_topic = config.events_topic();
-    let dlq_topic = config.dlq_topic();
-
-    // Indexes.
-    let runs: HashMap<&str, &RunRow> = db.runs.iter().map(|r| (r.run_id.as_str(), r)).collect();
-    let mut transitions: HashMap<&str, Vec<TransitionRow>> = HashMap::new();
-    for t in &db.transitions {
-        transitions
-            .entry(t.run_id.as_str())
-            .or_default()
-            .push(t.clone());
-    }
-    let mut attempts: HashMap<&str, Vec<AttemptRow>> = HashMap::new();
-    for a in &db.attempts {
-        attempts
-            .entry(a.run_id.as_str())
-            .or_default()
-            .push(a.clone());
-    }
-    let attempt_by_stamp: HashMap<Uuid, &AttemptRow> =
-        db.attempts.iter().map(|a| (a.stamp, a)).collect();
-    let mut intents_by_run: HashMap<&str, Vec<&IntentRow>> = HashMap::new();
-    for i in &db.intents {
-        intents_by_run.entry(i.run_id.as_str()).or_default().push(i);
-    }
-    let intent_by_key: HashMap<&str, &IntentRow> =
-        db.intents.iter().map(|i| (i.key.as_str(), i)).collect();
-    let routing: HashMap<(&str, &str, &str), &RoutingRow> = db
-        .routing
-        .iter()
-        .map(|r| ((r.tenant.as_str(), r.pool.as_str(), r.key.as_str()), r))
-        .collect();
-    let inputs_by_pos: HashMap<(String, i32, i64), &Msg> = inp
-        .msgs
-        .iter()
-        .filter(|m| {
-            m.topic == requests_topic || m.topic == wakeups_topic || m.topic == results_topic
-        })
-        .map(|m| ((m.topic.clone(), m.partition, m.offset), m))
-        .collect();
-
-    // Per run: the stored state agrees with its history.
-    let topic_names = TopicNames {
-        prefix: config.kafka.topic_prefix.clone(),
-    };
-    let ctx = history::Context {
-        workflows: inp.workflows,
-        topics: &topic_names,
-        inputs: &inputs_by_pos,
-        requests_topic: &requests_topic,
-        wakeups_topic: &wakeups_topic,
-        results_topic: &results_topic,
-        limits: config.input_limits(),
-        max_state_bytes: config.coordinator.max_state_bytes,
-    };
-    let empty_t: Vec<TransitionRow> = Vec::new();
-    let empty_a: Vec<AttemptRow> = Vec::new();
-    let empty_i: Vec<&IntentRow> = Vec::new();
-    for run in &db.runs {
-        let id = run.run_id.as_str();
-        history::check_run(
-            &ctx,
-            &RunRows {
-                run,
-                transitions: transitions.get(id).unwrap_or(&empty_t),
-                attempts: attempts.get(id).unwrap_or(&empty_a),
-                intents: intents_by_run.get(id).unwrap_or(&empty_i),
-            },
-            v,
-        );
-        if run.status == "running" {
-            v.add("run_not_terminal", || {
-                format!("{id} is still running after settling")
-            });
+/// Every delivered effect is one a transition committed, delivered as its
+/// intent row says, every copy alike, in its run's tenant.
+fn effects_as_committed(deliveries: &Deliveries<'_>, ix: &Index<'_>, v: &mut Violations) {
+    for (key, copies) in deliveries {
+        copies_identical(key, copies, v);
+        let first = copies[0];
+        match ix.intent_by_key.get(key) {
+            None => effect_without_intent(key, first, ix, v),
+            Some(intent) => {
+                copies_match_intent(key, copies, intent, v);
+                tenant_of_effect(key, first, ix, v);
+            }
         }
     }
-    timeouts_not_slow(inp.records, db, &attempt_by_stamp, v);
-    for r in inp.records.iter().filter(|r| r.ev == log::EV_STALL) {
-        v.add("lane_stalled", || {
+}
+
+/// Two deliveries with one idempotency key are byte-identical: message
+/// key, payload and headers.
+fn copies_identical(key: &str, copies: &[&Msg], v: &mut Violations) {
+    let first = copies[0];
+    let first_headers = header_set(&first.headers);
+    if copies.iter().skip(1).any(|c| {
+        c.key != first.key || c.payload != first.payload || header_set(&c.headers) != first_headers
+    }) {
+        v.add("duplicate_differs", || {
+            format!("{key}: {} deliveries are not byte-identical", copies.len())
+        });
+    }
+}
+
+/// A delivery no intent backs is an effect of a rolled-back transaction,
+/// but for one case: a timeout timer whose publish was reported failed (yet
+/// may have landed) can be deleted afterwards by the transition that
+/// finished its attempt: its transition exists, its attempt ended.
+fn effect_without_intent(key: &str, first: &Msg, ix: &Index<'_>, v: &mut Violations) {
+    let run_id = first.header_str("ductor-run-id").unwrap_or("");
+    let seq: i64 = first
+        .header_str("ductor-seq")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let committed = ix.transitions(run_id).iter().any(|t| t.seq == seq);
+    let cancelled = serde_json::from_slice::<Value>(&first.payload)
+        .is_ok_and(|p| history::cancelled_timeout(&p, ix.attempts(run_id)));
+    if !(committed && cancelled) {
+        v.add("effect_without_intent", || {
+            format!("{key} on {} has no committed intent", first.topic)
+        });
+    }
+}
+
+/// Every copy of an effect has its intent's topic, key, payload and headers.
+fn copies_match_intent(key: &str, copies: &[&Msg], intent: &IntentRow, v: &mut Violations) {
+    if copies.iter().any(|c| {
+        c.topic != intent.topic
+            || c.key.as_deref() != Some(intent.message_key.as_slice())
+            || c.payload != intent.payload
+            || header_set(&c.headers) != intent_headers(intent)
+    }) {
+        v.add("effect_differs_from_intent", || {
+            format!("{key}: a delivery differs from its intent row")
+        });
+    }
+}
+
+/// Nothing crosses tenants: an effect's `ductor-tenant` header is its run's
+/// tenant and the tenant its payload names.
+fn tenant_of_effect(key: &str, first: &Msg, ix: &Index<'_>, v: &mut Violations) {
+    let header_tenant = first.header_str("ductor-tenant").unwrap_or("");
+    let payload_tenant = serde_json::from_slice::<Value>(&first.payload)
+        .ok()
+        .and_then(|p| p.get("tenant").and_then(Value::as_str).map(String::from));
+    let run_tenant = first
+        .header_str("ductor-run-id")
+        .and_then(|r| ix.runs.get(r))
+        .map(|r| r.tenant.as_str());
+    if run_tenant.is_some_and(|t| t != header_tenant)
+        || payload_tenant
+            .as_deref()
+            .is_some_and(|t| t != header_tenant)
+    {
+        v.add("tenant_crossing", || {
             format!(
-                "{} at {}: {}",
-                r.server.as_deref().unwrap_or("?"),
-                r.t_ms,
-                r.note.as_deref().unwrap_or("")
+                "{key}: header tenant {header_tenant:?}, payload {payload_tenant:?}, run {run_tenant:?}"
             )
         });
     }
-    for i in &db.intents {
-        if !runs.contains_key(i.run_id.as_str()) {
-            v.add("state_history_mismatch", || {
-                format!("intent {} names a run that does not exist", i.key)
-            });
-        }
-    }
+}
 
-    // Effects as delivered: every message carrying an idempotency key,
-    // except dead letters (which keep the headers of what they carry).
-    let mut deliveries: BTreeMap<&str, Vec<&Msg>> = BTreeMap::new();
-    for m in inp.msgs.iter().filter(|m| m.topic != dlq_topic) {
-        if let Some(key) = m.header_str("idempotency-key") {
-            deliveries.entry(key).or_default().push(m);
-        }
-    }
-    let mut duplicate_deliveries = 0u64;
-    for (key, copies) in &deliveries {
-        duplicate_deliveries += copies.len() as u64 - 1;
-        let first = copies[0];
-        let first_headers = header_set(&first.headers);
-        if copies.iter().skip(1).any(|c| {
-            c.key != first.key
-                || c.payload != first.payload
-                || header_set(&c.headers) != first_headers
-        }) {
-            v.add("duplicate_differs", || {
-                format!("{key}: {} deliveries are not byte-identical", copies.len())
-            });
-        }
-        let Some(intent) = intent_by_key.get(key) else {
-            // A timeout timer whose publish was reported failed (yet may
-            // have landed) can be deleted afterwards by the transition that
-            // finished its attempt: its transition exists, its attempt ended.
-            let run_id = first.header_str("ductor-run-id").unwrap_or("");
-            let seq: i64 = first
-                .header_str("ductor-seq")
-                .and_then(|s| s.parse().ok())
-                .unwrap_or(0);
-            let committed = transitions
-                .get(run_id)
-                .is_some_and(|ts| ts.iter().any(|t| t.seq == seq));
-            let cancelled = serde_json::from_slice::<Value>(&first.payload).is_ok_and(|p| {
-                history::cancelled_timeout(&p, attempts.get(run_id).map_or(&[], Vec::as_slice))
-            });
-            if !(committed && cancelled) {
-                v.add("effect_without_intent", || {
-                    format!("{key} on {} has no committed intent", first.topic)
-                });
-            }
-            continue;
-        };
-        if copies.iter().any(|c| {
-            c.topic != intent.topic
-                || c.key.as_deref() != Some(intent.message_key.as_slice())
-                || c.payload != intent.payload
-                || header_set(&c.headers) != intent_headers(intent)
-        }) {
-            v.add("effect_differs_from_intent", || {
-                format!("{key}: a delivery differs from its intent row")
-            });
-        }
-        // Nothing crosses tenants.
-        let header_tenant = first.header_str("ductor-tenant").unwrap_or("");
-        let payload_tenant = serde_json::from_slice::<Value>(&first.payload)
-            .ok()
-            .and_then(|p| p.get("tenant").and_then(Value::as_str).map(String::from));
-        let run_tenant = first
-            .header_str("ductor-run-id")
-            .and_then(|r| runs.get(r))
-            .map(|r| r.tenant.as_str());
-        if run_tenant.is_some_and(|t| t != header_tenant)
-            || payload_tenant
-                .as_deref()
-                .is_some_and(|t| t != header_tenant)
-        {
-            v.add("tenant_crossing", || {
-                format!(
-                    "{key}: header tenant {header_tenant:?}, payload {payload_tenant:?}, run {run_tenant:?}"
-                )
-            });
-        }
-    }
-
-    // Every committed intent due before the settle point is completed and
-    // on its topic.
+/// Every committed intent due before the settle point is completed and on
+/// its topic.
+fn intents_published(
+    db: &DbSnapshot,
+    deliveries: &Deliveries<'_>,
+    settle_at: DateTime<Utc>,
+    v: &mut Violations,
+) {
     for i in &db.intents {
         if i.status != "completed" {
-            if i.due_at <= inp.settle_at {
+            if i.due_at <= settle_at {
                 v.add("intent_not_completed", || {
                     format!("{} ({}) is {} though due", i.key, i.topic, i.status)
                 });
@@ -732,9 +712,11 @@ pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
             });
         }
     }
+}
 
-    // First deliveries per (run, topic) follow (seq, effect index) order,
-    // among effects due at once (timers are due later by design).
+/// First deliveries per (run, topic) follow (seq, effect index) order,
+/// among effects due at once (timers are due later by design).
+fn effect_order(db: &DbSnapshot, deliveries: &Deliveries<'_>, ix: &Index<'_>, v: &mut Violations) {
     let transition_at: HashMap<(&str, i64), DateTime<Utc>> = db
         .transitions
         .iter()
@@ -750,6 +732,11 @@ pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
     }
     for ((run, topic), mut msgs) in streams {
         msgs.sort_by_key(|m| (m.partition, m.offset));
+        let immediate = |intent: &IntentRow| {
+            transition_at
+                .get(&(run, intent.seq))
+                .is_some_and(|at| intent.not_before <= *at)
+        };
         let mut seen = HashSet::new();
         let mut last: Option<(i64, i32)> = None;
         for m in msgs {
@@ -759,15 +746,9 @@ pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
             if !seen.insert(key) {
                 continue;
             }
-            let Some(intent) = intent_by_key.get(key) else {
+            let Some(intent) = ix.intent_by_key.get(key).filter(|i| immediate(i)) else {
                 continue;
             };
-            let immediate = transition_at
-                .get(&(run, intent.seq))
-                .is_some_and(|at| intent.not_before <= *at);
-            if !immediate {
-                continue;
-            }
             let pos = (intent.seq, intent.effect_index);
             if last.is_some_and(|l| l >= pos) {
                 v.add("effect_order", || {
@@ -777,10 +758,32 @@ pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
             last = Some(pos);
         }
     }
+}
 
-    // The events topic agrees with the history; one decision per key.
-    let mut accepted: BTreeMap<(String, String, String), BTreeSet<String>> = BTreeMap::new();
-    let mut accepted_by_corr: HashMap<String, (String, String)> = HashMap::new();
+/// A text field of an event, empty when missing.
+fn text(p: &Value, k: &str) -> String {
+    p.get(k).and_then(Value::as_str).unwrap_or("").to_string()
+}
+
+/// What the events topic says was accepted for routed requests.
+#[derive(Default)]
+struct Accepted {
+    /// Run ids by (tenant, pool, idempotency key).
+    by_key: BTreeMap<(String, String, String), BTreeSet<String>>,
+    /// (run, tenant) by the request's correlation id.
+    by_corr: HashMap<String, (String, String)>,
+}
+
+/// The events topic agrees with the history, and accepted one run per
+/// routed key, in the request's tenant.
+fn events_agree(
+    db: &DbSnapshot,
+    deliveries: &Deliveries<'_>,
+    events_topic: &str,
+    ix: &Index<'_>,
+    v: &mut Violations,
+) -> Accepted {
+    let mut accepted = Accepted::default();
     let history_index: HashMap<(&str, i64), (&str, &str)> = db
         .transitions
         .iter()
@@ -799,41 +802,13 @@ pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
         let Ok(p) = serde_json::from_slice::<Value>(&m.payload) else {
             continue;
         };
-        let text = |k: &str| p.get(k).and_then(Value::as_str).unwrap_or("").to_string();
         match p.get("type").and_then(Value::as_str) {
-            Some("run.event") => {
-                let run = text("run_id");
-                let seq = p.get("seq").and_then(Value::as_i64).unwrap_or(0);
-                let (kind, status) = (text("kind"), text("status"));
-                if history_index.get(&(run.as_str(), seq))
-                    != Some(&(kind.as_str(), status.as_str()))
-                {
-                    v.add("event_history_mismatch", || {
-                        format!("{run} seq {seq} {kind}/{status} is not in the history")
-                    });
-                }
-            }
-            Some("run.accepted") => {
-                let (run, tenant, pool) = (text("run_id"), text("tenant"), text("pool"));
-                if let Some(key) = p.get("idempotency_key").and_then(Value::as_str) {
-                    accepted
-                        .entry((tenant.clone(), pool.clone(), key.to_string()))
-                        .or_default()
-                        .insert(run.clone());
-                }
-                if runs.get(run.as_str()).is_some_and(|r| r.tenant != tenant) {
-                    v.add("tenant_crossing", || {
-                        format!("run.accepted for {run} says tenant {tenant}")
-                    });
-                }
-                if let Some(corr) = p.get("correlation_id").and_then(Value::as_str) {
-                    accepted_by_corr.insert(corr.to_string(), (run, tenant));
-                }
-            }
+            Some("run.event") => event_in_history(&p, &history_index, v),
+            Some("run.accepted") => accepted.record(&p, ix, v),
             _ => {}
         }
     }
-    for ((tenant, pool, key), ids) in &accepted {
+    for ((tenant, pool, key), ids) in &accepted.by_key {
         if ids.len() > 1 {
             v.add("duplicate_decision", || {
                 format!(
@@ -843,6 +818,52 @@ pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
             });
         }
     }
+    accepted
+}
+
+/// A `run.event` names a (run, seq) whose transition has its kind and status.
+fn event_in_history(
+    p: &Value,
+    history_index: &HashMap<(&str, i64), (&str, &str)>,
+    v: &mut Violations,
+) {
+    let run = text(p, "run_id");
+    let seq = p.get("seq").and_then(Value::as_i64).unwrap_or(0);
+    let (kind, status) = (text(p, "kind"), text(p, "status"));
+    if history_index.get(&(run.as_str(), seq)) != Some(&(kind.as_str(), status.as_str())) {
+        v.add("event_history_mismatch", || {
+            format!("{run} seq {seq} {kind}/{status} is not in the history")
+        });
+    }
+}
+
+impl Accepted {
+    /// Notes a `run.accepted`; its run must be of the tenant it says.
+    fn record(&mut self, p: &Value, ix: &Index<'_>, v: &mut Violations) {
+        let (run, tenant, pool) = (text(p, "run_id"), text(p, "tenant"), text(p, "pool"));
+        if let Some(key) = p.get("idempotency_key").and_then(Value::as_str) {
+            self.by_key
+                .entry((tenant.clone(), pool.clone(), key.to_string()))
+                .or_default()
+                .insert(run.clone());
+        }
+        if ix
+            .runs
+            .get(run.as_str())
+            .is_some_and(|r| r.tenant != tenant)
+        {
+            v.add("tenant_crossing", || {
+                format!("run.accepted for {run} says tenant {tenant}")
+            });
+        }
+        if let Some(corr) = p.get("correlation_id").and_then(Value::as_str) {
+            self.by_corr.insert(corr.to_string(), (run, tenant));
+        }
+    }
+}
+
+/// A completed routing row decided a run of its own tenant and pool.
+fn dangling_decisions(db: &DbSnapshot, ix: &Index<'_>, v: &mut Violations) {
     for r in &db.routing {
         if r.status != "completed" {
             continue;
@@ -850,7 +871,7 @@ pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
         let ok = r
             .decision_id
             .as_deref()
-            .and_then(|d| runs.get(d))
+            .and_then(|d| ix.runs.get(d))
             .is_some_and(|run| run.tenant == r.tenant && run.pool == r.pool);
         if !ok {
             v.add("dangling_decision", || {
@@ -861,10 +882,13 @@ pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
             });
         }
     }
+}
 
-    // The dead-letter topic.
+/// Where each dead letter's input was; none of Ductor's own effects may
+/// be among them.
+fn dead_letters(msgs: &[Msg], dlq_topic: &str, v: &mut Violations) -> HashSet<(String, i32, i64)> {
     let mut dead: HashSet<(String, i32, i64)> = HashSet::new();
-    for m in inp.msgs.iter().filter(|m| m.topic == dlq_topic) {
+    for m in msgs.iter().filter(|m| m.topic == dlq_topic) {
         let pos = (
             m.header_str(headers::DLQ_TOPIC).map(String::from),
             m.header_str(headers::DLQ_PARTITION)
@@ -881,259 +905,355 @@ pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
             });
         }
     }
+    dead
+}
 
-    // The log: nothing acknowledged is lost; good never dead-lettered, bad always.
-    let mut inputs = 0u64;
-    let sources_by_run: HashMap<&str, Vec<(&str, i32, i64)>> = {
-        let mut m: HashMap<&str, Vec<(&str, i32, i64)>> = HashMap::new();
-        for t in &db.transitions {
-            if let Some((topic, p, o)) = &t.source {
-                m.entry(t.run_id.as_str())
-                    .or_default()
-                    .push((topic.as_str(), *p, *o));
-            }
-        }
-        m
-    };
-    let applied = |run: &str, input_ref: &str| {
-        transitions
-            .get(run)
-            .is_some_and(|ts| ts.iter().any(|t| t.input_ref == input_ref))
-    };
-    // The run was provably still taking inputs from this partition after
-    // this offset.
-    let later_on_partition = |run: &str, topic: &str, p: i32, o: i64| {
-        sources_by_run.get(run).is_some_and(|s| {
-            s.iter()
-                .any(|(t, sp, so)| *t == topic && *sp == p && *so > o)
-        })
-    };
-    // The offset a run was created from, when it is later than `o` on the
-    // same topic and partition.
-    let created_later = |run: &str, topic: &str, p: i32, o: i64| {
-        transitions
-            .get(run)
-            .and_then(|ts| ts.first())
-            .and_then(|t| t.source.as_ref())
-            .filter(|(st, sp, so)| st == topic && *sp == p && *so > o)
-            .map(|(_, _, so)| *so)
-    };
-    // The attempt was dispatched by a transition before `seq`.
-    let attempt_dispatched_before = |run: &str, stamp: Uuid, seq: i64| {
-        transitions.get(run).is_some_and(|ts| {
-            ts.iter()
-                .any(|t| t.seq < seq && history::introduced_stamp(t) == Some(stamp))
-        })
-    };
-    for r in inp.records.iter().filter(|r| r.ev == log::EV_INPUT) {
-        if !r.acked {
-            continue;
-        }
-        inputs += 1;
-        let (Some(topic), Some(p), Some(o)) = (r.topic.as_deref(), r.partition, r.offset) else {
-            continue;
+/// A topic, partition and offset an input was acknowledged at.
+#[derive(Clone, Copy)]
+struct At<'a> {
+    topic: &'a str,
+    partition: i32,
+    offset: i64,
+}
+
+impl At<'_> {
+    /// `source` is a later offset of the same topic and partition.
+    fn is_before(self, source: Option<&(String, i32, i64)>) -> bool {
+        source.is_some_and(|(t, p, o)| t == self.topic && *p == self.partition && *o > self.offset)
+    }
+}
+
+/// An input the broker acknowledged, as the log has it.
+struct Logged<'a> {
+    r: &'a Record,
+    at: At<'a>,
+    tenant: &'a str,
+    run_id: &'a str,
+}
+
+impl<'a> Logged<'a> {
+    fn of(r: &'a Record) -> Option<Logged<'a>> {
+        let (Some(topic), Some(partition), Some(offset)) =
+            (r.topic.as_deref(), r.partition, r.offset)
+        else {
+            return None;
         };
-        let pos = (topic.to_string(), p, o);
-        let what = || {
-            format!(
-                "{} {} at {topic}/{p}@{o}",
-                r.kind.as_deref().unwrap_or("?"),
-                r.input_ref.as_deref().or(r.bad.as_deref()).unwrap_or("")
-            )
-        };
-        if !r.good {
-            if !dead.contains(&pos) {
-                v.add("bad_input_not_dead_lettered", || {
-                    format!("{} ({})", what(), r.bad.as_deref().unwrap_or(""))
-                });
-            }
-            continue;
-        }
-        if dead.contains(&pos) {
-            v.add("good_input_dead_lettered", what);
-        }
-        let tenant = r.tenant.as_deref().unwrap_or("");
-        let run_id = r.run_id.as_deref().unwrap_or("");
-        match r.kind.as_deref() {
-            Some(log::KIND_START) => match runs.get(run_id) {
-                None => v.add("lost_input", || format!("{}: run {run_id} missing", what())),
-                Some(run) if run.tenant != tenant => v.add("tenant_crossing", || {
-                    format!("{run_id} requested by {tenant}, owned by {}", run.tenant)
-                }),
-                Some(_) => {
-                    if let Some(o1) = created_later(run_id, topic, p, o) {
-                        v.add("lost_input", || {
-                            format!(
-                                "{}: {run_id} was created by a later copy at offset {o1}",
-                                what()
-                            )
-                        });
-                    }
-                }
+        Some(Logged {
+            r,
+            at: At {
+                topic,
+                partition,
+                offset,
             },
+            tenant: r.tenant.as_deref().unwrap_or(""),
+            run_id: r.run_id.as_deref().unwrap_or(""),
+        })
+    }
+
+    /// How an example names the input.
+    fn what(&self) -> String {
+        let At {
+            topic,
+            partition,
+            offset,
+        } = self.at;
+        format!(
+            "{} {} at {topic}/{partition}@{offset}",
+            self.r.kind.as_deref().unwrap_or("?"),
+            self.r
+                .input_ref
+                .as_deref()
+                .or(self.r.bad.as_deref())
+                .unwrap_or("")
+        )
+    }
+}
+
+/// The log: nothing acknowledged is lost; good never dead-lettered, bad
+/// always. Returns how many inputs the broker acknowledged.
+fn logged_inputs(
+    records: &[Record],
+    ix: &Index<'_>,
+    dead: &HashSet<(String, i32, i64)>,
+    accepted: &Accepted,
+    v: &mut Violations,
+) -> u64 {
+    let mut inputs = 0u64;
+    for r in records.iter().filter(|r| r.ev == log::EV_INPUT && r.acked) {
+        inputs += 1;
+        let Some(input) = Logged::of(r) else {
+            continue;
+        };
+        if !dead_letter_fate(&input, dead, v) {
+            continue;
+        }
+        match r.kind.as_deref() {
+            Some(log::KIND_START) => start_kept(&input, ix, v),
             Some(log::KIND_ROUTED) => {
-                let key = r
-                    .key
-                    .clone()
-                    .unwrap_or_else(|| format!("kafka:{topic}:{p}:{o}"));
-                let pool = r.pool.as_deref().unwrap_or("default");
-                let decided = routing
-                    .get(&(tenant, pool, key.as_str()))
-                    .filter(|row| row.status == "completed")
-                    .and_then(|row| row.decision_id.as_deref());
-                match decided.map(|d| (d, runs.get(d))) {
-                    None => v.add("lost_input", || {
-                        format!("{}: no decision for ({tenant}, {pool}, {key})", what())
-                    }),
-                    Some((d, None)) => v.add("lost_input", || {
-                        format!("{}: decision {d} is no run", what())
-                    }),
-                    Some((d, Some(run))) if run.tenant != tenant => v
-                        .add("tenant_crossing", || {
-                            format!("({tenant}, {key}) decided {d} of tenant {}", run.tenant)
-                        }),
-                    Some((d, Some(_))) => {
-                        // Requests with one key share a partition, in order: a
-                        // decision made from a later offset means this one
-                        // was skipped.
-                        if let Some(o1) = created_later(d, topic, p, o) {
-                            v.add("lost_input", || {
-                                format!(
-                                    "{}: ({tenant}, {key}) was decided at the later offset {o1}",
-                                    what()
-                                )
-                            });
-                        }
-                    }
-                }
-                if let Some((run, t)) = r.corr.as_deref().and_then(|c| accepted_by_corr.get(c))
-                    && t != tenant
-                {
-                    v.add("tenant_crossing", || {
-                        format!("request of {tenant} accepted as {run} of {t}")
-                    });
-                }
+                routed_start_kept(&input, ix, v);
+                accepted_in_tenant(&input, accepted, v);
             }
-            Some(log::KIND_SIGNAL | log::KIND_CANCEL) => {
-                let input_ref = r.input_ref.as_deref().unwrap_or("");
-                if !applied(run_id, input_ref) && later_on_partition(run_id, topic, p, o) {
-                    v.add("lost_input", || {
-                        format!(
-                            "{}: {run_id} took later inputs of the partition but not this one",
-                            what()
-                        )
-                    });
-                }
-            }
-            Some(log::KIND_RESULT) => {
-                let stamp = r
-                    .input_ref
-                    .as_deref()
-                    .and_then(|s| s.strip_prefix("result:"))
-                    .and_then(|s| Uuid::parse_str(s).ok());
-                let input_ref = r.input_ref.as_deref().unwrap_or("");
-                let attempt = stamp.and_then(|s| attempt_by_stamp.get(&s));
-                if let Some(a) = attempt
-                    && !applied(run_id, input_ref)
-                {
-                    // The seq at which the attempt stopped being outstanding
-                    // for another reason (timeout or cancel).
-                    let ended_at = a.status != "dispatched";
-                    let ended_seq = transitions.get(run_id).and_then(|ts| {
-                        ts.iter()
-                            .find(|t| {
-                                t.input_ref == format!("timer:timeout:{}", a.stamp)
-                                    || (t.kind == "run.cancelled"
-                                        && t.detail.get("stamp").and_then(Value::as_str)
-                                            == Some(a.stamp.to_string().as_str()))
-                            })
-                            .map(|t| t.seq)
-                    });
-                    // A later message of this partition was applied while the
-                    // attempt was still outstanding: this result came by first
-                    // and should have been applied.
-                    let passed_over = transitions.get(run_id).is_some_and(|ts| {
-                        ts.iter().any(|t| {
-                            t.source
-                                .as_ref()
-                                .is_some_and(|(st, sp, so)| st == topic && *sp == p && *so > o)
-                                && ended_seq.is_some_and(|e| t.seq < e)
-                                && attempt_dispatched_before(run_id, a.stamp, t.seq)
-                        })
-                    });
-                    if !ended_at || passed_over {
-                        v.add("lost_input", || {
-                            format!("{}: not applied while its attempt was outstanding", what())
-                        });
-                    }
-                }
-            }
+            Some(log::KIND_SIGNAL | log::KIND_CANCEL) => wakeup_kept(&input, ix, v),
+            Some(log::KIND_RESULT) => result_kept(&input, ix, v),
             _ => {}
         }
     }
+    inputs
+}
 
-    // HTTP: one decision per key, in the right tenant, that exists.
-    let mut answers: BTreeMap<(&str, &str, &str), BTreeSet<&str>> = BTreeMap::new();
-    for r in inp.records.iter().filter(|r| r.ev == log::EV_HTTP) {
+/// A bad input is dead-lettered, a good one is not; true for a good one,
+/// whose fate the other checks look at.
+fn dead_letter_fate(
+    input: &Logged<'_>,
+    dead: &HashSet<(String, i32, i64)>,
+    v: &mut Violations,
+) -> bool {
+    let pos = (
+        input.at.topic.to_string(),
+        input.at.partition,
+        input.at.offset,
+    );
+    if !input.r.good {
+        if !dead.contains(&pos) {
+            v.add("bad_input_not_dead_lettered", || {
+                format!(
+                    "{} ({})",
+                    input.what(),
+                    input.r.bad.as_deref().unwrap_or("")
+                )
+            });
+        }
+        return false;
+    }
+    if dead.contains(&pos) {
+        v.add("good_input_dead_lettered", || input.what());
+    }
+    true
+}
+
+/// A client-chosen start created its run, in its tenant, from this copy or
+/// an earlier one.
+fn start_kept(input: &Logged<'_>, ix: &Index<'_>, v: &mut Violations) {
+    let (run_id, tenant) = (input.run_id, input.tenant);
+    match ix.runs.get(run_id) {
+        None => v.add("lost_input", || {
+            format!("{}: run {run_id} missing", input.what())
+        }),
+        Some(run) if run.tenant != tenant => v.add("tenant_crossing", || {
+            format!("{run_id} requested by {tenant}, owned by {}", run.tenant)
+        }),
+        Some(_) => {
+            if let Some(o1) = ix.created_later(run_id, input.at) {
+                v.add("lost_input", || {
+                    format!(
+                        "{}: {run_id} was created by a later copy at offset {o1}",
+                        input.what()
+                    )
+                });
+            }
+        }
+    }
+}
+
+/// A routed start got a completed decision for its key, naming a run of
+/// its tenant, decided from this request or an earlier one.
+fn routed_start_kept(input: &Logged<'_>, ix: &Index<'_>, v: &mut Violations) {
+    let (r, tenant) = (input.r, input.tenant);
+    let At {
+        topic,
+        partition: p,
+        offset: o,
+    } = input.at;
+    let key = r
+        .key
+        .clone()
+        .unwrap_or_else(|| format!("kafka:{topic}:{p}:{o}"));
+    let pool = r.pool.as_deref().unwrap_or("default");
+    let decided = ix.decision(tenant, pool, &key);
+    match decided.map(|d| (d, ix.runs.get(d))) {
+        None => v.add("lost_input", || {
+            format!(
+                "{}: no decision for ({tenant}, {pool}, {key})",
+                input.what()
+            )
+        }),
+        Some((d, None)) => v.add("lost_input", || {
+            format!("{}: decision {d} is no run", input.what())
+        }),
+        Some((d, Some(run))) if run.tenant != tenant => v.add("tenant_crossing", || {
+            format!("({tenant}, {key}) decided {d} of tenant {}", run.tenant)
+        }),
+        Some((d, Some(_))) => {
+            // Requests with one key share a partition, in order: a
+            // decision made from a later offset means this one was skipped.
+            if let Some(o1) = ix.created_later(d, input.at) {
+                v.add("lost_input", || {
+                    format!(
+                        "{}: ({tenant}, {key}) was decided at the later offset {o1}",
+                        input.what()
+                    )
+                });
+            }
+        }
+    }
+}
+
+/// The `run.accepted` announced for a routed request is in its tenant.
+fn accepted_in_tenant(input: &Logged<'_>, accepted: &Accepted, v: &mut Violations) {
+    let tenant = input.tenant;
+    if let Some((run, t)) = input
+        .r
+        .corr
+        .as_deref()
+        .and_then(|c| accepted.by_corr.get(c))
+        && t != tenant
+    {
+        v.add("tenant_crossing", || {
+            format!("request of {tenant} accepted as {run} of {t}")
+        });
+    }
+}
+
+/// A signal or cancel was applied, unless its run had already stopped
+/// taking inputs from its partition.
+fn wakeup_kept(input: &Logged<'_>, ix: &Index<'_>, v: &mut Violations) {
+    let run_id = input.run_id;
+    let input_ref = input.r.input_ref.as_deref().unwrap_or("");
+    if !ix.applied(run_id, input_ref) && ix.later_on_partition(run_id, input.at) {
+        v.add("lost_input", || {
+            format!(
+                "{}: {run_id} took later inputs of the partition but not this one",
+                input.what()
+            )
+        });
+    }
+}
+
+/// A worker's answer was applied while its attempt was outstanding: an
+/// unapplied one is lost when the attempt is still dispatched, or when a
+/// later message of its partition was applied before the attempt ended
+/// another way.
+fn result_kept(input: &Logged<'_>, ix: &Index<'_>, v: &mut Violations) {
+    let run_id = input.run_id;
+    let stamp = result_stamp(input.r).and_then(|s| Uuid::parse_str(s).ok());
+    let input_ref = input.r.input_ref.as_deref().unwrap_or("");
+    let attempt = stamp.and_then(|s| ix.attempt_by_stamp.get(&s));
+    let Some(a) = attempt.filter(|_| !ix.applied(run_id, input_ref)) else {
+        return;
+    };
+    let ended_at = a.status != "dispatched";
+    let ended_seq = ended_seq(ix.transitions(run_id), a);
+    // A later message of this partition was applied while the attempt was
+    // still outstanding: this result came by first and should have been
+    // applied.
+    let passed_over = ix.transitions(run_id).iter().any(|t| {
+        input.at.is_before(t.source.as_ref())
+            && ended_seq.is_some_and(|e| t.seq < e)
+            && ix.attempt_dispatched_before(run_id, a.stamp, t.seq)
+    });
+    if !ended_at || passed_over {
+        v.add("lost_input", || {
+            format!(
+                "{}: not applied while its attempt was outstanding",
+                input.what()
+            )
+        });
+    }
+}
+
+/// The seq at which an attempt stopped being outstanding for another
+/// reason than its result (timeout or cancel).
+fn ended_seq(transitions: &[TransitionRow], a: &AttemptRow) -> Option<i64> {
+    transitions
+        .iter()
+        .find(|t| {
+            t.input_ref == format!("timer:timeout:{}", a.stamp)
+                || (t.kind == "run.cancelled"
+                    && t.detail.get("stamp").and_then(Value::as_str)
+                        == Some(a.stamp.to_string().as_str()))
+        })
+        .map(|t| t.seq)
+}
+
+/// The runs HTTP answers named, by (tenant, pool, idempotency key).
+type Answers<'r> = BTreeMap<(&'r str, &'r str, &'r str), BTreeSet<&'r str>>;
+
+/// HTTP: one decision per key, in the right tenant, that exists. Returns
+/// how many requests got an answer.
+fn http_answers(records: &[Record], ix: &Index<'_>, v: &mut Violations) -> u64 {
+    let mut inputs = 0u64;
+    let mut answers: Answers<'_> = BTreeMap::new();
+    for r in records.iter().filter(|r| r.ev == log::EV_HTTP) {
         if r.status.is_some() {
             inputs += 1;
         }
         if !r.acked {
             continue;
         }
-        let tenant = r.tenant.as_deref().unwrap_or("");
-        let pool = r.pool.as_deref().unwrap_or("default");
-        let Some(run_id) = r.answer_run_id.as_deref() else {
-            v.add("lost_input", || "a 2xx answer without a run id".into());
-            continue;
-        };
-        if !r.good {
-            v.add("bad_input_accepted", || {
-                format!(
-                    "key {:?} reused for another request was answered {:?} with {run_id}",
-                    r.key, r.status
-                )
-            });
-            continue;
-        }
-        if r.answer_tenant.as_deref() != Some(tenant) {
-            v.add("tenant_crossing", || {
-                format!(
-                    "HTTP request of {tenant} answered with tenant {:?}",
-                    r.answer_tenant
-                )
-            });
-        }
-        match runs.get(run_id) {
-            None => v.add("lost_input", || {
-                format!("HTTP {:?} answered {run_id}, which is no run", r.status)
-            }),
-            Some(run) if run.tenant != tenant => v.add("tenant_crossing", || {
-                format!(
-                    "HTTP request of {tenant} answered with {run_id} of {}",
-                    run.tenant
-                )
-            }),
-            Some(_) => {}
-        }
-        if let Some(key) = r.key.as_deref() {
-            answers
-                .entry((tenant, pool, key))
-                .or_default()
-                .insert(run_id);
+        if let Some((key, run_id)) = http_answer(r, ix, v) {
+            answers.entry(key).or_default().insert(run_id);
         }
     }
-    for ((tenant, pool, key), ids) in &answers {
+    answers_agree(&answers, ix, v);
+    inputs
+}
+
+/// A 2xx answer names a run of the request's tenant, and only to a good
+/// request; its (tenant, pool, key) and run, when it had a key.
+fn http_answer<'r>(
+    r: &'r Record,
+    ix: &Index<'_>,
+    v: &mut Violations,
+) -> Option<((&'r str, &'r str, &'r str), &'r str)> {
+    let tenant = r.tenant.as_deref().unwrap_or("");
+    let pool = r.pool.as_deref().unwrap_or("default");
+    let Some(run_id) = r.answer_run_id.as_deref() else {
+        v.add("lost_input", || "a 2xx answer without a run id".into());
+        return None;
+    };
+    if !r.good {
+        v.add("bad_input_accepted", || {
+            format!(
+                "key {:?} reused for another request was answered {:?} with {run_id}",
+                r.key, r.status
+            )
+        });
+        return None;
+    }
+    if r.answer_tenant.as_deref() != Some(tenant) {
+        v.add("tenant_crossing", || {
+            format!(
+                "HTTP request of {tenant} answered with tenant {:?}",
+                r.answer_tenant
+            )
+        });
+    }
+    match ix.runs.get(run_id) {
+        None => v.add("lost_input", || {
+            format!("HTTP {:?} answered {run_id}, which is no run", r.status)
+        }),
+        Some(run) if run.tenant != tenant => v.add("tenant_crossing", || {
+            format!(
+                "HTTP request of {tenant} answered with {run_id} of {}",
+                run.tenant
+            )
+        }),
+        Some(_) => {}
+    }
+    let key = r.key.as_deref()?;
+    Some(((tenant, pool, key), run_id))
+}
+
+/// Every answer for one key named the same run, the one its routing row
+/// decided.
+fn answers_agree(answers: &Answers<'_>, ix: &Index<'_>, v: &mut Violations) {
+    for ((tenant, pool, key), ids) in answers {
         if ids.len() > 1 {
             v.add("duplicate_decision", || {
                 format!("({tenant}, {pool}, {key}) answered with {ids:?}")
             });
         }
-        let row = routing.get(&(*tenant, *pool, *key));
-        match row
-            .filter(|r| r.status == "completed")
-            .and_then(|r| r.decision_id.as_deref())
-        {
+        match ix.decision(tenant, pool, key) {
             Some(d) if ids.iter().all(|id| *id == d) => {}
             Some(d) => v.add("duplicate_decision", || {
                 format!("({tenant}, {pool}, {key}) answered {ids:?}, decided {d}")
@@ -1142,15 +1262,6 @@ pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
                 format!("({tenant}, {pool}, {key}) answered {ids:?} but has no completed decision")
             }),
         }
-    }
-
-    Report {
-        faults: BTreeMap::new(),
-        inputs,
-        runs: db.runs.len() as u64,
-        duplicate_deliveries,
-        violations: v.counts.clone(),
-        examples: v.examples.clone(),
     }
 }
 

@@ -173,66 +173,11 @@ fn mutate(rng: &mut StdRng, topic: InputTopic, limits: &InputLimits) -> Vec<u8> 
         InputTopic::Wakeups => "payload",
         InputTopic::AttemptResults => "output",
     };
-    let bytes = text.as_bytes();
     match rng.random_range(0..18u32) {
-        0 => bytes[..rng.random_range(0..bytes.len())].to_vec(),
-        1 => {
-            let mut b = bytes.to_vec();
-            for _ in 0..rng.random_range(1..4) {
-                let at = rng.random_range(0..b.len());
-                b[at] ^= 1 << rng.random_range(0..8);
-            }
-            b
-        }
-        2 => with_raw(&text, field, r#""a\u0000b""#).into_bytes(),
-        3 => with_raw(&text, field, r#"{"k\u0000": 1}"#).into_bytes(),
-        4 => with_raw(&text, "correlation_id", r#""\u0000""#).into_bytes(),
-        5 => with_raw(&text, field, r#""\ud800""#).into_bytes(),
-        6 => with_raw(
-            &text,
-            field,
-            [
-                "1e400",
-                "123456789012345678901234567890",
-                "0.10000000000000000001",
-            ][rng.random_range(0..3)],
-        )
-        .into_bytes(),
-        7 => with_raw(&text, field, &deep(limits.shape.max_depth + 1)).into_bytes(),
-        8 => with_raw(
-            &text,
-            field,
-            &format!("\"{}\"", "s".repeat(limits.shape.max_string_bytes + 1)),
-        )
-        .into_bytes(),
-        9 => with_raw(
-            &text,
-            field,
-            &format!(
-                "[{}]",
-                vec!["0"; limits.shape.max_array_items + 1].join(",")
-            ),
-        )
-        .into_bytes(),
-        10 => {
-            let members: Vec<String> = (0..=limits.shape.max_object_keys)
-                .map(|k| format!("\"k{k}\":0"))
-                .collect();
-            with_raw(&text, field, &format!("{{{}}}", members.join(","))).into_bytes()
-        }
-        11 => with_raw(
-            &text,
-            "run_id",
-            ["42", "null", "[]", "\"\""][rng.random_range(0..4)],
-        )
-        .into_bytes(),
-        12 => with_raw(&text, "type", r#""run.explode""#).into_bytes(),
-        13 => format!("{},\"tenant\":\"acme\"}}", &text[..text.len() - 1]).into_bytes(),
-        14 => Vec::new(),
-        15 => (0..rng.random_range(1..64)).map(|_| rng.random()).collect(),
-        16 => ["[]", "null", "\"x\"", "1", "{}"][rng.random_range(0..5)]
-            .as_bytes()
-            .to_vec(),
+        n @ 0..=1 => damaged(rng, n, text.as_bytes()),
+        n @ 2..=6 => with_bad_text(rng, n, &text, field),
+        n @ 7..=10 => past_a_shape_limit(n, &text, field, limits),
+        n @ 11..=16 => wrong_shape(rng, n, &text),
         // Just past the size limit.
         _ => with_raw(
             &text,
@@ -240,6 +185,82 @@ fn mutate(rng: &mut StdRng, topic: InputTopic, limits: &InputLimits) -> Vec<u8> 
             &format!("\"{}\"", "z".repeat(limits.max_bytes)),
         )
         .into_bytes(),
+    }
+}
+
+/// The message cut short (0) or with a few bits flipped (1).
+fn damaged(rng: &mut StdRng, n: u32, bytes: &[u8]) -> Vec<u8> {
+    if n == 0 {
+        return bytes[..rng.random_range(0..bytes.len())].to_vec();
+    }
+    let mut b = bytes.to_vec();
+    for _ in 0..rng.random_range(1..4) {
+        let at = rng.random_range(0..b.len());
+        b[at] ^= 1 << rng.random_range(0..8);
+    }
+    b
+}
+
+/// Text JSON forbids or cannot carry exactly: U+0000 in a value (2), in a
+/// key (3) or in the correlation id (4), an unpaired surrogate (5), a
+/// number no float holds (6).
+fn with_bad_text(rng: &mut StdRng, n: u32, text: &str, field: &str) -> Vec<u8> {
+    match n {
+        2 => with_raw(text, field, r#""a\u0000b""#),
+        3 => with_raw(text, field, r#"{"k\u0000": 1}"#),
+        4 => with_raw(text, "correlation_id", r#""\u0000""#),
+        5 => with_raw(text, field, r#""\ud800""#),
+        _ => with_raw(
+            text,
+            field,
+            [
+                "1e400",
+                "123456789012345678901234567890",
+                "0.10000000000000000001",
+            ][rng.random_range(0..3)],
+        ),
+    }
+    .into_bytes()
+}
+
+/// A value one past a shape limit: too deep (7), a string too long (8), an
+/// array too long (9), an object too wide (10).
+fn past_a_shape_limit(n: u32, text: &str, field: &str, limits: &InputLimits) -> Vec<u8> {
+    let raw = match n {
+        7 => deep(limits.shape.max_depth + 1),
+        8 => format!("\"{}\"", "s".repeat(limits.shape.max_string_bytes + 1)),
+        9 => format!(
+            "[{}]",
+            vec!["0"; limits.shape.max_array_items + 1].join(",")
+        ),
+        _ => {
+            let members: Vec<String> = (0..=limits.shape.max_object_keys)
+                .map(|k| format!("\"k{k}\":0"))
+                .collect();
+            format!("{{{}}}", members.join(","))
+        }
+    };
+    with_raw(text, field, &raw).into_bytes()
+}
+
+/// A message of the wrong shape: a run id of the wrong type (11), an
+/// unknown type (12), a duplicated key (13), nothing (14), garbage bytes
+/// (15), a JSON value that is no message (16).
+fn wrong_shape(rng: &mut StdRng, n: u32, text: &str) -> Vec<u8> {
+    match n {
+        11 => with_raw(
+            text,
+            "run_id",
+            ["42", "null", "[]", "\"\""][rng.random_range(0..4)],
+        )
+        .into_bytes(),
+        12 => with_raw(text, "type", r#""run.explode""#).into_bytes(),
+        13 => format!("{},\"tenant\":\"acme\"}}", &text[..text.len() - 1]).into_bytes(),
+        14 => Vec::new(),
+        15 => (0..rng.random_range(1..64)).map(|_| rng.random()).collect(),
+        _ => ["[]", "null", "\"x\"", "1", "{}"][rng.random_range(0..5)]
+            .as_bytes()
+            .to_vec(),
     }
 }
 
@@ -670,21 +691,51 @@ async fn check(
     settle(config, args, sent, &pool).await?;
     // Every run has ended, so every first step has been answered.
     let stale = hostile.stale_positions();
-    let mut stale_seen: HashMap<(String, i32, i64), usize> = HashMap::new();
-    let mut seen: HashMap<(String, i32, i64), usize> = HashMap::new();
+    let letters = read_letters(config).await?;
+    let seen = tally_letters(letters, sent, &stale, report);
+    report.dead_lettered = seen.bad.len();
+    dead_lettered_once(sent, &stale, &seen, report);
+    runs_ended(&pool, sent, report).await?;
+    let lag = ingress_lag(config).await?;
+    if lag > 0 {
+        report.violation("lag_not_zero", || format!("{lag} inputs unconsumed"));
+    }
+    Ok(())
+}
+
+/// Every dead letter, read from the beginning of the topic.
+async fn read_letters(config: &Config) -> anyhow::Result<Vec<Letter>> {
     let dlq = vec![config.dlq_topic()];
-    let letters = {
-        let kafka = config.kafka.clone();
-        tokio::task::spawn_blocking(move || {
-            let mut letters = Vec::new();
-            super::topics::read_each(&kafka, &dlq, Duration::from_secs(300), |m| {
-                letters.push(Letter::of(&m))
-            })?;
-            anyhow::Ok(letters)
-        })
-        .await
-        .context("reading the dead-letter topic")??
-    };
+    let kafka = config.kafka.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut letters = Vec::new();
+        super::topics::read_each(&kafka, &dlq, Duration::from_secs(300), |m| {
+            letters.push(Letter::of(&m))
+        })?;
+        anyhow::Ok(letters)
+    })
+    .await
+    .context("reading the dead-letter topic")?
+}
+
+/// How often each input was dead-lettered: the hostile Kafka inputs, and
+/// the worker's stale failures.
+#[derive(Default)]
+struct Seen {
+    bad: HashMap<(String, i32, i64), usize>,
+    stale: HashMap<(String, i32, i64), usize>,
+}
+
+/// Counts the dead letters by class and by input. Each names a stage and a
+/// class; a stale failure is refused as `unknown_stamp`; a letter of
+/// neither a hostile input nor a stale failure is a good input refused.
+fn tally_letters(
+    letters: Vec<Letter>,
+    sent: &Sent,
+    stale: &HashSet<(String, i32, i64)>,
+    report: &mut FuzzReport,
+) -> Seen {
+    let mut seen = Seen::default();
     for letter in letters {
         let Letter {
             position,
@@ -701,7 +752,7 @@ async fn check(
                 });
             }
             *report.classes.entry(class).or_default() += 1;
-            *stale_seen.entry(position).or_default() += 1;
+            *seen.stale.entry(position).or_default() += 1;
             continue;
         }
         if !sent.bad.contains(&position) {
@@ -711,11 +762,21 @@ async fn check(
             continue;
         }
         *report.classes.entry(class).or_default() += 1;
-        *seen.entry(position).or_default() += 1;
+        *seen.bad.entry(position).or_default() += 1;
     }
-    report.dead_lettered = seen.len();
+    seen
+}
+
+/// Every hostile Kafka input and every stale failure was dead-lettered
+/// exactly once.
+fn dead_lettered_once(
+    sent: &Sent,
+    stale: &HashSet<(String, i32, i64)>,
+    seen: &Seen,
+    report: &mut FuzzReport,
+) {
     for position in &sent.bad {
-        match seen.get(position) {
+        match seen.bad.get(position) {
             None => report.violation("bad_input_not_dead_lettered", || format!("{position:?}")),
             Some(1) => {}
             Some(n) => report.violation("bad_input_dead_lettered_twice", || {
@@ -723,15 +784,24 @@ async fn check(
             }),
         }
     }
-    for position in &stale {
-        if stale_seen.get(position) != Some(&1) {
-            let n = stale_seen.get(position).copied().unwrap_or(0);
+    for position in stale {
+        if seen.stale.get(position) != Some(&1) {
+            let n = seen.stale.get(position).copied().unwrap_or(0);
             report.violation("stale_result_not_dead_lettered_once", || {
                 format!("{position:?} {n} times")
             });
         }
     }
-    let completed = count_status(&pool, &sent.good, "succeeded").await?;
+}
+
+/// Every good run completed, and every garbage run failed with the
+/// refusal of its output.
+async fn runs_ended(
+    pool: &sqlx::PgPool,
+    sent: &Sent,
+    report: &mut FuzzReport,
+) -> anyhow::Result<()> {
+    let completed = count_status(pool, &sent.good, "succeeded").await?;
     if completed < sent.good.len() {
         let missing = sent.good.len() - completed;
         for _ in 0..missing {
@@ -740,13 +810,9 @@ async fn check(
             });
         }
     }
-    let failed = garbage_failed(&pool, &sent.garbage).await?;
+    let failed = garbage_failed(pool, &sent.garbage).await?;
     for run in sent.garbage.iter().filter(|r| !failed.contains(*r)) {
         report.violation("garbage_run_not_failed", || run.clone());
-    }
-    let lag = ingress_lag(config).await?;
-    if lag > 0 {
-        report.violation("lag_not_zero", || format!("{lag} inputs unconsumed"));
     }
     Ok(())
 }

@@ -54,76 +54,13 @@ use chrono::{DateTime, SubsecRound, Utc};
 use serde_json::Value;
 use uuid::Uuid;
 
-use super::check::Violations;
+use super::snapshot::{AttemptRow, IntentRow, RunRow, TransitionRow};
 use super::topics::Msg;
+use super::violations::Violations;
 use ductor::contract::TopicNames;
 use ductor::contract::{Input, InputTopic, RunStart};
 use ductor::coordinator::fold::{KIND_RUN_CANCELLED, KIND_RUN_FAILED, KIND_RUN_SIGNALLED};
 use ductor::coordinator::{Decision, Entropy, RunState, STATE_TOO_LARGE, Workflows, fold};
-
-/// A `runs` row.
-#[derive(Debug, Clone)]
-pub struct RunRow {
-    pub run_id: String,
-    pub tenant: String,
-    pub pool: String,
-    pub workflow: String,
-    pub workflow_version: i32,
-    pub status: String,
-    pub record_version: i64,
-    pub last_transition_seq: i64,
-    pub state: Value,
-    pub finished: bool,
-}
-
-/// A `run_transitions` row.
-#[derive(Debug, Clone)]
-pub struct TransitionRow {
-    pub run_id: String,
-    pub seq: i64,
-    pub input_ref: String,
-    pub kind: String,
-    pub from_status: Option<String>,
-    pub to_status: String,
-    pub step_index: i32,
-    pub detail: Value,
-    pub source: Option<(String, i32, i64)>,
-    pub created_at: DateTime<Utc>,
-}
-
-/// A `run_attempts` row.
-#[derive(Debug, Clone)]
-pub struct AttemptRow {
-    pub stamp: Uuid,
-    pub run_id: String,
-    pub step_index: i32,
-    pub attempt: i32,
-    pub status: String,
-    pub dispatched_at: DateTime<Utc>,
-    pub deadline: DateTime<Utc>,
-    pub finished_at: Option<DateTime<Utc>>,
-    pub error: Option<String>,
-}
-
-/// An `eec_effect_intent` row.
-#[derive(Debug, Clone)]
-pub struct IntentRow {
-    pub run_id: String,
-    pub seq: i64,
-    pub effect_index: i32,
-    pub key: String,
-    pub tenant: String,
-    pub topic: String,
-    pub message_key: Vec<u8>,
-    pub headers: Value,
-    pub payload: Vec<u8>,
-    pub ce_type: String,
-    pub not_before: DateTime<Utc>,
-    /// When it may be published: `not_before`, or later when it was
-    /// deferred (a failed publish backing off, a step clock restarted).
-    pub due_at: DateTime<Utc>,
-    pub status: String,
-}
 
 /// What the replay needs besides the run's own rows.
 pub struct Context<'a> {
@@ -179,9 +116,29 @@ pub fn check_run(ctx: &Context<'_>, rows: &RunRows<'_>, v: &mut Violations) {
     let run = rows.run;
     let id = &run.run_id;
     let ts = rows.transitions;
-    let n = ts.len() as i64;
 
-    // 1. Numbering.
+    numbering(run, ts, v);
+    let Some(state) = versioned_state(run, ts.len() as i64, v) else {
+        return;
+    };
+    let by_stamp: HashMap<Uuid, &AttemptRow> = rows.attempts.iter().map(|a| (a.stamp, a)).collect();
+    let results = applied_results(ts, &by_stamp);
+    stale_results(id, &results, v);
+    if let Some(s) = shape_mismatches(&state, rows, &by_stamp, &results)
+        .into_iter()
+        .next()
+    {
+        v.add("state_history_mismatch", || format!("{id}: {s}"));
+    }
+    at_most_once(id, ts, v);
+    replay(ctx, rows, v);
+}
+
+/// Numbering (point 1): the transitions are numbered `1..=n`, and the run
+/// says `n`.
+fn numbering(run: &RunRow, ts: &[TransitionRow], v: &mut Violations) {
+    let id = &run.run_id;
+    let n = ts.len() as i64;
     if let Some((i, t)) = ts.iter().enumerate().find(|(i, t)| t.seq != *i as i64 + 1) {
         v.add("seq_gap", || {
             format!("{id}: transition #{} has seq {}", i + 1, t.seq)
@@ -195,8 +152,13 @@ pub fn check_run(ctx: &Context<'_>, rows: &RunRows<'_>, v: &mut Violations) {
             )
         });
     }
+}
 
-    // 2. Version.
+/// Version (point 2): the record version is within what `n` transitions
+/// allow and the state carries the column's. Returns the stored state,
+/// when it decodes (the other checks need it).
+fn versioned_state(run: &RunRow, n: i64, v: &mut Violations) -> Option<RunState> {
+    let id = &run.run_id;
     if run.record_version < 1 || run.record_version > n.max(1) {
         v.add("record_version", || {
             format!(
@@ -211,7 +173,7 @@ pub fn check_run(ctx: &Context<'_>, rows: &RunRows<'_>, v: &mut Violations) {
             v.add("state_history_mismatch", || {
                 format!("{id}: state does not decode: {e}")
             });
-            return;
+            return None;
         }
     };
     if state.record_version != run.record_version {
@@ -222,9 +184,87 @@ pub fn check_run(ctx: &Context<'_>, rows: &RunRows<'_>, v: &mut Violations) {
             )
         });
     }
+    Some(state)
+}
 
-    // 3. Shape.
+/// A `result:<stamp>` transition, its stamp, and the status of the attempt
+/// it names (`None` when no attempt has that stamp).
+struct AppliedResult<'a> {
+    seq: i64,
+    stamp: &'a str,
+    status: Option<&'a str>,
+}
+
+fn applied_results<'a>(
+    ts: &'a [TransitionRow],
+    by_stamp: &HashMap<Uuid, &'a AttemptRow>,
+) -> Vec<AppliedResult<'a>> {
+    ts.iter()
+        .filter_map(|t| {
+            let stamp = t.input_ref.strip_prefix("result:")?;
+            let row = Uuid::parse_str(stamp).ok().and_then(|s| by_stamp.get(&s));
+            Some(AppliedResult {
+                seq: t.seq,
+                stamp,
+                status: row.map(|r| r.status.as_str()),
+            })
+        })
+        .collect()
+}
+
+/// No stale result (point 5): no result was applied for an attempt that
+/// had timed out or was cancelled.
+fn stale_results(id: &str, results: &[AppliedResult<'_>], v: &mut Violations) {
+    for r in results {
+        if let Some(status @ ("timed_out" | "cancelled")) = r.status {
+            v.add("stale_result_applied", || {
+                format!(
+                    "{id}: seq {} applied result:{} of a {status} attempt",
+                    r.seq, r.stamp
+                )
+            });
+        }
+    }
+}
+
+/// Shape (point 3): everything in which the stored state and rows disagree
+/// with the history, in the order of the module docs (the first is
+/// reported).
+fn shape_mismatches(
+    state: &RunState,
+    rows: &RunRows<'_>,
+    by_stamp: &HashMap<Uuid, &AttemptRow>,
+    results: &[AppliedResult<'_>],
+) -> Vec<String> {
+    let ts = rows.transitions;
     let mut shape = Vec::new();
+    columns_agree(state, rows.run, &mut shape);
+    last_transition_agrees(state, ts, &mut shape);
+    chain_agrees(ts, &mut shape);
+    attempts_agree(state, rows.attempts, by_stamp, &mut shape);
+    attempts_explained(state, rows.attempts, ts, &mut shape);
+    for r in results {
+        if !matches!(
+            r.status,
+            Some("timed_out" | "cancelled" | "succeeded" | "failed")
+        ) {
+            shape.push(format!(
+                "seq {} applied a result of an attempt that is {:?}",
+                r.seq, r.status
+            ));
+        }
+    }
+    signals_agree(state, ts, &mut shape);
+    let n = ts.len() as i64;
+    if let Some(i) = rows.intents.iter().find(|i| i.seq < 1 || i.seq > n) {
+        shape.push(format!("intent {} belongs to no transition", i.key));
+    }
+    shape
+}
+
+/// The state's identity, status and last seq are the columns', and
+/// `finished_at` is set iff the status is terminal.
+fn columns_agree(state: &RunState, run: &RunRow, shape: &mut Vec<String>) {
     if state.run_id != run.run_id
         || state.tenant != run.tenant
         || state.pool != run.pool
@@ -249,27 +289,38 @@ pub fn check_run(ctx: &Context<'_>, rows: &RunRows<'_>, v: &mut Violations) {
     if run.finished != state.status.is_terminal() {
         shape.push("finished_at disagrees with the status".into());
     }
-    if let Some(last) = ts.last() {
-        if last.to_status != state.status.as_str() {
-            shape.push(format!(
-                "status {} but last transition (seq {}) went to {}",
-                state.status.as_str(),
-                last.seq,
-                last.to_status
-            ));
-        }
-        if i64::from(last.step_index) != i64::from(state.step_index) {
-            shape.push("step_index differs from the last transition's".into());
-        }
+}
+
+/// The state's status and step are where the last transition left them.
+fn last_transition_agrees(state: &RunState, ts: &[TransitionRow], shape: &mut Vec<String>) {
+    let Some(last) = ts.last() else {
+        return;
+    };
+    if last.to_status != state.status.as_str() {
+        shape.push(format!(
+            "status {} but last transition (seq {}) went to {}",
+            state.status.as_str(),
+            last.seq,
+            last.to_status
+        ));
     }
-    for (i, t) in ts.iter().enumerate() {
-        if i == 0 {
-            if t.from_status.is_some() || t.kind != "run.started" || t.input_ref != "start" {
-                shape.push("the first transition is not run.started from start".into());
-            }
-            continue;
-        }
-        let prev = &ts[i - 1];
+    if i64::from(last.step_index) != i64::from(state.step_index) {
+        shape.push("step_index differs from the last transition's".into());
+    }
+}
+
+/// The history starts with `run.started` from `start`, each transition
+/// starts where the previous one ended, and nothing follows a terminal one.
+fn chain_agrees(ts: &[TransitionRow], shape: &mut Vec<String>) {
+    if let Some(first) = ts.first()
+        && (first.from_status.is_some()
+            || first.kind != "run.started"
+            || first.input_ref != "start")
+    {
+        shape.push("the first transition is not run.started from start".into());
+    }
+    for pair in ts.windows(2) {
+        let (prev, t) = (&pair[0], &pair[1]);
         if t.from_status.as_deref() != Some(prev.to_status.as_str()) {
             shape.push(format!(
                 "seq {} starts from {:?}, seq {} ended in {}",
@@ -280,13 +331,20 @@ pub fn check_run(ctx: &Context<'_>, rows: &RunRows<'_>, v: &mut Violations) {
             shape.push(format!("seq {} follows a terminal transition", t.seq));
         }
     }
-    let refs: HashSet<&str> = ts.iter().map(|t| t.input_ref.as_str()).collect();
-    let by_stamp: HashMap<Uuid, &AttemptRow> = rows.attempts.iter().map(|a| (a.stamp, a)).collect();
-    if state.attempts.len() != rows.attempts.len() {
+}
+
+/// The attempts in the state are exactly the `run_attempts` rows.
+fn attempts_agree(
+    state: &RunState,
+    attempts: &[AttemptRow],
+    by_stamp: &HashMap<Uuid, &AttemptRow>,
+    shape: &mut Vec<String>,
+) {
+    if state.attempts.len() != attempts.len() {
         shape.push(format!(
             "{} attempts in state, {} rows",
             state.attempts.len(),
-            rows.attempts.len()
+            attempts.len()
         ));
     }
     for a in &state.attempts {
@@ -305,8 +363,18 @@ pub fn check_run(ctx: &Context<'_>, rows: &RunRows<'_>, v: &mut Violations) {
             shape.push(format!("attempt {} differs from its row", a.stamp));
         }
     }
+}
+
+/// Every attempt's status is explained by a transition of the history.
+fn attempts_explained(
+    state: &RunState,
+    attempts: &[AttemptRow],
+    ts: &[TransitionRow],
+    shape: &mut Vec<String>,
+) {
+    let refs: HashSet<&str> = ts.iter().map(|t| t.input_ref.as_str()).collect();
     let last = ts.last();
-    for a in rows.attempts {
+    for a in attempts {
         let s = a.stamp;
         let explained = match a.status.as_str() {
             "succeeded" | "failed" => refs.contains(format!("result:{s}").as_str()),
@@ -328,26 +396,10 @@ pub fn check_run(ctx: &Context<'_>, rows: &RunRows<'_>, v: &mut Violations) {
             ));
         }
     }
-    for t in ts {
-        let Some(stamp) = t.input_ref.strip_prefix("result:") else {
-            continue;
-        };
-        let row = Uuid::parse_str(stamp).ok().and_then(|s| by_stamp.get(&s));
-        match row.map(|r| r.status.as_str()) {
-            Some("timed_out" | "cancelled") => v.add("stale_result_applied", || {
-                format!(
-                    "{id}: seq {} applied result:{stamp} of a {} attempt",
-                    t.seq,
-                    row.map_or("", |r| r.status.as_str())
-                )
-            }),
-            Some("succeeded" | "failed") => {}
-            other => shape.push(format!(
-                "seq {} applied a result of an attempt that is {:?}",
-                t.seq, other
-            )),
-        }
-    }
+}
+
+/// The signals in the state are, in order, those the history recorded.
+fn signals_agree(state: &RunState, ts: &[TransitionRow], shape: &mut Vec<String>) {
     let signal_ids: Vec<&str> = ts
         .iter()
         .filter(|t| t.kind == KIND_RUN_SIGNALLED)
@@ -359,14 +411,11 @@ pub fn check_run(ctx: &Context<'_>, rows: &RunRows<'_>, v: &mut Violations) {
             "signals in state {state_signals:?}, in history {signal_ids:?}"
         ));
     }
-    if let Some(i) = rows.intents.iter().find(|i| i.seq < 1 || i.seq > n) {
-        shape.push(format!("intent {} belongs to no transition", i.key));
-    }
-    for s in shape.into_iter().take(1) {
-        v.add("state_history_mismatch", || format!("{id}: {s}"));
-    }
+}
 
-    // 4. At most once.
+/// At most once (point 4): no two transitions share an input.
+fn at_most_once(id: &str, ts: &[TransitionRow], v: &mut Violations) {
+    let refs: HashSet<&str> = ts.iter().map(|t| t.input_ref.as_str()).collect();
     if refs.len() != ts.len() {
         v.add("input_applied_twice", || {
             format!(
@@ -376,9 +425,6 @@ pub fn check_run(ctx: &Context<'_>, rows: &RunRows<'_>, v: &mut Violations) {
             )
         });
     }
-
-    // 6. Replay.
-    replay(ctx, rows, v);
 }
 
 /// The stamp a transition introduced, if it dispatched an attempt.
@@ -454,82 +500,13 @@ fn replay(ctx: &Context<'_>, rows: &RunRows<'_>, v: &mut Violations) {
     let id = &run.run_id;
     let mut state: Option<RunState> = None;
     for t in rows.transitions {
-        let input = match rebuild_input(ctx, run, t) {
-            Rebuild::Input(i) => i,
-            Rebuild::Missing(why) => {
-                v.add("transition_source_missing", || format!("{id}: {why}"));
+        match replay_one(ctx, rows, state.as_ref(), t) {
+            Ok(next) => state = Some(next),
+            Err((kind, why)) => {
+                v.add(kind, || format!("{id}: {why}"));
                 return;
             }
-            Rebuild::Mismatch(why) => {
-                v.add("state_replay_mismatch", || format!("{id}: {why}"));
-                return;
-            }
-        };
-        let mut entropy = Entropy {
-            stamp: introduced_stamp(t).unwrap_or(Uuid::nil()),
-            jitter_unit: 0.0,
-        };
-        let mut decision = fold(
-            state.as_ref(),
-            &input,
-            ctx.workflows,
-            ctx.max_state_bytes,
-            t.created_at,
-            &entropy,
-        );
-        if let Some(unit) = recover_jitter(ctx, state.as_ref(), &decision, t) {
-            entropy.jitter_unit = unit;
-            decision = fold(
-                state.as_ref(),
-                &input,
-                ctx.workflows,
-                ctx.max_state_bytes,
-                t.created_at,
-                &entropy,
-            );
         }
-        let tr = match decision {
-            Decision::Transition(tr) => tr,
-            other => {
-                v.add("state_replay_mismatch", || {
-                    format!(
-                        "{id}: seq {} ({}) replays to {}",
-                        t.seq,
-                        t.input_ref,
-                        match other {
-                            Decision::NoOp(r) => format!("a no-op ({})", r.as_str()),
-                            Decision::Rejection(r) => format!("a rejection ({})", r.class.as_str()),
-                            Decision::Transition(_) => String::new(),
-                        }
-                    )
-                });
-                return;
-            }
-        };
-        let r = &tr.record;
-        let same_record = r.seq == t.seq
-            && r.input_ref == t.input_ref
-            && r.kind == t.kind
-            && r.from_status.map(|s| s.as_str()) == t.from_status.as_deref()
-            && r.to_status.as_str() == t.to_status
-            && i64::from(r.step_index) == i64::from(t.step_index)
-            && r.detail == t.detail;
-        if !same_record {
-            v.add("state_replay_mismatch", || {
-                format!(
-                    "{id}: seq {} replays to {} {} {}, stored {} {} {}",
-                    t.seq, r.kind, r.input_ref, r.detail, t.kind, t.input_ref, t.detail
-                )
-            });
-            return;
-        }
-        if let Err(why) = compare_effects(ctx, rows, t, &tr.effects) {
-            v.add("state_replay_mismatch", || {
-                format!("{id}: seq {}: {why}", t.seq)
-            });
-            return;
-        }
-        state = Some(tr.state);
     }
     let Some(replayed) = state else { return };
     let Ok(mut replayed) = serde_json::to_value(&replayed) else {
@@ -542,6 +519,92 @@ fn replay(ctx: &Context<'_>, rows: &RunRows<'_>, v: &mut Violations) {
         v.add("state_replay_mismatch", || {
             format!("{id}: stored state differs from the replay of its history")
         });
+    }
+}
+
+/// One transition replayed on the state before it: the state after it, or
+/// the violation kind and why it does not replay to the stored row and
+/// intents.
+fn replay_one(
+    ctx: &Context<'_>,
+    rows: &RunRows<'_>,
+    state: Option<&RunState>,
+    t: &TransitionRow,
+) -> Result<RunState, (&'static str, String)> {
+    const MISMATCH: &str = "state_replay_mismatch";
+    let input = match rebuild_input(ctx, rows.run, t) {
+        Rebuild::Input(i) => i,
+        Rebuild::Missing(why) => return Err(("transition_source_missing", why)),
+        Rebuild::Mismatch(why) => return Err((MISMATCH, why)),
+    };
+    let tr = match fold_as_recorded(ctx, state, &input, t) {
+        Decision::Transition(tr) => tr,
+        Decision::NoOp(r) => {
+            let what = format!("a no-op ({})", r.as_str());
+            return Err((MISMATCH, replays_to(t, &what)));
+        }
+        Decision::Rejection(r) => {
+            let what = format!("a rejection ({})", r.class.as_str());
+            return Err((MISMATCH, replays_to(t, &what)));
+        }
+    };
+    let r = &tr.record;
+    let same_record = r.seq == t.seq
+        && r.input_ref == t.input_ref
+        && r.kind == t.kind
+        && r.from_status.map(|s| s.as_str()) == t.from_status.as_deref()
+        && r.to_status.as_str() == t.to_status
+        && i64::from(r.step_index) == i64::from(t.step_index)
+        && r.detail == t.detail;
+    if !same_record {
+        return Err((
+            MISMATCH,
+            format!(
+                "seq {} replays to {} {} {}, stored {} {} {}",
+                t.seq, r.kind, r.input_ref, r.detail, t.kind, t.input_ref, t.detail
+            ),
+        ));
+    }
+    compare_effects(ctx, rows, t, &tr.effects)
+        .map_err(|why| (MISMATCH, format!("seq {}: {why}", t.seq)))?;
+    Ok(tr.state)
+}
+
+/// Why a transition does not replay: its input folds to something else.
+fn replays_to(t: &TransitionRow, what: &str) -> String {
+    format!("seq {} ({}) replays to {what}", t.seq, t.input_ref)
+}
+
+/// The fold of `input` as the coordinator ran it: at the transition's
+/// recorded time, with the stamp it introduced, and with the jitter that
+/// reproduces its recorded backoff.
+fn fold_as_recorded(
+    ctx: &Context<'_>,
+    state: Option<&RunState>,
+    input: &Input,
+    t: &TransitionRow,
+) -> Decision {
+    let fold_with = |entropy: &Entropy| {
+        fold(
+            state,
+            input,
+            ctx.workflows,
+            ctx.max_state_bytes,
+            t.created_at,
+            entropy,
+        )
+    };
+    let mut entropy = Entropy {
+        stamp: introduced_stamp(t).unwrap_or(Uuid::nil()),
+        jitter_unit: 0.0,
+    };
+    let decision = fold_with(&entropy);
+    match recover_jitter(ctx, state, &decision, t) {
+        Some(unit) => {
+            entropy.jitter_unit = unit;
+            fold_with(&entropy)
+        }
+        None => decision,
     }
 }
 

@@ -38,7 +38,7 @@ use std::time::Duration;
 use anyhow::Context;
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{Consumer, StreamConsumer};
-use rdkafka::message::Message;
+use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde::Serialize;
 use serde_json::{Value, json};
@@ -108,11 +108,119 @@ struct RunSeen {
     signals: Vec<String>,
 }
 
+#[derive(Clone)]
 struct KeyedRequest {
     tenant: String,
     key: String,
     workflow: String,
     input: Value,
+}
+
+/// A `POST /v1/runs` to send: its idempotency key (none for a client that
+/// sends none), the request, whether it must be accepted, and the log's
+/// note on it.
+#[derive(Clone)]
+struct HttpStart {
+    key: Option<String>,
+    tenant: String,
+    workflow: String,
+    input: Value,
+    good: bool,
+    note: Option<&'static str>,
+}
+
+impl HttpStart {
+    /// A request whose key was used before.
+    fn again(k: KeyedRequest, good: bool, note: Option<&'static str>) -> HttpStart {
+        HttpStart {
+            key: Some(k.key),
+            tenant: k.tenant,
+            workflow: k.workflow,
+            input: k.input,
+            good,
+            note,
+        }
+    }
+
+    /// The log line of one attempt of it, before the answer is known.
+    fn record(&self, corr: &str, attempt: u32, server: SocketAddr) -> Record {
+        Record {
+            ev: log::EV_HTTP.into(),
+            t_ms: log::now_ms(),
+            kind: Some(log::KIND_ROUTED.into()),
+            good: self.good,
+            tenant: Some(self.tenant.clone()),
+            pool: Some(POOL.into()),
+            key: self.key.clone(),
+            corr: Some(corr.to_string()),
+            note: match (self.note, attempt) {
+                (n, 0) => n.map(Into::into),
+                (n, a) => Some(format!(
+                    "{}retry{a}",
+                    n.map(|n| format!("{n},")).unwrap_or_default()
+                )),
+            },
+            server: Some(server.to_string()),
+            bad: (!self.good).then(|| "idempotency_mismatch".into()),
+            ..Record::default()
+        }
+    }
+}
+
+/// What an answer (or its absence) says of an HTTP attempt, logged in
+/// `rec`; true when a retry with the same key can fix it.
+fn answered(mut rec: Record, result: anyhow::Result<(u16, Vec<u8>)>) -> (Record, bool) {
+    let retry = match result {
+        Ok((status, answer)) => {
+            rec.status = Some(status);
+            rec.acked = (200..300).contains(&status);
+            if let Ok(v) = serde_json::from_slice::<Value>(&answer) {
+                rec.answer_run_id = v.get("run_id").and_then(Value::as_str).map(Into::into);
+                rec.answer_tenant = v.get("tenant").and_then(Value::as_str).map(Into::into);
+                if !rec.acked {
+                    let code = v
+                        .pointer("/error/code")
+                        .and_then(Value::as_str)
+                        .unwrap_or("");
+                    rec = rec.with_error(format!("{status} {code}"));
+                }
+            }
+            status >= 500 || status == 409
+        }
+        Err(e) => {
+            rec = rec.with_error(format!("{e:#}"));
+            true
+        }
+    };
+    (rec, retry)
+}
+
+/// An input that must be dead-lettered: its class, its topic, message key
+/// and bytes, and the run it names, when the checker can look that run up.
+struct BadInput<'a> {
+    class: &'static str,
+    topic: &'a str,
+    key: String,
+    payload: Vec<u8>,
+    run_id: Option<String>,
+}
+
+impl<'a> BadInput<'a> {
+    fn json(
+        class: &'static str,
+        topic: &'a str,
+        key: &str,
+        payload: Value,
+        run_id: Option<String>,
+    ) -> BadInput<'a> {
+        BadInput {
+            class,
+            topic,
+            key: key.to_string(),
+            payload: serde_json::to_vec(&payload).unwrap_or_default(),
+            run_id,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -184,6 +292,25 @@ pub async fn run(
     anyhow::ensure!(args.rate > 0.0, "--rate must be positive");
     anyhow::ensure!(!args.tenants.is_empty(), "--tenants must name one tenant");
     let started = Instant::now();
+    let (names, pools) = workflows_and_pools(&config)?;
+    let driver = Arc::new(Driver::new(&args, &config, names)?);
+    stop_when_orphaned(stop.clone(), abort.clone());
+    let background = Background::start(&driver, &config, &pools)?;
+    driver.clone().produce(&args, &stop, &abort).await;
+    driver.wind_down(&args, &abort).await;
+    background.stop().await;
+    driver.log.sync()?;
+    let mut summary = driver.with_book(|b| {
+        b.summary.runs_seen = b.runs.len() as u64;
+        b.summary.runs_terminal = b.runs.values().filter(|r| r.terminal).count() as u64;
+        b.summary.clone()
+    });
+    summary.seconds = started.elapsed().as_secs_f64();
+    Ok(summary)
+}
+
+/// The workflows the serves load, by name, and the step pools they use.
+fn workflows_and_pools(config: &Config) -> anyhow::Result<(Vec<String>, Vec<String>)> {
     let workflows = ductor::infra::workflows::load_dir(&config.coordinator.workflows_dir)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let mut names: Vec<String> = workflows.iter().map(|w| w.name.clone()).collect();
@@ -196,134 +323,65 @@ pub async fn run(
         .collect();
     pools.sort();
     pools.dedup();
+    Ok((names, pools))
+}
 
-    let mut producer_cfg = ductor::infra::kafka::producer_config(&config.kafka, "chaos-load");
-    producer_cfg.set("message.timeout.ms", SEND_TIMEOUT_MS.to_string());
-    producer_cfg.set("request.timeout.ms", "5000");
-    let producer: FutureProducer = producer_cfg.create().context("creating producer")?;
-
-    let driver = Arc::new(Driver {
-        producer,
-        log: LogWriter::create(&args.log)?,
-        requests: config.requests_topic(),
-        wakeups: config.wakeups_topic(),
-        results: config.attempt_results_topic(),
-        limits: config.input_limits(),
-        workflows: names,
-        tenants: args.tenants.clone(),
-        http: args.http.clone(),
-        sends: Semaphore::new(MAX_SENDS_IN_FLIGHT),
-        http_slots: Semaphore::new(MAX_HTTP_IN_FLIGHT),
-        delayed: AtomicUsize::new(0),
-        book: std::sync::Mutex::new(Book::default()),
-        draining: AtomicBool::new(false),
-        tasks: TaskTracker::new(),
-        counter: AtomicU64::new(0),
-        last_activity: std::sync::Mutex::new(Instant::now()),
-    });
-
-    // Orphaned (the script that started it was killed outright): stop.
-    {
-        let (stop, abort) = (stop.clone(), abort.clone());
-        let parent = std::os::unix::process::parent_id();
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                if std::os::unix::process::parent_id() != parent {
-                    tracing::warn!("parent process gone; stopping");
-                    stop.cancel();
-                    abort.cancel();
-                    return;
-                }
+/// Orphaned (the script that started it was killed outright): stop.
+fn stop_when_orphaned(stop: CancellationToken, abort: CancellationToken) {
+    let parent = std::os::unix::process::parent_id();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            if std::os::unix::process::parent_id() != parent {
+                tracing::warn!("parent process gone; stopping");
+                stop.cancel();
+                abort.cancel();
+                return;
             }
-        });
-    }
-    let background = CancellationToken::new();
-    let steps_topics: Vec<String> = pools.iter().map(|p| config.steps_topic(p)).collect();
-    let worker_consumer = reader(
-        &config,
-        &format!("{}-chaos-worker", config.kafka.group_id),
-        &steps_topics,
-    )?;
-    let events_consumer = reader(
-        &config,
-        &format!("{}-chaos-follow-{}", config.kafka.group_id, short_id()),
-        &[config.events_topic()],
-    )?;
-    let worker = tokio::spawn(driver.clone().work(worker_consumer, background.clone()));
-    let stalls = tokio::spawn(driver.clone().watch_stalls(background.clone()));
-    let follower = tokio::spawn(driver.clone().follow(events_consumer, background.clone()));
-
-    // Load.
-    let ops = Arc::new(Semaphore::new(MAX_OPS_IN_FLIGHT));
-    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / args.rate));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let load_end = Instant::now() + Duration::from_secs(args.duration_s);
-    tracing::info!(
-        duration_s = args.duration_s,
-        rate = args.rate,
-        "chaos load started"
-    );
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => break,
-            _ = abort.cancelled() => break,
-            _ = tokio::time::sleep_until(load_end) => break,
-            _ = tick.tick() => {}
         }
-        let Ok(permit) = ops.clone().try_acquire_owned() else {
-            driver.with_book(|b| b.summary.skipped += 1);
-            continue;
-        };
-        let d = driver.clone();
-        driver.tasks.spawn(async move {
-            d.one_op().await;
-            drop(permit);
-        });
-    }
-
-    // Wind-down: a well-behaved worker until every run seen is terminal.
-    driver.draining.store(true, Ordering::SeqCst);
-    tracing::info!("chaos load winding down");
-    let drain_end = Instant::now() + Duration::from_secs(args.drain_s);
-    loop {
-        tokio::select! {
-            _ = abort.cancelled() => break,
-            _ = tokio::time::sleep_until(drain_end) => {
-                tracing::warn!("wind-down bound reached with runs still going");
-                break;
-            }
-            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
-        }
-        let quiet = driver
-            .last_activity
-            .lock()
-            .map(|t| t.elapsed() >= QUIET)
-            .unwrap_or(true);
-        let all_terminal = driver.with_book(|b| b.runs.values().all(|r| r.terminal));
-        if quiet && all_terminal {
-            break;
-        }
-    }
-    driver.tasks.close();
-    if tokio::time::timeout(Duration::from_secs(60), driver.tasks.wait())
-        .await
-        .is_err()
-    {
-        tracing::warn!("some operations were still in flight at the end");
-    }
-    background.cancel();
-    let _ = worker.await;
-    let _ = follower.await;
-    let _ = stalls.await;
-    driver.log.sync()?;
-    let mut summary = driver.with_book(|b| {
-        b.summary.runs_seen = b.runs.len() as u64;
-        b.summary.runs_terminal = b.runs.values().filter(|r| r.terminal).count() as u64;
-        b.summary.clone()
     });
-    summary.seconds = started.elapsed().as_secs_f64();
-    Ok(summary)
+}
+
+/// What runs beside the load for its whole length: the worker of every
+/// step pool, the follower of the events topic and the stalled-lanes watch.
+struct Background {
+    token: CancellationToken,
+    tasks: [tokio::task::JoinHandle<()>; 3],
+}
+
+impl Background {
+    fn start(
+        driver: &Arc<Driver>,
+        config: &Config,
+        pools: &[String],
+    ) -> anyhow::Result<Background> {
+        let token = CancellationToken::new();
+        let steps_topics: Vec<String> = pools.iter().map(|p| config.steps_topic(p)).collect();
+        let worker_consumer = reader(
+            config,
+            &format!("{}-chaos-worker", config.kafka.group_id),
+            &steps_topics,
+        )?;
+        let events_consumer = reader(
+            config,
+            &format!("{}-chaos-follow-{}", config.kafka.group_id, short_id()),
+            &[config.events_topic()],
+        )?;
+        let worker = tokio::spawn(driver.clone().work(worker_consumer, token.clone()));
+        let stalls = tokio::spawn(driver.clone().watch_stalls(token.clone()));
+        let follower = tokio::spawn(driver.clone().follow(events_consumer, token.clone()));
+        Ok(Background {
+            token,
+            tasks: [worker, follower, stalls],
+        })
+    }
+
+    async fn stop(self) {
+        self.token.cancel();
+        for task in self.tasks {
+            let _ = task.await;
+        }
+    }
 }
 
 /// A consumer of `topics` in `group`, from the beginning, committing as it goes.
@@ -349,7 +407,163 @@ fn reader(config: &Config, group: &str, topics: &[String]) -> anyhow::Result<Str
     Ok(consumer)
 }
 
+/// The next message of `consumer`, riding out broker errors; `None` once
+/// `stop` is cancelled.
+async fn next_message<'c>(
+    consumer: &'c StreamConsumer,
+    stop: &CancellationToken,
+    on_error: &str,
+) -> Option<BorrowedMessage<'c>> {
+    loop {
+        let msg = tokio::select! {
+            _ = stop.cancelled() => return None,
+            m = consumer.recv() => m,
+        };
+        match msg {
+            Ok(m) => return Some(m),
+            Err(e) => {
+                tracing::debug!(error = %e, "{on_error}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+}
+
+/// Run id, tenant and status of a `run.event`.
+fn run_event(v: &Value) -> Option<(&str, &str, &str)> {
+    if v.get("type").and_then(Value::as_str) != Some("run.event") {
+        return None;
+    }
+    Some((
+        v.get("run_id").and_then(Value::as_str)?,
+        v.get("tenant").and_then(Value::as_str)?,
+        v.get("status").and_then(Value::as_str)?,
+    ))
+}
+
+impl Book {
+    /// A run seen on the events topic: remembered among the recent runs
+    /// the first time, and marked terminal once it ended.
+    fn saw_run(&mut self, run_id: &str, tenant: &str, terminal: bool) {
+        if !self.runs.contains_key(run_id) {
+            self.runs.insert(
+                run_id.to_string(),
+                RunSeen {
+                    tenant: tenant.to_string(),
+                    terminal: false,
+                    signals: Vec::new(),
+                },
+            );
+            if self.recent_runs.len() >= RECENT_RUNS {
+                self.recent_runs.pop_front();
+            }
+            self.recent_runs.push_back(run_id.to_string());
+        }
+        if terminal && let Some(r) = self.runs.get_mut(run_id) {
+            r.terminal = true;
+        }
+    }
+}
+
 impl Driver {
+    fn new(args: &LoadArgs, config: &Config, workflows: Vec<String>) -> anyhow::Result<Driver> {
+        let mut producer_cfg = ductor::infra::kafka::producer_config(&config.kafka, "chaos-load");
+        producer_cfg.set("message.timeout.ms", SEND_TIMEOUT_MS.to_string());
+        producer_cfg.set("request.timeout.ms", "5000");
+        let producer: FutureProducer = producer_cfg.create().context("creating producer")?;
+        Ok(Driver {
+            producer,
+            log: LogWriter::create(&args.log)?,
+            requests: config.requests_topic(),
+            wakeups: config.wakeups_topic(),
+            results: config.attempt_results_topic(),
+            limits: config.input_limits(),
+            workflows,
+            tenants: args.tenants.clone(),
+            http: args.http.clone(),
+            sends: Semaphore::new(MAX_SENDS_IN_FLIGHT),
+            http_slots: Semaphore::new(MAX_HTTP_IN_FLIGHT),
+            delayed: AtomicUsize::new(0),
+            book: std::sync::Mutex::new(Book::default()),
+            draining: AtomicBool::new(false),
+            tasks: TaskTracker::new(),
+            counter: AtomicU64::new(0),
+            last_activity: std::sync::Mutex::new(Instant::now()),
+        })
+    }
+
+    /// The load: one operation a tick at `--rate` for `--duration-s`, or
+    /// until stopped; a tick finding too many operations in flight is
+    /// skipped.
+    async fn produce(
+        self: Arc<Self>,
+        args: &LoadArgs,
+        stop: &CancellationToken,
+        abort: &CancellationToken,
+    ) {
+        let ops = Arc::new(Semaphore::new(MAX_OPS_IN_FLIGHT));
+        let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / args.rate));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let load_end = Instant::now() + Duration::from_secs(args.duration_s);
+        tracing::info!(
+            duration_s = args.duration_s,
+            rate = args.rate,
+            "chaos load started"
+        );
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = abort.cancelled() => break,
+                _ = tokio::time::sleep_until(load_end) => break,
+                _ = tick.tick() => {}
+            }
+            let Ok(permit) = ops.clone().try_acquire_owned() else {
+                self.with_book(|b| b.summary.skipped += 1);
+                continue;
+            };
+            let d = self.clone();
+            self.tasks.spawn(async move {
+                d.one_op().await;
+                drop(permit);
+            });
+        }
+    }
+
+    /// Wind-down: a well-behaved worker until every run seen is terminal
+    /// and nothing moved for a while (at most `--drain-s`), then the
+    /// operations still in flight finish.
+    async fn wind_down(&self, args: &LoadArgs, abort: &CancellationToken) {
+        self.draining.store(true, Ordering::SeqCst);
+        tracing::info!("chaos load winding down");
+        let drain_end = Instant::now() + Duration::from_secs(args.drain_s);
+        loop {
+            tokio::select! {
+                _ = abort.cancelled() => break,
+                _ = tokio::time::sleep_until(drain_end) => {
+                    tracing::warn!("wind-down bound reached with runs still going");
+                    break;
+                }
+                _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+            }
+            let quiet = self
+                .last_activity
+                .lock()
+                .map(|t| t.elapsed() >= QUIET)
+                .unwrap_or(true);
+            let all_terminal = self.with_book(|b| b.runs.values().all(|r| r.terminal));
+            if quiet && all_terminal {
+                break;
+            }
+        }
+        self.tasks.close();
+        if tokio::time::timeout(Duration::from_secs(60), self.tasks.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!("some operations were still in flight at the end");
+        }
+    }
+
     fn with_book<T>(&self, f: impl FnOnce(&mut Book) -> T) -> T {
         let mut guard = self.book.lock().unwrap_or_else(|e| e.into_inner());
         f(&mut guard)
@@ -518,44 +732,18 @@ impl Driver {
     /// in order on one partition.
     async fn routed_keyed(&self) {
         let roll = rand::random_range(0..100u32);
-        let existing = self.with_book(|b| {
-            pick(&b.kafka_keys).map(|k| {
-                (
-                    k.tenant.clone(),
-                    k.key.clone(),
-                    k.workflow.clone(),
-                    k.input.clone(),
-                )
-            })
-        });
-        let (tenant, key, workflow, input, good, note) = match (roll, existing) {
-            (0..30, Some((t, k, w, i))) => (t, k, w, i, true, Some("dup")),
-            (30..37, Some((t, k, _, _))) => {
-                let other = self.other_tenant(&t);
-                // Reserved before sending: a second "first" request for the
-                // same (tenant, key) in flight would really be a mismatch.
-                let fresh = self.with_book(|b| b.keys_taken.insert((other.clone(), k.clone())));
-                if !fresh {
-                    return;
-                }
-                (
-                    other,
-                    k,
-                    self.workflow(),
-                    self.input(),
-                    true,
-                    Some("cross_tenant"),
-                )
-            }
-            (37..42, Some((t, k, w, _))) => (t, k, w, self.input(), false, Some("mismatch")),
-            _ => {
-                let (tenant, key) = (self.tenant(), format!("k-{}", short_id()));
-                self.with_book(|b| b.keys_taken.insert((tenant.clone(), key.clone())));
-                (tenant, key, self.workflow(), self.input(), true, None)
-            }
+        let existing = self.with_book(|b| pick(&b.kafka_keys).cloned());
+        let Some((request, good, note)) = self.keyed_request(roll, existing) else {
+            return;
         };
         let corr = format!("corr-{}", short_id());
-        let bytes = Self::routed_payload(&tenant, &workflow, &input, Some(&key), &corr);
+        let bytes = Self::routed_payload(
+            &request.tenant,
+            &request.workflow,
+            &request.input,
+            Some(&request.key),
+            &corr,
+        );
         let rec = Record {
             kind: Some(
                 if good {
@@ -566,28 +754,67 @@ impl Driver {
                 .into(),
             ),
             good,
-            tenant: Some(tenant.clone()),
+            tenant: Some(request.tenant.clone()),
             pool: Some(POOL.into()),
             input_ref: good.then(|| "start".into()),
-            key: Some(key.clone()),
+            key: Some(request.key.clone()),
             corr: Some(corr),
             bad: (!good).then(|| "idempotency_mismatch".into()),
             note: note.map(Into::into),
             ..Record::default()
         };
         let acked = self
-            .send(rec, &self.requests, key.as_bytes(), &bytes)
+            .send(rec, &self.requests, request.key.as_bytes(), &bytes)
             .await
             .is_some();
         if acked && good && note != Some("dup") {
-            self.with_book(|b| {
-                b.kafka_keys.push(KeyedRequest {
+            self.with_book(|b| b.kafka_keys.push(request));
+        }
+    }
+
+    /// Which keyed request `roll` sends, whether it must be accepted, and
+    /// the log's note on it; `None` when its (tenant, key) is already taken.
+    fn keyed_request(
+        &self,
+        roll: u32,
+        existing: Option<KeyedRequest>,
+    ) -> Option<(KeyedRequest, bool, Option<&'static str>)> {
+        match (roll, existing) {
+            (0..30, Some(k)) => Some((k, true, Some("dup"))),
+            (30..37, Some(k)) => {
+                let other = self.other_tenant(&k.tenant);
+                // Reserved before sending: a second "first" request for the
+                // same (tenant, key) in flight would really be a mismatch.
+                let fresh = self.with_book(|b| b.keys_taken.insert((other.clone(), k.key.clone())));
+                if !fresh {
+                    return None;
+                }
+                let request = KeyedRequest {
+                    tenant: other,
+                    key: k.key,
+                    workflow: self.workflow(),
+                    input: self.input(),
+                };
+                Some((request, true, Some("cross_tenant")))
+            }
+            (37..42, Some(k)) => {
+                let request = KeyedRequest {
+                    input: self.input(),
+                    ..k
+                };
+                Some((request, false, Some("mismatch")))
+            }
+            _ => {
+                let (tenant, key) = (self.tenant(), format!("k-{}", short_id()));
+                self.with_book(|b| b.keys_taken.insert((tenant.clone(), key.clone())));
+                let request = KeyedRequest {
                     tenant,
                     key,
-                    workflow,
-                    input,
-                })
-            });
+                    workflow: self.workflow(),
+                    input: self.input(),
+                };
+                Some((request, true, None))
+            }
         }
     }
 
@@ -611,41 +838,29 @@ impl Driver {
 
     async fn http_start(self: Arc<Self>) {
         let roll = rand::random_range(0..100u32);
-        let existing = self.with_book(|b| {
-            pick(&b.http_keys).map(|k| {
-                (
-                    k.tenant.clone(),
-                    k.key.clone(),
-                    k.workflow.clone(),
-                    k.input.clone(),
-                )
-            })
-        });
+        let existing = self.with_book(|b| pick(&b.http_keys).cloned());
         match (roll, existing) {
-            (0..20, Some((t, k, w, i))) => {
-                self.post(Some(k), t, w, i, true, Some("dup")).await;
+            (0..20, Some(k)) => {
+                self.post(HttpStart::again(k, true, Some("dup"))).await;
             }
-            (20..24, Some((t, k, w, _))) => {
+            (20..24, Some(k)) => {
                 let input = self.input();
-                self.post(Some(k), t, w, input, false, Some("mismatch"))
-                    .await;
+                let start = HttpStart::again(KeyedRequest { input, ..k }, false, Some("mismatch"));
+                self.post(start).await;
             }
             (24..32, _) => {
-                let (t, w, i) = (self.tenant(), self.workflow(), self.input());
-                self.post(None, t, w, i, true, None).await;
+                self.post(self.fresh_http(None, None)).await;
             }
             (32..42, _) => {
                 // Concurrent duplicates, to different servers when there are several.
                 let key = format!("h-{}", short_id());
-                let (t, w, i) = (self.tenant(), self.workflow(), self.input());
+                let start = self.fresh_http(Some(key), Some("burst"));
                 let copies = rand::random_range(2..=3);
                 let mut handles = Vec::new();
                 for _ in 0..copies {
                     let d = self.clone();
-                    let (k, t, w, i) = (key.clone(), t.clone(), w.clone(), i.clone());
-                    handles.push(tokio::spawn(async move {
-                        d.post(Some(k), t, w, i, true, Some("burst")).await
-                    }));
+                    let start = start.clone();
+                    handles.push(tokio::spawn(async move { d.post(start).await }));
                 }
                 for h in handles {
                     let _ = h.await;
@@ -653,29 +868,33 @@ impl Driver {
             }
             _ => {
                 let key = format!("h-{}", short_id());
-                let (t, w, i) = (self.tenant(), self.workflow(), self.input());
-                self.post(Some(key), t, w, i, true, None).await;
+                self.post(self.fresh_http(Some(key), None)).await;
             }
+        }
+    }
+
+    /// A good HTTP start of a random tenant, workflow and input.
+    fn fresh_http(&self, key: Option<String>, note: Option<&'static str>) -> HttpStart {
+        HttpStart {
+            key,
+            tenant: self.tenant(),
+            workflow: self.workflow(),
+            input: self.input(),
+            good: true,
+            note,
         }
     }
 
     /// One logical `POST /v1/runs`, retried with the same key when it fails
     /// for a reason a retry can fix.
-    async fn post(
-        &self,
-        key: Option<String>,
-        tenant: String,
-        workflow: String,
-        input: Value,
-        good: bool,
-        note: Option<&str>,
-    ) {
+    async fn post(&self, start: HttpStart) {
         let Ok(_slot) = self.http_slots.acquire().await else {
             return;
         };
         let corr = format!("corr-{}", short_id());
         let body = serde_json::to_vec(&json!({
-            "workflow": workflow, "tenant": tenant, "pool": POOL, "input": input, "correlation_id": corr,
+            "workflow": start.workflow, "tenant": start.tenant, "pool": POOL, "input": start.input,
+            "correlation_id": corr,
         }))
         .unwrap_or_default();
         let mut pause = Duration::from_millis(500);
@@ -684,83 +903,47 @@ impl Driver {
                 return;
             };
             let mut headers = Vec::new();
-            if let Some(k) = &key {
+            if let Some(k) = &start.key {
                 headers.push(("Idempotency-Key", k.as_str()));
             }
             let result =
                 super::http::request(server, "POST", "/v1/runs", &headers, &body, HTTP_TIMEOUT)
                     .await;
-            let mut rec = Record {
-                ev: log::EV_HTTP.into(),
-                t_ms: log::now_ms(),
-                kind: Some(log::KIND_ROUTED.into()),
-                good,
-                tenant: Some(tenant.clone()),
-                pool: Some(POOL.into()),
-                key: key.clone(),
-                corr: Some(corr.clone()),
-                note: match (note, attempt) {
-                    (n, 0) => n.map(Into::into),
-                    (n, a) => Some(format!(
-                        "{}retry{a}",
-                        n.map(|n| format!("{n},")).unwrap_or_default()
-                    )),
-                },
-                server: Some(server.to_string()),
-                bad: (!good).then(|| "idempotency_mismatch".into()),
-                ..Record::default()
-            };
-            let retry = match result {
-                Ok((status, answer)) => {
-                    rec.status = Some(status);
-                    rec.acked = (200..300).contains(&status);
-                    if let Ok(v) = serde_json::from_slice::<Value>(&answer) {
-                        rec.answer_run_id = v.get("run_id").and_then(Value::as_str).map(Into::into);
-                        rec.answer_tenant = v.get("tenant").and_then(Value::as_str).map(Into::into);
-                        if !rec.acked {
-                            let code = v
-                                .pointer("/error/code")
-                                .and_then(Value::as_str)
-                                .unwrap_or("");
-                            rec = rec.with_error(format!("{status} {code}"));
-                        }
-                    }
-                    status >= 500 || status == 409
-                }
-                Err(e) => {
-                    rec = rec.with_error(format!("{e:#}"));
-                    true
-                }
-            };
-            let acked = rec.acked;
+            let (rec, retry) = answered(start.record(&corr, attempt, server), result);
             self.log.write(&rec);
-            self.with_book(|b| {
-                *b.summary.sent.entry("http".into()).or_default() += 1;
-                let label = rec
-                    .status
-                    .map_or_else(|| "none".to_string(), |s| s.to_string());
-                *b.summary.http.entry(label).or_default() += 1;
-                if acked
-                    && good
-                    && note.is_none()
-                    && attempt == 0
-                    && let Some(k) = &key
-                {
-                    b.http_keys.push(KeyedRequest {
-                        tenant: tenant.clone(),
-                        key: k.clone(),
-                        workflow: workflow.clone(),
-                        input: input.clone(),
-                    });
-                }
-            });
+            self.book_answer(&start, &rec, attempt);
             // Without a key a retry would be a second run, as for any client.
-            if !retry || key.is_none() {
+            if !retry || start.key.is_none() {
                 return;
             }
             tokio::time::sleep(pause).await;
             pause *= 2;
         }
+    }
+
+    /// Counts an HTTP answer; the first answer to a fresh keyed request
+    /// makes its key one to repeat.
+    fn book_answer(&self, start: &HttpStart, rec: &Record, attempt: u32) {
+        self.with_book(|b| {
+            *b.summary.sent.entry("http".into()).or_default() += 1;
+            let label = rec
+                .status
+                .map_or_else(|| "none".to_string(), |s| s.to_string());
+            *b.summary.http.entry(label).or_default() += 1;
+            if rec.acked
+                && start.good
+                && start.note.is_none()
+                && attempt == 0
+                && let Some(k) = &start.key
+            {
+                b.http_keys.push(KeyedRequest {
+                    tenant: start.tenant.clone(),
+                    key: k.clone(),
+                    workflow: start.workflow.clone(),
+                    input: start.input.clone(),
+                });
+            }
+        });
     }
 
     /// A run seen alive (most of the time) on the events topic.
@@ -921,125 +1104,147 @@ impl Driver {
         if roll >= 11 {
             return self.hostile().await;
         }
-        let (class, topic, key, payload, run_id): (&str, &str, String, Vec<u8>, Option<String>) =
-            match roll {
-                0 => {
-                    let topic = match rand::random_range(0..3u32) {
-                        0 => &self.requests,
-                        1 => &self.wakeups,
-                        _ => &self.results,
-                    };
-                    (
-                        "malformed",
-                        topic,
-                        rid.clone(),
-                        br#"{"type":"run.start","schema_version":1,"#.to_vec(),
-                        None,
-                    )
-                }
-                1 => (
-                    "unknown_type",
-                    &self.wakeups,
-                    rid.clone(),
-                    serde_json::to_vec(&json!({"type": "wakeup.nope", "schema_version": 1, "run_id": rid, "tenant": tenant})).unwrap_or_default(),
-                    None,
-                ),
-                2 => (
-                    "unsupported_version",
-                    &self.requests,
-                    rid.clone(),
-                    serde_json::to_vec(&json!({"type": "run.start", "schema_version": 99, "run_id": rid, "tenant": tenant, "workflow": self.workflow()})).unwrap_or_default(),
-                    None,
-                ),
-                3 => (
-                    "wrong_topic",
-                    &self.results,
-                    rid.clone(),
-                    serde_json::to_vec(&json!({"type": "wakeup.cancel", "schema_version": 1, "run_id": rid, "tenant": tenant})).unwrap_or_default(),
-                    None,
-                ),
-                4 => (
-                    "invalid",
-                    &self.wakeups,
-                    rid.clone(),
-                    serde_json::to_vec(&json!({"type": "wakeup.signal", "schema_version": 1, "run_id": rid, "tenant": tenant, "name": "x"})).unwrap_or_default(),
-                    None,
-                ),
-                5 => {
-                    let nx = format!("nx-{}", short_id());
-                    (
-                        "unknown_run",
-                        &self.wakeups,
-                        nx.clone(),
-                        serde_json::to_vec(&json!({"type": "wakeup.signal", "schema_version": 1, "run_id": nx, "tenant": tenant, "signal_id": "s-nx", "name": "poke"})).unwrap_or_default(),
-                        Some(nx),
-                    )
-                }
-                6 => {
-                    let Some((run_id, owner)) = self.known_run(false) else {
-                        return;
-                    };
-                    let other = self.other_tenant(&owner);
-                    (
-                        "tenant_mismatch",
-                        &self.wakeups,
-                        run_id.clone(),
-                        serde_json::to_vec(&json!({"type": "wakeup.signal", "schema_version": 1, "run_id": run_id, "tenant": other, "signal_id": format!("s-{}", short_id()), "name": "poke"})).unwrap_or_default(),
-                        Some(run_id),
-                    )
-                }
-                7 => {
-                    // The same run id under another tenant: the original start
-                    // was acknowledged earlier on the same partition.
-                    let Some((run_id, owner, _)) = self.with_book(|b| pick(&b.starts).cloned())
-                    else {
-                        return;
-                    };
-                    let other = self.other_tenant(&owner);
-                    (
-                        "tenant_mismatch",
-                        &self.requests,
-                        run_id.clone(),
-                        serde_json::to_vec(&json!({"type": "run.start", "schema_version": 1, "run_id": run_id, "tenant": other, "workflow": self.workflow(), "pool": POOL})).unwrap_or_default(),
-                        Some(run_id),
-                    )
-                }
-                8 => {
-                    let Some((run_id, owner)) = self.known_run(false) else {
-                        return;
-                    };
-                    (
-                        "unknown_stamp",
-                        &self.results,
-                        run_id.clone(),
-                        serde_json::to_vec(&json!({"type": "attempt.result", "schema_version": 1, "run_id": run_id, "tenant": owner, "stamp": Uuid::new_v4().to_string(), "outcome": "succeeded", "output": null})).unwrap_or_default(),
-                        Some(run_id),
-                    )
-                }
-                9 => (
-                    "unknown_workflow",
-                    &self.requests,
-                    rid.clone(),
-                    serde_json::to_vec(&json!({"type": "run.start", "schema_version": 1, "run_id": rid, "tenant": tenant, "workflow": "no-such-workflow"})).unwrap_or_default(),
-                    Some(rid.clone()),
-                ),
-                _ => (
-                    "unknown_workflow",
-                    &self.requests,
-                    rid.clone(),
-                    serde_json::to_vec(&json!({"type": "run.start", "schema_version": 1, "tenant": tenant, "workflow": "no-such-workflow", "idempotency_key": format!("k-{}", short_id())})).unwrap_or_default(),
-                    None,
-                ),
-            };
+        let input = match roll {
+            0..5 => self.undecodable(roll, &tenant, &rid),
+            5 | 9 | 10 => self.inapplicable(roll, &tenant, &rid),
+            _ => match self.misaddressed(roll) {
+                Some(input) => input,
+                None => return,
+            },
+        };
         let rec = Record {
             kind: Some(log::KIND_BAD.into()),
             good: false,
-            run_id,
+            run_id: input.run_id,
             tenant: Some(tenant),
-            bad: Some(class.into()),
+            bad: Some(input.class.into()),
             ..Record::default()
         };
-        self.send(rec, topic, key.as_bytes(), &payload).await;
+        self.send(rec, input.topic, input.key.as_bytes(), &input.payload)
+            .await;
+    }
+
+    /// A bad input the ingress refuses before any run is looked at: not
+    /// JSON, an unknown type or version, the wrong topic, a missing field.
+    fn undecodable(&self, roll: u32, tenant: &str, rid: &str) -> BadInput<'_> {
+        match roll {
+            0 => {
+                let topic = match rand::random_range(0..3u32) {
+                    0 => &self.requests,
+                    1 => &self.wakeups,
+                    _ => &self.results,
+                };
+                BadInput {
+                    class: "malformed",
+                    topic,
+                    key: rid.to_string(),
+                    payload: br#"{"type":"run.start","schema_version":1,"#.to_vec(),
+                    run_id: None,
+                }
+            }
+            1 => BadInput::json(
+                "unknown_type",
+                &self.wakeups,
+                rid,
+                json!({"type": "wakeup.nope", "schema_version": 1, "run_id": rid, "tenant": tenant}),
+                None,
+            ),
+            2 => BadInput::json(
+                "unsupported_version",
+                &self.requests,
+                rid,
+                json!({"type": "run.start", "schema_version": 99, "run_id": rid, "tenant": tenant, "workflow": self.workflow()}),
+                None,
+            ),
+            3 => BadInput::json(
+                "wrong_topic",
+                &self.results,
+                rid,
+                json!({"type": "wakeup.cancel", "schema_version": 1, "run_id": rid, "tenant": tenant}),
+                None,
+            ),
+            _ => BadInput::json(
+                "invalid",
+                &self.wakeups,
+                rid,
+                json!({"type": "wakeup.signal", "schema_version": 1, "run_id": rid, "tenant": tenant, "name": "x"}),
+                None,
+            ),
+        }
+    }
+
+    /// A well-formed input the coordinator cannot apply: to a run that does
+    /// not exist, or a start of a workflow that does not exist.
+    fn inapplicable(&self, roll: u32, tenant: &str, rid: &str) -> BadInput<'_> {
+        match roll {
+            5 => {
+                let nx = format!("nx-{}", short_id());
+                BadInput::json(
+                    "unknown_run",
+                    &self.wakeups,
+                    &nx,
+                    json!({"type": "wakeup.signal", "schema_version": 1, "run_id": nx, "tenant": tenant, "signal_id": "s-nx", "name": "poke"}),
+                    Some(nx.clone()),
+                )
+            }
+            9 => BadInput::json(
+                "unknown_workflow",
+                &self.requests,
+                rid,
+                json!({"type": "run.start", "schema_version": 1, "run_id": rid, "tenant": tenant, "workflow": "no-such-workflow"}),
+                Some(rid.to_string()),
+            ),
+            _ => BadInput::json(
+                "unknown_workflow",
+                &self.requests,
+                rid,
+                json!({"type": "run.start", "schema_version": 1, "tenant": tenant, "workflow": "no-such-workflow", "idempotency_key": format!("k-{}", short_id())}),
+                None,
+            ),
+        }
+    }
+
+    /// A bad input aimed at a run the driver knows: in another tenant than
+    /// the run's, or a result under a stamp no attempt has; `None` before
+    /// any such run is known.
+    fn misaddressed(&self, roll: u32) -> Option<BadInput<'_>> {
+        let input = match roll {
+            6 => {
+                let (run_id, owner) = self.known_run(false)?;
+                let other = self.other_tenant(&owner);
+                BadInput::json(
+                    "tenant_mismatch",
+                    &self.wakeups,
+                    &run_id,
+                    json!({"type": "wakeup.signal", "schema_version": 1, "run_id": run_id, "tenant": other, "signal_id": format!("s-{}", short_id()), "name": "poke"}),
+                    Some(run_id.clone()),
+                )
+            }
+            7 => {
+                // The same run id under another tenant: the original start
+                // was acknowledged earlier on the same partition.
+                let (run_id, owner, _) = self.with_book(|b| pick(&b.starts).cloned())?;
+                let other = self.other_tenant(&owner);
+                BadInput::json(
+                    "tenant_mismatch",
+                    &self.requests,
+                    &run_id,
+                    json!({"type": "run.start", "schema_version": 1, "run_id": run_id, "tenant": other, "workflow": self.workflow(), "pool": POOL}),
+                    Some(run_id.clone()),
+                )
+            }
+            _ => {
+                let (run_id, owner) = self.known_run(false)?;
+                BadInput::json(
+                    "unknown_stamp",
+                    &self.results,
+                    &run_id,
+                    json!({"type": "attempt.result", "schema_version": 1, "run_id": run_id, "tenant": owner, "stamp": Uuid::new_v4().to_string(), "outcome": "succeeded", "output": null}),
+                    Some(run_id.clone()),
+                )
+            }
+        };
+        Some(input)
     }
 
     /// Reads every serve's `ductor_ingress_stalled_lanes` each second, and
@@ -1078,75 +1283,24 @@ impl Driver {
 
     /// Follows the events topic: which runs exist, their tenant, which ended.
     async fn follow(self: Arc<Self>, consumer: StreamConsumer, stop: CancellationToken) {
-        loop {
-            let msg = tokio::select! {
-                _ = stop.cancelled() => return,
-                m = consumer.recv() => m,
-            };
-            let m = match msg {
-                Ok(m) => m,
-                Err(e) => {
-                    tracing::debug!(error = %e, "events follower error");
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                    continue;
-                }
-            };
+        while let Some(m) = next_message(&consumer, &stop, "events follower error").await {
             let Some(v) = m
                 .payload()
                 .and_then(|p| serde_json::from_slice::<Value>(p).ok())
             else {
                 continue;
             };
-            if v.get("type").and_then(Value::as_str) != Some("run.event") {
-                continue;
-            }
-            let (Some(run_id), Some(tenant), Some(status)) = (
-                v.get("run_id").and_then(Value::as_str),
-                v.get("tenant").and_then(Value::as_str),
-                v.get("status").and_then(Value::as_str),
-            ) else {
+            let Some((run_id, tenant, status)) = run_event(&v) else {
                 continue;
             };
             self.touch();
-            self.with_book(|b| {
-                if !b.runs.contains_key(run_id) {
-                    b.runs.insert(
-                        run_id.to_string(),
-                        RunSeen {
-                            tenant: tenant.to_string(),
-                            terminal: false,
-                            signals: Vec::new(),
-                        },
-                    );
-                    if b.recent_runs.len() >= RECENT_RUNS {
-                        b.recent_runs.pop_front();
-                    }
-                    b.recent_runs.push_back(run_id.to_string());
-                }
-                if status != "running"
-                    && let Some(r) = b.runs.get_mut(run_id)
-                {
-                    r.terminal = true;
-                }
-            });
+            self.with_book(|b| b.saw_run(run_id, tenant, status != "running"));
         }
     }
 
     /// The worker of every step pool.
     async fn work(self: Arc<Self>, consumer: StreamConsumer, stop: CancellationToken) {
-        loop {
-            let msg = tokio::select! {
-                _ = stop.cancelled() => return,
-                m = consumer.recv() => m,
-            };
-            let m = match msg {
-                Ok(m) => m,
-                Err(e) => {
-                    tracing::debug!(error = %e, "worker consumer error");
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                    continue;
-                }
-            };
+        while let Some(m) = next_message(&consumer, &stop, "worker consumer error").await {
             let Ok(step) = StepDispatch::decode(m.payload().unwrap_or_default()) else {
                 continue;
             };

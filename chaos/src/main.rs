@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use ductor::config::Config;
 use ductor_chaos::{CheckArgs, LoadArgs};
 use tokio_util::sync::CancellationToken;
 
@@ -58,73 +59,43 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     ductor::cli::run_binary(cli.config.as_deref(), |config| async move {
-        match cli.command {
-            Command::Load(args) => {
-                let (stop, abort) = (CancellationToken::new(), CancellationToken::new());
-                if let Err(e) = stop_then_abort_on_signals(stop.clone(), abort.clone()) {
-                    eprintln!("error: {e:#}");
-                    return ExitCode::from(2);
-                }
-                match ductor_chaos::load::run(args, config, stop, abort).await {
-                    Ok(summary) => {
-                        println!("{}", serde_json::to_string(&summary).unwrap_or_default());
-                        ExitCode::SUCCESS
-                    }
-                    Err(e) => {
-                        eprintln!("error: {e:#}");
-                        ExitCode::from(2)
-                    }
-                }
-            }
+        let outcome = match cli.command {
+            Command::Load(args) => load(args, config).await,
             Command::CreateTopic { topic, partitions } => {
-                match ductor::infra::kafka::ensure_topics(&config.kafka, &[topic], partitions).await
-                {
-                    Ok(outcome) => {
-                        println!("{}", serde_json::to_string(&outcome).unwrap_or_default());
-                        ExitCode::SUCCESS
-                    }
-                    Err(e) => {
-                        eprintln!("error: {e:#}");
-                        ExitCode::from(2)
-                    }
-                }
+                ductor::infra::kafka::ensure_topics(&config.kafka, &[topic], partitions)
+                    .await
+                    .map(|outcome| (json_line(&outcome), true))
             }
-            Command::DeleteTopics => match ductor_chaos::topics::delete_prefixed(&config).await {
-                Ok(deleted) => {
-                    println!("{}", serde_json::json!({ "deleted": deleted }));
-                    ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    eprintln!("error: {e:#}");
-                    ExitCode::from(2)
-                }
-            },
-            Command::Restart(args) => verdict(
-                ductor_chaos::restart::run(&config, &args)
-                    .await
-                    .map(|r| (r.json_line(), r.ok())),
-            ),
-            Command::Fuzz(args) => verdict(
-                ductor_chaos::fuzz::run(&config, &args)
-                    .await
-                    .map(|r| (r.json_line(), r.ok())),
-            ),
-            Command::Check(args) => match ductor_chaos::check::run(&args, &config).await {
-                Ok(report) => {
-                    println!("{}", serde_json::to_string(&report).unwrap_or_default());
-                    if report.ok() {
-                        ExitCode::SUCCESS
-                    } else {
-                        ExitCode::from(1)
-                    }
-                }
-                Err(e) => {
-                    eprintln!("error: {e:#}");
-                    ExitCode::from(2)
-                }
-            },
-        }
+            Command::DeleteTopics => ductor_chaos::topics::delete_prefixed(&config)
+                .await
+                .map(|deleted| (serde_json::json!({ "deleted": deleted }).to_string(), true)),
+            Command::Restart(args) => ductor_chaos::restart::run(&config, &args)
+                .await
+                .map(|r| (r.json_line(), r.ok())),
+            Command::Fuzz(args) => ductor_chaos::fuzz::run(&config, &args)
+                .await
+                .map(|r| (r.json_line(), r.ok())),
+            Command::Check(args) => ductor_chaos::check::run(&args, &config)
+                .await
+                .map(|report| (json_line(&report), report.ok())),
+        };
+        verdict(outcome)
     })
+}
+
+/// The load driver, stopped by signals; its summary line (a load has no
+/// violations of its own).
+async fn load(args: LoadArgs, config: Config) -> anyhow::Result<(String, bool)> {
+    let (stop, abort) = (CancellationToken::new(), CancellationToken::new());
+    stop_then_abort_on_signals(stop.clone(), abort.clone())
+        .map_err(|e| anyhow::anyhow!("{e:#}"))?;
+    let summary = ductor_chaos::load::run(args, config, stop, abort).await?;
+    Ok((json_line(&summary), true))
+}
+
+/// One JSON line of `value`.
+fn json_line(value: &impl serde::Serialize) -> String {
+    serde_json::to_string(value).unwrap_or_default()
 }
 
 /// The first SIGINT/SIGTERM ends the load phase (the wind-down follows), the

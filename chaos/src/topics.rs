@@ -1,11 +1,11 @@
 //! Reading whole topics from the beginning, and the coordinator's consumer lag.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::{Headers, Message};
+use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 
 use ductor::config::KafkaConfig;
@@ -94,9 +94,7 @@ pub fn message_count(kafka: &KafkaConfig, topics: &[String]) -> anyhow::Result<i
             continue;
         };
         for p in 0..n {
-            let (low, high) = consumer
-                .fetch_watermarks(topic, p, KAFKA_TIMEOUT)
-                .with_context(|| format!("fetching watermarks of {topic}/{p}"))?;
+            let (low, high) = watermarks(&consumer, topic, p)?;
             count += (high - low).max(0);
         }
     }
@@ -114,32 +112,14 @@ pub fn read_each(
 ) -> anyhow::Result<Vec<String>> {
     let group = format!("chaos-check-{}", uuid::Uuid::new_v4().simple());
     let consumer = consumer(kafka, &group)?;
-    let mut ends: BTreeMap<(String, i32), i64> = BTreeMap::new();
-    let mut tpl = TopicPartitionList::new();
-    let mut missing = Vec::new();
-    for topic in topics {
-        let Some(n) = partitions(&consumer, topic)? else {
-            missing.push(topic.clone());
-            continue;
-        };
-        for p in 0..n {
-            let (low, high) = consumer
-                .fetch_watermarks(topic, p, KAFKA_TIMEOUT)
-                .with_context(|| format!("fetching watermarks of {topic}/{p}"))?;
-            if high > low {
-                ends.insert((topic.clone(), p), high);
-                tpl.add_partition_offset(topic, p, Offset::Beginning)
-                    .context("building the assignment")?;
-            }
-        }
-    }
+    let Assignment { ends, tpl, missing } = assignment(&consumer, topics)?;
     if ends.is_empty() {
         return Ok(missing);
     }
     consumer.assign(&tpl).context("assigning partitions")?;
     let deadline = Instant::now() + timeout;
     let mut remaining = ends.len();
-    let mut done: BTreeMap<(String, i32), bool> = BTreeMap::new();
+    let mut done: BTreeSet<(String, i32)> = BTreeSet::new();
     while remaining > 0 {
         if Instant::now() > deadline {
             bail!(
@@ -159,37 +139,74 @@ pub fn read_each(
         };
         let tp = (m.topic().to_string(), m.partition());
         let Some(&end) = ends.get(&tp) else { continue };
-        if m.offset() >= end {
-            // Written after we started: beyond what we promised to read.
-            if !done.get(&tp).copied().unwrap_or(false) {
-                done.insert(tp, true);
-                remaining -= 1;
-            }
-            continue;
+        // Written after we started: beyond what we promised to read.
+        if m.offset() < end {
+            each(msg_of(&m));
         }
-        let headers = m
-            .headers()
-            .map(|h| {
-                h.iter()
-                    .map(|h| (h.key.to_string(), h.value.unwrap_or_default().to_vec()))
-                    .collect()
-            })
-            .unwrap_or_default();
-        each(Msg {
-            topic: tp.0.clone(),
-            partition: tp.1,
-            offset: m.offset(),
-            key: m.key().map(<[u8]>::to_vec),
-            payload: m.payload().unwrap_or_default().to_vec(),
-            headers,
-            timestamp_ms: m.timestamp().to_millis(),
-        });
-        if m.offset() + 1 >= end && !done.get(&tp).copied().unwrap_or(false) {
-            done.insert(tp, true);
+        // The last message promised, or one beyond it: the partition is read.
+        if m.offset() + 1 >= end && done.insert(tp) {
             remaining -= 1;
         }
     }
     Ok(missing)
+}
+
+/// What [`read_each`] reads: where each non-empty partition ends now (its
+/// high watermark), the assignment that reads them from the beginning,
+/// and the topics that do not exist.
+struct Assignment {
+    ends: BTreeMap<(String, i32), i64>,
+    tpl: TopicPartitionList,
+    missing: Vec<String>,
+}
+
+fn assignment(consumer: &BaseConsumer, topics: &[String]) -> anyhow::Result<Assignment> {
+    let mut ends: BTreeMap<(String, i32), i64> = BTreeMap::new();
+    let mut tpl = TopicPartitionList::new();
+    let mut missing = Vec::new();
+    for topic in topics {
+        let Some(n) = partitions(consumer, topic)? else {
+            missing.push(topic.clone());
+            continue;
+        };
+        for p in 0..n {
+            let (low, high) = watermarks(consumer, topic, p)?;
+            if high > low {
+                ends.insert((topic.clone(), p), high);
+                tpl.add_partition_offset(topic, p, Offset::Beginning)
+                    .context("building the assignment")?;
+            }
+        }
+    }
+    Ok(Assignment { ends, tpl, missing })
+}
+
+/// One message as read back, headers in the order they were written.
+fn msg_of(m: &BorrowedMessage<'_>) -> Msg {
+    let headers = m
+        .headers()
+        .map(|h| {
+            h.iter()
+                .map(|h| (h.key.to_string(), h.value.unwrap_or_default().to_vec()))
+                .collect()
+        })
+        .unwrap_or_default();
+    Msg {
+        topic: m.topic().to_string(),
+        partition: m.partition(),
+        offset: m.offset(),
+        key: m.key().map(<[u8]>::to_vec),
+        payload: m.payload().unwrap_or_default().to_vec(),
+        headers,
+        timestamp_ms: m.timestamp().to_millis(),
+    }
+}
+
+/// Low and high watermark of one partition.
+fn watermarks(consumer: &BaseConsumer, topic: &str, p: i32) -> anyhow::Result<(i64, i64)> {
+    consumer
+        .fetch_watermarks(topic, p, KAFKA_TIMEOUT)
+        .with_context(|| format!("fetching watermarks of {topic}/{p}"))
 }
 
 /// Messages `group_id` has not committed past, summed over `topics`. A
@@ -203,10 +220,7 @@ pub fn group_lag(kafka: &KafkaConfig, group_id: &str, topics: &[String]) -> anyh
             continue;
         };
         for p in 0..n {
-            let wm = consumer
-                .fetch_watermarks(topic, p, KAFKA_TIMEOUT)
-                .with_context(|| format!("fetching watermarks of {topic}/{p}"))?;
-            marks.insert((topic.clone(), p), wm);
+            marks.insert((topic.clone(), p), watermarks(&consumer, topic, p)?);
             tpl.add_partition(topic, p);
         }
     }

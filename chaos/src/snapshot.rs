@@ -1,0 +1,235 @@
+//! Everything the checker reads from Postgres once the system has settled:
+//! every run with its transitions, attempts and effect intents, and every
+//! routing decision. [`super::history`] checks one run's rows against each
+//! other; [`super::check`] checks them against the log and the topics.
+
+use anyhow::Context as _;
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::postgres::PgRow;
+use sqlx::{PgPool, Row};
+use uuid::Uuid;
+
+/// A `runs` row.
+#[derive(Debug, Clone)]
+pub struct RunRow {
+    pub run_id: String,
+    pub tenant: String,
+    pub pool: String,
+    pub workflow: String,
+    pub workflow_version: i32,
+    pub status: String,
+    pub record_version: i64,
+    pub last_transition_seq: i64,
+    pub state: Value,
+    pub finished: bool,
+}
+
+/// A `run_transitions` row.
+#[derive(Debug, Clone)]
+pub struct TransitionRow {
+    pub run_id: String,
+    pub seq: i64,
+    pub input_ref: String,
+    pub kind: String,
+    pub from_status: Option<String>,
+    pub to_status: String,
+    pub step_index: i32,
+    pub detail: Value,
+    pub source: Option<(String, i32, i64)>,
+    pub created_at: DateTime<Utc>,
+}
+
+/// A `run_attempts` row.
+#[derive(Debug, Clone)]
+pub struct AttemptRow {
+    pub stamp: Uuid,
+    pub run_id: String,
+    pub step_index: i32,
+    pub attempt: i32,
+    pub status: String,
+    pub dispatched_at: DateTime<Utc>,
+    pub deadline: DateTime<Utc>,
+    pub finished_at: Option<DateTime<Utc>>,
+    pub error: Option<String>,
+}
+
+/// An `eec_effect_intent` row.
+#[derive(Debug, Clone)]
+pub struct IntentRow {
+    pub run_id: String,
+    pub seq: i64,
+    pub effect_index: i32,
+    pub key: String,
+    pub tenant: String,
+    pub topic: String,
+    pub message_key: Vec<u8>,
+    pub headers: Value,
+    pub payload: Vec<u8>,
+    pub ce_type: String,
+    pub not_before: DateTime<Utc>,
+    /// When it may be published: `not_before`, or later when it was
+    /// deferred (a failed publish backing off, a step clock restarted).
+    pub due_at: DateTime<Utc>,
+    pub status: String,
+}
+
+/// An `eec_routing_idempotency` row.
+#[derive(Debug, Clone)]
+pub struct RoutingRow {
+    pub tenant: String,
+    pub pool: String,
+    pub key: String,
+    pub status: String,
+    pub decision_id: Option<String>,
+}
+
+/// Everything read from Postgres.
+#[derive(Default)]
+pub struct DbSnapshot {
+    pub runs: Vec<RunRow>,
+    pub transitions: Vec<TransitionRow>,
+    pub attempts: Vec<AttemptRow>,
+    pub intents: Vec<IntentRow>,
+    pub routing: Vec<RoutingRow>,
+}
+
+/// Reads every table the checks need.
+pub async fn load_db(pool: &PgPool) -> anyhow::Result<DbSnapshot> {
+    Ok(DbSnapshot {
+        runs: read_table(pool, RUNS, "runs", RunRow::decode).await?,
+        transitions: read_table(pool, TRANSITIONS, "run_transitions", TransitionRow::decode)
+            .await?,
+        attempts: read_table(pool, ATTEMPTS, "run_attempts", AttemptRow::decode).await?,
+        intents: read_table(pool, INTENTS, "eec_effect_intent", IntentRow::decode).await?,
+        routing: read_table(pool, ROUTING, "eec_routing_idempotency", RoutingRow::decode).await?,
+    })
+}
+
+const RUNS: &str = "SELECT run_id, tenant_scope, pool_id, workflow_name, workflow_version, status, \
+         record_version, last_transition_seq, state, finished_at IS NOT NULL AS finished \
+     FROM runs";
+
+const TRANSITIONS: &str = "SELECT run_id, seq, input_ref, kind, from_status, to_status, step_index, detail, \
+         source_topic, source_partition, source_offset, created_at \
+     FROM run_transitions ORDER BY run_id, seq";
+
+const ATTEMPTS: &str = "SELECT stamp, run_id, step_index, attempt, status, dispatched_at, deadline, finished_at, error \
+     FROM run_attempts";
+
+/// Intents in the order their transitions committed them; `due_at` is when
+/// the outbox may publish one.
+const INTENTS: &str = "SELECT run_id, seq, effect_index, idempotency_key, tenant_scope, topic, message_key, \
+         headers, payload, ce_type, not_before, \
+         GREATEST(not_before, deferred_until) AS due_at, status \
+     FROM eec_effect_intent ORDER BY run_id, seq, effect_index";
+
+const ROUTING: &str = "SELECT tenant_scope, pool_id, idempotency_key, status, decision_id \
+     FROM eec_routing_idempotency";
+
+/// Every row `sql` selects from `table`, each decoded by `decode`.
+async fn read_table<T>(
+    pool: &PgPool,
+    sql: &str,
+    table: &str,
+    decode: impl Fn(&PgRow) -> sqlx::Result<T>,
+) -> anyhow::Result<Vec<T>> {
+    let rows = sqlx::query(sql)
+        .fetch_all(pool)
+        .await
+        .with_context(|| format!("reading {table}"))?;
+    let mut out = Vec::with_capacity(rows.len());
+    for row in &rows {
+        out.push(decode(row)?);
+    }
+    Ok(out)
+}
+
+impl RunRow {
+    fn decode(row: &PgRow) -> sqlx::Result<RunRow> {
+        Ok(RunRow {
+            run_id: row.try_get("run_id")?,
+            tenant: row.try_get("tenant_scope")?,
+            pool: row.try_get("pool_id")?,
+            workflow: row.try_get("workflow_name")?,
+            workflow_version: row.try_get("workflow_version")?,
+            status: row.try_get("status")?,
+            record_version: row.try_get("record_version")?,
+            last_transition_seq: row.try_get("last_transition_seq")?,
+            state: row.try_get("state")?,
+            finished: row.try_get("finished")?,
+        })
+    }
+}
+
+impl TransitionRow {
+    fn decode(row: &PgRow) -> sqlx::Result<TransitionRow> {
+        let topic: Option<String> = row.try_get("source_topic")?;
+        let partition: Option<i32> = row.try_get("source_partition")?;
+        let offset: Option<i64> = row.try_get("source_offset")?;
+        Ok(TransitionRow {
+            run_id: row.try_get("run_id")?,
+            seq: row.try_get("seq")?,
+            input_ref: row.try_get("input_ref")?,
+            kind: row.try_get("kind")?,
+            from_status: row.try_get("from_status")?,
+            to_status: row.try_get("to_status")?,
+            step_index: row.try_get("step_index")?,
+            detail: row.try_get("detail")?,
+            // An input decided over HTTP has no Kafka position.
+            source: match (topic, partition, offset) {
+                (Some(t), Some(p), Some(o)) => Some((t, p, o)),
+                _ => None,
+            },
+            created_at: row.try_get("created_at")?,
+        })
+    }
+}
+
+impl AttemptRow {
+    fn decode(row: &PgRow) -> sqlx::Result<AttemptRow> {
+        Ok(AttemptRow {
+            stamp: row.try_get("stamp")?,
+            run_id: row.try_get("run_id")?,
+            step_index: row.try_get("step_index")?,
+            attempt: row.try_get("attempt")?,
+            status: row.try_get("status")?,
+            dispatched_at: row.try_get("dispatched_at")?,
+            deadline: row.try_get("deadline")?,
+            finished_at: row.try_get("finished_at")?,
+            error: row.try_get("error")?,
+        })
+    }
+}
+
+impl IntentRow {
+    fn decode(row: &PgRow) -> sqlx::Result<IntentRow> {
+        Ok(IntentRow {
+            run_id: row.try_get("run_id")?,
+            seq: row.try_get("seq")?,
+            effect_index: row.try_get("effect_index")?,
+            key: row.try_get("idempotency_key")?,
+            tenant: row.try_get("tenant_scope")?,
+            topic: row.try_get("topic")?,
+            message_key: row.try_get("message_key")?,
+            headers: row.try_get("headers")?,
+            payload: row.try_get("payload")?,
+            ce_type: row.try_get("ce_type")?,
+            not_before: row.try_get("not_before")?,
+            due_at: row.try_get("due_at")?,
+            status: row.try_get("status")?,
+        })
+    }
+}
+
+impl RoutingRow {
+    fn decode(row: &PgRow) -> sqlx::Result<RoutingRow> {
+        Ok(RoutingRow {
+            tenant: row.try_get("tenant_scope")?,
+            pool: row.try_get("pool_id")?,
+            key: row.try_get("idempotency_key")?,
+            status: row.try_get("status")?,
+            decision_id: row.try_get("decision_id")?,
+        })
+    }
+}
