@@ -1084,7 +1084,7 @@ impl Driver {
             partition: 0,
             offset: 0,
         };
-        let class = ductor::ingress::classify(kind, &h.value, &source, &self.limits)
+        let class = ductor::ingress::classify::classify(kind, &h.value, &source, &self.limits)
             .err()
             .map(|refused| refused.class.as_str().to_string());
         let rec = Record {

@@ -13,6 +13,7 @@
 //! the dead-letter publishes have succeeded, so a crash anywhere leads to a
 //! redelivery, which the coordinator turns into zero new rows.
 
+pub mod classify;
 pub mod dead_letter;
 
 use std::collections::BTreeMap;
@@ -27,14 +28,12 @@ use sqlx::PgPool;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::apply::{Applier, InputOutcome, PendingInput, RetryPolicy};
+use crate::apply::{Applier, InputOutcome, IsolatedBatch, PendingInput, RetryPolicy};
 use crate::config::Config;
 use crate::contract::Source;
-use crate::contract::{
-    Input, InputError, InputLimits, InputTopic, bound_payload, bound_start, decode_value,
-    parse_value,
-};
+use crate::contract::{InputLimits, InputTopic};
 use crate::coordinator::{NoOpReason, Workflows};
+use crate::ingress::classify::{Classified, classify};
 use crate::ingress::dead_letter::{DeadLetter, DeadLetterPublisher, Stage};
 use crate::routing::{self, RouteOutcome};
 
@@ -503,116 +502,15 @@ pub async fn process_batch(
     for msg in batch {
         record_age("ductor_ingress_apply_age_seconds", msg);
     }
-    let mut pending = Vec::with_capacity(batch.len());
-    let mut pending_msgs = Vec::with_capacity(batch.len());
-    let mut routed = Vec::new();
-    let mut routed_msgs = Vec::new();
-    let mut dead = Vec::new();
-    for msg in batch {
-        let Some(kind) = ctx.topic_kind(msg.topic()) else {
-            continue;
-        };
-        let source = Source {
-            topic: msg.topic().to_string(),
-            partition: msg.partition(),
-            offset: msg.offset(),
-        };
-        match classify(
-            kind,
-            msg.payload().unwrap_or_default(),
-            &source,
-            &ctx.limits,
-        ) {
-            Ok(Classified::Routed(mut request)) => {
-                request.source = Some(source);
-                routed.push(*request);
-                routed_msgs.push(msg);
-            }
-            Ok(Classified::Input(input)) => {
-                pending.push(PendingInput {
-                    input,
-                    source: Some(source),
-                });
-                pending_msgs.push(msg);
-            }
-            Err(error) => dead.push(DeadLetter {
-                message: msg,
-                stage: Stage::Decode,
-                class: error.class.as_str().to_string(),
-                error: error.message,
-            }),
-        }
-    }
-
-    if !pending.is_empty() || !routed.is_empty() {
+    let mut sorted = sort(ctx, batch);
+    if !sorted.pending.is_empty() || !sorted.routed.is_empty() {
         let report = ctx
             .applier
-            .apply_isolating(&pending, &routed, ctx.retry, shutdown)
+            .apply_isolating(&sorted.pending, &sorted.routed, ctx.retry, shutdown)
             .await
             .context("applying batch")?;
-        for ((outcome, input), msg) in report.outcomes.iter().zip(&pending).zip(&pending_msgs) {
-            let Some(outcome) = settled(outcome, msg, &mut dead) else {
-                continue;
-            };
-            let topic_label = msg.topic().to_string();
-            let outcome_label = match outcome {
-                InputOutcome::Applied { .. } => "applied",
-                InputOutcome::NoOp(NoOpReason::StaleResult) => "stale",
-                InputOutcome::NoOp(_) => "deduplicated",
-                InputOutcome::Rejected(_) => "rejected",
-            };
-            metrics::counter!("ductor_inputs_total", "topic" => topic_label, "outcome" => outcome_label)
-                .increment(1);
-            match outcome {
-                InputOutcome::Rejected(rejection) => dead.push(DeadLetter {
-                    message: msg,
-                    stage: Stage::Validate,
-                    class: rejection.class.as_str().to_string(),
-                    error: rejection.message.clone(),
-                }),
-                InputOutcome::NoOp(reason) => {
-                    tracing::debug!(
-                        run_id = input.input.run_id(),
-                        reason = reason.as_str(),
-                        "input changed nothing"
-                    );
-                }
-                InputOutcome::Applied { .. } => {}
-            }
-        }
-        for (outcome, msg) in report.routed.iter().zip(&routed_msgs) {
-            let Some(outcome) = settled(outcome, msg, &mut dead) else {
-                continue;
-            };
-            let topic_label = msg.topic().to_string();
-            let (input_label, routing_label) = match outcome {
-                RouteOutcome::Decided { kind, .. } => ("applied", kind.as_str()),
-                RouteOutcome::Duplicate { .. } => ("deduplicated", "duplicate"),
-                RouteOutcome::Mismatch => ("rejected", "mismatch"),
-                RouteOutcome::Rejected(_) => ("rejected", "rejected_request"),
-                // Not produced inside a transaction that reserves for itself.
-                RouteOutcome::InProgress | RouteOutcome::ClaimLost => ("rejected", "in_progress"),
-            };
-            metrics::counter!("ductor_inputs_total", "topic" => topic_label, "outcome" => input_label)
-                .increment(1);
-            routing::count(routing_label);
-            match outcome {
-                RouteOutcome::Mismatch => dead.push(DeadLetter {
-                    message: msg,
-                    stage: Stage::Route,
-                    class: "idempotency_mismatch".to_string(),
-                    error: "the idempotency key was already used for a different request"
-                        .to_string(),
-                }),
-                RouteOutcome::Rejected(message) => dead.push(DeadLetter {
-                    message: msg,
-                    stage: Stage::Validate,
-                    class: "unknown_workflow".to_string(),
-                    error: message.clone(),
-                }),
-                _ => {}
-            }
-        }
+        settle_inputs(&report, &mut sorted);
+        settle_routed(&report, &mut sorted);
         // With a fast lane the applier hands over and wakes by itself.
         if report.intents_written > 0
             && ctx.applier.handoff.is_none()
@@ -627,13 +525,145 @@ pub async fn process_batch(
             );
         }
     }
-
-    for letter in &dead {
+    for letter in &sorted.dead {
         ctx.dead_letters.publish(letter, shutdown).await?;
         metrics::counter!("ductor_inputs_total", "topic" => letter.message.topic().to_string(), "outcome" => "dead_lettered")
             .increment(1);
     }
     Ok(())
+}
+
+/// A batch sorted by what each message is: inputs to apply, starts for the
+/// routing plane, and dead letters, each input beside its message.
+struct Sorted<'m> {
+    pending: Vec<PendingInput>,
+    pending_msgs: Vec<&'m OwnedMessage>,
+    routed: Vec<routing::RouteRequest>,
+    routed_msgs: Vec<&'m OwnedMessage>,
+    dead: Vec<DeadLetter<'m>>,
+}
+
+/// Classifies every message of the batch read from one of the input topics.
+fn sort<'m>(ctx: &IngressContext, batch: &'m [OwnedMessage]) -> Sorted<'m> {
+    let mut sorted = Sorted {
+        pending: Vec::with_capacity(batch.len()),
+        pending_msgs: Vec::with_capacity(batch.len()),
+        routed: Vec::new(),
+        routed_msgs: Vec::new(),
+        dead: Vec::new(),
+    };
+    for msg in batch {
+        let Some(kind) = ctx.topic_kind(msg.topic()) else {
+            continue;
+        };
+        let source = Source {
+            topic: msg.topic().to_string(),
+            partition: msg.partition(),
+            offset: msg.offset(),
+        };
+        let payload = msg.payload().unwrap_or_default();
+        match classify(kind, payload, &source, &ctx.limits) {
+            Ok(Classified::Routed(mut request)) => {
+                request.source = Some(source);
+                sorted.routed.push(*request);
+                sorted.routed_msgs.push(msg);
+            }
+            Ok(Classified::Input(input)) => {
+                sorted.pending.push(PendingInput {
+                    input,
+                    source: Some(source),
+                });
+                sorted.pending_msgs.push(msg);
+            }
+            Err(error) => sorted.dead.push(DeadLetter {
+                message: msg,
+                stage: Stage::Decode,
+                class: error.class.as_str().to_string(),
+                error: error.message,
+            }),
+        }
+    }
+    sorted
+}
+
+/// Counts what each input did, and dead-letters the rejected ones.
+fn settle_inputs<'m>(report: &IsolatedBatch, sorted: &mut Sorted<'m>) {
+    let inputs = report.outcomes.iter().zip(&sorted.pending);
+    for ((outcome, input), &msg) in inputs.zip(&sorted.pending_msgs) {
+        let Some(outcome) = settled(outcome, msg, &mut sorted.dead) else {
+            continue;
+        };
+        metrics::counter!("ductor_inputs_total", "topic" => msg.topic().to_string(), "outcome" => input_label(outcome))
+            .increment(1);
+        match outcome {
+            InputOutcome::Rejected(rejection) => sorted.dead.push(DeadLetter {
+                message: msg,
+                stage: Stage::Validate,
+                class: rejection.class.as_str().to_string(),
+                error: rejection.message.clone(),
+            }),
+            InputOutcome::NoOp(reason) => {
+                tracing::debug!(
+                    run_id = input.input.run_id(),
+                    reason = reason.as_str(),
+                    "input changed nothing"
+                );
+            }
+            InputOutcome::Applied { .. } => {}
+        }
+    }
+}
+
+/// The `outcome` label of an input's `ductor_inputs_total`.
+fn input_label(outcome: &InputOutcome) -> &'static str {
+    match outcome {
+        InputOutcome::Applied { .. } => "applied",
+        InputOutcome::NoOp(NoOpReason::StaleResult) => "stale",
+        InputOutcome::NoOp(_) => "deduplicated",
+        InputOutcome::Rejected(_) => "rejected",
+    }
+}
+
+/// Counts what each routed start got, and dead-letters a key reused for
+/// another request and a start the routing plane refused.
+fn settle_routed<'m>(report: &IsolatedBatch, sorted: &mut Sorted<'m>) {
+    for (outcome, &msg) in report.routed.iter().zip(&sorted.routed_msgs) {
+        let Some(outcome) = settled(outcome, msg, &mut sorted.dead) else {
+            continue;
+        };
+        let (input_label, routing_label) = routed_labels(outcome);
+        metrics::counter!("ductor_inputs_total", "topic" => msg.topic().to_string(), "outcome" => input_label)
+            .increment(1);
+        routing::count(routing_label);
+        match outcome {
+            RouteOutcome::Mismatch => sorted.dead.push(DeadLetter {
+                message: msg,
+                stage: Stage::Route,
+                class: "idempotency_mismatch".to_string(),
+                error: "the idempotency key was already used for a different request".to_string(),
+            }),
+            RouteOutcome::Rejected(message) => sorted.dead.push(DeadLetter {
+                message: msg,
+                stage: Stage::Validate,
+                class: "unknown_workflow".to_string(),
+                error: message.clone(),
+            }),
+            _ => {}
+        }
+    }
+}
+
+/// The `outcome` label of a routed start's `ductor_inputs_total` and its
+/// routing outcome.
+fn routed_labels(outcome: &RouteOutcome) -> (&'static str, &'static str) {
+    match outcome {
+        RouteOutcome::Decided { kind, .. } => ("applied", kind.as_str()),
+        RouteOutcome::Duplicate { .. } => ("deduplicated", "duplicate"),
+        RouteOutcome::Mismatch => ("rejected", "mismatch"),
+        RouteOutcome::Rejected(_) => ("rejected", "rejected_request"),
+        // Not produced inside a transaction that reserves for itself.
+        RouteOutcome::InProgress | RouteOutcome::ClaimLost => ("rejected", "in_progress"),
+    }
 }
 
 /// The outcome of one input of an isolated batch, or `None` when it failed
@@ -651,38 +681,6 @@ fn settled<'r, 'm, T>(
         }
         None => unreachable!("every input of an isolated batch has an outcome"),
     }
-}
-
-/// What a message on an input topic is.
-#[derive(Debug)]
-pub enum Classified {
-    /// A start without `run_id`: the routing plane decides its run.
-    Routed(Box<routing::RouteRequest>),
-    Input(Input),
-}
-
-/// Decodes one message read from an input topic of `kind`: pure, and
-/// never panics. A start without `run_id` and without a key of its own is
-/// keyed by its position in Kafka, so a redelivery is never a second run.
-pub fn classify(
-    kind: InputTopic,
-    payload: &[u8],
-    source: &Source,
-    limits: &InputLimits,
-) -> Result<Classified, InputError> {
-    let value = parse_value(payload, limits)?;
-    if kind == InputTopic::Requests {
-        let default_key = format!(
-            "kafka:{}:{}:{}",
-            source.topic, source.partition, source.offset
-        );
-        if let Some(request) = routing::decode_route_request(&value, Some(default_key))? {
-            bound_start(&request.start, payload.len(), limits)?;
-            return Ok(Classified::Routed(Box::new(request)));
-        }
-    }
-    let input = decode_value(kind, &value)?;
-    bound_payload(input, payload.len(), limits).map(Classified::Input)
 }
 
 /// Records how long ago `msg` was produced (its Kafka timestamp), when the
