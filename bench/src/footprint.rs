@@ -246,9 +246,7 @@ async fn point(
     for c in 0..clients {
         slots.push(seed(env, template, c, per_client).await?);
     }
-    sqlx::query("ANALYZE runs, run_transitions, run_attempts, eec_effect_intent")
-        .execute(&env.pool)
-        .await?;
+    env.analyze().await?;
     let pool = PgPoolOptions::new()
         .max_connections(clients as u32)
         .connect_with(super::env::connect_options(&env.base)?)
