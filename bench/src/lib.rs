@@ -150,6 +150,15 @@ pub struct Baseline {
     pub grid: Vec<Point>,
 }
 
+impl Baseline {
+    /// The grid point the baseline's figure comes from.
+    fn best_point(&self) -> Option<&Point> {
+        self.grid
+            .iter()
+            .find(|p| p.clients == self.clients && p.k == self.k)
+    }
+}
+
 /// The ratios the issue asks for.
 #[derive(Debug, Clone, Serialize)]
 pub struct Ratios {
@@ -206,12 +215,25 @@ impl Report {
     /// The table for people.
     pub fn table(&self) -> String {
         let mut t = String::new();
-        let c = &self.capacity;
-        let off = &self.capacity_sync_off;
+        self.write_title(&mut t);
+        self.write_throughput(&mut t);
+        self.write_baselines(&mut t);
+        let _ = writeln!(t);
+        t.push_str(&latency_table(&self.latency));
+        self.write_contention(&mut t);
+        self.write_ratios(&mut t);
+        self.write_capacity_profiles(&mut t);
+        self.write_baseline_profiles(&mut t);
+        self.write_b2_profile(&mut t);
+        t
+    }
+
+    /// What was run, and whether the figures are measurements at all.
+    fn write_title(&self, t: &mut String) {
         let _ = writeln!(
             t,
             "ductor-bench: {} runs of a {STEPS}-step workflow ({INPUTS_PER_RUN} inputs per run){}",
-            c.runs,
+            self.capacity.runs,
             if self.quick {
                 " -- QUICK smoke run, not a measurement"
             } else {
@@ -219,14 +241,19 @@ impl Report {
             }
         );
         let _ = writeln!(t);
+    }
+
+    /// The throughput columns and the pipeline's capacity with either
+    /// synchronous commit setting.
+    fn write_throughput(&self, t: &mut String) {
         let _ = writeln!(
             t,
             "{:<34} {:>12} {:>12} {:>10}",
             "", "inputs/s", "runs/s", "seconds"
         );
         for (name, cap) in [
-            ("capacity, synchronous_commit on", c),
-            ("capacity, synchronous_commit off", off),
+            ("capacity, synchronous_commit on", &self.capacity),
+            ("capacity, synchronous_commit off", &self.capacity_sync_off),
         ] {
             let _ = writeln!(
                 t,
@@ -234,6 +261,10 @@ impl Report {
                 cap.inputs_per_s, cap.runs_per_s, cap.seconds
             );
         }
+    }
+
+    /// The machine's baselines, the limit they set, and the memory used.
+    fn write_baselines(&self, t: &mut String) {
         let _ = writeln!(
             t,
             "{:<34} {:>12.0} {:>12} {:>10}",
@@ -262,9 +293,10 @@ impl Report {
             "L = 1/(1/B1b + 1/B2)", self.limit_inputs_per_s
         );
         let _ = writeln!(t, "{:<34} {:>12.1}", "peak RSS, MiB", self.peak_rss_mb);
-        let _ = writeln!(t);
-        t.push_str(&latency_table(&self.latency));
-        let r = &self.ratios;
+    }
+
+    /// A warning naming the phases that other processes disturbed, if any.
+    fn write_contention(&self, t: &mut String) {
         let contended: Vec<String> = self
             .profile
             .other_cores
@@ -280,6 +312,11 @@ impl Report {
                 contended.join(", ")
             );
         }
+    }
+
+    /// The headline ratios.
+    fn write_ratios(&self, t: &mut String) {
+        let r = &self.ratios;
         let _ = writeln!(t);
         let _ = writeln!(
             t,
@@ -291,14 +328,21 @@ impl Report {
             r.p99_ms_at_50pct
         );
         let _ = writeln!(t);
-        for (name, cap) in [("sync on ", c), ("sync off", off)] {
+    }
+
+    /// Where the time of each capacity window went.
+    fn write_capacity_profiles(&self, t: &mut String) {
+        for (name, cap) in [
+            ("sync on ", &self.capacity),
+            ("sync off", &self.capacity_sync_off),
+        ] {
             let p = &cap.profile;
             let pg = &p.postgres_per_input;
             let _ = writeln!(
                 t,
                 "profile {name}: {:.0} tx x {:.1} inputs, apply {:.1} ms avg ({:.0}% of the window), publish ack {:.1} ms; \
                  per input: {:.2} commits, {:.3} WAL fsyncs, {:.0} WAL bytes, {:.1} WAL records; \
-                 cores: ductor {:.2}, postgres {:.2}, kafka {:.2}, other {:.2}, steal {:.2}; {:.2} msgs/input",
+                 cores: {}; {:.2} msgs/input",
                 p.batches,
                 p.inputs_per_batch,
                 p.apply_ms_avg,
@@ -308,16 +352,17 @@ impl Report {
                 pg.wal_syncs,
                 pg.wal_bytes,
                 pg.wal_records,
-                p.cpu_cores.ductor,
-                p.cpu_cores.postgres,
-                p.cpu_cores.kafka,
-                p.cpu_cores.other,
-                p.cpu_cores.steal,
+                cores_text(&p.cpu_cores),
                 cap.msgs_per_input
             );
         }
+    }
+
+    /// The statements' times and the cores at the best point of each SQL
+    /// baseline.
+    fn write_baseline_profiles(&self, t: &mut String) {
         for (name, b) in [("B1a", &self.b1a), ("B1b", &self.b1b)] {
-            if let Some(best) = b.grid.iter().find(|p| p.clients == b.clients && p.k == b.k) {
+            if let Some(best) = b.best_point() {
                 let statements: Vec<String> = footprint::STATEMENTS
                     .iter()
                     .filter_map(|s| {
@@ -339,14 +384,25 @@ impl Report {
                 );
             }
         }
-        let b2 = &self.b2.profile.cpu_cores;
+    }
+
+    /// The cores and the message count of the Kafka-only baseline.
+    fn write_b2_profile(&self, t: &mut String) {
         let _ = writeln!(
             t,
-            "profile B2: cores: ductor {:.2}, postgres {:.2}, kafka {:.2}, other {:.2}, steal {:.2}; {:.2} msgs/input",
-            b2.ductor, b2.postgres, b2.kafka, b2.other, b2.steal, self.b2.msgs_per_input
+            "profile B2: cores: {}; {:.2} msgs/input",
+            cores_text(&self.b2.profile.cpu_cores),
+            self.b2.msgs_per_input
         );
-        t
     }
+}
+
+/// Cores per process group, as every profile line shows them.
+fn cores_text(c: &stats::CpuCores) -> String {
+    format!(
+        "ductor {:.2}, postgres {:.2}, kafka {:.2}, other {:.2}, steal {:.2}",
+        c.ductor, c.postgres, c.kafka, c.other, c.steal
+    )
 }
 
 /// The latency rows and their profile lines.
@@ -389,17 +445,13 @@ fn latency_table(latency: &[Latency]) -> String {
         let _ = writeln!(
             t,
             "    means: input age at fetch {:.1} ms, at apply {:.1} ms; apply {:.1} ms for {:.1} inputs; publish ack {:.1} ms; \
-             cores: ductor {:.2}, postgres {:.2}, kafka {:.2}, other {:.2}, steal {:.2}",
+             cores: {}",
             p.fetch_age_ms_avg,
             p.apply_age_ms_avg,
             p.apply_ms_avg,
             p.inputs_per_batch,
             p.publish_ms_avg,
-            p.cpu_cores.ductor,
-            p.cpu_cores.postgres,
-            p.cpu_cores.kafka,
-            p.cpu_cores.other,
-            p.cpu_cores.steal
+            cores_text(&p.cpu_cores)
         );
         let phases: Vec<String> = pipeline::APPLY_PHASES
             .iter()
