@@ -320,27 +320,8 @@ pub async fn capacity(
     warmup_runs: usize,
     progress: &mut Progress,
 ) -> anyhow::Result<Capacity> {
-    // Warm-up: consumer groups joined, connections open, statements prepared.
-    let warm = format!("warm-{label}");
-    pipeline.start_runs(&warm, warmup_runs).await?;
-    pipeline
-        .wait_finished(
-            env,
-            &warm,
-            warmup_runs,
-            Duration::from_secs(120),
-            progress,
-            &format!("warm-up ({label})"),
-        )
-        .await?;
-    pipeline.wait_drained(env, label).await?;
-    env.analyze().await?;
-
-    let topics = pipeline.config.all_topics();
-    let offsets_before = topic_offsets(&pipeline.config.kafka, &topics).await?;
-    let pg_before = PgCounters::sample(&env.pool, &env.db_name).await?;
-    let hist_before = Histograms::sample();
-    let cpu_before = CpuTicks::sample(&env.cpu);
+    warm_up(env, pipeline, label, warmup_runs, progress).await?;
+    let before = Sample::before_backlog(env, pipeline).await?;
 
     let prefix = format!("cap-{label}");
     let produce_started = Instant::now();
@@ -357,51 +338,14 @@ pub async fn capacity(
             &format!("capacity ({label})"),
         )
         .await?;
-    let cpu_after = CpuTicks::sample(&env.cpu);
-    let hist_after = Histograms::sample();
-    pipeline.wait_drained(env, label).await?;
-    let offsets_after = topic_offsets(&pipeline.config.kafka, &topics).await?;
-    let pg_after = PgCounters::sample(&env.pool, &env.db_name).await?;
+    let after = Sample::after_backlog(env, pipeline, label).await?;
 
     let pattern = format!("{prefix}-%");
-    let row = sqlx::query(
-        "SELECT EXTRACT(EPOCH FROM (SELECT max(finished_at) FROM runs WHERE run_id LIKE $1) \
-             - (SELECT min(created_at) FROM run_transitions WHERE run_id LIKE $1))::float8 AS seconds, \
-             (SELECT count(*) FROM run_transitions WHERE run_id LIKE $1) AS transitions",
-    )
-    .bind(&pattern)
-    .fetch_one(&env.pool)
-    .await
-    .context("measuring the capacity window")?;
-    let seconds: f64 = row.try_get::<Option<f64>, _>("seconds")?.unwrap_or(0.0);
-    let transitions = row.try_get::<i64, _>("transitions")? as u64;
-    anyhow::ensure!(
-        seconds > 0.0,
-        "capacity ({label}): empty measurement window"
-    );
-    anyhow::ensure!(
-        transitions == runs as u64 * INPUTS_PER_RUN as u64,
-        "capacity ({label}): {transitions} transitions for {runs} runs, expected {} each",
-        INPUTS_PER_RUN
-    );
-
-    let sizes = sqlx::query(
-        "SELECT coalesce(avg(octet_length(payload)) FILTER (WHERE topic = $2), 0)::float8 AS event, \
-             coalesce(avg(octet_length(payload)) FILTER (WHERE topic = $3), 0)::float8 AS dispatch, \
-             coalesce(avg(octet_length(headers::text)), 0)::float8 AS headers \
-         FROM eec_effect_intent WHERE run_id LIKE $1",
-    )
-    .bind(&pattern)
-    .bind(pipeline.config.events_topic())
-    .bind(pipeline.config.steps_topic(POOL))
-    .fetch_one(&env.pool)
-    .await
-    .context("measuring effect sizes")?;
-
-    let (batches, apply_s) = hist_before.delta(&hist_after, "ductor_apply_seconds");
-    let (_, batch_inputs) = hist_before.delta(&hist_after, "ductor_apply_batch_size");
-    let (publishes, publish_s) = hist_before.delta(&hist_after, "ductor_outbox_publish_seconds");
-    let messages = messages_between(&offsets_before, &offsets_after);
+    let window = Window::measure(env, &pattern, label, runs).await?;
+    let sizes = EffectSizes::measure(env, &pipeline.config, &pattern).await?;
+    let transitions = window.transitions;
+    let seconds = window.seconds;
+    let messages = messages_between(&before.offsets, &after.offsets);
     Ok(Capacity {
         synchronous_commit,
         runs,
@@ -412,19 +356,184 @@ pub async fn capacity(
         transitions,
         msgs_per_input: messages as f64 / transitions as f64,
         backlog_produce_s,
-        profile: CapacityProfile {
+        profile: CapacityProfile::between(&before, &after, &window, sizes),
+    })
+}
+
+/// Warm-up: consumer groups joined, connections open, statements prepared,
+/// the outbox drained and the planner statistics current.
+async fn warm_up(
+    env: &BenchEnv,
+    pipeline: &mut Pipeline,
+    label: &str,
+    warmup_runs: usize,
+    progress: &mut Progress,
+) -> anyhow::Result<()> {
+    let warm = format!("warm-{label}");
+    pipeline.start_runs(&warm, warmup_runs).await?;
+    pipeline
+        .wait_finished(
+            env,
+            &warm,
+            warmup_runs,
+            Duration::from_secs(120),
+            progress,
+            &format!("warm-up ({label})"),
+        )
+        .await?;
+    pipeline.wait_drained(env, label).await?;
+    env.analyze().await
+}
+
+/// The counters a capacity window is measured between.
+struct Sample {
+    offsets: BTreeMap<String, i64>,
+    pg: PgCounters,
+    hist: Histograms,
+    cpu: CpuTicks,
+}
+
+impl Sample {
+    /// Sampled once the warm-up has settled, just before the backlog is
+    /// produced.
+    async fn before_backlog(env: &BenchEnv, pipeline: &Pipeline) -> anyhow::Result<Sample> {
+        let offsets = topic_offsets(&pipeline.config.kafka, &pipeline.config.all_topics()).await?;
+        let pg = PgCounters::sample(&env.pool, &env.db_name).await?;
+        let hist = Histograms::sample();
+        let cpu = CpuTicks::sample(&env.cpu);
+        Ok(Sample {
+            offsets,
+            pg,
+            hist,
+            cpu,
+        })
+    }
+
+    /// The CPU time and Ductor's metrics as soon as the backlog's runs are
+    /// finished; the messages and Postgres' work once the outbox has also
+    /// published the backlog's last effects.
+    async fn after_backlog(
+        env: &BenchEnv,
+        pipeline: &mut Pipeline,
+        label: &str,
+    ) -> anyhow::Result<Sample> {
+        let cpu = CpuTicks::sample(&env.cpu);
+        let hist = Histograms::sample();
+        pipeline.wait_drained(env, label).await?;
+        let offsets = topic_offsets(&pipeline.config.kafka, &pipeline.config.all_topics()).await?;
+        let pg = PgCounters::sample(&env.pool, &env.db_name).await?;
+        Ok(Sample {
+            offsets,
+            pg,
+            hist,
+            cpu,
+        })
+    }
+}
+
+/// The backlog's window in the database: from its first applied input to
+/// its last finished run, and the transitions written in between.
+struct Window {
+    seconds: f64,
+    transitions: u64,
+}
+
+impl Window {
+    /// Measures the window of the runs matching `pattern`; fails unless
+    /// every input of the `runs` runs wrote its transition.
+    async fn measure(
+        env: &BenchEnv,
+        pattern: &str,
+        label: &str,
+        runs: usize,
+    ) -> anyhow::Result<Window> {
+        let row = sqlx::query(
+            "SELECT EXTRACT(EPOCH FROM (SELECT max(finished_at) FROM runs WHERE run_id LIKE $1) \
+                 - (SELECT min(created_at) FROM run_transitions WHERE run_id LIKE $1))::float8 AS seconds, \
+                 (SELECT count(*) FROM run_transitions WHERE run_id LIKE $1) AS transitions",
+        )
+        .bind(pattern)
+        .fetch_one(&env.pool)
+        .await
+        .context("measuring the capacity window")?;
+        let seconds: f64 = row.try_get::<Option<f64>, _>("seconds")?.unwrap_or(0.0);
+        let transitions = row.try_get::<i64, _>("transitions")? as u64;
+        anyhow::ensure!(
+            seconds > 0.0,
+            "capacity ({label}): empty measurement window"
+        );
+        anyhow::ensure!(
+            transitions == runs as u64 * INPUTS_PER_RUN as u64,
+            "capacity ({label}): {transitions} transitions for {runs} runs, expected {} each",
+            INPUTS_PER_RUN
+        );
+        Ok(Window {
+            seconds,
+            transitions,
+        })
+    }
+}
+
+/// Mean sizes of the effects the backlog wrote, in bytes.
+struct EffectSizes {
+    event: f64,
+    dispatch: f64,
+    headers: f64,
+}
+
+impl EffectSizes {
+    /// Of the intents of the runs matching `pattern`.
+    async fn measure(
+        env: &BenchEnv,
+        config: &Config,
+        pattern: &str,
+    ) -> anyhow::Result<EffectSizes> {
+        let sizes = sqlx::query(
+            "SELECT coalesce(avg(octet_length(payload)) FILTER (WHERE topic = $2), 0)::float8 AS event, \
+                 coalesce(avg(octet_length(payload)) FILTER (WHERE topic = $3), 0)::float8 AS dispatch, \
+                 coalesce(avg(octet_length(headers::text)), 0)::float8 AS headers \
+             FROM eec_effect_intent WHERE run_id LIKE $1",
+        )
+        .bind(pattern)
+        .bind(config.events_topic())
+        .bind(config.steps_topic(POOL))
+        .fetch_one(&env.pool)
+        .await
+        .context("measuring effect sizes")?;
+        Ok(EffectSizes {
+            event: sizes.try_get("event")?,
+            dispatch: sizes.try_get("dispatch")?,
+            headers: sizes.try_get("headers")?,
+        })
+    }
+}
+
+impl CapacityProfile {
+    /// Where the time of `window` went, from the counters around it.
+    fn between(
+        before: &Sample,
+        after: &Sample,
+        window: &Window,
+        sizes: EffectSizes,
+    ) -> CapacityProfile {
+        let (batches, apply_s) = before.hist.delta(&after.hist, "ductor_apply_seconds");
+        let (_, batch_inputs) = before.hist.delta(&after.hist, "ductor_apply_batch_size");
+        let (publishes, publish_s) = before
+            .hist
+            .delta(&after.hist, "ductor_outbox_publish_seconds");
+        CapacityProfile {
             batches,
             inputs_per_batch: batch_inputs / batches.max(1.0),
             apply_ms_avg: 1000.0 * apply_s / batches.max(1.0),
-            apply_busy_pct: 100.0 * apply_s / seconds,
+            apply_busy_pct: 100.0 * apply_s / window.seconds,
             publish_ms_avg: 1000.0 * publish_s / publishes.max(1.0),
-            avg_event_bytes: sizes.try_get("event")?,
-            avg_dispatch_bytes: sizes.try_get("dispatch")?,
-            avg_headers_bytes: sizes.try_get("headers")?,
-            postgres_per_input: pg_before.per_input(&pg_after, transitions),
-            cpu_cores: cpu_before.cores_until(&cpu_after),
-        },
-    })
+            avg_event_bytes: sizes.event,
+            avg_dispatch_bytes: sizes.dispatch,
+            avg_headers_bytes: sizes.headers,
+            postgres_per_input: before.pg.per_input(&after.pg, window.transitions),
+            cpu_cores: before.cpu.cores_until(&after.cpu),
+        }
+    }
 }
 
 /// The phases of an apply transaction, in order.
