@@ -609,72 +609,10 @@ struct Arrival {
 
 impl EventsReader {
     async fn start(config: &Config, parent: &CancellationToken) -> anyhow::Result<EventsReader> {
-        let topic = config.events_topic();
-        let ends = topic_offsets_by_partition(config, &topic).await?;
-        let mut cfg = ductor::infra::kafka::consumer_config(
-            &config.kafka,
-            &format!("{}-bench-events", config.kafka.group_id),
-            "bench-events",
-        );
-        cfg.set("enable.auto.commit", "false");
-        let consumer: StreamConsumer = cfg.create().context("creating the events reader")?;
-        let mut tpl = TopicPartitionList::new();
-        for (partition, high) in ends {
-            tpl.add_partition_offset(&topic, partition, Offset::Offset(high))
-                .context("assigning the events topic")?;
-        }
-        consumer
-            .assign(&tpl)
-            .context("assigning the events topic")?;
+        let consumer = events_consumer(config).await?;
         let (tx, arrivals) = mpsc::channel(EVENT_CHANNEL);
         let stop = parent.child_token();
-        let token = stop.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                let message = tokio::select! {
-                    _ = token.cancelled() => return Ok(()),
-                    m = consumer.recv() => m.context("reading the events topic")?,
-                };
-                let arrived = Instant::now();
-                let arrived_wall = Utc::now();
-                let first = message
-                    .headers()
-                    .and_then(|hs| hs.iter().find(|h| h.key == "ductor-seq"))
-                    .is_some_and(|h| h.value == Some(b"1".as_slice()));
-                if !first {
-                    continue;
-                }
-                let Some(run_id) = message
-                    .key()
-                    .map(|k| String::from_utf8_lossy(k).into_owned())
-                else {
-                    continue;
-                };
-                let folded = message
-                    .payload()
-                    .and_then(|p| serde_json::from_slice::<serde_json::Value>(p).ok())
-                    .and_then(|v| {
-                        v["at"]
-                            .as_str()
-                            .and_then(|a| DateTime::parse_from_rfc3339(a).ok())
-                    })
-                    .map(|t| t.with_timezone(&Utc));
-                let produced = message
-                    .timestamp()
-                    .to_millis()
-                    .and_then(DateTime::from_timestamp_millis);
-                let arrival = Arrival {
-                    run_id,
-                    at: arrived,
-                    at_wall: arrived_wall,
-                    folded,
-                    produced,
-                };
-                if tx.send(arrival).await.is_err() {
-                    return Ok(());
-                }
-            }
-        });
+        let task = tokio::spawn(forward_arrivals(consumer, tx, stop.clone()));
         Ok(EventsReader {
             stop,
             task,
@@ -686,6 +624,93 @@ impl EventsReader {
         self.stop.cancel();
         drop(self.arrivals);
         self.task.await.context("events reader panicked")?
+    }
+}
+
+/// A consumer of the events topic, assigned at its current end so that only
+/// the events of runs started from now on arrive.
+async fn events_consumer(config: &Config) -> anyhow::Result<StreamConsumer> {
+    let topic = config.events_topic();
+    let ends = topic_offsets_by_partition(config, &topic).await?;
+    let mut cfg = ductor::infra::kafka::consumer_config(
+        &config.kafka,
+        &format!("{}-bench-events", config.kafka.group_id),
+        "bench-events",
+    );
+    cfg.set("enable.auto.commit", "false");
+    let consumer: StreamConsumer = cfg.create().context("creating the events reader")?;
+    let mut tpl = TopicPartitionList::new();
+    for (partition, high) in ends {
+        tpl.add_partition_offset(&topic, partition, Offset::Offset(high))
+            .context("assigning the events topic")?;
+    }
+    consumer
+        .assign(&tpl)
+        .context("assigning the events topic")?;
+    Ok(consumer)
+}
+
+/// Forwards every `run.started` event to `tx` until `stop`, or until the
+/// receiving end is gone.
+async fn forward_arrivals(
+    consumer: StreamConsumer,
+    tx: mpsc::Sender<Arrival>,
+    stop: CancellationToken,
+) -> anyhow::Result<()> {
+    loop {
+        let message = tokio::select! {
+            _ = stop.cancelled() => return Ok(()),
+            m = consumer.recv() => m.context("reading the events topic")?,
+        };
+        let at = Instant::now();
+        let at_wall = Utc::now();
+        let Some(arrival) = Arrival::of_run_started(&message, at, at_wall) else {
+            continue;
+        };
+        if tx.send(arrival).await.is_err() {
+            return Ok(());
+        }
+    }
+}
+
+impl Arrival {
+    /// The arrival of `message`, read at `at` (`at_wall` on the wall clock),
+    /// if it is a run's first event.
+    fn of_run_started(
+        message: &impl Message,
+        at: Instant,
+        at_wall: DateTime<Utc>,
+    ) -> Option<Arrival> {
+        let first = message
+            .headers()
+            .and_then(|hs| hs.iter().find(|h| h.key == "ductor-seq"))
+            .is_some_and(|h| h.value == Some(b"1".as_slice()));
+        if !first {
+            return None;
+        }
+        let run_id = message
+            .key()
+            .map(|k| String::from_utf8_lossy(k).into_owned())?;
+        let folded = message
+            .payload()
+            .and_then(|p| serde_json::from_slice::<serde_json::Value>(p).ok())
+            .and_then(|v| {
+                v["at"]
+                    .as_str()
+                    .and_then(|a| DateTime::parse_from_rfc3339(a).ok())
+            })
+            .map(|t| t.with_timezone(&Utc));
+        let produced = message
+            .timestamp()
+            .to_millis()
+            .and_then(DateTime::from_timestamp_millis);
+        Some(Arrival {
+            run_id,
+            at,
+            at_wall,
+            folded,
+            produced,
+        })
     }
 }
 
@@ -753,6 +778,9 @@ pub async fn latency(
     Ok(out)
 }
 
+/// One open-loop phase at `rate` runs/s for `duration`: start requests sent
+/// on schedule, each run's latency recorded when its `run.started` event
+/// arrives, then the phase's runs left to finish.
 async fn one_rate(
     env: &BenchEnv,
     pipeline: &mut Pipeline,
@@ -766,89 +794,145 @@ async fn one_rate(
         rate > 0.0,
         "latency at {pct}%: the measured capacity is zero"
     );
-    let n = ((rate * duration.as_secs_f64()).ceil() as usize).max(2);
-    let period = Duration::from_secs_f64(1.0 / rate);
-    let prefix = format!("lat{pct}");
-    let label = format!("latency at {pct}% ({rate:.0} runs/s)");
-    let topic = pipeline.config.requests_topic();
-    let t0 = tokio::time::Instant::now() + Duration::from_millis(50);
-    let t0_wall = Utc::now() + chrono::Duration::milliseconds(50);
-    let intended: Vec<Instant> = (0..n)
-        .map(|i| t0.into_std() + period.mul_f64(i as f64))
-        .collect();
-
-    // The sender keeps to the schedule whatever happens downstream; it only
-    // enqueues, acknowledgements are collected at the end.
-    let sender = {
-        let producer = pipeline.producer.clone();
-        let prefix = prefix.clone();
-        let timeout = Duration::from_millis(pipeline.config.kafka.delivery_timeout_ms);
-        tokio::spawn(async move {
-            let mut acks = Vec::with_capacity(n);
-            for i in 0..n {
-                tokio::time::sleep_until(t0 + period.mul_f64(i as f64)).await;
-                let id = format!("{prefix}-{i}");
-                acks.push(enqueue(&producer, &topic, &id, &start_request(&id, i)).await?);
-            }
-            let acks = tokio::time::timeout(timeout, join_all(acks))
-                .await
-                .context("start requests were not acknowledged in time")?;
-            let failed = acks.iter().filter(|a| !matches!(a, Ok(Ok(_)))).count();
-            anyhow::ensure!(failed == 0, "{failed} start requests failed to publish");
-            Ok(())
-        })
-    };
-
-    let new_histogram = || {
-        Histogram::<u64>::new_with_bounds(1, MAX_LATENCY_US, 3)
-            .context("creating a latency histogram")
-    };
-    let mut histogram = new_histogram()?;
-    let mut to_fold = new_histogram()?;
-    let mut fold_to_event = new_histogram()?;
-    let mut fold_to_produce = new_histogram()?;
-    let mut produce_to_consume = new_histogram()?;
-    let record = |h: &mut Histogram<u64>, us: i64| {
-        h.saturating_record((us.max(1) as u64).min(MAX_LATENCY_US));
-    };
+    let schedule = Schedule::new(pct, rate, duration, &pipeline.config);
+    let sender = send_on_schedule(pipeline, &schedule);
+    let mut histograms = LatencyHistograms::new()?;
     let hist_before = Histograms::sample();
     let cpu_before = CpuTicks::sample(&env.cpu);
+    record_arrivals(pipeline, reader, &schedule, &mut histograms, progress).await?;
+    sender.await.context("the latency sender panicked")??;
+    let hist_after = Histograms::sample();
+    let cpu_after = CpuTicks::sample(&env.cpu);
+    // Let the phase's runs finish, so the next rate starts from a quiet pipeline.
+    pipeline
+        .wait_finished(
+            env,
+            &schedule.prefix,
+            schedule.n,
+            Duration::from_secs(120),
+            progress,
+            &schedule.label,
+        )
+        .await?;
+    let profile = histograms.profile(
+        &hist_before,
+        &hist_after,
+        cpu_before.cores_until(&cpu_after),
+    );
+    Ok(histograms.latency(&schedule, profile))
+}
+
+/// When each start request of one rate is due: `n` requests, `period`
+/// apart, the first shortly after the schedule is made.
+struct Schedule {
+    pct: u32,
+    rate: f64,
+    duration: Duration,
+    n: usize,
+    period: Duration,
+    prefix: String,
+    label: String,
+    topic: String,
+    t0: tokio::time::Instant,
+    t0_wall: DateTime<Utc>,
+    intended: Vec<Instant>,
+}
+
+impl Schedule {
+    fn new(pct: u32, rate: f64, duration: Duration, config: &Config) -> Schedule {
+        let n = ((rate * duration.as_secs_f64()).ceil() as usize).max(2);
+        let period = Duration::from_secs_f64(1.0 / rate);
+        let prefix = format!("lat{pct}");
+        let label = format!("latency at {pct}% ({rate:.0} runs/s)");
+        let topic = config.requests_topic();
+        let t0 = tokio::time::Instant::now() + Duration::from_millis(50);
+        let t0_wall = Utc::now() + chrono::Duration::milliseconds(50);
+        let intended: Vec<Instant> = (0..n)
+            .map(|i| t0.into_std() + period.mul_f64(i as f64))
+            .collect();
+        Schedule {
+            pct,
+            rate,
+            duration,
+            n,
+            period,
+            prefix,
+            label,
+            topic,
+            t0,
+            t0_wall,
+            intended,
+        }
+    }
+
+    /// The index of `run_id` in this schedule, if it is one of its runs.
+    fn index(&self, run_id: &str) -> Option<usize> {
+        run_id
+            .strip_prefix(&self.prefix)
+            .and_then(|rest| rest.strip_prefix('-'))
+            .and_then(|i| i.parse::<usize>().ok())
+            .filter(|&i| i < self.n)
+    }
+
+    /// The wall-clock time request `i` was due.
+    fn intended_wall(&self, i: usize) -> anyhow::Result<DateTime<Utc>> {
+        Ok(self.t0_wall + chrono::Duration::from_std(self.period.mul_f64(i as f64))?)
+    }
+}
+
+/// The sender keeps to the schedule whatever happens downstream; it only
+/// enqueues, acknowledgements are collected at the end.
+fn send_on_schedule(pipeline: &Pipeline, schedule: &Schedule) -> JoinHandle<anyhow::Result<()>> {
+    let producer = pipeline.producer.clone();
+    let prefix = schedule.prefix.clone();
+    let topic = schedule.topic.clone();
+    let (n, t0, period) = (schedule.n, schedule.t0, schedule.period);
+    let timeout = Duration::from_millis(pipeline.config.kafka.delivery_timeout_ms);
+    tokio::spawn(async move {
+        let mut acks = Vec::with_capacity(n);
+        for i in 0..n {
+            tokio::time::sleep_until(t0 + period.mul_f64(i as f64)).await;
+            let id = format!("{prefix}-{i}");
+            acks.push(enqueue(&producer, &topic, &id, &start_request(&id, i)).await?);
+        }
+        let acks = tokio::time::timeout(timeout, join_all(acks))
+            .await
+            .context("start requests were not acknowledged in time")?;
+        let failed = acks.iter().filter(|a| !matches!(a, Ok(Ok(_)))).count();
+        anyhow::ensure!(failed == 0, "{failed} start requests failed to publish");
+        Ok(())
+    })
+}
+
+/// Records the first arrival of every run of `schedule`, until all have
+/// started; fails if the pipeline or the reader stops, or on a stall.
+async fn record_arrivals(
+    pipeline: &mut Pipeline,
+    reader: &mut EventsReader,
+    schedule: &Schedule,
+    histograms: &mut LatencyHistograms,
+    progress: &mut Progress,
+) -> anyhow::Result<()> {
+    let (n, label) = (schedule.n, &schedule.label);
     let mut seen = vec![false; n];
     let mut count = 0usize;
-    let mut watchdog = Watchdog::new(label.clone(), duration + Duration::from_secs(60), STALL);
+    let mut watchdog = Watchdog::new(
+        label.clone(),
+        schedule.duration + Duration::from_secs(60),
+        STALL,
+    );
     let mut last_show = Instant::now();
     while count < n {
         pipeline.check_alive()?;
         let arrival = tokio::time::timeout(POLL, reader.arrivals.recv()).await;
         match arrival {
             Ok(Some(arrival)) => {
-                let index = arrival
-                    .run_id
-                    .strip_prefix(&prefix)
-                    .and_then(|rest| rest.strip_prefix('-'))
-                    .and_then(|i| i.parse::<usize>().ok())
-                    .filter(|&i| i < n);
-                if let Some(i) = index
+                if let Some(i) = schedule.index(&arrival.run_id)
                     && !seen[i]
                 {
                     seen[i] = true;
                     count += 1;
-                    let us = arrival
-                        .at
-                        .saturating_duration_since(intended[i])
-                        .as_micros();
-                    record(&mut histogram, us as i64);
-                    if let Some(folded) = arrival.folded {
-                        let intended_wall =
-                            t0_wall + chrono::Duration::from_std(period.mul_f64(i as f64))?;
-                        let micros = |d: chrono::Duration| d.num_microseconds().unwrap_or(0);
-                        record(&mut to_fold, micros(folded - intended_wall));
-                        record(&mut fold_to_event, micros(arrival.at_wall - folded));
-                        if let Some(produced) = arrival.produced {
-                            record(&mut fold_to_produce, micros(produced - folded));
-                            record(&mut produce_to_consume, micros(arrival.at_wall - produced));
-                        }
-                    }
+                    histograms.record(&arrival, schedule, i)?;
                 }
             }
             Ok(None) => anyhow::bail!("{label}: the events reader stopped"),
@@ -860,37 +944,80 @@ async fn one_rate(
         }
         watchdog.check(count as u64, n as u64)?;
     }
-    sender.await.context("the latency sender panicked")??;
-    let hist_after = Histograms::sample();
-    let cpu_after = CpuTicks::sample(&env.cpu);
-    let mean_ms = |name: &str| {
-        let (count, sum) = hist_before.delta(&hist_after, name);
-        1000.0 * sum / count.max(1.0)
-    };
-    let (batches, batch_inputs) = hist_before.delta(&hist_after, "ductor_apply_batch_size");
-    // Let the phase's runs finish, so the next rate starts from a quiet pipeline.
-    pipeline
-        .wait_finished(env, &prefix, n, Duration::from_secs(120), progress, &label)
-        .await?;
-    let ms = |q: f64| histogram.value_at_quantile(q) as f64 / 1000.0;
-    Ok(Latency {
-        load_pct: pct,
-        runs_per_s: rate,
-        inputs_per_s: rate * f64::from(INPUTS_PER_RUN),
-        runs: n,
-        p50_ms: ms(0.50),
-        p99_ms: ms(0.99),
-        p999_ms: ms(0.999),
-        max_ms: histogram.max() as f64 / 1000.0,
-        profile: LatencyProfile {
-            to_fold_p50_ms: to_fold.value_at_quantile(0.5) as f64 / 1000.0,
-            to_fold_p99_ms: to_fold.value_at_quantile(0.99) as f64 / 1000.0,
-            fold_to_event_p50_ms: fold_to_event.value_at_quantile(0.5) as f64 / 1000.0,
-            fold_to_event_p99_ms: fold_to_event.value_at_quantile(0.99) as f64 / 1000.0,
-            fold_to_produce_p50_ms: fold_to_produce.value_at_quantile(0.5) as f64 / 1000.0,
-            fold_to_produce_p99_ms: fold_to_produce.value_at_quantile(0.99) as f64 / 1000.0,
-            produce_to_consume_p50_ms: produce_to_consume.value_at_quantile(0.5) as f64 / 1000.0,
-            produce_to_consume_p99_ms: produce_to_consume.value_at_quantile(0.99) as f64 / 1000.0,
+    Ok(())
+}
+
+/// The latency of every run of one rate, and its split at the fold and at
+/// the event's produce time, in microseconds.
+struct LatencyHistograms {
+    total: Histogram<u64>,
+    to_fold: Histogram<u64>,
+    fold_to_event: Histogram<u64>,
+    fold_to_produce: Histogram<u64>,
+    produce_to_consume: Histogram<u64>,
+}
+
+impl LatencyHistograms {
+    fn new() -> anyhow::Result<LatencyHistograms> {
+        let new_histogram = || {
+            Histogram::<u64>::new_with_bounds(1, MAX_LATENCY_US, 3)
+                .context("creating a latency histogram")
+        };
+        Ok(LatencyHistograms {
+            total: new_histogram()?,
+            to_fold: new_histogram()?,
+            fold_to_event: new_histogram()?,
+            fold_to_produce: new_histogram()?,
+            produce_to_consume: new_histogram()?,
+        })
+    }
+
+    /// Records run `i` of `schedule`: from its intended send time to the
+    /// arrival of its event, and the parts the event's timestamps tell.
+    fn record(&mut self, arrival: &Arrival, schedule: &Schedule, i: usize) -> anyhow::Result<()> {
+        let us = arrival
+            .at
+            .saturating_duration_since(schedule.intended[i])
+            .as_micros();
+        record(&mut self.total, us as i64);
+        if let Some(folded) = arrival.folded {
+            let intended_wall = schedule.intended_wall(i)?;
+            let micros = |d: chrono::Duration| d.num_microseconds().unwrap_or(0);
+            record(&mut self.to_fold, micros(folded - intended_wall));
+            record(&mut self.fold_to_event, micros(arrival.at_wall - folded));
+            if let Some(produced) = arrival.produced {
+                record(&mut self.fold_to_produce, micros(produced - folded));
+                record(
+                    &mut self.produce_to_consume,
+                    micros(arrival.at_wall - produced),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The split at the fold and Ductor's own means over the phase, from
+    /// the metrics sampled around it.
+    fn profile(
+        &self,
+        before: &Histograms,
+        after: &Histograms,
+        cpu_cores: CpuCores,
+    ) -> LatencyProfile {
+        let mean_ms = |name: &str| {
+            let (count, sum) = before.delta(after, name);
+            1000.0 * sum / count.max(1.0)
+        };
+        let (batches, batch_inputs) = before.delta(after, "ductor_apply_batch_size");
+        LatencyProfile {
+            to_fold_p50_ms: ms_at(&self.to_fold, 0.5),
+            to_fold_p99_ms: ms_at(&self.to_fold, 0.99),
+            fold_to_event_p50_ms: ms_at(&self.fold_to_event, 0.5),
+            fold_to_event_p99_ms: ms_at(&self.fold_to_event, 0.99),
+            fold_to_produce_p50_ms: ms_at(&self.fold_to_produce, 0.5),
+            fold_to_produce_p99_ms: ms_at(&self.fold_to_produce, 0.99),
+            produce_to_consume_p50_ms: ms_at(&self.produce_to_consume, 0.5),
+            produce_to_consume_p99_ms: ms_at(&self.produce_to_consume, 0.99),
             fetch_age_ms_avg: mean_ms("ductor_ingress_fetch_age_seconds"),
             apply_age_ms_avg: mean_ms("ductor_ingress_apply_age_seconds"),
             inputs_per_batch: batch_inputs / batches.max(1.0),
@@ -903,7 +1030,32 @@ async fn one_rate(
                 })
                 .collect(),
             publish_ms_avg: mean_ms("ductor_outbox_publish_seconds"),
-            cpu_cores: cpu_before.cores_until(&cpu_after),
-        },
-    })
+            cpu_cores,
+        }
+    }
+
+    /// The figures of the rate `schedule` kept to.
+    fn latency(&self, schedule: &Schedule, profile: LatencyProfile) -> Latency {
+        Latency {
+            load_pct: schedule.pct,
+            runs_per_s: schedule.rate,
+            inputs_per_s: schedule.rate * f64::from(INPUTS_PER_RUN),
+            runs: schedule.n,
+            p50_ms: ms_at(&self.total, 0.50),
+            p99_ms: ms_at(&self.total, 0.99),
+            p999_ms: ms_at(&self.total, 0.999),
+            max_ms: self.total.max() as f64 / 1000.0,
+            profile,
+        }
+    }
+}
+
+/// Records `us` microseconds, clamped to what the histogram holds.
+fn record(h: &mut Histogram<u64>, us: i64) {
+    h.saturating_record((us.max(1) as u64).min(MAX_LATENCY_US));
+}
+
+/// The value at quantile `q` of a histogram of microseconds, in ms.
+fn ms_at(h: &Histogram<u64>, q: f64) -> f64 {
+    h.value_at_quantile(q) as f64 / 1000.0
 }
