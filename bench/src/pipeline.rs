@@ -48,6 +48,34 @@ pub fn start_request(run_id: &str, i: usize) -> String {
     .to_string()
 }
 
+/// Produces the start requests of `prefix-0 .. prefix-(n-1)` to the
+/// requests topic of `config`, and waits for every acknowledgement.
+pub async fn produce_start_requests(
+    producer: &FutureProducer,
+    config: &Config,
+    prefix: &str,
+    n: usize,
+) -> anyhow::Result<()> {
+    produce_all(
+        producer,
+        &config.requests_topic(),
+        &start_requests(prefix, n),
+        Duration::from_millis(config.kafka.delivery_timeout_ms),
+    )
+    .await
+}
+
+/// The start requests of runs `prefix-0 .. prefix-(n-1)`, keyed by run id.
+fn start_requests(prefix: &str, n: usize) -> Vec<(String, String)> {
+    (0..n)
+        .map(|i| {
+            let id = format!("{prefix}-{i}");
+            let value = start_request(&id, i);
+            (id, value)
+        })
+        .collect()
+}
+
 /// Worker options for the bench: enough handlers in flight that the echo
 /// worker is never what limits the pipeline.
 pub fn worker_options(config: &Config, max_in_flight: usize) -> WorkerOptions {
@@ -59,6 +87,20 @@ pub fn worker_options(config: &Config, max_in_flight: usize) -> WorkerOptions {
 /// The echo worker's handler: a step's output is its input.
 pub async fn echo(step: StepInput) -> StepOutcome {
     StepOutcome::Succeeded(step.input)
+}
+
+/// The real worker library with the echo handler, on the steps of
+/// `config`'s pool, until `shutdown`.
+pub fn spawn_echo_worker(
+    config: &Config,
+    max_in_flight: usize,
+    shutdown: &CancellationToken,
+) -> JoinHandle<anyhow::Result<()>> {
+    tokio::spawn(ductor::client::worker::run(
+        worker_options(config, max_in_flight),
+        echo,
+        shutdown.clone(),
+    ))
 }
 
 /// Enqueues `(key, value)` pairs on `topic` as fast as the producer takes
@@ -132,11 +174,7 @@ impl Pipeline {
         env.create_topics(&config).await?;
         let shutdown = parent.child_token();
         let serve = tokio::spawn(ductor::cli::serve::run(config.clone(), shutdown.clone()));
-        let worker = tokio::spawn(ductor::client::worker::run(
-            worker_options(&config, worker_in_flight),
-            echo,
-            shutdown.clone(),
-        ));
+        let worker = spawn_echo_worker(&config, worker_in_flight, &shutdown);
         let producer = ductor::infra::kafka::producer(&config.kafka, "bench-client")?;
         Ok(Pipeline {
             config,
@@ -182,20 +220,7 @@ impl Pipeline {
 
     /// Produces the start requests of `prefix-0 .. prefix-(n-1)`.
     pub async fn start_runs(&self, prefix: &str, n: usize) -> anyhow::Result<()> {
-        let messages: Vec<(String, String)> = (0..n)
-            .map(|i| {
-                let id = format!("{prefix}-{i}");
-                let value = start_request(&id, i);
-                (id, value)
-            })
-            .collect();
-        produce_all(
-            &self.producer,
-            &self.config.requests_topic(),
-            &messages,
-            Duration::from_millis(self.config.kafka.delivery_timeout_ms),
-        )
-        .await
+        produce_start_requests(&self.producer, &self.config, prefix, n).await
     }
 
     /// Waits until the `n` runs whose ids start with `prefix-` are finished,
