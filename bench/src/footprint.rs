@@ -30,7 +30,7 @@ use uuid::Uuid;
 use super::env::{BenchEnv, WORKFLOW};
 use super::stats::{CpuCores, CpuTicks, Progress};
 use ductor::coordinator::{
-    AttemptOutcome, AttemptResult, Decision, Entropy, Input, RunStart, Transition, fold,
+    AttemptOutcome, AttemptResult, Decision, Entropy, Input, RunStart, Transition, Workflows, fold,
 };
 
 /// Runs seeded at least, so tables and indexes have a realistic size.
@@ -77,48 +77,9 @@ impl Template {
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         let now = Utc::now();
         let run_id = "b1-template-run".to_string();
-        let request: Value = serde_json::from_str(&super::pipeline::start_request(&run_id, 1))?;
-        let start = Input::Start(RunStart {
-            run_id: run_id.clone(),
-            tenant: "bench".into(),
-            workflow: WORKFLOW.into(),
-            workflow_version: None,
-            pool: "default".into(),
-            input: request["input"].clone(),
-            correlation_id: None,
-        });
         let config = env.pipeline_config("b1");
-        let max_state_bytes = config.coordinator.max_state_bytes;
-        let first = transition(fold(
-            None,
-            &start,
-            &workflows,
-            max_state_bytes,
-            now,
-            &entropy(),
-        ))?;
-        let stamp = first
-            .state
-            .outstanding
-            .as_ref()
-            .context("the start dispatched no attempt")?
-            .stamp;
-        let result = Input::Result(AttemptResult {
-            run_id: run_id.clone(),
-            tenant: "bench".into(),
-            stamp,
-            outcome: AttemptOutcome::Succeeded {
-                output: request["input"].clone(),
-            },
-        });
-        let second = transition(fold(
-            Some(&first.state),
-            &result,
-            &workflows,
-            max_state_bytes,
-            now,
-            &entropy(),
-        ))?;
+        let second =
+            mid_run_transition(&workflows, &run_id, config.coordinator.max_state_bytes, now)?;
         let topics = ductor::apply::TopicNames {
             prefix: config.kafka.topic_prefix,
         };
@@ -135,22 +96,77 @@ impl Template {
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         anyhow::ensure!(effects.len() == 3, "expected event, dispatch and timer");
-        let key = ductor::apply::idempotency_key(&run_id, 2, 0);
-        let headers = json!({
-            "idempotency-key": key, "ductor-run-id": run_id, "ductor-seq": "2",
-            "ductor-tenant": "bench", "ce_specversion": "1.0", "ce_id": key,
-            "ce_source": format!("/ductor/workflows/{WORKFLOW}/v1"),
-            "ce_type": ductor::coordinator::fold::CE_RUN_EVENT,
-            "ce_time": now.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-            "ce_subject": run_id, "content-type": "application/json",
-        });
         Ok(Template {
             state: serde_json::to_string(&second.state)?,
             detail: serde_json::to_string(&second.record.detail)?,
             effects,
-            headers: headers.to_string(),
+            headers: event_headers(&run_id, now).to_string(),
         })
     }
+}
+
+/// The second transition of run `run_id` of the bench workflow, as the
+/// real fold makes it: the start, then the first step's result.
+fn mid_run_transition(
+    workflows: &Workflows,
+    run_id: &str,
+    max_state_bytes: usize,
+    now: DateTime<Utc>,
+) -> anyhow::Result<Transition> {
+    let request: Value = serde_json::from_str(&super::pipeline::start_request(run_id, 1))?;
+    let start = Input::Start(RunStart {
+        run_id: run_id.to_string(),
+        tenant: "bench".into(),
+        workflow: WORKFLOW.into(),
+        workflow_version: None,
+        pool: "default".into(),
+        input: request["input"].clone(),
+        correlation_id: None,
+    });
+    let first = transition(fold(
+        None,
+        &start,
+        workflows,
+        max_state_bytes,
+        now,
+        &entropy(),
+    ))?;
+    let stamp = first
+        .state
+        .outstanding
+        .as_ref()
+        .context("the start dispatched no attempt")?
+        .stamp;
+    let result = Input::Result(AttemptResult {
+        run_id: run_id.to_string(),
+        tenant: "bench".into(),
+        stamp,
+        outcome: AttemptOutcome::Succeeded {
+            output: request["input"].clone(),
+        },
+    });
+    transition(fold(
+        Some(&first.state),
+        &result,
+        workflows,
+        max_state_bytes,
+        now,
+        &entropy(),
+    ))
+}
+
+/// Ductor's headers of the template run's event, as the drainer writes
+/// them with every intent.
+fn event_headers(run_id: &str, now: DateTime<Utc>) -> Value {
+    let key = ductor::apply::idempotency_key(run_id, 2, 0);
+    json!({
+        "idempotency-key": key, "ductor-run-id": run_id, "ductor-seq": "2",
+        "ductor-tenant": "bench", "ce_specversion": "1.0", "ce_id": key,
+        "ce_source": format!("/ductor/workflows/{WORKFLOW}/v1"),
+        "ce_type": ductor::coordinator::fold::CE_RUN_EVENT,
+        "ce_time": now.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        "ce_subject": run_id, "content-type": "application/json",
+    })
 }
 
 fn entropy() -> Entropy {
