@@ -338,43 +338,70 @@ async fn seed(
     for chunk in slots.chunks(SEED_CHUNK) {
         let ids: Vec<&str> = chunk.iter().map(|s| s.run_id.as_str()).collect();
         let stamps: Vec<Uuid> = chunk.iter().map(|s| s.stamp).collect();
-        sqlx::query(
-            "INSERT INTO runs (run_id, tenant_scope, pool_id, workflow_name, workflow_version, \
-                 status, record_version, last_transition_seq, state, created_at, updated_at) \
-             SELECT u.id, 'bench', 'default', $2, 1, 'running', 1, 1, $3::jsonb, $4, $4 \
-             FROM UNNEST($1::text[]) AS u(id)",
-        )
-        .bind(&ids)
-        .bind(WORKFLOW)
-        .bind(&template.state)
-        .bind(now)
-        .execute(&env.pool)
-        .await
-        .context("seeding runs")?;
-        sqlx::query(
-            "INSERT INTO run_transitions (run_id, seq, input_ref, kind, to_status, step_index, detail, created_at) \
-             SELECT u.id, 1, 'start', 'run.started', 'running', 0, $2::jsonb, $3 \
-             FROM UNNEST($1::text[]) AS u(id)",
-        )
-        .bind(&ids)
-        .bind(&template.detail)
-        .bind(now)
-        .execute(&env.pool)
-        .await
-        .context("seeding transitions")?;
-        sqlx::query(
-            "INSERT INTO run_attempts (stamp, run_id, step_index, attempt, status, dispatched_at, deadline) \
-             SELECT u.stamp, u.id, 0, 1, 'dispatched', $3, $3 + interval '1 hour' \
-             FROM UNNEST($1::text[], $2::uuid[]) AS u(id, stamp)",
-        )
-        .bind(&ids)
-        .bind(&stamps)
-        .bind(now)
-        .execute(&env.pool)
-        .await
-        .context("seeding attempts")?;
+        let chunk = SeedChunk {
+            env,
+            ids: &ids,
+            now,
+        };
+        chunk
+            .insert(
+                "INSERT INTO runs (run_id, tenant_scope, pool_id, workflow_name, workflow_version, \
+                     status, record_version, last_transition_seq, state, created_at, updated_at) \
+                 SELECT u.id, 'bench', 'default', $2, 1, 'running', 1, 1, $3::jsonb, $4, $4 \
+                 FROM UNNEST($1::text[]) AS u(id)",
+                |q| q.bind(WORKFLOW).bind(&template.state),
+                "seeding runs",
+            )
+            .await?;
+        chunk
+            .insert(
+                "INSERT INTO run_transitions (run_id, seq, input_ref, kind, to_status, step_index, detail, created_at) \
+                 SELECT u.id, 1, 'start', 'run.started', 'running', 0, $2::jsonb, $3 \
+                 FROM UNNEST($1::text[]) AS u(id)",
+                |q| q.bind(&template.detail),
+                "seeding transitions",
+            )
+            .await?;
+        chunk
+            .insert(
+                "INSERT INTO run_attempts (stamp, run_id, step_index, attempt, status, dispatched_at, deadline) \
+                 SELECT u.stamp, u.id, 0, 1, 'dispatched', $3, $3 + interval '1 hour' \
+                 FROM UNNEST($1::text[], $2::uuid[]) AS u(id, stamp)",
+                |q| q.bind(&stamps),
+                "seeding attempts",
+            )
+            .await?;
     }
     Ok(slots)
+}
+
+/// A statement of [`sqlx::query`] being bound.
+type Query<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
+
+/// One chunk of seeded runs: every seeding statement takes the chunk's run
+/// ids first (`$1`) and the seeding time last.
+struct SeedChunk<'a> {
+    env: &'a BenchEnv,
+    ids: &'a [&'a str],
+    now: DateTime<Utc>,
+}
+
+impl<'a> SeedChunk<'a> {
+    /// Inserts the chunk's rows with `sql`, its own columns bound by
+    /// `columns` between the ids and the time; `what` names it in an error.
+    async fn insert(
+        &self,
+        sql: &'a str,
+        columns: impl FnOnce(Query<'a>) -> Query<'a>,
+        what: &'static str,
+    ) -> anyhow::Result<()> {
+        columns(sqlx::query(sql).bind(self.ids))
+            .bind(self.now)
+            .execute(&self.env.pool)
+            .await
+            .context(what)?;
+        Ok(())
+    }
 }
 
 /// One client: batches of `k` inputs on its own runs, round robin, until
