@@ -432,6 +432,9 @@ async fn client(
     Ok(laps)
 }
 
+/// One iteration of a client: load the batch's runs, apply one input to
+/// each in one batch statement, complete the published intents as the
+/// drainer does, and move each run on to its new version and attempt.
 async fn iteration(
     conn: &mut PgConnection,
     t: &Template,
@@ -441,24 +444,92 @@ async fn iteration(
     laps: &mut Laps,
 ) -> anyhow::Result<()> {
     let now: DateTime<Utc> = Utc::now();
-    let k = batch.len();
-    let ids: Vec<String> = batch.iter().map(|&i| slots[i].run_id.clone()).collect();
-    let versions: Vec<i64> = batch.iter().map(|&i| slots[i].version).collect();
-    let old_stamps: Vec<Uuid> = batch.iter().map(|&i| slots[i].stamp).collect();
-    let new_stamps: Vec<Uuid> = (0..k).map(|_| Uuid::new_v4()).collect();
-    let seqs: Vec<i64> = versions.iter().map(|v| v + 1).collect();
+    let inputs = BatchInputs::of(slots, batch);
 
     let mut lap = Lap {
         laps,
         last: Instant::now(),
     };
+    load_runs(conn, &inputs.ids).await?;
+    lap.mark(0);
+
+    let claimed_ids = write_batch(conn, t, &inputs, claimer, now).await?;
+    lap.mark(1);
+
+    // The drainer's share: mark the published intents completed.
+    sqlx::query(ductor::outbox::COMPLETE_SQL)
+        .bind(&claimed_ids)
+        .bind(claimer)
+        .execute(&mut *conn)
+        .await?;
+    lap.mark(2);
+
+    for (j, &i) in batch.iter().enumerate() {
+        slots[i].version = inputs.seqs[j];
+        slots[i].stamp = inputs.new_stamps[j];
+    }
+    Ok(())
+}
+
+/// The runs of one batch and what their next input changes: each run's
+/// current version and outstanding attempt, and the transition seq and
+/// attempt stamp the input gives it.
+struct BatchInputs {
+    ids: Vec<String>,
+    versions: Vec<i64>,
+    old_stamps: Vec<Uuid>,
+    new_stamps: Vec<Uuid>,
+    seqs: Vec<i64>,
+}
+
+impl BatchInputs {
+    fn of(slots: &[Slot], batch: &[usize]) -> BatchInputs {
+        let k = batch.len();
+        let ids: Vec<String> = batch.iter().map(|&i| slots[i].run_id.clone()).collect();
+        let versions: Vec<i64> = batch.iter().map(|&i| slots[i].version).collect();
+        let old_stamps: Vec<Uuid> = batch.iter().map(|&i| slots[i].stamp).collect();
+        let new_stamps: Vec<Uuid> = (0..k).map(|_| Uuid::new_v4()).collect();
+        let seqs: Vec<i64> = versions.iter().map(|v| v + 1).collect();
+        BatchInputs {
+            ids,
+            versions,
+            old_stamps,
+            new_stamps,
+            seqs,
+        }
+    }
+}
+
+/// The apply path's load of a batch's runs.
+async fn load_runs(conn: &mut PgConnection, ids: &[String]) -> anyhow::Result<()> {
+    let k = ids.len();
     let rows = sqlx::query("SELECT run_id, record_version, state FROM runs WHERE run_id = ANY($1)")
-        .bind(&ids)
+        .bind(ids)
         .fetch_all(&mut *conn)
         .await?;
     anyhow::ensure!(rows.len() == k, "loaded {} of {k} runs", rows.len());
-    lap.mark(0);
+    Ok(())
+}
 
+/// The apply path's batch statement, [`ductor::apply::WRITE_BATCH_SQL`],
+/// for one input to each run of `inputs`: no inserted runs, the
+/// conditional updates, the history and the effects. Returns the ids of
+/// the intents claimed at insert, for the drainer's completion.
+async fn write_batch(
+    conn: &mut PgConnection,
+    t: &Template,
+    inputs: &BatchInputs,
+    claimer: &str,
+    now: DateTime<Utc>,
+) -> anyhow::Result<Vec<i64>> {
+    let BatchInputs {
+        ids,
+        versions,
+        old_stamps,
+        new_stamps,
+        seqs,
+    } = inputs;
+    let k = ids.len();
     let none_text: Vec<String> = Vec::new();
     let none_int: Vec<i32> = Vec::new();
     let none_big: Vec<i64> = Vec::new();
@@ -476,10 +547,10 @@ async fn iteration(
         .bind(&none_time)
         .bind(&none_time)
         .bind(&none_opt_time)
-        .bind(&ids)
-        .bind(&versions)
+        .bind(ids)
+        .bind(versions)
         .bind(vec!["running"; k])
-        .bind(&seqs)
+        .bind(seqs)
         .bind(vec![t.state.as_str(); k])
         .bind(vec![now; k])
         .bind(vec![None::<DateTime<Utc>>; k]);
@@ -525,8 +596,8 @@ async fn iteration(
         .map(|s| ductor::apply::timeout_cancel_key(&s.to_string()))
         .collect();
     let row = query
-        .bind(&ids)
-        .bind(&seqs)
+        .bind(ids)
+        .bind(seqs)
         .bind(&refs)
         .bind(vec!["step.succeeded"; k])
         .bind(vec![Some("running"); k])
@@ -537,8 +608,8 @@ async fn iteration(
         .bind(vec![Some(0i32); k])
         .bind(seqs.iter().map(|s| Some(*s)).collect::<Vec<_>>())
         .bind(vec![now; k])
-        .bind(&new_stamps)
-        .bind(&ids)
+        .bind(new_stamps)
+        .bind(ids)
         .bind(versions.iter().map(|v| *v as i32).collect::<Vec<_>>())
         .bind(vec![1i32; k])
         .bind(vec!["dispatched"; k])
@@ -546,7 +617,7 @@ async fn iteration(
         .bind(vec![now + chrono::Duration::hours(1); k])
         .bind(vec![None::<DateTime<Utc>>; k])
         .bind(vec![None::<String>; k])
-        .bind(&old_stamps)
+        .bind(old_stamps)
         .bind(vec!["succeeded"; k])
         .bind(vec![now; k])
         .bind(vec![None::<String>; k])
@@ -572,21 +643,7 @@ async fn iteration(
         .fetch_one(&mut *conn)
         .await?;
     let claimed_ids: Vec<i64> = row.try_get("claimed_ids")?;
-    lap.mark(1);
-
-    // The drainer's share: mark the published intents completed.
-    sqlx::query(ductor::outbox::COMPLETE_SQL)
-        .bind(&claimed_ids)
-        .bind(claimer)
-        .execute(&mut *conn)
-        .await?;
-    lap.mark(2);
-
-    for (j, &i) in batch.iter().enumerate() {
-        slots[i].version = seqs[j];
-        slots[i].stamp = new_stamps[j];
-    }
-    Ok(())
+    Ok(claimed_ids)
 }
 
 /// The best point of a grid.
