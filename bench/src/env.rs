@@ -22,6 +22,8 @@ pub const INPUTS_PER_RUN: u32 = STEPS + 1;
 /// Step timeout: far beyond any phase, so no timeout timer falls due while
 /// the bench runs (they stay pending in the outbox, as in production).
 const STEP_TIMEOUT_MS: u64 = 3_600_000;
+/// Ductor's tables, which every phase empties and analyses.
+const TABLES: &str = "runs, run_transitions, run_attempts, eec_effect_intent";
 /// Connections of the bench's own pool (progress queries, seeding).
 const BENCH_POOL_CONNECTIONS: u32 = 4;
 
@@ -160,11 +162,11 @@ impl BenchEnv {
 
     /// Empties Ductor's tables, so every phase starts from the same state.
     pub async fn truncate(&self) -> anyhow::Result<()> {
-        sqlx::query("TRUNCATE runs, run_transitions, run_attempts, eec_effect_intent CASCADE")
-            .execute(&self.pool)
-            .await
-            .context("truncating the bench tables")?;
-        Ok(())
+        self.execute(
+            &format!("TRUNCATE {TABLES} CASCADE"),
+            "truncating the bench tables",
+        )
+        .await
     }
 
     /// Refreshes the planner statistics of Ductor's tables. A running
@@ -172,10 +174,13 @@ impl BenchEnv {
     /// than its first round, and plans made for empty tables would measure
     /// the planner, not Ductor.
     pub async fn analyze(&self) -> anyhow::Result<()> {
-        sqlx::query("ANALYZE runs, run_transitions, run_attempts, eec_effect_intent")
-            .execute(&self.pool)
+        self.execute(&format!("ANALYZE {TABLES}"), "analysing the bench tables")
             .await
-            .context("analysing the bench tables")?;
+    }
+
+    /// Runs `sql` on the bench database; `what` names it in an error.
+    async fn execute(&self, sql: &str, what: &'static str) -> anyhow::Result<()> {
+        sqlx::query(sql).execute(&self.pool).await.context(what)?;
         Ok(())
     }
 

@@ -2,13 +2,13 @@
 //! the fold or any of Ductor's code around it.
 //!
 //! A "typical input" is an attempt result in the middle of a run: load the
-//! run, then the apply layer's own batch statement (`store::WRITE_BATCH_SQL`,
-//! which commits on its own as it does for every batch without a routed
-//! request: the `UPDATE runs` conditional on `record_version`, the
+//! run, then the apply stage's own batch statement, bound by its own
+//! `apply::batch::BatchWrite` (it commits on its own as it does for every
+//! batch without a routed request: the `UPDATE runs` conditional on `record_version`, the
 //! transition, the next attempt, the finished one, the cancel of its timeout
 //! timer, and the three effect intents: event, dispatch, timeout timer, the
 //! two due ones claimed at insert as `ductor serve`'s fast lane does); then
-//! the drainer's share, `drainer::COMPLETE_SQL` of the two published intents
+//! the drainer's share, `outbox::COMPLETE_SQL` of the two published intents
 //! in its own transaction. Row contents and sizes come from the real fold.
 //! B1a applies one input per transaction, B1b `k` inputs per transaction
 //! through the same set-based statement.
@@ -29,8 +29,9 @@ use uuid::Uuid;
 
 use super::env::{BenchEnv, WORKFLOW};
 use super::stats::{CpuCores, CpuTicks, Progress};
+use ductor::apply::batch::BatchWrite;
 use ductor::contract::{AttemptOutcome, AttemptResult, Input, RunStart};
-use ductor::coordinator::{Decision, Entropy, Transition, fold};
+use ductor::coordinator::{Decision, Entropy, Transition, Workflows, fold};
 
 /// Runs seeded at least, so tables and indexes have a realistic size.
 const MIN_SEEDED_RUNS: usize = 2_000;
@@ -76,48 +77,9 @@ impl Template {
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         let now = Utc::now();
         let run_id = "b1-template-run".to_string();
-        let request: Value = serde_json::from_str(&super::pipeline::start_request(&run_id, 1))?;
-        let start = Input::Start(RunStart {
-            run_id: run_id.clone(),
-            tenant: "bench".into(),
-            workflow: WORKFLOW.into(),
-            workflow_version: None,
-            pool: "default".into(),
-            input: request["input"].clone(),
-            correlation_id: None,
-        });
         let config = env.pipeline_config("b1");
-        let max_state_bytes = config.coordinator.max_state_bytes;
-        let first = transition(fold(
-            None,
-            &start,
-            &workflows,
-            max_state_bytes,
-            now,
-            &entropy(),
-        ))?;
-        let stamp = first
-            .state
-            .outstanding
-            .as_ref()
-            .context("the start dispatched no attempt")?
-            .stamp;
-        let result = Input::Result(AttemptResult {
-            run_id: run_id.clone(),
-            tenant: "bench".into(),
-            stamp,
-            outcome: AttemptOutcome::Succeeded {
-                output: request["input"].clone(),
-            },
-        });
-        let second = transition(fold(
-            Some(&first.state),
-            &result,
-            &workflows,
-            max_state_bytes,
-            now,
-            &entropy(),
-        ))?;
+        let second =
+            mid_run_transition(&workflows, &run_id, config.coordinator.max_state_bytes, now)?;
         let topics = ductor::contract::TopicNames {
             prefix: config.kafka.topic_prefix,
         };
@@ -134,22 +96,77 @@ impl Template {
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         anyhow::ensure!(effects.len() == 3, "expected event, dispatch and timer");
-        let key = ductor::contract::idempotency_key(&run_id, 2, 0);
-        let headers = json!({
-            "idempotency-key": key, "ductor-run-id": run_id, "ductor-seq": "2",
-            "ductor-tenant": "bench", "ce_specversion": "1.0", "ce_id": key,
-            "ce_source": format!("/ductor/workflows/{WORKFLOW}/v1"),
-            "ce_type": ductor::contract::EffectKind::RunEvent.ce_type(),
-            "ce_time": now.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-            "ce_subject": run_id, "content-type": "application/json",
-        });
         Ok(Template {
             state: serde_json::to_string(&second.state)?,
             detail: serde_json::to_string(&second.record.detail)?,
             effects,
-            headers: headers.to_string(),
+            headers: event_headers(&run_id, now).to_string(),
         })
     }
+}
+
+/// The second transition of run `run_id` of the bench workflow, as the
+/// real fold makes it: the start, then the first step's result.
+fn mid_run_transition(
+    workflows: &Workflows,
+    run_id: &str,
+    max_state_bytes: usize,
+    now: DateTime<Utc>,
+) -> anyhow::Result<Transition> {
+    let request: Value = serde_json::from_str(&super::pipeline::start_request(run_id, 1))?;
+    let start = Input::Start(RunStart {
+        run_id: run_id.to_string(),
+        tenant: "bench".into(),
+        workflow: WORKFLOW.into(),
+        workflow_version: None,
+        pool: "default".into(),
+        input: request["input"].clone(),
+        correlation_id: None,
+    });
+    let first = transition(fold(
+        None,
+        &start,
+        workflows,
+        max_state_bytes,
+        now,
+        &entropy(),
+    ))?;
+    let stamp = first
+        .state
+        .outstanding
+        .as_ref()
+        .context("the start dispatched no attempt")?
+        .stamp;
+    let result = Input::Result(AttemptResult {
+        run_id: run_id.to_string(),
+        tenant: "bench".into(),
+        stamp,
+        outcome: AttemptOutcome::Succeeded {
+            output: request["input"].clone(),
+        },
+    });
+    transition(fold(
+        Some(&first.state),
+        &result,
+        workflows,
+        max_state_bytes,
+        now,
+        &entropy(),
+    ))
+}
+
+/// Ductor's headers of the template run's event, as the drainer writes
+/// them with every intent.
+fn event_headers(run_id: &str, now: DateTime<Utc>) -> Value {
+    let key = ductor::contract::idempotency_key(run_id, 2, 0);
+    json!({
+        "idempotency-key": key, "ductor-run-id": run_id, "ductor-seq": "2",
+        "ductor-tenant": "bench", "ce_specversion": "1.0", "ce_id": key,
+        "ce_source": format!("/ductor/workflows/{WORKFLOW}/v1"),
+        "ce_type": ductor::contract::EffectKind::RunEvent.ce_type(),
+        "ce_time": now.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        "ce_subject": run_id, "content-type": "application/json",
+    })
 }
 
 fn entropy() -> Entropy {
@@ -245,9 +262,7 @@ async fn point(
     for c in 0..clients {
         slots.push(seed(env, template, c, per_client).await?);
     }
-    sqlx::query("ANALYZE runs, run_transitions, run_attempts, eec_effect_intent")
-        .execute(&env.pool)
-        .await?;
+    env.analyze().await?;
     let pool = PgPoolOptions::new()
         .max_connections(clients as u32)
         .connect_with(super::env::connect_options(&env.base)?)
@@ -323,43 +338,70 @@ async fn seed(
     for chunk in slots.chunks(SEED_CHUNK) {
         let ids: Vec<&str> = chunk.iter().map(|s| s.run_id.as_str()).collect();
         let stamps: Vec<Uuid> = chunk.iter().map(|s| s.stamp).collect();
-        sqlx::query(
-            "INSERT INTO runs (run_id, tenant_scope, pool_id, workflow_name, workflow_version, \
-                 status, record_version, last_transition_seq, state, created_at, updated_at) \
-             SELECT u.id, 'bench', 'default', $2, 1, 'running', 1, 1, $3::jsonb, $4, $4 \
-             FROM UNNEST($1::text[]) AS u(id)",
-        )
-        .bind(&ids)
-        .bind(WORKFLOW)
-        .bind(&template.state)
-        .bind(now)
-        .execute(&env.pool)
-        .await
-        .context("seeding runs")?;
-        sqlx::query(
-            "INSERT INTO run_transitions (run_id, seq, input_ref, kind, to_status, step_index, detail, created_at) \
-             SELECT u.id, 1, 'start', 'run.started', 'running', 0, $2::jsonb, $3 \
-             FROM UNNEST($1::text[]) AS u(id)",
-        )
-        .bind(&ids)
-        .bind(&template.detail)
-        .bind(now)
-        .execute(&env.pool)
-        .await
-        .context("seeding transitions")?;
-        sqlx::query(
-            "INSERT INTO run_attempts (stamp, run_id, step_index, attempt, status, dispatched_at, deadline) \
-             SELECT u.stamp, u.id, 0, 1, 'dispatched', $3, $3 + interval '1 hour' \
-             FROM UNNEST($1::text[], $2::uuid[]) AS u(id, stamp)",
-        )
-        .bind(&ids)
-        .bind(&stamps)
-        .bind(now)
-        .execute(&env.pool)
-        .await
-        .context("seeding attempts")?;
+        let chunk = SeedChunk {
+            env,
+            ids: &ids,
+            now,
+        };
+        chunk
+            .insert(
+                "INSERT INTO runs (run_id, tenant_scope, pool_id, workflow_name, workflow_version, \
+                     status, record_version, last_transition_seq, state, created_at, updated_at) \
+                 SELECT u.id, 'bench', 'default', $2, 1, 'running', 1, 1, $3::jsonb, $4, $4 \
+                 FROM UNNEST($1::text[]) AS u(id)",
+                |q| q.bind(WORKFLOW).bind(&template.state),
+                "seeding runs",
+            )
+            .await?;
+        chunk
+            .insert(
+                "INSERT INTO run_transitions (run_id, seq, input_ref, kind, to_status, step_index, detail, created_at) \
+                 SELECT u.id, 1, 'start', 'run.started', 'running', 0, $2::jsonb, $3 \
+                 FROM UNNEST($1::text[]) AS u(id)",
+                |q| q.bind(&template.detail),
+                "seeding transitions",
+            )
+            .await?;
+        chunk
+            .insert(
+                "INSERT INTO run_attempts (stamp, run_id, step_index, attempt, status, dispatched_at, deadline) \
+                 SELECT u.stamp, u.id, 0, 1, 'dispatched', $3, $3 + interval '1 hour' \
+                 FROM UNNEST($1::text[], $2::uuid[]) AS u(id, stamp)",
+                |q| q.bind(&stamps),
+                "seeding attempts",
+            )
+            .await?;
     }
     Ok(slots)
+}
+
+/// A statement of [`sqlx::query`] being bound.
+type Query<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
+
+/// One chunk of seeded runs: every seeding statement takes the chunk's run
+/// ids first (`$1`) and the seeding time last.
+struct SeedChunk<'a> {
+    env: &'a BenchEnv,
+    ids: &'a [&'a str],
+    now: DateTime<Utc>,
+}
+
+impl<'a> SeedChunk<'a> {
+    /// Inserts the chunk's rows with `sql`, its own columns bound by
+    /// `columns` between the ids and the time; `what` names it in an error.
+    async fn insert(
+        &self,
+        sql: &'a str,
+        columns: impl FnOnce(Query<'a>) -> Query<'a>,
+        what: &'static str,
+    ) -> anyhow::Result<()> {
+        columns(sqlx::query(sql).bind(self.ids))
+            .bind(self.now)
+            .execute(&self.env.pool)
+            .await
+            .context(what)?;
+        Ok(())
+    }
 }
 
 /// One client: batches of `k` inputs on its own runs, round robin, until
@@ -390,6 +432,9 @@ async fn client(
     Ok(laps)
 }
 
+/// One iteration of a client: load the batch's runs, apply one input to
+/// each in one batch statement, complete the published intents as the
+/// drainer does, and move each run on to its new version and attempt.
 async fn iteration(
     conn: &mut PgConnection,
     t: &Template,
@@ -399,137 +444,16 @@ async fn iteration(
     laps: &mut Laps,
 ) -> anyhow::Result<()> {
     let now: DateTime<Utc> = Utc::now();
-    let k = batch.len();
-    let ids: Vec<String> = batch.iter().map(|&i| slots[i].run_id.clone()).collect();
-    let versions: Vec<i64> = batch.iter().map(|&i| slots[i].version).collect();
-    let old_stamps: Vec<Uuid> = batch.iter().map(|&i| slots[i].stamp).collect();
-    let new_stamps: Vec<Uuid> = (0..k).map(|_| Uuid::new_v4()).collect();
-    let seqs: Vec<i64> = versions.iter().map(|v| v + 1).collect();
+    let inputs = BatchInputs::of(slots, batch);
 
     let mut lap = Lap {
         laps,
         last: Instant::now(),
     };
-    let rows = sqlx::query("SELECT run_id, record_version, state FROM runs WHERE run_id = ANY($1)")
-        .bind(&ids)
-        .fetch_all(&mut *conn)
-        .await?;
-    anyhow::ensure!(rows.len() == k, "loaded {} of {k} runs", rows.len());
+    load_runs(conn, &inputs.ids).await?;
     lap.mark(0);
 
-    let none_text: Vec<String> = Vec::new();
-    let none_int: Vec<i32> = Vec::new();
-    let none_big: Vec<i64> = Vec::new();
-    let none_time: Vec<DateTime<Utc>> = Vec::new();
-    let none_opt_time: Vec<Option<DateTime<Utc>>> = Vec::new();
-    let query = sqlx::query(&ductor::apply::batch::WRITE_BATCH_SQL)
-        .bind(&none_text)
-        .bind(&none_text)
-        .bind(&none_text)
-        .bind(&none_text)
-        .bind(&none_int)
-        .bind(&none_text)
-        .bind(&none_big)
-        .bind(&none_text)
-        .bind(&none_time)
-        .bind(&none_time)
-        .bind(&none_opt_time)
-        .bind(&ids)
-        .bind(&versions)
-        .bind(vec!["running"; k])
-        .bind(&seqs)
-        .bind(vec![t.state.as_str(); k])
-        .bind(vec![now; k])
-        .bind(vec![None::<DateTime<Utc>>; k]);
-
-    // The history and effects: the transition, the next attempt, the
-    // finished one, the cancel of its timer, and the three intents (the two
-    // due ones claimed at insert for the fast lane).
-    let refs: Vec<String> = old_stamps.iter().map(|s| format!("result:{s}")).collect();
-    let n = k * t.effects.len();
-    let mut run_ids = Vec::with_capacity(n);
-    let mut seq_col = Vec::with_capacity(n);
-    let mut index_col = Vec::with_capacity(n);
-    let mut keys = Vec::with_capacity(n);
-    let mut topics = Vec::with_capacity(n);
-    let mut message_keys = Vec::with_capacity(n);
-    let mut payloads = Vec::with_capacity(n);
-    let mut ce_types = Vec::with_capacity(n);
-    let mut not_before = Vec::with_capacity(n);
-    let mut cancel_keys: Vec<Option<String>> = Vec::with_capacity(n);
-    let mut due = Vec::with_capacity(n);
-    for (j, id) in ids.iter().enumerate() {
-        for (index, (topic, ce_type, payload, due_now)) in t.effects.iter().enumerate() {
-            run_ids.push(id.as_str());
-            seq_col.push(seqs[j]);
-            index_col.push(index as i32);
-            keys.push(ductor::contract::idempotency_key(id, seqs[j], index));
-            topics.push(topic.as_str());
-            message_keys.push(id.as_bytes());
-            payloads.push(payload.as_slice());
-            ce_types.push(ce_type.as_str());
-            not_before.push(if *due_now {
-                now
-            } else {
-                now + chrono::Duration::hours(1)
-            });
-            due.push(*due_now);
-            // Timers carry a cancel key, like a step's timeout timer.
-            cancel_keys.push((!*due_now).then(|| format!("timeout:{}", new_stamps[j])));
-        }
-    }
-    let finished_timers: Vec<String> = old_stamps
-        .iter()
-        .map(|s| ductor::contract::timeout_cancel_key(&s.to_string()))
-        .collect();
-    let row = query
-        .bind(&ids)
-        .bind(&seqs)
-        .bind(&refs)
-        .bind(vec!["step.succeeded"; k])
-        .bind(vec![Some("running"); k])
-        .bind(vec!["running"; k])
-        .bind(seqs.iter().map(|s| (*s - 1) as i32).collect::<Vec<_>>())
-        .bind(vec![t.detail.as_str(); k])
-        .bind(vec![Some("bench.attempt-results"); k])
-        .bind(vec![Some(0i32); k])
-        .bind(seqs.iter().map(|s| Some(*s)).collect::<Vec<_>>())
-        .bind(vec![now; k])
-        .bind(&new_stamps)
-        .bind(&ids)
-        .bind(versions.iter().map(|v| *v as i32).collect::<Vec<_>>())
-        .bind(vec![1i32; k])
-        .bind(vec!["dispatched"; k])
-        .bind(vec![now; k])
-        .bind(vec![now + chrono::Duration::hours(1); k])
-        .bind(vec![None::<DateTime<Utc>>; k])
-        .bind(vec![None::<String>; k])
-        .bind(&old_stamps)
-        .bind(vec!["succeeded"; k])
-        .bind(vec![now; k])
-        .bind(vec![None::<String>; k])
-        .bind(&finished_timers)
-        .bind(&run_ids)
-        .bind(&seq_col)
-        .bind(&index_col)
-        .bind(&keys)
-        .bind(vec!["bench"; n])
-        .bind(&topics)
-        .bind(&message_keys)
-        .bind(vec![t.headers.as_str(); n])
-        .bind(&payloads)
-        .bind(&ce_types)
-        .bind(&not_before)
-        .bind(&cancel_keys)
-        .bind(&due)
-        .bind(claimer)
-        .bind(LEASE_S)
-        // Updated runs, transitions, attempts inserted and finished: one
-        // each per input. A shortfall fails the statement.
-        .bind(vec![0, k as i64, k as i64, k as i64, k as i64])
-        .fetch_one(&mut *conn)
-        .await?;
-    let claimed_ids: Vec<i64> = row.try_get("claimed_ids")?;
+    let claimed_ids = write_batch(conn, t, &inputs, claimer, now).await?;
     lap.mark(1);
 
     // The drainer's share: mark the published intents completed.
@@ -541,10 +465,196 @@ async fn iteration(
     lap.mark(2);
 
     for (j, &i) in batch.iter().enumerate() {
-        slots[i].version = seqs[j];
-        slots[i].stamp = new_stamps[j];
+        slots[i].version = inputs.seqs[j];
+        slots[i].stamp = inputs.new_stamps[j];
     }
     Ok(())
+}
+
+/// The runs of one batch and what their next input changes: each run's
+/// current version and outstanding attempt, and the transition seq and
+/// attempt stamp the input gives it.
+struct BatchInputs {
+    ids: Vec<String>,
+    versions: Vec<i64>,
+    old_stamps: Vec<Uuid>,
+    new_stamps: Vec<Uuid>,
+    seqs: Vec<i64>,
+}
+
+impl BatchInputs {
+    fn of(slots: &[Slot], batch: &[usize]) -> BatchInputs {
+        let k = batch.len();
+        let ids: Vec<String> = batch.iter().map(|&i| slots[i].run_id.clone()).collect();
+        let versions: Vec<i64> = batch.iter().map(|&i| slots[i].version).collect();
+        let old_stamps: Vec<Uuid> = batch.iter().map(|&i| slots[i].stamp).collect();
+        let new_stamps: Vec<Uuid> = (0..k).map(|_| Uuid::new_v4()).collect();
+        let seqs: Vec<i64> = versions.iter().map(|v| v + 1).collect();
+        BatchInputs {
+            ids,
+            versions,
+            old_stamps,
+            new_stamps,
+            seqs,
+        }
+    }
+}
+
+/// The apply path's load of a batch's runs.
+async fn load_runs(conn: &mut PgConnection, ids: &[String]) -> anyhow::Result<()> {
+    let k = ids.len();
+    let rows = sqlx::query("SELECT run_id, record_version, state FROM runs WHERE run_id = ANY($1)")
+        .bind(ids)
+        .fetch_all(&mut *conn)
+        .await?;
+    anyhow::ensure!(rows.len() == k, "loaded {} of {k} runs", rows.len());
+    Ok(())
+}
+
+/// The apply path's batch statement, [`ductor::apply::batch::WRITE_BATCH_SQL`],
+/// for one input to each run of `inputs`: no inserted runs, the
+/// conditional updates, the history and the effects. Returns the ids of
+/// the intents claimed at insert, for the drainer's completion.
+async fn write_batch(
+    conn: &mut PgConnection,
+    t: &Template,
+    inputs: &BatchInputs,
+    claimer: &str,
+    now: DateTime<Utc>,
+) -> anyhow::Result<Vec<i64>> {
+    let k = inputs.ids.len();
+    let refs: Vec<String> = inputs
+        .old_stamps
+        .iter()
+        .map(|s| format!("result:{s}"))
+        .collect();
+    let positions = intent_positions(t, inputs);
+    let mut write = BatchWrite {
+        claimer: Some(claimer),
+        lease_s: LEASE_S,
+        // Updated runs, transitions, attempts inserted and finished: one
+        // each per input. A shortfall fails the statement.
+        expected: Some(vec![0, k as i64, k as i64, k as i64, k as i64]),
+        ..BatchWrite::default()
+    };
+    runs_and_history(&mut write, t, inputs, &refs, now);
+    intents(&mut write, t, inputs, &positions, now);
+    let row = write.query().fetch_one(&mut *conn).await?;
+    Ok(row.try_get("claimed_ids")?)
+}
+
+/// The idempotency key of every intent of the batch, and the cancel key of
+/// its timers (a timer carries one, like a step's timeout timer).
+struct IntentPositions {
+    keys: Vec<String>,
+    cancel_keys: Vec<Option<String>>,
+}
+
+fn intent_positions(t: &Template, inputs: &BatchInputs) -> IntentPositions {
+    let mut positions = IntentPositions {
+        keys: Vec::new(),
+        cancel_keys: Vec::new(),
+    };
+    for (j, id) in inputs.ids.iter().enumerate() {
+        for (index, (_, _, _, due_now)) in t.effects.iter().enumerate() {
+            let key = ductor::contract::idempotency_key(id, inputs.seqs[j], index);
+            positions.keys.push(key);
+            let stamp = inputs.new_stamps[j].to_string();
+            let cancel = (!*due_now).then(|| ductor::contract::timeout_cancel_key(&stamp));
+            positions.cancel_keys.push(cancel);
+        }
+    }
+    positions
+}
+
+/// Each input's run updated at its version, its transition, the next
+/// attempt, the finished one and the cancel of that one's timer.
+fn runs_and_history<'a>(
+    write: &mut BatchWrite<'a>,
+    t: &'a Template,
+    inputs: &'a BatchInputs,
+    refs: &'a [String],
+    now: DateTime<Utc>,
+) {
+    let k = inputs.ids.len();
+    let later = now + chrono::Duration::hours(1);
+    let ids: Vec<&str> = inputs.ids.iter().map(String::as_str).collect();
+    let u = &mut write.updates;
+    u.run_id.clone_from(&ids);
+    u.expected_version.clone_from(&inputs.versions);
+    u.status = vec!["running"; k];
+    u.seq.clone_from(&inputs.seqs);
+    u.state = vec![t.state.clone(); k];
+    u.updated_at = vec![now; k];
+    u.finished_at = vec![None; k];
+    let h = &mut write.transitions;
+    h.run_id.clone_from(&ids);
+    h.seq.clone_from(&inputs.seqs);
+    h.input_ref = refs.iter().map(String::as_str).collect();
+    h.kind = vec!["step.succeeded"; k];
+    h.from_status = vec![Some("running"); k];
+    h.to_status = vec!["running"; k];
+    h.step_index = inputs.seqs.iter().map(|s| (*s - 1) as i32).collect();
+    h.detail = vec![t.detail.as_str(); k];
+    h.source_topic = vec![Some("bench.attempt-results"); k];
+    h.source_partition = vec![Some(0); k];
+    h.source_offset = inputs.seqs.iter().map(|s| Some(*s)).collect();
+    h.at = vec![now; k];
+    let a = &mut write.attempts;
+    a.stamp.clone_from(&inputs.new_stamps);
+    a.run_id = ids;
+    a.step_index = inputs.versions.iter().map(|v| *v as i32).collect();
+    a.attempt = vec![1; k];
+    a.status = vec!["dispatched"; k];
+    a.dispatched_at = vec![now; k];
+    a.deadline = vec![later; k];
+    a.finished_at = vec![None; k];
+    a.error = vec![None; k];
+    let f = &mut write.finishes;
+    f.stamp.clone_from(&inputs.old_stamps);
+    f.status = vec!["succeeded"; k];
+    f.finished_at = vec![now; k];
+    f.error = vec![None; k];
+    write.cancel_keys = inputs
+        .old_stamps
+        .iter()
+        .map(|s| ductor::contract::timeout_cancel_key(&s.to_string()))
+        .collect();
+}
+
+/// The three intents of each input: event and dispatch due now (claimed at
+/// insert for the fast lane), the timeout timer in an hour.
+fn intents<'a>(
+    write: &mut BatchWrite<'a>,
+    t: &'a Template,
+    inputs: &'a BatchInputs,
+    positions: &'a IntentPositions,
+    now: DateTime<Utc>,
+) {
+    let c = &mut write.intents;
+    let mut n = 0;
+    for (j, id) in inputs.ids.iter().enumerate() {
+        for (index, (topic, ce_type, payload, due_now)) in t.effects.iter().enumerate() {
+            c.run_id.push(id);
+            c.seq.push(inputs.seqs[j]);
+            c.effect_index.push(index as i32);
+            c.key.push(&positions.keys[n]);
+            c.tenant.push("bench");
+            c.topic.push(topic);
+            c.message_key.push(id.as_bytes());
+            c.headers.push(t.headers.clone());
+            c.payload.push(payload);
+            c.ce_type.push(ce_type);
+            c.not_before.push(if *due_now {
+                now
+            } else {
+                now + chrono::Duration::hours(1)
+            });
+            c.cancel_key.push(positions.cancel_keys[n].as_deref());
+            c.due.push(*due_now);
+            n += 1;
+        }
+    }
 }
 
 /// The best point of a grid.

@@ -150,6 +150,15 @@ pub struct Baseline {
     pub grid: Vec<Point>,
 }
 
+impl Baseline {
+    /// The grid point the baseline's figure comes from.
+    fn best_point(&self) -> Option<&Point> {
+        self.grid
+            .iter()
+            .find(|p| p.clients == self.clients && p.k == self.k)
+    }
+}
+
 /// The ratios the issue asks for.
 #[derive(Debug, Clone, Serialize)]
 pub struct Ratios {
@@ -206,12 +215,25 @@ impl Report {
     /// The table for people.
     pub fn table(&self) -> String {
         let mut t = String::new();
-        let c = &self.capacity;
-        let off = &self.capacity_sync_off;
+        self.write_title(&mut t);
+        self.write_throughput(&mut t);
+        self.write_baselines(&mut t);
+        let _ = writeln!(t);
+        t.push_str(&latency_table(&self.latency));
+        self.write_contention(&mut t);
+        self.write_ratios(&mut t);
+        self.write_capacity_profiles(&mut t);
+        self.write_baseline_profiles(&mut t);
+        self.write_b2_profile(&mut t);
+        t
+    }
+
+    /// What was run, and whether the figures are measurements at all.
+    fn write_title(&self, t: &mut String) {
         let _ = writeln!(
             t,
             "ductor-bench: {} runs of a {STEPS}-step workflow ({INPUTS_PER_RUN} inputs per run){}",
-            c.runs,
+            self.capacity.runs,
             if self.quick {
                 " -- QUICK smoke run, not a measurement"
             } else {
@@ -219,14 +241,19 @@ impl Report {
             }
         );
         let _ = writeln!(t);
+    }
+
+    /// The throughput columns and the pipeline's capacity with either
+    /// synchronous commit setting.
+    fn write_throughput(&self, t: &mut String) {
         let _ = writeln!(
             t,
             "{:<34} {:>12} {:>12} {:>10}",
             "", "inputs/s", "runs/s", "seconds"
         );
         for (name, cap) in [
-            ("capacity, synchronous_commit on", c),
-            ("capacity, synchronous_commit off", off),
+            ("capacity, synchronous_commit on", &self.capacity),
+            ("capacity, synchronous_commit off", &self.capacity_sync_off),
         ] {
             let _ = writeln!(
                 t,
@@ -234,6 +261,10 @@ impl Report {
                 cap.inputs_per_s, cap.runs_per_s, cap.seconds
             );
         }
+    }
+
+    /// The machine's baselines, the limit they set, and the memory used.
+    fn write_baselines(&self, t: &mut String) {
         let _ = writeln!(
             t,
             "{:<34} {:>12.0} {:>12} {:>10}",
@@ -262,9 +293,10 @@ impl Report {
             "L = 1/(1/B1b + 1/B2)", self.limit_inputs_per_s
         );
         let _ = writeln!(t, "{:<34} {:>12.1}", "peak RSS, MiB", self.peak_rss_mb);
-        let _ = writeln!(t);
-        t.push_str(&latency_table(&self.latency));
-        let r = &self.ratios;
+    }
+
+    /// A warning naming the phases that other processes disturbed, if any.
+    fn write_contention(&self, t: &mut String) {
         let contended: Vec<String> = self
             .profile
             .other_cores
@@ -280,6 +312,11 @@ impl Report {
                 contended.join(", ")
             );
         }
+    }
+
+    /// The headline ratios.
+    fn write_ratios(&self, t: &mut String) {
+        let r = &self.ratios;
         let _ = writeln!(t);
         let _ = writeln!(
             t,
@@ -291,14 +328,21 @@ impl Report {
             r.p99_ms_at_50pct
         );
         let _ = writeln!(t);
-        for (name, cap) in [("sync on ", c), ("sync off", off)] {
+    }
+
+    /// Where the time of each capacity window went.
+    fn write_capacity_profiles(&self, t: &mut String) {
+        for (name, cap) in [
+            ("sync on ", &self.capacity),
+            ("sync off", &self.capacity_sync_off),
+        ] {
             let p = &cap.profile;
             let pg = &p.postgres_per_input;
             let _ = writeln!(
                 t,
                 "profile {name}: {:.0} tx x {:.1} inputs, apply {:.1} ms avg ({:.0}% of the window), publish ack {:.1} ms; \
                  per input: {:.2} commits, {:.3} WAL fsyncs, {:.0} WAL bytes, {:.1} WAL records; \
-                 cores: ductor {:.2}, postgres {:.2}, kafka {:.2}, other {:.2}, steal {:.2}; {:.2} msgs/input",
+                 cores: {}; {:.2} msgs/input",
                 p.batches,
                 p.inputs_per_batch,
                 p.apply_ms_avg,
@@ -308,16 +352,17 @@ impl Report {
                 pg.wal_syncs,
                 pg.wal_bytes,
                 pg.wal_records,
-                p.cpu_cores.ductor,
-                p.cpu_cores.postgres,
-                p.cpu_cores.kafka,
-                p.cpu_cores.other,
-                p.cpu_cores.steal,
+                cores_text(&p.cpu_cores),
                 cap.msgs_per_input
             );
         }
+    }
+
+    /// The statements' times and the cores at the best point of each SQL
+    /// baseline.
+    fn write_baseline_profiles(&self, t: &mut String) {
         for (name, b) in [("B1a", &self.b1a), ("B1b", &self.b1b)] {
-            if let Some(best) = b.grid.iter().find(|p| p.clients == b.clients && p.k == b.k) {
+            if let Some(best) = b.best_point() {
                 let statements: Vec<String> = footprint::STATEMENTS
                     .iter()
                     .filter_map(|s| {
@@ -339,14 +384,25 @@ impl Report {
                 );
             }
         }
-        let b2 = &self.b2.profile.cpu_cores;
+    }
+
+    /// The cores and the message count of the Kafka-only baseline.
+    fn write_b2_profile(&self, t: &mut String) {
         let _ = writeln!(
             t,
-            "profile B2: cores: ductor {:.2}, postgres {:.2}, kafka {:.2}, other {:.2}, steal {:.2}; {:.2} msgs/input",
-            b2.ductor, b2.postgres, b2.kafka, b2.other, b2.steal, self.b2.msgs_per_input
+            "profile B2: cores: {}; {:.2} msgs/input",
+            cores_text(&self.b2.profile.cpu_cores),
+            self.b2.msgs_per_input
         );
-        t
     }
+}
+
+/// Cores per process group, as every profile line shows them.
+fn cores_text(c: &stats::CpuCores) -> String {
+    format!(
+        "ductor {:.2}, postgres {:.2}, kafka {:.2}, other {:.2}, steal {:.2}",
+        c.ductor, c.postgres, c.kafka, c.other, c.steal
+    )
 }
 
 /// The latency rows and their profile lines.
@@ -389,17 +445,13 @@ fn latency_table(latency: &[Latency]) -> String {
         let _ = writeln!(
             t,
             "    means: input age at fetch {:.1} ms, at apply {:.1} ms; apply {:.1} ms for {:.1} inputs; publish ack {:.1} ms; \
-             cores: ductor {:.2}, postgres {:.2}, kafka {:.2}, other {:.2}, steal {:.2}",
+             cores: {}",
             p.fetch_age_ms_avg,
             p.apply_age_ms_avg,
             p.apply_ms_avg,
             p.inputs_per_batch,
             p.publish_ms_avg,
-            p.cpu_cores.ductor,
-            p.cpu_cores.postgres,
-            p.cpu_cores.kafka,
-            p.cpu_cores.other,
-            p.cpu_cores.steal
+            cores_text(&p.cpu_cores)
         );
         let phases: Vec<String> = pipeline::APPLY_PHASES
             .iter()
@@ -510,18 +562,7 @@ async fn sync_on_phases(
     shutdown: &CancellationToken,
     progress: &mut Progress,
 ) -> anyhow::Result<(Capacity, Vec<Latency>)> {
-    let sync = env.set_synchronous_commit(true).await?;
-    let mut on = Pipeline::start(env, "on", plan.worker_in_flight, shutdown).await?;
-    let capacity = pipeline::capacity(
-        env,
-        &mut on,
-        "on",
-        sync,
-        plan.runs,
-        plan.warmup_runs,
-        progress,
-    )
-    .await?;
+    let (mut on, capacity) = capacity_phase(env, plan, true, shutdown, progress).await?;
     progress.done(&format!(
         "capacity (synchronous_commit on{}): {:.0} inputs/s, {:.1} runs/s",
         if reference.is_some() {
@@ -547,6 +588,42 @@ async fn sync_on_phases(
     Ok((capacity, latency))
 }
 
+/// Sets synchronous commit on the database, starts a pipeline that sees
+/// it, and measures its capacity; the pipeline is left running for the
+/// phases that follow.
+async fn capacity_phase(
+    env: &BenchEnv,
+    plan: &Plan,
+    synchronous_commit: bool,
+    shutdown: &CancellationToken,
+    progress: &mut Progress,
+) -> anyhow::Result<(Pipeline, Capacity)> {
+    let name = if synchronous_commit { "on" } else { "off" };
+    let sync = env.set_synchronous_commit(synchronous_commit).await?;
+    let mut pipeline = Pipeline::start(env, name, plan.worker_in_flight, shutdown).await?;
+    let capacity = pipeline::capacity(
+        env,
+        &mut pipeline,
+        name,
+        sync,
+        plan.runs,
+        plan.warmup_runs,
+        progress,
+    )
+    .await?;
+    Ok((pipeline, capacity))
+}
+
+/// Every phase's figures, before the ratios between them.
+struct Measured {
+    capacity: Capacity,
+    capacity_sync_off: Capacity,
+    latency: Vec<Latency>,
+    b1a: Baseline,
+    b1b: Baseline,
+    b2: Passthrough,
+}
+
 async fn phases(
     env: &BenchEnv,
     plan: &Plan,
@@ -557,19 +634,7 @@ async fn phases(
     let (capacity, latency) = sync_on_phases(env, plan, None, shutdown, progress).await?;
 
     // 3: the SQL footprint alone.
-    let b1a_grid =
-        footprint::grid(env, &plan.b1a_clients, &[1], plan.b1_point, "B1a", progress).await?;
-    let b1b_grid = footprint::grid(
-        env,
-        &plan.b1b_clients,
-        &plan.b1b_ks,
-        plan.b1_point,
-        "B1b",
-        progress,
-    )
-    .await?;
-    let b1a = baseline(b1a_grid)?;
-    let b1b = baseline(b1b_grid)?;
+    let (b1a, b1b) = sql_baselines(env, plan, progress).await?;
 
     // 4: the Kafka traffic alone.
     let b2 = passthrough::run(
@@ -587,74 +652,128 @@ async fn phases(
     ));
 
     // 5: capacity with synchronous commit off.
-    env.truncate().await?;
-    let sync = env.set_synchronous_commit(false).await?;
-    let mut off = Pipeline::start(env, "off", plan.worker_in_flight, shutdown).await?;
-    let capacity_sync_off = pipeline::capacity(
+    let capacity_sync_off = sync_off_capacity(env, plan, shutdown, progress).await?;
+
+    Ok(Report::new(
+        plan.quick,
+        Measured {
+            capacity,
+            capacity_sync_off,
+            latency,
+            b1a,
+            b1b,
+            b2,
+        },
+    ))
+}
+
+/// B1a (one input per transaction) and B1b (`k` per transaction), each the
+/// best point of its grid.
+async fn sql_baselines(
+    env: &BenchEnv,
+    plan: &Plan,
+    progress: &mut Progress,
+) -> anyhow::Result<(Baseline, Baseline)> {
+    let b1a_grid =
+        footprint::grid(env, &plan.b1a_clients, &[1], plan.b1_point, "B1a", progress).await?;
+    let b1b_grid = footprint::grid(
         env,
-        &mut off,
-        "off",
-        sync,
-        plan.runs,
-        plan.warmup_runs,
+        &plan.b1b_clients,
+        &plan.b1b_ks,
+        plan.b1_point,
+        "B1b",
         progress,
     )
     .await?;
+    Ok((baseline(b1a_grid)?, baseline(b1b_grid)?))
+}
+
+/// Capacity again on emptied tables, with synchronous commit off.
+async fn sync_off_capacity(
+    env: &BenchEnv,
+    plan: &Plan,
+    shutdown: &CancellationToken,
+    progress: &mut Progress,
+) -> anyhow::Result<Capacity> {
+    env.truncate().await?;
+    let (off, capacity) = capacity_phase(env, plan, false, shutdown, progress).await?;
     off.stop().await?;
     progress.done(&format!(
         "capacity (synchronous_commit off): {:.0} inputs/s, {:.1} runs/s",
-        capacity_sync_off.inputs_per_s, capacity_sync_off.runs_per_s
+        capacity.inputs_per_s, capacity.runs_per_s
     ));
+    Ok(capacity)
+}
 
-    let limit = 1.0 / (1.0 / b1b.inputs_per_s + 1.0 / b2.inputs_per_s);
-    let p99_at_50 = latency
-        .iter()
-        .find(|l| l.load_pct == 50)
-        .map_or(0.0, |l| l.p99_ms);
-    let ratios = Ratios {
-        capacity_over_l: capacity.inputs_per_s / limit,
-        capacity_over_b1b: capacity.inputs_per_s / b1b.inputs_per_s,
-        capacity_over_b1a: capacity.inputs_per_s / b1a.inputs_per_s,
-        sync_on_over_off: capacity.inputs_per_s / capacity_sync_off.inputs_per_s,
-        p99_ms_at_50pct: p99_at_50,
-    };
-    let best_cpu = |b: &Baseline| {
-        b.grid
-            .iter()
-            .find(|p| p.clients == b.clients && p.k == b.k)
-            .map_or(0.0, |p| taken(&p.profile.cpu_cores))
-    };
-    let mut other_cores = BTreeMap::from([
-        ("capacity".to_string(), taken(&capacity.profile.cpu_cores)),
-        (
-            "capacity_sync_off".to_string(),
-            taken(&capacity_sync_off.profile.cpu_cores),
-        ),
-        ("b1a".to_string(), best_cpu(&b1a)),
-        ("b1b".to_string(), best_cpu(&b1b)),
-        ("b2".to_string(), taken(&b2.profile.cpu_cores)),
-    ]);
-    for l in &latency {
-        other_cores.insert(
-            format!("latency_{}", l.load_pct),
-            taken(&l.profile.cpu_cores),
-        );
+impl Report {
+    /// The report of a full run: the phases' figures, the machine's limit
+    /// and the ratios against it, and how much other processes disturbed
+    /// each phase.
+    fn new(quick: bool, m: Measured) -> Report {
+        let limit = 1.0 / (1.0 / m.b1b.inputs_per_s + 1.0 / m.b2.inputs_per_s);
+        let ratios = m.ratios(limit);
+        let other_cores = m.other_cores();
+        Report {
+            quick,
+            steps_per_run: STEPS,
+            inputs_per_run: INPUTS_PER_RUN,
+            capacity: m.capacity,
+            capacity_sync_off: m.capacity_sync_off,
+            latency: m.latency,
+            b1a: m.b1a,
+            b1b: m.b1b,
+            b2: m.b2,
+            limit_inputs_per_s: limit,
+            ratios,
+            peak_rss_mb: peak_rss_mb(),
+            profile: ReportProfile { other_cores },
+        }
     }
-    Ok(Report {
-        quick: plan.quick,
-        steps_per_run: STEPS,
-        inputs_per_run: INPUTS_PER_RUN,
-        capacity,
-        capacity_sync_off,
-        latency,
-        b1a,
-        b1b,
-        b2,
-        limit_inputs_per_s: limit,
-        ratios,
-        peak_rss_mb: peak_rss_mb(),
-        profile: ReportProfile { other_cores },
-    })
+}
+
+impl Measured {
+    /// The capacity against the limit `limit` inputs/s and each baseline,
+    /// and the p99 at half the capacity.
+    fn ratios(&self, limit: f64) -> Ratios {
+        let capacity = self.capacity.inputs_per_s;
+        let p99_at_50 = self
+            .latency
+            .iter()
+            .find(|l| l.load_pct == 50)
+            .map_or(0.0, |l| l.p99_ms);
+        Ratios {
+            capacity_over_l: capacity / limit,
+            capacity_over_b1b: capacity / self.b1b.inputs_per_s,
+            capacity_over_b1a: capacity / self.b1a.inputs_per_s,
+            sync_on_over_off: capacity / self.capacity_sync_off.inputs_per_s,
+            p99_ms_at_50pct: p99_at_50,
+        }
+    }
+
+    /// Cores other processes and the hypervisor took during each phase.
+    fn other_cores(&self) -> BTreeMap<String, f64> {
+        let best_cpu = |b: &Baseline| b.best_point().map_or(0.0, |p| taken(&p.profile.cpu_cores));
+        let mut other_cores = BTreeMap::from([
+            (
+                "capacity".to_string(),
+                taken(&self.capacity.profile.cpu_cores),
+            ),
+            (
+                "capacity_sync_off".to_string(),
+                taken(&self.capacity_sync_off.profile.cpu_cores),
+            ),
+            ("b1a".to_string(), best_cpu(&self.b1a)),
+            ("b1b".to_string(), best_cpu(&self.b1b)),
+            ("b2".to_string(), taken(&self.b2.profile.cpu_cores)),
+        ]);
+        for l in &self.latency {
+            other_cores.insert(
+                format!("latency_{}", l.load_pct),
+                taken(&l.profile.cpu_cores),
+            );
+        }
+        other_cores
+    }
 }
 
 /// This process's peak RSS in MiB (0 where the system does not say).

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use chrono::Utc;
+use chrono::{DateTime, Utc};
 use futures::future::join_all;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Header, Message, OwnedHeaders, OwnedMessage};
@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::env::{BenchEnv, INPUTS_PER_RUN, POOL, STEPS, WORKFLOW};
-use super::pipeline::{echo, produce_all, start_request, worker_options};
+use super::pipeline::{produce_start_requests, spawn_echo_worker};
 use super::stats::{CpuCores, CpuTicks, Progress, Watchdog, messages_between, topic_offsets};
 use ductor::config::Config;
 use ductor::contract::EffectKind;
@@ -77,100 +77,24 @@ pub async fn run(
     env.create_topics(&config).await?;
     let shutdown = parent.child_token();
     let _stop_on_drop = shutdown.clone().drop_guard();
-    let counters = Arc::new(Counters::default());
-    let epoch = Instant::now();
-    let coordinator: JoinHandle<anyhow::Result<()>> = tokio::spawn(coordinate(
-        config.clone(),
-        counters.clone(),
-        epoch,
-        shutdown.clone(),
-    ));
-    let worker = tokio::spawn(ductor::client::worker::run(
-        worker_options(&config, worker_in_flight),
-        echo,
-        shutdown.clone(),
-    ));
-    let producer = ductor::infra::kafka::producer(&config.kafka, "bench-client")?;
-    let timeout = Duration::from_millis(config.kafka.delivery_timeout_ms);
-    let starts = |prefix: &str, n: usize| -> Vec<(String, String)> {
-        (0..n)
-            .map(|i| {
-                let id = format!("{prefix}-{i}");
-                let value = start_request(&id, i);
-                (id, value)
-            })
-            .collect()
-    };
-    let alive = |c: &JoinHandle<anyhow::Result<()>>, w: &JoinHandle<anyhow::Result<()>>| {
-        anyhow::ensure!(
-            !c.is_finished() && !w.is_finished(),
-            "the Kafka passthrough stopped while the bench was running"
-        );
-        Ok(())
-    };
+    let mut b2 = B2::start(config, worker_in_flight, &shutdown)?;
 
-    produce_all(
-        &producer,
-        &config.requests_topic(),
-        &starts("warm-b2", warmup_runs),
-        timeout,
-    )
-    .await?;
-    let mut watchdog = Watchdog::new(
-        "B2 warm-up",
-        Duration::from_secs(120),
-        Duration::from_secs(30),
-    );
-    while counters.finished_runs.load(Ordering::Relaxed) < warmup_runs as u64 {
-        alive(&coordinator, &worker)?;
-        watchdog.check(
-            counters.finished_runs.load(Ordering::Relaxed),
-            warmup_runs as u64,
-        )?;
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    b2.produce_starts("warm-b2", warmup_runs).await?;
+    b2.wait_warmed_up(warmup_runs).await?;
 
-    let topics = config.all_topics();
-    let offsets_before = topic_offsets(&config.kafka, &topics).await?;
-    let inputs_before = counters.inputs.load(Ordering::Relaxed);
+    let topics = b2.config.all_topics();
+    let offsets_before = topic_offsets(&b2.config.kafka, &topics).await?;
+    let inputs_before = b2.counters.inputs.load(Ordering::Relaxed);
     let cpu_before = CpuTicks::sample(&env.cpu);
-    counters.armed.store(true, Ordering::SeqCst);
-    produce_all(
-        &producer,
-        &config.requests_topic(),
-        &starts("b2", runs),
-        timeout,
-    )
-    .await?;
-    let target = (warmup_runs + runs) as u64;
-    let limit = Duration::from_secs(120) + Duration::from_millis(100 * runs as u64);
-    let mut watchdog = Watchdog::new("B2 Kafka passthrough", limit, Duration::from_secs(30));
-    let started = Instant::now();
-    loop {
-        let finished = counters.finished_runs.load(Ordering::Relaxed);
-        let done = finished.saturating_sub(warmup_runs as u64);
-        let rate = done as f64 / started.elapsed().as_secs_f64().max(1e-3);
-        progress.update(&format!(
-            "B2 Kafka passthrough: {done}/{runs} runs finished ({rate:.0} runs/s)"
-        ));
-        if finished >= target {
-            break;
-        }
-        alive(&coordinator, &worker)?;
-        watchdog.check(done, runs as u64)?;
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    b2.counters.armed.store(true, Ordering::SeqCst);
+    b2.produce_starts("b2", runs).await?;
+    b2.wait_backlog(warmup_runs, runs, progress).await?;
     let cpu_after = CpuTicks::sample(&env.cpu);
-    let inputs = counters.inputs.load(Ordering::Relaxed) - inputs_before;
-    let seconds = counters
-        .last_finish_us
-        .load(Ordering::SeqCst)
-        .saturating_sub(counters.first_input_us.load(Ordering::SeqCst)) as f64
-        / 1e6;
+    let inputs = b2.counters.inputs.load(Ordering::Relaxed) - inputs_before;
+    let seconds = b2.counters.window_seconds();
     shutdown.cancel();
-    coordinator.await.context("the passthrough panicked")??;
-    worker.await.context("the B2 worker panicked")??;
-    let offsets_after = topic_offsets(&config.kafka, &topics).await?;
+    b2.join().await?;
+    let offsets_after = topic_offsets(&b2.config.kafka, &topics).await?;
     anyhow::ensure!(seconds > 0.0, "B2: empty measurement window");
     anyhow::ensure!(
         inputs == runs as u64 * u64::from(INPUTS_PER_RUN),
@@ -186,6 +110,147 @@ pub async fn run(
             cpu_cores: cpu_before.cores_until(&cpu_after),
         },
     })
+}
+
+impl Counters {
+    /// Seconds from the first input consumed after arming to the last run
+    /// finished.
+    fn window_seconds(&self) -> f64 {
+        self.last_finish_us
+            .load(Ordering::SeqCst)
+            .saturating_sub(self.first_input_us.load(Ordering::SeqCst)) as f64
+            / 1e6
+    }
+
+    /// Notes the first input consumed once armed.
+    fn mark_first_input(&self, epoch: Instant) {
+        if self.armed.load(Ordering::Relaxed) {
+            let _ = self.first_input_us.compare_exchange(
+                0,
+                epoch.elapsed().as_micros() as u64,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            );
+        }
+    }
+
+    /// Counts a published batch of `inputs` that finished `finished` runs.
+    fn count_batch(&self, inputs: usize, finished: u64, epoch: Instant) {
+        self.inputs.fetch_add(inputs as u64, Ordering::Relaxed);
+        if finished > 0 {
+            self.finished_runs.fetch_add(finished, Ordering::SeqCst);
+            self.last_finish_us
+                .store(epoch.elapsed().as_micros() as u64, Ordering::SeqCst);
+        }
+    }
+}
+
+/// The passthrough pipeline: the coordinator stand-in, the real echo
+/// worker, and the bench's producer of start requests.
+struct B2 {
+    config: Config,
+    counters: Arc<Counters>,
+    coordinator: JoinHandle<anyhow::Result<()>>,
+    worker: JoinHandle<anyhow::Result<()>>,
+    producer: FutureProducer,
+}
+
+impl B2 {
+    /// Starts the coordinator stand-in and the worker under `shutdown`.
+    fn start(
+        config: Config,
+        worker_in_flight: usize,
+        shutdown: &CancellationToken,
+    ) -> anyhow::Result<B2> {
+        let counters = Arc::new(Counters::default());
+        let epoch = Instant::now();
+        let coordinator: JoinHandle<anyhow::Result<()>> = tokio::spawn(coordinate(
+            config.clone(),
+            counters.clone(),
+            epoch,
+            shutdown.clone(),
+        ));
+        let worker = spawn_echo_worker(&config, worker_in_flight, shutdown);
+        let producer = ductor::infra::kafka::producer(&config.kafka, "bench-client")?;
+        Ok(B2 {
+            config,
+            counters,
+            coordinator,
+            worker,
+            producer,
+        })
+    }
+
+    /// Produces the start requests of `prefix-0 .. prefix-(n-1)`.
+    async fn produce_starts(&self, prefix: &str, n: usize) -> anyhow::Result<()> {
+        produce_start_requests(&self.producer, &self.config, prefix, n).await
+    }
+
+    /// Fails if the coordinator stand-in or the worker has stopped.
+    fn check_alive(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            !self.coordinator.is_finished() && !self.worker.is_finished(),
+            "the Kafka passthrough stopped while the bench was running"
+        );
+        Ok(())
+    }
+
+    /// Waits until the `warmup_runs` warm-up runs are finished.
+    async fn wait_warmed_up(&self, warmup_runs: usize) -> anyhow::Result<()> {
+        let mut watchdog = Watchdog::new(
+            "B2 warm-up",
+            Duration::from_secs(120),
+            Duration::from_secs(30),
+        );
+        while self.counters.finished_runs.load(Ordering::Relaxed) < warmup_runs as u64 {
+            self.check_alive()?;
+            watchdog.check(
+                self.counters.finished_runs.load(Ordering::Relaxed),
+                warmup_runs as u64,
+            )?;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(())
+    }
+
+    /// Waits until the backlog of `runs`, produced after the warm-up's
+    /// `warmup_runs`, is finished, showing progress.
+    async fn wait_backlog(
+        &self,
+        warmup_runs: usize,
+        runs: usize,
+        progress: &mut Progress,
+    ) -> anyhow::Result<()> {
+        let target = (warmup_runs + runs) as u64;
+        let limit = Duration::from_secs(120) + Duration::from_millis(100 * runs as u64);
+        let mut watchdog = Watchdog::new("B2 Kafka passthrough", limit, Duration::from_secs(30));
+        let started = Instant::now();
+        loop {
+            let finished = self.counters.finished_runs.load(Ordering::Relaxed);
+            let done = finished.saturating_sub(warmup_runs as u64);
+            let rate = done as f64 / started.elapsed().as_secs_f64().max(1e-3);
+            progress.update(&format!(
+                "B2 Kafka passthrough: {done}/{runs} runs finished ({rate:.0} runs/s)"
+            ));
+            if finished >= target {
+                return Ok(());
+            }
+            self.check_alive()?;
+            watchdog.check(done, runs as u64)?;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Waits for both tasks once shut down, and reports how they ended.
+    async fn join(&mut self) -> anyhow::Result<()> {
+        (&mut self.coordinator)
+            .await
+            .context("the passthrough panicked")??;
+        (&mut self.worker)
+            .await
+            .context("the B2 worker panicked")??;
+        Ok(())
+    }
 }
 
 /// A run as the passthrough remembers it.
@@ -204,28 +269,20 @@ struct Out {
     headers: OwnedHeaders,
 }
 
+/// The passthrough "coordinator": batches inputs as the ingress does and
+/// publishes for each what Ductor's drainer would, until `shutdown`.
 async fn coordinate(
     config: Config,
     counters: Arc<Counters>,
     epoch: Instant,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    let consumer: StreamConsumer =
-        ductor::infra::kafka::consumer_config(&config.kafka, &config.kafka.group_id, "b2-ingress")
-            .create()
-            .context("creating the passthrough consumer")?;
+    let consumer = passthrough_consumer(&config)?;
     let producer: FutureProducer = ductor::infra::kafka::producer(&config.kafka, "b2-drainer")?;
-    let requests = config.requests_topic();
-    let results = config.attempt_results_topic();
-    consumer
-        .subscribe(&[requests.as_str(), results.as_str()])
-        .context("subscribing the passthrough")?;
-    let events = config.events_topic();
-    let steps = config.steps_topic(POOL);
+    let mut runs = Runs::new(&config);
     let max_batch = config.coordinator.batch_max_inputs;
     let linger = Duration::from_millis(config.coordinator.batch_linger_ms);
     let timeout = Duration::from_millis(config.kafka.delivery_timeout_ms);
-    let mut memo: HashMap<String, RunMemo> = HashMap::new();
     loop {
         // The ingress' batching: wait for one message, then fill up to the
         // bound or until the linger time has passed.
@@ -235,14 +292,7 @@ async fn coordinate(
             _ = shutdown.cancelled() => return Ok(()),
             m = consumer.recv() => batch.push(m.context("passthrough consumer")?.detach()),
         }
-        if counters.armed.load(Ordering::Relaxed) {
-            let _ = counters.first_input_us.compare_exchange(
-                0,
-                epoch.elapsed().as_micros() as u64,
-                Ordering::SeqCst,
-                Ordering::SeqCst,
-            );
-        }
+        counters.mark_first_input(epoch);
         let deadline = tokio::time::Instant::now() + linger;
         while batch.len() < max_batch {
             tokio::select! {
@@ -255,102 +305,161 @@ async fn coordinate(
         let mut outs = Vec::with_capacity(batch.len() * 2);
         let mut finished = 0u64;
         for msg in &batch {
-            let value: Value = serde_json::from_slice(msg.payload().unwrap_or_default())
-                .context("passthrough input is not JSON")?;
-            let run_id = value["run_id"].as_str().unwrap_or_default().to_string();
-            let input = match value["type"].as_str() {
-                Some("run.start") => {
-                    memo.insert(
-                        run_id.clone(),
-                        RunMemo {
-                            tenant: value["tenant"].as_str().unwrap_or_default().to_string(),
-                            completed: 0,
-                            seq: 0,
-                        },
-                    );
-                    value["input"].clone()
-                }
-                _ => value["output"].clone(),
-            };
-            let Some(run) = memo.get_mut(&run_id) else {
-                anyhow::bail!("passthrough: result for unknown run {run_id}");
-            };
-            if value["type"] != "run.start" {
-                run.completed += 1;
-            }
-            run.seq += 1;
-            let done = run.completed == STEPS;
-            let kind = match (run.seq, done) {
-                (1, _) => "run.started",
-                (_, true) => "run.succeeded",
-                _ => "step.succeeded",
-            };
-            let now = Utc::now();
-            let at = now.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
-            let event = json!({
-                "type": "run.event", "schema_version": 1, "run_id": run_id, "tenant": run.tenant,
-                "seq": run.seq, "kind": kind, "status": if done { "succeeded" } else { "running" },
-                "step_index": run.completed.min(STEPS - 1), "attempt": 1, "at": at,
-            });
-            outs.push(out(
-                &events,
-                &run_id,
-                &run.tenant,
-                run.seq,
-                0,
-                EffectKind::RunEvent.ce_type(),
-                &at,
-                &event,
-            )?);
-            if done {
-                memo.remove(&run_id);
+            if runs.effects(msg, &mut outs)? {
                 finished += 1;
-                continue;
-            }
-            let stamp = Uuid::new_v4();
-            let deadline = (now + chrono::Duration::hours(1))
-                .to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
-            let dispatch = json!({
-                "type": "step.dispatch", "schema_version": 1, "run_id": run_id,
-                "tenant": run.tenant, "workflow": WORKFLOW, "workflow_version": 1,
-                "step": format!("s{}", run.completed + 1), "step_index": run.completed,
-                "attempt": 1, "stamp": stamp.to_string(), "deadline": deadline, "input": input,
-            });
-            outs.push(out(
-                &steps,
-                &run_id,
-                &run.tenant,
-                run.seq,
-                1,
-                EffectKind::StepDispatch.ce_type(),
-                &at,
-                &dispatch,
-            )?);
-        }
-
-        let sends = outs.iter().map(|o| {
-            let record = FutureRecord::to(&o.topic)
-                .key(&o.key)
-                .payload(&o.payload)
-                .headers(o.headers.clone());
-            producer.send(record, timeout)
-        });
-        for result in join_all(sends).await {
-            if let Err((e, _)) = result {
-                anyhow::bail!("passthrough publish failed: {e}");
             }
         }
-        counters
-            .inputs
-            .fetch_add(batch.len() as u64, Ordering::Relaxed);
-        if finished > 0 {
-            counters.finished_runs.fetch_add(finished, Ordering::SeqCst);
-            counters
-                .last_finish_us
-                .store(epoch.elapsed().as_micros() as u64, Ordering::SeqCst);
-        }
+        publish(&producer, &outs, timeout).await?;
+        counters.count_batch(batch.len(), finished, epoch);
         store_offsets(&consumer, &batch);
     }
+}
+
+/// A consumer of requests and attempt results with the ingress' settings
+/// and consumer group.
+fn passthrough_consumer(config: &Config) -> anyhow::Result<StreamConsumer> {
+    let consumer: StreamConsumer =
+        ductor::infra::kafka::consumer_config(&config.kafka, &config.kafka.group_id, "b2-ingress")
+            .create()
+            .context("creating the passthrough consumer")?;
+    let requests = config.requests_topic();
+    let results = config.attempt_results_topic();
+    consumer
+        .subscribe(&[requests.as_str(), results.as_str()])
+        .context("subscribing the passthrough")?;
+    Ok(consumer)
+}
+
+/// The runs in flight as the passthrough remembers them, and the topics
+/// their effects go to.
+struct Runs {
+    memo: HashMap<String, RunMemo>,
+    events: String,
+    steps: String,
+}
+
+impl Runs {
+    fn new(config: &Config) -> Runs {
+        Runs {
+            memo: HashMap::new(),
+            events: config.events_topic(),
+            steps: config.steps_topic(POOL),
+        }
+    }
+
+    /// Adds to `outs` what the drainer would publish for the input `msg`:
+    /// its run's event and, while steps remain, the next dispatch. Returns
+    /// whether the run finished.
+    fn effects(&mut self, msg: &OwnedMessage, outs: &mut Vec<Out>) -> anyhow::Result<bool> {
+        let value: Value = serde_json::from_slice(msg.payload().unwrap_or_default())
+            .context("passthrough input is not JSON")?;
+        let run_id = value["run_id"].as_str().unwrap_or_default().to_string();
+        let input = self.advance(&run_id, &value)?;
+        let run = &self.memo[&run_id];
+        let done = run.completed == STEPS;
+        let now = Utc::now();
+        let at = now.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+        let event = run_event(&run_id, run, &at);
+        outs.push(out(
+            &self.events,
+            &run_id,
+            &run.tenant,
+            run.seq,
+            0,
+            EffectKind::RunEvent.ce_type(),
+            &at,
+            &event,
+        )?);
+        if done {
+            self.memo.remove(&run_id);
+            return Ok(true);
+        }
+        let dispatch = step_dispatch(&run_id, run, now, input);
+        outs.push(out(
+            &self.steps,
+            &run_id,
+            &run.tenant,
+            run.seq,
+            1,
+            EffectKind::StepDispatch.ce_type(),
+            &at,
+            &dispatch,
+        )?);
+        Ok(false)
+    }
+
+    /// Folds the input `value` into its run's memo: a start remembers the
+    /// run, a result completes its step. Returns the input the next step
+    /// gets.
+    fn advance(&mut self, run_id: &str, value: &Value) -> anyhow::Result<Value> {
+        let input = match value["type"].as_str() {
+            Some("run.start") => {
+                self.memo.insert(
+                    run_id.to_string(),
+                    RunMemo {
+                        tenant: value["tenant"].as_str().unwrap_or_default().to_string(),
+                        completed: 0,
+                        seq: 0,
+                    },
+                );
+                value["input"].clone()
+            }
+            _ => value["output"].clone(),
+        };
+        let Some(run) = self.memo.get_mut(run_id) else {
+            anyhow::bail!("passthrough: result for unknown run {run_id}");
+        };
+        if value["type"] != "run.start" {
+            run.completed += 1;
+        }
+        run.seq += 1;
+        Ok(input)
+    }
+}
+
+/// The `run.event` of `run`'s latest transition, at `at`.
+fn run_event(run_id: &str, run: &RunMemo, at: &str) -> Value {
+    let done = run.completed == STEPS;
+    let kind = match (run.seq, done) {
+        (1, _) => "run.started",
+        (_, true) => "run.succeeded",
+        _ => "step.succeeded",
+    };
+    json!({
+        "type": "run.event", "schema_version": 1, "run_id": run_id, "tenant": run.tenant,
+        "seq": run.seq, "kind": kind, "status": if done { "succeeded" } else { "running" },
+        "step_index": run.completed.min(STEPS - 1), "attempt": 1, "at": at,
+    })
+}
+
+/// The `step.dispatch` of `run`'s next step, with `input`, at `now`.
+fn step_dispatch(run_id: &str, run: &RunMemo, now: DateTime<Utc>, input: Value) -> Value {
+    let stamp = Uuid::new_v4();
+    let deadline =
+        (now + chrono::Duration::hours(1)).to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+    json!({
+        "type": "step.dispatch", "schema_version": 1, "run_id": run_id,
+        "tenant": run.tenant, "workflow": WORKFLOW, "workflow_version": 1,
+        "step": format!("s{}", run.completed + 1), "step_index": run.completed,
+        "attempt": 1, "stamp": stamp.to_string(), "deadline": deadline, "input": input,
+    })
+}
+
+/// Publishes a batch's effects and waits for every acknowledgement.
+async fn publish(producer: &FutureProducer, outs: &[Out], timeout: Duration) -> anyhow::Result<()> {
+    let sends = outs.iter().map(|o| {
+        let record = FutureRecord::to(&o.topic)
+            .key(&o.key)
+            .payload(&o.payload)
+            .headers(o.headers.clone());
+        producer.send(record, timeout)
+    });
+    for result in join_all(sends).await {
+        if let Err((e, _)) = result {
+            anyhow::bail!("passthrough publish failed: {e}");
+        }
+    }
+    Ok(())
 }
 
 /// An effect with Ductor's headers.

@@ -48,6 +48,34 @@ pub fn start_request(run_id: &str, i: usize) -> String {
     .to_string()
 }
 
+/// Produces the start requests of `prefix-0 .. prefix-(n-1)` to the
+/// requests topic of `config`, and waits for every acknowledgement.
+pub async fn produce_start_requests(
+    producer: &FutureProducer,
+    config: &Config,
+    prefix: &str,
+    n: usize,
+) -> anyhow::Result<()> {
+    produce_all(
+        producer,
+        &config.requests_topic(),
+        &start_requests(prefix, n),
+        Duration::from_millis(config.kafka.delivery_timeout_ms),
+    )
+    .await
+}
+
+/// The start requests of runs `prefix-0 .. prefix-(n-1)`, keyed by run id.
+fn start_requests(prefix: &str, n: usize) -> Vec<(String, String)> {
+    (0..n)
+        .map(|i| {
+            let id = format!("{prefix}-{i}");
+            let value = start_request(&id, i);
+            (id, value)
+        })
+        .collect()
+}
+
 /// Worker options for the bench: enough handlers in flight that the echo
 /// worker is never what limits the pipeline.
 pub fn worker_options(config: &Config, max_in_flight: usize) -> WorkerOptions {
@@ -59,6 +87,20 @@ pub fn worker_options(config: &Config, max_in_flight: usize) -> WorkerOptions {
 /// The echo worker's handler: a step's output is its input.
 pub async fn echo(step: StepDispatch) -> StepOutcome {
     StepOutcome::Succeeded(step.input)
+}
+
+/// The real worker library with the echo handler, on the steps of
+/// `config`'s pool, until `shutdown`.
+pub fn spawn_echo_worker(
+    config: &Config,
+    max_in_flight: usize,
+    shutdown: &CancellationToken,
+) -> JoinHandle<anyhow::Result<()>> {
+    tokio::spawn(ductor::client::worker::run(
+        worker_options(config, max_in_flight),
+        echo,
+        shutdown.clone(),
+    ))
 }
 
 /// Enqueues `(key, value)` pairs on `topic` as fast as the producer takes
@@ -132,11 +174,7 @@ impl Pipeline {
         env.create_topics(&config).await?;
         let shutdown = parent.child_token();
         let serve = tokio::spawn(ductor::cli::serve::run(config.clone(), shutdown.clone()));
-        let worker = tokio::spawn(ductor::client::worker::run(
-            worker_options(&config, worker_in_flight),
-            echo,
-            shutdown.clone(),
-        ));
+        let worker = spawn_echo_worker(&config, worker_in_flight, &shutdown);
         let producer = ductor::infra::kafka::producer(&config.kafka, "bench-client")?;
         Ok(Pipeline {
             config,
@@ -182,20 +220,7 @@ impl Pipeline {
 
     /// Produces the start requests of `prefix-0 .. prefix-(n-1)`.
     pub async fn start_runs(&self, prefix: &str, n: usize) -> anyhow::Result<()> {
-        let messages: Vec<(String, String)> = (0..n)
-            .map(|i| {
-                let id = format!("{prefix}-{i}");
-                let value = start_request(&id, i);
-                (id, value)
-            })
-            .collect();
-        produce_all(
-            &self.producer,
-            &self.config.requests_topic(),
-            &messages,
-            Duration::from_millis(self.config.kafka.delivery_timeout_ms),
-        )
-        .await
+        produce_start_requests(&self.producer, &self.config, prefix, n).await
     }
 
     /// Waits until the `n` runs whose ids start with `prefix-` are finished,
@@ -320,27 +345,8 @@ pub async fn capacity(
     warmup_runs: usize,
     progress: &mut Progress,
 ) -> anyhow::Result<Capacity> {
-    // Warm-up: consumer groups joined, connections open, statements prepared.
-    let warm = format!("warm-{label}");
-    pipeline.start_runs(&warm, warmup_runs).await?;
-    pipeline
-        .wait_finished(
-            env,
-            &warm,
-            warmup_runs,
-            Duration::from_secs(120),
-            progress,
-            &format!("warm-up ({label})"),
-        )
-        .await?;
-    pipeline.wait_drained(env, label).await?;
-    env.analyze().await?;
-
-    let topics = pipeline.config.all_topics();
-    let offsets_before = topic_offsets(&pipeline.config.kafka, &topics).await?;
-    let pg_before = PgCounters::sample(&env.pool, &env.db_name).await?;
-    let hist_before = Histograms::sample();
-    let cpu_before = CpuTicks::sample(&env.cpu);
+    warm_up(env, pipeline, label, warmup_runs, progress).await?;
+    let before = Sample::before_backlog(env, pipeline).await?;
 
     let prefix = format!("cap-{label}");
     let produce_started = Instant::now();
@@ -357,51 +363,14 @@ pub async fn capacity(
             &format!("capacity ({label})"),
         )
         .await?;
-    let cpu_after = CpuTicks::sample(&env.cpu);
-    let hist_after = Histograms::sample();
-    pipeline.wait_drained(env, label).await?;
-    let offsets_after = topic_offsets(&pipeline.config.kafka, &topics).await?;
-    let pg_after = PgCounters::sample(&env.pool, &env.db_name).await?;
+    let after = Sample::after_backlog(env, pipeline, label).await?;
 
     let pattern = format!("{prefix}-%");
-    let row = sqlx::query(
-        "SELECT EXTRACT(EPOCH FROM (SELECT max(finished_at) FROM runs WHERE run_id LIKE $1) \
-             - (SELECT min(created_at) FROM run_transitions WHERE run_id LIKE $1))::float8 AS seconds, \
-             (SELECT count(*) FROM run_transitions WHERE run_id LIKE $1) AS transitions",
-    )
-    .bind(&pattern)
-    .fetch_one(&env.pool)
-    .await
-    .context("measuring the capacity window")?;
-    let seconds: f64 = row.try_get::<Option<f64>, _>("seconds")?.unwrap_or(0.0);
-    let transitions = row.try_get::<i64, _>("transitions")? as u64;
-    anyhow::ensure!(
-        seconds > 0.0,
-        "capacity ({label}): empty measurement window"
-    );
-    anyhow::ensure!(
-        transitions == runs as u64 * INPUTS_PER_RUN as u64,
-        "capacity ({label}): {transitions} transitions for {runs} runs, expected {} each",
-        INPUTS_PER_RUN
-    );
-
-    let sizes = sqlx::query(
-        "SELECT coalesce(avg(octet_length(payload)) FILTER (WHERE topic = $2), 0)::float8 AS event, \
-             coalesce(avg(octet_length(payload)) FILTER (WHERE topic = $3), 0)::float8 AS dispatch, \
-             coalesce(avg(octet_length(headers::text)), 0)::float8 AS headers \
-         FROM eec_effect_intent WHERE run_id LIKE $1",
-    )
-    .bind(&pattern)
-    .bind(pipeline.config.events_topic())
-    .bind(pipeline.config.steps_topic(POOL))
-    .fetch_one(&env.pool)
-    .await
-    .context("measuring effect sizes")?;
-
-    let (batches, apply_s) = hist_before.delta(&hist_after, "ductor_apply_seconds");
-    let (_, batch_inputs) = hist_before.delta(&hist_after, "ductor_apply_batch_size");
-    let (publishes, publish_s) = hist_before.delta(&hist_after, "ductor_outbox_publish_seconds");
-    let messages = messages_between(&offsets_before, &offsets_after);
+    let window = Window::measure(env, &pattern, label, runs).await?;
+    let sizes = EffectSizes::measure(env, &pipeline.config, &pattern).await?;
+    let transitions = window.transitions;
+    let seconds = window.seconds;
+    let messages = messages_between(&before.offsets, &after.offsets);
     Ok(Capacity {
         synchronous_commit,
         runs,
@@ -412,19 +381,184 @@ pub async fn capacity(
         transitions,
         msgs_per_input: messages as f64 / transitions as f64,
         backlog_produce_s,
-        profile: CapacityProfile {
+        profile: CapacityProfile::between(&before, &after, &window, sizes),
+    })
+}
+
+/// Warm-up: consumer groups joined, connections open, statements prepared,
+/// the outbox drained and the planner statistics current.
+async fn warm_up(
+    env: &BenchEnv,
+    pipeline: &mut Pipeline,
+    label: &str,
+    warmup_runs: usize,
+    progress: &mut Progress,
+) -> anyhow::Result<()> {
+    let warm = format!("warm-{label}");
+    pipeline.start_runs(&warm, warmup_runs).await?;
+    pipeline
+        .wait_finished(
+            env,
+            &warm,
+            warmup_runs,
+            Duration::from_secs(120),
+            progress,
+            &format!("warm-up ({label})"),
+        )
+        .await?;
+    pipeline.wait_drained(env, label).await?;
+    env.analyze().await
+}
+
+/// The counters a capacity window is measured between.
+struct Sample {
+    offsets: BTreeMap<String, i64>,
+    pg: PgCounters,
+    hist: Histograms,
+    cpu: CpuTicks,
+}
+
+impl Sample {
+    /// Sampled once the warm-up has settled, just before the backlog is
+    /// produced.
+    async fn before_backlog(env: &BenchEnv, pipeline: &Pipeline) -> anyhow::Result<Sample> {
+        let offsets = topic_offsets(&pipeline.config.kafka, &pipeline.config.all_topics()).await?;
+        let pg = PgCounters::sample(&env.pool, &env.db_name).await?;
+        let hist = Histograms::sample();
+        let cpu = CpuTicks::sample(&env.cpu);
+        Ok(Sample {
+            offsets,
+            pg,
+            hist,
+            cpu,
+        })
+    }
+
+    /// The CPU time and Ductor's metrics as soon as the backlog's runs are
+    /// finished; the messages and Postgres' work once the outbox has also
+    /// published the backlog's last effects.
+    async fn after_backlog(
+        env: &BenchEnv,
+        pipeline: &mut Pipeline,
+        label: &str,
+    ) -> anyhow::Result<Sample> {
+        let cpu = CpuTicks::sample(&env.cpu);
+        let hist = Histograms::sample();
+        pipeline.wait_drained(env, label).await?;
+        let offsets = topic_offsets(&pipeline.config.kafka, &pipeline.config.all_topics()).await?;
+        let pg = PgCounters::sample(&env.pool, &env.db_name).await?;
+        Ok(Sample {
+            offsets,
+            pg,
+            hist,
+            cpu,
+        })
+    }
+}
+
+/// The backlog's window in the database: from its first applied input to
+/// its last finished run, and the transitions written in between.
+struct Window {
+    seconds: f64,
+    transitions: u64,
+}
+
+impl Window {
+    /// Measures the window of the runs matching `pattern`; fails unless
+    /// every input of the `runs` runs wrote its transition.
+    async fn measure(
+        env: &BenchEnv,
+        pattern: &str,
+        label: &str,
+        runs: usize,
+    ) -> anyhow::Result<Window> {
+        let row = sqlx::query(
+            "SELECT EXTRACT(EPOCH FROM (SELECT max(finished_at) FROM runs WHERE run_id LIKE $1) \
+                 - (SELECT min(created_at) FROM run_transitions WHERE run_id LIKE $1))::float8 AS seconds, \
+                 (SELECT count(*) FROM run_transitions WHERE run_id LIKE $1) AS transitions",
+        )
+        .bind(pattern)
+        .fetch_one(&env.pool)
+        .await
+        .context("measuring the capacity window")?;
+        let seconds: f64 = row.try_get::<Option<f64>, _>("seconds")?.unwrap_or(0.0);
+        let transitions = row.try_get::<i64, _>("transitions")? as u64;
+        anyhow::ensure!(
+            seconds > 0.0,
+            "capacity ({label}): empty measurement window"
+        );
+        anyhow::ensure!(
+            transitions == runs as u64 * INPUTS_PER_RUN as u64,
+            "capacity ({label}): {transitions} transitions for {runs} runs, expected {} each",
+            INPUTS_PER_RUN
+        );
+        Ok(Window {
+            seconds,
+            transitions,
+        })
+    }
+}
+
+/// Mean sizes of the effects the backlog wrote, in bytes.
+struct EffectSizes {
+    event: f64,
+    dispatch: f64,
+    headers: f64,
+}
+
+impl EffectSizes {
+    /// Of the intents of the runs matching `pattern`.
+    async fn measure(
+        env: &BenchEnv,
+        config: &Config,
+        pattern: &str,
+    ) -> anyhow::Result<EffectSizes> {
+        let sizes = sqlx::query(
+            "SELECT coalesce(avg(octet_length(payload)) FILTER (WHERE topic = $2), 0)::float8 AS event, \
+                 coalesce(avg(octet_length(payload)) FILTER (WHERE topic = $3), 0)::float8 AS dispatch, \
+                 coalesce(avg(octet_length(headers::text)), 0)::float8 AS headers \
+             FROM eec_effect_intent WHERE run_id LIKE $1",
+        )
+        .bind(pattern)
+        .bind(config.events_topic())
+        .bind(config.steps_topic(POOL))
+        .fetch_one(&env.pool)
+        .await
+        .context("measuring effect sizes")?;
+        Ok(EffectSizes {
+            event: sizes.try_get("event")?,
+            dispatch: sizes.try_get("dispatch")?,
+            headers: sizes.try_get("headers")?,
+        })
+    }
+}
+
+impl CapacityProfile {
+    /// Where the time of `window` went, from the counters around it.
+    fn between(
+        before: &Sample,
+        after: &Sample,
+        window: &Window,
+        sizes: EffectSizes,
+    ) -> CapacityProfile {
+        let (batches, apply_s) = before.hist.delta(&after.hist, "ductor_apply_seconds");
+        let (_, batch_inputs) = before.hist.delta(&after.hist, "ductor_apply_batch_size");
+        let (publishes, publish_s) = before
+            .hist
+            .delta(&after.hist, "ductor_outbox_publish_seconds");
+        CapacityProfile {
             batches,
             inputs_per_batch: batch_inputs / batches.max(1.0),
             apply_ms_avg: 1000.0 * apply_s / batches.max(1.0),
-            apply_busy_pct: 100.0 * apply_s / seconds,
+            apply_busy_pct: 100.0 * apply_s / window.seconds,
             publish_ms_avg: 1000.0 * publish_s / publishes.max(1.0),
-            avg_event_bytes: sizes.try_get("event")?,
-            avg_dispatch_bytes: sizes.try_get("dispatch")?,
-            avg_headers_bytes: sizes.try_get("headers")?,
-            postgres_per_input: pg_before.per_input(&pg_after, transitions),
-            cpu_cores: cpu_before.cores_until(&cpu_after),
-        },
-    })
+            avg_event_bytes: sizes.event,
+            avg_dispatch_bytes: sizes.dispatch,
+            avg_headers_bytes: sizes.headers,
+            postgres_per_input: before.pg.per_input(&after.pg, window.transitions),
+            cpu_cores: before.cpu.cores_until(&after.cpu),
+        }
+    }
 }
 
 /// The phases of an apply transaction, in order.
@@ -500,72 +634,10 @@ struct Arrival {
 
 impl EventsReader {
     async fn start(config: &Config, parent: &CancellationToken) -> anyhow::Result<EventsReader> {
-        let topic = config.events_topic();
-        let ends = topic_offsets_by_partition(config, &topic).await?;
-        let mut cfg = ductor::infra::kafka::consumer_config(
-            &config.kafka,
-            &format!("{}-bench-events", config.kafka.group_id),
-            "bench-events",
-        );
-        cfg.set("enable.auto.commit", "false");
-        let consumer: StreamConsumer = cfg.create().context("creating the events reader")?;
-        let mut tpl = TopicPartitionList::new();
-        for (partition, high) in ends {
-            tpl.add_partition_offset(&topic, partition, Offset::Offset(high))
-                .context("assigning the events topic")?;
-        }
-        consumer
-            .assign(&tpl)
-            .context("assigning the events topic")?;
+        let consumer = events_consumer(config).await?;
         let (tx, arrivals) = mpsc::channel(EVENT_CHANNEL);
         let stop = parent.child_token();
-        let token = stop.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                let message = tokio::select! {
-                    _ = token.cancelled() => return Ok(()),
-                    m = consumer.recv() => m.context("reading the events topic")?,
-                };
-                let arrived = Instant::now();
-                let arrived_wall = Utc::now();
-                let first = message
-                    .headers()
-                    .and_then(|hs| hs.iter().find(|h| h.key == "ductor-seq"))
-                    .is_some_and(|h| h.value == Some(b"1".as_slice()));
-                if !first {
-                    continue;
-                }
-                let Some(run_id) = message
-                    .key()
-                    .map(|k| String::from_utf8_lossy(k).into_owned())
-                else {
-                    continue;
-                };
-                let folded = message
-                    .payload()
-                    .and_then(|p| serde_json::from_slice::<serde_json::Value>(p).ok())
-                    .and_then(|v| {
-                        v["at"]
-                            .as_str()
-                            .and_then(|a| DateTime::parse_from_rfc3339(a).ok())
-                    })
-                    .map(|t| t.with_timezone(&Utc));
-                let produced = message
-                    .timestamp()
-                    .to_millis()
-                    .and_then(DateTime::from_timestamp_millis);
-                let arrival = Arrival {
-                    run_id,
-                    at: arrived,
-                    at_wall: arrived_wall,
-                    folded,
-                    produced,
-                };
-                if tx.send(arrival).await.is_err() {
-                    return Ok(());
-                }
-            }
-        });
+        let task = tokio::spawn(forward_arrivals(consumer, tx, stop.clone()));
         Ok(EventsReader {
             stop,
             task,
@@ -577,6 +649,93 @@ impl EventsReader {
         self.stop.cancel();
         drop(self.arrivals);
         self.task.await.context("events reader panicked")?
+    }
+}
+
+/// A consumer of the events topic, assigned at its current end so that only
+/// the events of runs started from now on arrive.
+async fn events_consumer(config: &Config) -> anyhow::Result<StreamConsumer> {
+    let topic = config.events_topic();
+    let ends = topic_offsets_by_partition(config, &topic).await?;
+    let mut cfg = ductor::infra::kafka::consumer_config(
+        &config.kafka,
+        &format!("{}-bench-events", config.kafka.group_id),
+        "bench-events",
+    );
+    cfg.set("enable.auto.commit", "false");
+    let consumer: StreamConsumer = cfg.create().context("creating the events reader")?;
+    let mut tpl = TopicPartitionList::new();
+    for (partition, high) in ends {
+        tpl.add_partition_offset(&topic, partition, Offset::Offset(high))
+            .context("assigning the events topic")?;
+    }
+    consumer
+        .assign(&tpl)
+        .context("assigning the events topic")?;
+    Ok(consumer)
+}
+
+/// Forwards every `run.started` event to `tx` until `stop`, or until the
+/// receiving end is gone.
+async fn forward_arrivals(
+    consumer: StreamConsumer,
+    tx: mpsc::Sender<Arrival>,
+    stop: CancellationToken,
+) -> anyhow::Result<()> {
+    loop {
+        let message = tokio::select! {
+            _ = stop.cancelled() => return Ok(()),
+            m = consumer.recv() => m.context("reading the events topic")?,
+        };
+        let at = Instant::now();
+        let at_wall = Utc::now();
+        let Some(arrival) = Arrival::of_run_started(&message, at, at_wall) else {
+            continue;
+        };
+        if tx.send(arrival).await.is_err() {
+            return Ok(());
+        }
+    }
+}
+
+impl Arrival {
+    /// The arrival of `message`, read at `at` (`at_wall` on the wall clock),
+    /// if it is a run's first event.
+    fn of_run_started(
+        message: &impl Message,
+        at: Instant,
+        at_wall: DateTime<Utc>,
+    ) -> Option<Arrival> {
+        let first = message
+            .headers()
+            .and_then(|hs| hs.iter().find(|h| h.key == "ductor-seq"))
+            .is_some_and(|h| h.value == Some(b"1".as_slice()));
+        if !first {
+            return None;
+        }
+        let run_id = message
+            .key()
+            .map(|k| String::from_utf8_lossy(k).into_owned())?;
+        let folded = message
+            .payload()
+            .and_then(|p| serde_json::from_slice::<serde_json::Value>(p).ok())
+            .and_then(|v| {
+                v["at"]
+                    .as_str()
+                    .and_then(|a| DateTime::parse_from_rfc3339(a).ok())
+            })
+            .map(|t| t.with_timezone(&Utc));
+        let produced = message
+            .timestamp()
+            .to_millis()
+            .and_then(DateTime::from_timestamp_millis);
+        Some(Arrival {
+            run_id,
+            at,
+            at_wall,
+            folded,
+            produced,
+        })
     }
 }
 
@@ -644,6 +803,9 @@ pub async fn latency(
     Ok(out)
 }
 
+/// One open-loop phase at `rate` runs/s for `duration`: start requests sent
+/// on schedule, each run's latency recorded when its `run.started` event
+/// arrives, then the phase's runs left to finish.
 async fn one_rate(
     env: &BenchEnv,
     pipeline: &mut Pipeline,
@@ -657,89 +819,145 @@ async fn one_rate(
         rate > 0.0,
         "latency at {pct}%: the measured capacity is zero"
     );
-    let n = ((rate * duration.as_secs_f64()).ceil() as usize).max(2);
-    let period = Duration::from_secs_f64(1.0 / rate);
-    let prefix = format!("lat{pct}");
-    let label = format!("latency at {pct}% ({rate:.0} runs/s)");
-    let topic = pipeline.config.requests_topic();
-    let t0 = tokio::time::Instant::now() + Duration::from_millis(50);
-    let t0_wall = Utc::now() + chrono::Duration::milliseconds(50);
-    let intended: Vec<Instant> = (0..n)
-        .map(|i| t0.into_std() + period.mul_f64(i as f64))
-        .collect();
-
-    // The sender keeps to the schedule whatever happens downstream; it only
-    // enqueues, acknowledgements are collected at the end.
-    let sender = {
-        let producer = pipeline.producer.clone();
-        let prefix = prefix.clone();
-        let timeout = Duration::from_millis(pipeline.config.kafka.delivery_timeout_ms);
-        tokio::spawn(async move {
-            let mut acks = Vec::with_capacity(n);
-            for i in 0..n {
-                tokio::time::sleep_until(t0 + period.mul_f64(i as f64)).await;
-                let id = format!("{prefix}-{i}");
-                acks.push(enqueue(&producer, &topic, &id, &start_request(&id, i)).await?);
-            }
-            let acks = tokio::time::timeout(timeout, join_all(acks))
-                .await
-                .context("start requests were not acknowledged in time")?;
-            let failed = acks.iter().filter(|a| !matches!(a, Ok(Ok(_)))).count();
-            anyhow::ensure!(failed == 0, "{failed} start requests failed to publish");
-            Ok(())
-        })
-    };
-
-    let new_histogram = || {
-        Histogram::<u64>::new_with_bounds(1, MAX_LATENCY_US, 3)
-            .context("creating a latency histogram")
-    };
-    let mut histogram = new_histogram()?;
-    let mut to_fold = new_histogram()?;
-    let mut fold_to_event = new_histogram()?;
-    let mut fold_to_produce = new_histogram()?;
-    let mut produce_to_consume = new_histogram()?;
-    let record = |h: &mut Histogram<u64>, us: i64| {
-        h.saturating_record((us.max(1) as u64).min(MAX_LATENCY_US));
-    };
+    let schedule = Schedule::new(pct, rate, duration, &pipeline.config);
+    let sender = send_on_schedule(pipeline, &schedule);
+    let mut histograms = LatencyHistograms::new()?;
     let hist_before = Histograms::sample();
     let cpu_before = CpuTicks::sample(&env.cpu);
+    record_arrivals(pipeline, reader, &schedule, &mut histograms, progress).await?;
+    sender.await.context("the latency sender panicked")??;
+    let hist_after = Histograms::sample();
+    let cpu_after = CpuTicks::sample(&env.cpu);
+    // Let the phase's runs finish, so the next rate starts from a quiet pipeline.
+    pipeline
+        .wait_finished(
+            env,
+            &schedule.prefix,
+            schedule.n,
+            Duration::from_secs(120),
+            progress,
+            &schedule.label,
+        )
+        .await?;
+    let profile = histograms.profile(
+        &hist_before,
+        &hist_after,
+        cpu_before.cores_until(&cpu_after),
+    );
+    Ok(histograms.latency(&schedule, profile))
+}
+
+/// When each start request of one rate is due: `n` requests, `period`
+/// apart, the first shortly after the schedule is made.
+struct Schedule {
+    pct: u32,
+    rate: f64,
+    duration: Duration,
+    n: usize,
+    period: Duration,
+    prefix: String,
+    label: String,
+    topic: String,
+    t0: tokio::time::Instant,
+    t0_wall: DateTime<Utc>,
+    intended: Vec<Instant>,
+}
+
+impl Schedule {
+    fn new(pct: u32, rate: f64, duration: Duration, config: &Config) -> Schedule {
+        let n = ((rate * duration.as_secs_f64()).ceil() as usize).max(2);
+        let period = Duration::from_secs_f64(1.0 / rate);
+        let prefix = format!("lat{pct}");
+        let label = format!("latency at {pct}% ({rate:.0} runs/s)");
+        let topic = config.requests_topic();
+        let t0 = tokio::time::Instant::now() + Duration::from_millis(50);
+        let t0_wall = Utc::now() + chrono::Duration::milliseconds(50);
+        let intended: Vec<Instant> = (0..n)
+            .map(|i| t0.into_std() + period.mul_f64(i as f64))
+            .collect();
+        Schedule {
+            pct,
+            rate,
+            duration,
+            n,
+            period,
+            prefix,
+            label,
+            topic,
+            t0,
+            t0_wall,
+            intended,
+        }
+    }
+
+    /// The index of `run_id` in this schedule, if it is one of its runs.
+    fn index(&self, run_id: &str) -> Option<usize> {
+        run_id
+            .strip_prefix(&self.prefix)
+            .and_then(|rest| rest.strip_prefix('-'))
+            .and_then(|i| i.parse::<usize>().ok())
+            .filter(|&i| i < self.n)
+    }
+
+    /// The wall-clock time request `i` was due.
+    fn intended_wall(&self, i: usize) -> anyhow::Result<DateTime<Utc>> {
+        Ok(self.t0_wall + chrono::Duration::from_std(self.period.mul_f64(i as f64))?)
+    }
+}
+
+/// The sender keeps to the schedule whatever happens downstream; it only
+/// enqueues, acknowledgements are collected at the end.
+fn send_on_schedule(pipeline: &Pipeline, schedule: &Schedule) -> JoinHandle<anyhow::Result<()>> {
+    let producer = pipeline.producer.clone();
+    let prefix = schedule.prefix.clone();
+    let topic = schedule.topic.clone();
+    let (n, t0, period) = (schedule.n, schedule.t0, schedule.period);
+    let timeout = Duration::from_millis(pipeline.config.kafka.delivery_timeout_ms);
+    tokio::spawn(async move {
+        let mut acks = Vec::with_capacity(n);
+        for i in 0..n {
+            tokio::time::sleep_until(t0 + period.mul_f64(i as f64)).await;
+            let id = format!("{prefix}-{i}");
+            acks.push(enqueue(&producer, &topic, &id, &start_request(&id, i)).await?);
+        }
+        let acks = tokio::time::timeout(timeout, join_all(acks))
+            .await
+            .context("start requests were not acknowledged in time")?;
+        let failed = acks.iter().filter(|a| !matches!(a, Ok(Ok(_)))).count();
+        anyhow::ensure!(failed == 0, "{failed} start requests failed to publish");
+        Ok(())
+    })
+}
+
+/// Records the first arrival of every run of `schedule`, until all have
+/// started; fails if the pipeline or the reader stops, or on a stall.
+async fn record_arrivals(
+    pipeline: &mut Pipeline,
+    reader: &mut EventsReader,
+    schedule: &Schedule,
+    histograms: &mut LatencyHistograms,
+    progress: &mut Progress,
+) -> anyhow::Result<()> {
+    let (n, label) = (schedule.n, &schedule.label);
     let mut seen = vec![false; n];
     let mut count = 0usize;
-    let mut watchdog = Watchdog::new(label.clone(), duration + Duration::from_secs(60), STALL);
+    let mut watchdog = Watchdog::new(
+        label.clone(),
+        schedule.duration + Duration::from_secs(60),
+        STALL,
+    );
     let mut last_show = Instant::now();
     while count < n {
         pipeline.check_alive()?;
         let arrival = tokio::time::timeout(POLL, reader.arrivals.recv()).await;
         match arrival {
             Ok(Some(arrival)) => {
-                let index = arrival
-                    .run_id
-                    .strip_prefix(&prefix)
-                    .and_then(|rest| rest.strip_prefix('-'))
-                    .and_then(|i| i.parse::<usize>().ok())
-                    .filter(|&i| i < n);
-                if let Some(i) = index
+                if let Some(i) = schedule.index(&arrival.run_id)
                     && !seen[i]
                 {
                     seen[i] = true;
                     count += 1;
-                    let us = arrival
-                        .at
-                        .saturating_duration_since(intended[i])
-                        .as_micros();
-                    record(&mut histogram, us as i64);
-                    if let Some(folded) = arrival.folded {
-                        let intended_wall =
-                            t0_wall + chrono::Duration::from_std(period.mul_f64(i as f64))?;
-                        let micros = |d: chrono::Duration| d.num_microseconds().unwrap_or(0);
-                        record(&mut to_fold, micros(folded - intended_wall));
-                        record(&mut fold_to_event, micros(arrival.at_wall - folded));
-                        if let Some(produced) = arrival.produced {
-                            record(&mut fold_to_produce, micros(produced - folded));
-                            record(&mut produce_to_consume, micros(arrival.at_wall - produced));
-                        }
-                    }
+                    histograms.record(&arrival, schedule, i)?;
                 }
             }
             Ok(None) => anyhow::bail!("{label}: the events reader stopped"),
@@ -751,37 +969,80 @@ async fn one_rate(
         }
         watchdog.check(count as u64, n as u64)?;
     }
-    sender.await.context("the latency sender panicked")??;
-    let hist_after = Histograms::sample();
-    let cpu_after = CpuTicks::sample(&env.cpu);
-    let mean_ms = |name: &str| {
-        let (count, sum) = hist_before.delta(&hist_after, name);
-        1000.0 * sum / count.max(1.0)
-    };
-    let (batches, batch_inputs) = hist_before.delta(&hist_after, "ductor_apply_batch_size");
-    // Let the phase's runs finish, so the next rate starts from a quiet pipeline.
-    pipeline
-        .wait_finished(env, &prefix, n, Duration::from_secs(120), progress, &label)
-        .await?;
-    let ms = |q: f64| histogram.value_at_quantile(q) as f64 / 1000.0;
-    Ok(Latency {
-        load_pct: pct,
-        runs_per_s: rate,
-        inputs_per_s: rate * f64::from(INPUTS_PER_RUN),
-        runs: n,
-        p50_ms: ms(0.50),
-        p99_ms: ms(0.99),
-        p999_ms: ms(0.999),
-        max_ms: histogram.max() as f64 / 1000.0,
-        profile: LatencyProfile {
-            to_fold_p50_ms: to_fold.value_at_quantile(0.5) as f64 / 1000.0,
-            to_fold_p99_ms: to_fold.value_at_quantile(0.99) as f64 / 1000.0,
-            fold_to_event_p50_ms: fold_to_event.value_at_quantile(0.5) as f64 / 1000.0,
-            fold_to_event_p99_ms: fold_to_event.value_at_quantile(0.99) as f64 / 1000.0,
-            fold_to_produce_p50_ms: fold_to_produce.value_at_quantile(0.5) as f64 / 1000.0,
-            fold_to_produce_p99_ms: fold_to_produce.value_at_quantile(0.99) as f64 / 1000.0,
-            produce_to_consume_p50_ms: produce_to_consume.value_at_quantile(0.5) as f64 / 1000.0,
-            produce_to_consume_p99_ms: produce_to_consume.value_at_quantile(0.99) as f64 / 1000.0,
+    Ok(())
+}
+
+/// The latency of every run of one rate, and its split at the fold and at
+/// the event's produce time, in microseconds.
+struct LatencyHistograms {
+    total: Histogram<u64>,
+    to_fold: Histogram<u64>,
+    fold_to_event: Histogram<u64>,
+    fold_to_produce: Histogram<u64>,
+    produce_to_consume: Histogram<u64>,
+}
+
+impl LatencyHistograms {
+    fn new() -> anyhow::Result<LatencyHistograms> {
+        let new_histogram = || {
+            Histogram::<u64>::new_with_bounds(1, MAX_LATENCY_US, 3)
+                .context("creating a latency histogram")
+        };
+        Ok(LatencyHistograms {
+            total: new_histogram()?,
+            to_fold: new_histogram()?,
+            fold_to_event: new_histogram()?,
+            fold_to_produce: new_histogram()?,
+            produce_to_consume: new_histogram()?,
+        })
+    }
+
+    /// Records run `i` of `schedule`: from its intended send time to the
+    /// arrival of its event, and the parts the event's timestamps tell.
+    fn record(&mut self, arrival: &Arrival, schedule: &Schedule, i: usize) -> anyhow::Result<()> {
+        let us = arrival
+            .at
+            .saturating_duration_since(schedule.intended[i])
+            .as_micros();
+        record(&mut self.total, us as i64);
+        if let Some(folded) = arrival.folded {
+            let intended_wall = schedule.intended_wall(i)?;
+            let micros = |d: chrono::Duration| d.num_microseconds().unwrap_or(0);
+            record(&mut self.to_fold, micros(folded - intended_wall));
+            record(&mut self.fold_to_event, micros(arrival.at_wall - folded));
+            if let Some(produced) = arrival.produced {
+                record(&mut self.fold_to_produce, micros(produced - folded));
+                record(
+                    &mut self.produce_to_consume,
+                    micros(arrival.at_wall - produced),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The split at the fold and Ductor's own means over the phase, from
+    /// the metrics sampled around it.
+    fn profile(
+        &self,
+        before: &Histograms,
+        after: &Histograms,
+        cpu_cores: CpuCores,
+    ) -> LatencyProfile {
+        let mean_ms = |name: &str| {
+            let (count, sum) = before.delta(after, name);
+            1000.0 * sum / count.max(1.0)
+        };
+        let (batches, batch_inputs) = before.delta(after, "ductor_apply_batch_size");
+        LatencyProfile {
+            to_fold_p50_ms: ms_at(&self.to_fold, 0.5),
+            to_fold_p99_ms: ms_at(&self.to_fold, 0.99),
+            fold_to_event_p50_ms: ms_at(&self.fold_to_event, 0.5),
+            fold_to_event_p99_ms: ms_at(&self.fold_to_event, 0.99),
+            fold_to_produce_p50_ms: ms_at(&self.fold_to_produce, 0.5),
+            fold_to_produce_p99_ms: ms_at(&self.fold_to_produce, 0.99),
+            produce_to_consume_p50_ms: ms_at(&self.produce_to_consume, 0.5),
+            produce_to_consume_p99_ms: ms_at(&self.produce_to_consume, 0.99),
             fetch_age_ms_avg: mean_ms("ductor_ingress_fetch_age_seconds"),
             apply_age_ms_avg: mean_ms("ductor_ingress_apply_age_seconds"),
             inputs_per_batch: batch_inputs / batches.max(1.0),
@@ -794,7 +1055,32 @@ async fn one_rate(
                 })
                 .collect(),
             publish_ms_avg: mean_ms("ductor_outbox_publish_seconds"),
-            cpu_cores: cpu_before.cores_until(&cpu_after),
-        },
-    })
+            cpu_cores,
+        }
+    }
+
+    /// The figures of the rate `schedule` kept to.
+    fn latency(&self, schedule: &Schedule, profile: LatencyProfile) -> Latency {
+        Latency {
+            load_pct: schedule.pct,
+            runs_per_s: schedule.rate,
+            inputs_per_s: schedule.rate * f64::from(INPUTS_PER_RUN),
+            runs: schedule.n,
+            p50_ms: ms_at(&self.total, 0.50),
+            p99_ms: ms_at(&self.total, 0.99),
+            p999_ms: ms_at(&self.total, 0.999),
+            max_ms: self.total.max() as f64 / 1000.0,
+            profile,
+        }
+    }
+}
+
+/// Records `us` microseconds, clamped to what the histogram holds.
+fn record(h: &mut Histogram<u64>, us: i64) {
+    h.saturating_record((us.max(1) as u64).min(MAX_LATENCY_US));
+}
+
+/// The value at quantile `q` of a histogram of microseconds, in ms.
+fn ms_at(h: &Histogram<u64>, q: f64) -> f64 {
+    h.value_at_quantile(q) as f64 / 1000.0
 }
