@@ -342,6 +342,42 @@ struct Writes {
     routing_lost: bool,
 }
 
+impl Writes {
+    /// Adds one attempt write of the fold. An attempt inserted earlier in
+    /// this batch is finished in memory, so each row is written once.
+    fn attempt(&mut self, run_id: &str, write: AttemptWrite) {
+        match write {
+            AttemptWrite::Insert(attempt) => {
+                self.attempt_inserts.push((run_id.to_owned(), attempt))
+            }
+            AttemptWrite::Finish {
+                stamp,
+                status,
+                finished_at,
+                error,
+            } => {
+                if let Some(row) = self
+                    .attempt_inserts
+                    .iter_mut()
+                    .map(|(_, a)| a)
+                    .find(|a| a.stamp == stamp)
+                {
+                    row.status = status;
+                    row.finished_at = Some(finished_at);
+                    row.error = error;
+                } else {
+                    self.attempt_finishes.push(AttemptFinish {
+                        stamp,
+                        status,
+                        finished_at,
+                        error,
+                    });
+                }
+            }
+        }
+    }
+}
+
 /// An attempt the batch finishes, updated only while still `dispatched`.
 #[derive(Debug)]
 struct AttemptFinish {
@@ -477,39 +513,7 @@ impl Applier {
             };
             match attempt {
                 Attempt::Committed(mut report, handed) => {
-                    let committing = Instant::now();
-                    let in_transaction = matches!(session, Session::Transaction(_));
-                    let committed = session.commit().await;
-                    if in_transaction {
-                        record_phase("commit", committing);
-                    }
-                    let lost = committed.is_ok() && commit_reply_lost();
-                    if committed.is_ok() && !lost {
-                        self.cache.put_many(handed.states);
-                    } else {
-                        self.cache.forget(batch_runs());
-                    }
-                    if let Some(handoff) = &self.handoff {
-                        if committed.is_ok() && !lost {
-                            handoff
-                                .committed(
-                                    handed.claimed,
-                                    leased_at,
-                                    handed.pending_due,
-                                    handed.next_timer,
-                                )
-                                .await;
-                        } else {
-                            // Committed or not, nobody else may hold these
-                            // claims for a lease: give them back.
-                            let ids = handed.claimed.iter().map(|c| c.intent_id).collect();
-                            handoff.uncertain(ids).await;
-                        }
-                    }
-                    committed?;
-                    if lost {
-                        return Err(ApplyError::CommitReplyLost);
-                    }
+                    self.commit(session, handed, leased_at, inputs).await?;
                     metrics::histogram!("ductor_apply_seconds")
                         .record(started.elapsed().as_secs_f64());
                     metrics::histogram!("ductor_apply_batch_size")
@@ -652,6 +656,52 @@ impl Applier {
             pause = (pause * 2).min(retry.max);
         }
     }
+    /// Commits a batch's session, then tells the cache and the fast lane
+    /// what became of it: the states and claims of a commit that surely
+    /// happened are kept, those of one that may not have are let go.
+    async fn commit(
+        &self,
+        session: Session,
+        handed: Handed,
+        leased_at: Instant,
+        inputs: &[PendingInput],
+    ) -> Result<(), ApplyError> {
+        let committing = Instant::now();
+        let in_transaction = matches!(session, Session::Transaction(_));
+        let committed = session.commit().await;
+        if in_transaction {
+            record_phase("commit", committing);
+        }
+        let lost = committed.is_ok() && commit_reply_lost();
+        let kept = committed.is_ok() && !lost;
+        if kept {
+            self.cache.put_many(handed.states);
+        } else {
+            self.cache.forget(inputs.iter().map(|p| p.input.run_id()));
+        }
+        if let Some(handoff) = &self.handoff {
+            if kept {
+                handoff
+                    .committed(
+                        handed.claimed,
+                        leased_at,
+                        handed.pending_due,
+                        handed.next_timer,
+                    )
+                    .await;
+            } else {
+                // Committed or not, nobody else may hold these claims for
+                // a lease: give them back.
+                let ids = handed.claimed.iter().map(|c| c.intent_id).collect();
+                handoff.uncertain(ids).await;
+            }
+        }
+        committed?;
+        if lost {
+            return Err(ApplyError::CommitReplyLost);
+        }
+        Ok(())
+    }
 
     async fn apply_in(
         &self,
@@ -668,20 +718,12 @@ impl Applier {
         let now = Utc::now();
         let mut writes = Writes::default();
 
-        let mut routed_outcomes = Vec::with_capacity(routed.len());
-        for request in routed {
-            let Session::Transaction(tx) = session else {
-                unreachable!("a batch with routed requests has its own transaction")
-            };
-            match self
-                .route_one(tx, request, &mut runs, &mut writes, now)
-                .await?
-            {
-                Some(outcome) => routed_outcomes.push(outcome),
-                None => return Ok(Attempt::Busy),
-            }
-        }
-
+        let Some(routed_outcomes) = self
+            .route_all(session, routed, &mut runs, &mut writes, now)
+            .await?
+        else {
+            return Ok(Attempt::Busy);
+        };
         let mut outcomes = Vec::with_capacity(inputs.len());
         for pending in inputs {
             let (outcome, _) = self.fold_one(
@@ -693,17 +735,7 @@ impl Applier {
             )?;
             outcomes.push(outcome);
         }
-
-        // A cached state that is stale (another writer moved the run on)
-        // would make its UPDATE lose the race, but a verdict that writes
-        // nothing (a duplicate, a stale or unknown stamp) would go unchecked.
-        let unsure = inputs.iter().zip(&outcomes).any(|(pending, outcome)| {
-            !matches!(outcome, InputOutcome::Applied { .. })
-                && runs
-                    .get(pending.input.run_id())
-                    .is_some_and(|loaded| loaded.cached)
-        });
-        if unsure {
+        if unsure(inputs, &outcomes, &runs) {
             return Ok(Attempt::Unsure);
         }
 
@@ -738,6 +770,29 @@ impl Applier {
         ))
     }
 
+    /// Decides every routed request of the batch, in its transaction.
+    /// `None`: a key is held by another caller still deciding.
+    async fn route_all(
+        &self,
+        session: &mut Session,
+        routed: &[RouteRequest],
+        runs: &mut HashMap<String, Loaded>,
+        writes: &mut Writes,
+        now: DateTime<Utc>,
+    ) -> Result<Option<Vec<RouteOutcome>>, ApplyError> {
+        let mut outcomes = Vec::with_capacity(routed.len());
+        for request in routed {
+            let Session::Transaction(tx) = session else {
+                unreachable!("a batch with routed requests has its own transaction")
+            };
+            match self.route_one(tx, request, runs, writes, now).await? {
+                Some(outcome) => outcomes.push(outcome),
+                None => return Ok(None),
+            }
+        }
+        Ok(Some(outcomes))
+    }
+
     /// Canary: publishes the batch's effects before its transaction commits,
     /// so a rolled-back or recomputed batch leaks effects that no committed
     /// intent backs. Only for proving the chaos checker notices.
@@ -763,6 +818,40 @@ impl Applier {
         }
     }
 
+    /// Takes a routed request's key in the deciding transaction: the kind of
+    /// reservation when this request decides, else its answer (`None`: the
+    /// key is held by another caller still deciding).
+    async fn claim_key(
+        &self,
+        tx: &mut PgTx<'_, Postgres>,
+        request: &RouteRequest,
+    ) -> Result<Result<ReserveKind, Option<RouteOutcome>>, ApplyError> {
+        let Some(key) = &request.key else {
+            return Ok(Ok(ReserveKind::Unkeyed));
+        };
+        if let Reservation::Held { epoch } = request.reservation {
+            return Ok(
+                if routing::fence_in_tx(tx, &request.start, key, epoch).await? {
+                    Ok(ReserveKind::Fresh)
+                } else {
+                    Err(Some(RouteOutcome::ClaimLost))
+                },
+            );
+        }
+        Ok(
+            match routing::reserve_in_tx(tx, request, key, self.pending_ttl).await? {
+                Ok(kind) => Ok(kind),
+                Err(row) if row.status == routing::KeyStatus::Pending => Err(None),
+                Err(row) => Err(Some(match row.decision {
+                    Some(decision) if row.fingerprint == request.fingerprint => {
+                        RouteOutcome::Duplicate { decision }
+                    }
+                    _ => RouteOutcome::Mismatch,
+                })),
+            },
+        )
+    }
+
     /// Reserves (or checks) a routed request's key and, when it wins, folds
     /// its start and completes the key with the decision. `None`: the key is
     /// held by another caller still deciding.
@@ -786,28 +875,9 @@ impl Applier {
                 start.workflow
             ))));
         }
-        let kind = match (&request.key, request.reservation) {
-            (None, _) => ReserveKind::Unkeyed,
-            (Some(key), Reservation::InTransaction) => {
-                match routing::reserve_in_tx(tx, request, key, self.pending_ttl).await? {
-                    Ok(kind) => kind,
-                    Err(row) if row.status == "pending" => return Ok(None),
-                    Err(row) => {
-                        return Ok(Some(match row.decision {
-                            Some(decision) if row.fingerprint == request.fingerprint => {
-                                RouteOutcome::Duplicate { decision }
-                            }
-                            _ => RouteOutcome::Mismatch,
-                        }));
-                    }
-                }
-            }
-            (Some(key), Reservation::Held { epoch }) => {
-                if !routing::fence_in_tx(tx, start, key, epoch).await? {
-                    return Ok(Some(RouteOutcome::ClaimLost));
-                }
-                ReserveKind::Fresh
-            }
+        let kind = match self.claim_key(tx, request).await? {
+            Ok(kind) => kind,
+            Err(answer) => return Ok(answer),
         };
         runs.entry(start.run_id.clone()).or_insert(Loaded {
             state: None,
@@ -837,19 +907,7 @@ impl Applier {
             idempotency_key: request.key.clone(),
             decided_at: now,
         };
-        // The caller learns its decision from a run.accepted event, the last
-        // effect of the run's first transition.
-        let accepted = RunAccepted {
-            schema_version: SCHEMA_VERSION,
-            run_id: &decision.run_id,
-            tenant: &decision.tenant,
-            pool: &decision.pool,
-            workflow: &decision.workflow,
-            workflow_version: decision.workflow_version,
-            idempotency_key: decision.idempotency_key.as_deref(),
-            correlation_id: start.correlation_id.as_deref(),
-        };
-        let accepted = Effect::now(EffectTarget::Events, EffectKind::RunAccepted, &accepted);
+        let accepted = accepted(&decision, start.correlation_id.as_deref());
         let row = self.intent_row(state, seq, effects, accepted, now)?;
         writes.intents.push(row);
         if let Some(key) = &request.key
@@ -902,37 +960,7 @@ impl Applier {
             at: record.at,
         });
         for write in transition.attempt_writes {
-            match write {
-                AttemptWrite::Insert(attempt) => {
-                    writes.attempt_inserts.push((state.run_id.clone(), attempt))
-                }
-                AttemptWrite::Finish {
-                    stamp,
-                    status,
-                    finished_at,
-                    error,
-                } => {
-                    // An attempt inserted earlier in this batch is finished
-                    // in memory, so each row is written once.
-                    if let Some(row) = writes
-                        .attempt_inserts
-                        .iter_mut()
-                        .map(|(_, a)| a)
-                        .find(|a| a.stamp == stamp)
-                    {
-                        row.status = status;
-                        row.finished_at = Some(finished_at);
-                        row.error = error;
-                    } else {
-                        writes.attempt_finishes.push(AttemptFinish {
-                            stamp,
-                            status,
-                            finished_at,
-                            error,
-                        });
-                    }
-                }
-            }
+            writes.attempt(&state.run_id, write);
         }
         let effects = transition.effects.len();
         for (index, effect) in transition.effects.into_iter().enumerate() {
@@ -988,6 +1016,39 @@ impl Applier {
             not_before: effect.not_before.unwrap_or(at),
         })
     }
+}
+
+/// The `run.accepted` event that tells a routed start's caller its
+/// decision: the last effect of the run's first transition.
+fn accepted(decision: &routing::Decision, correlation_id: Option<&str>) -> Effect {
+    let accepted = RunAccepted {
+        schema_version: SCHEMA_VERSION,
+        run_id: &decision.run_id,
+        tenant: &decision.tenant,
+        pool: &decision.pool,
+        workflow: &decision.workflow,
+        workflow_version: decision.workflow_version,
+        idempotency_key: decision.idempotency_key.as_deref(),
+        correlation_id,
+    };
+    Effect::now(EffectTarget::Events, EffectKind::RunAccepted, &accepted)
+}
+
+/// Whether the batch must be recomputed from the database: a cached state
+/// that is stale (another writer moved the run on) would make its UPDATE
+/// lose the race, but a verdict that writes nothing (a duplicate, a stale
+/// or unknown stamp) would go unchecked.
+fn unsure(
+    inputs: &[PendingInput],
+    outcomes: &[InputOutcome],
+    runs: &HashMap<String, Loaded>,
+) -> bool {
+    inputs.iter().zip(outcomes).any(|(pending, outcome)| {
+        !matches!(outcome, InputOutcome::Applied { .. })
+            && runs
+                .get(pending.input.run_id())
+                .is_some_and(|loaded| loaded.cached)
+    })
 }
 
 /// The runs of a batch's inputs: from the cache when it has them, else

@@ -27,7 +27,9 @@ use tokio::time::Instant;
 use crate::apply::Applier;
 use crate::config::{DuplicatePolicy, RoutingConfig};
 use crate::contract::{InputError, InputErrorClass, InputLimits, parse_value};
-use crate::routing::{self, Decision, Reservation, ReserveKind, RouteOutcome, RouteRequest};
+use crate::routing::{
+    self, Decision, Reservation, ReserveKind, RouteOutcome, RouteRequest, WaiterStep,
+};
 
 /// How often a reservation is re-tried after it was lost to a sweep, before
 /// the caller is told to come back.
@@ -225,115 +227,25 @@ pub async fn submit(
     mut request: RouteRequest,
 ) -> Result<Submitted, ApiError> {
     let Some(key) = request.key.clone() else {
-        request.reservation = Reservation::InTransaction;
-        return match decide(applier, &request).await? {
-            RouteOutcome::Decided { decision, .. } => {
-                routing::count(ReserveKind::Unkeyed.as_str());
-                Ok(Submitted::Created(decision))
-            }
-            other => Err(unexpected(other)),
-        };
+        return submit_unkeyed(applier, request).await;
     };
     let (policy, wait_timeout) = routing::policy_for(config, &request.start.pool);
+    let mut waiter = Waiter {
+        policy,
+        wait_timeout,
+        deadline: Instant::now() + wait_timeout,
+        waited: false,
+        pause: Duration::from_millis(5),
+    };
     let pending_ttl = Duration::from_millis(config.pending_ttl_ms);
-    let start = request.start.clone();
-    let deadline = Instant::now() + wait_timeout;
-    let mut waited = false;
-    let mut pause = Duration::from_millis(5);
     for _ in 0..MAX_RESERVE_ROUNDS {
-        let before = routing::existing(&applier.pool, &start.tenant, &start.pool, &key)
-            .await
-            .map_err(database)?;
-        let won = routing::reserve(
-            &applier.pool,
-            &start.tenant,
-            &start.pool,
-            &key,
-            &request.fingerprint,
-            pending_ttl,
-        )
-        .await
-        .map_err(database)?;
-        if let Some(epoch) = won {
-            let kind = match before {
-                None => ReserveKind::Fresh,
-                Some(row) if row.status == "completed" => ReserveKind::Expired,
-                Some(_) => ReserveKind::Reclaimed,
-            };
-            request.reservation = Reservation::Held { epoch };
-            crate::crash_point!("routing.after_reserve");
-            match decide(applier, &request).await? {
-                RouteOutcome::Decided { decision, .. } => {
-                    crate::crash_point!("api.after_decision");
-                    routing::count(kind.as_str());
-                    return Ok(Submitted::Created(decision));
-                }
-                RouteOutcome::ClaimLost => {
-                    // Swept and taken over while we decided: the new owner's
-                    // answer is the answer.
-                    routing::count("claim_lost");
-                    continue;
-                }
-                other => return Err(unexpected(other)),
-            }
+        if let Some(submitted) =
+            reserve_and_decide(applier, &mut request, &key, pending_ttl).await?
+        {
+            return Ok(submitted);
         }
-        // Someone else holds the key.
-        loop {
-            let row = routing::existing(&applier.pool, &start.tenant, &start.pool, &key)
-                .await
-                .map_err(database)?;
-            let Some(row) = row else { break };
-            if row.fingerprint != request.fingerprint
-                && !row.expired
-                && (row.status == "completed" || row.status == "pending")
-            {
-                // The earlier request is not echoed back.
-                routing::count("mismatch");
-                return Err(ApiError::new(
-                    StatusCode::UNPROCESSABLE_ENTITY,
-                    "idempotency_key_mismatch",
-                    "this idempotency key was already used for a different request",
-                ));
-            }
-            match row.status.as_str() {
-                "completed" if !row.expired => {
-                    let decision = row.decision.ok_or_else(|| {
-                        ApiError::new(
-                            StatusCode::INTERNAL_SERVER_ERROR,
-                            "internal",
-                            "a completed key has no decision",
-                        )
-                    })?;
-                    routing::count(if waited { "waited" } else { "duplicate" });
-                    return Ok(Submitted::Duplicate(decision));
-                }
-                "pending" => {
-                    if policy == DuplicatePolicy::Reject {
-                        routing::count("rejected");
-                        return Err(ApiError::new(
-                            StatusCode::CONFLICT,
-                            "in_progress",
-                            "a request with this idempotency key is in progress",
-                        ));
-                    }
-                    if Instant::now() >= deadline {
-                        routing::count("rejected");
-                        return Err(ApiError::new(
-                            StatusCode::CONFLICT,
-                            "in_progress",
-                            format!(
-                                "a request with this idempotency key is still in progress after {} ms",
-                                wait_timeout.as_millis()
-                            ),
-                        ));
-                    }
-                    waited = true;
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_millis(50));
-                }
-                // Failed or expired: reserve again, which reclaims it.
-                _ => break,
-            }
+        if let Some(submitted) = waiter.follow(applier, &request, &key).await? {
+            return Ok(submitted);
         }
     }
     Err(ApiError::new(
@@ -341,6 +253,144 @@ pub async fn submit(
         "contended",
         "the idempotency key changed hands too often; retry",
     ))
+}
+
+/// A start without a key: decided in one transaction, never deduplicated.
+async fn submit_unkeyed(
+    applier: &Applier,
+    mut request: RouteRequest,
+) -> Result<Submitted, ApiError> {
+    request.reservation = Reservation::InTransaction;
+    match decide(applier, &request).await? {
+        RouteOutcome::Decided { decision, .. } => {
+            routing::count(ReserveKind::Unkeyed.as_str());
+            Ok(Submitted::Created(decision))
+        }
+        other => Err(unexpected(other)),
+    }
+}
+
+/// Reserves the key and, when it is won, decides the run. `None` when
+/// another caller holds the key, or took it over while this one decided.
+async fn reserve_and_decide(
+    applier: &Applier,
+    request: &mut RouteRequest,
+    key: &str,
+    pending_ttl: Duration,
+) -> Result<Option<Submitted>, ApiError> {
+    let start = &request.start;
+    let before = routing::existing(&applier.pool, &start.tenant, &start.pool, key)
+        .await
+        .map_err(database)?;
+    let won = routing::reserve(
+        &applier.pool,
+        &start.tenant,
+        &start.pool,
+        key,
+        &request.fingerprint,
+        pending_ttl,
+    )
+    .await
+    .map_err(database)?;
+    let Some(epoch) = won else { return Ok(None) };
+    let kind = ReserveKind::judged(before.map(|row| row.status));
+    request.reservation = Reservation::Held { epoch };
+    crate::crash_point!("routing.after_reserve");
+    match decide(applier, request).await? {
+        RouteOutcome::Decided { decision, .. } => {
+            crate::crash_point!("api.after_decision");
+            routing::count(kind.as_str());
+            Ok(Some(Submitted::Created(decision)))
+        }
+        RouteOutcome::ClaimLost => {
+            // Swept and taken over while we decided: the new owner's
+            // answer is the answer.
+            routing::count("claim_lost");
+            Ok(None)
+        }
+        other => Err(unexpected(other)),
+    }
+}
+
+/// A caller whose key another caller holds, waiting for that one's
+/// decision within the pool's duplicate policy.
+struct Waiter {
+    policy: DuplicatePolicy,
+    wait_timeout: Duration,
+    deadline: Instant,
+    waited: bool,
+    pause: Duration,
+}
+
+impl Waiter {
+    /// Follows the key's row until it is decided (the answer), refused, or
+    /// free again (`None`: reserve once more).
+    async fn follow(
+        &mut self,
+        applier: &Applier,
+        request: &RouteRequest,
+        key: &str,
+    ) -> Result<Option<Submitted>, ApiError> {
+        let start = &request.start;
+        loop {
+            let row = routing::existing(&applier.pool, &start.tenant, &start.pool, key)
+                .await
+                .map_err(database)?;
+            let Some(row) = row else { return Ok(None) };
+            let past_deadline = Instant::now() >= self.deadline;
+            match routing::waiter_step(&row, &request.fingerprint, self.policy, past_deadline) {
+                WaiterStep::Reserve => return Ok(None),
+                WaiterStep::Wait => {
+                    self.waited = true;
+                    tokio::time::sleep(self.pause).await;
+                    self.pause = (self.pause * 2).min(Duration::from_millis(50));
+                }
+                step => return self.answer(step).map(Some),
+            }
+        }
+    }
+
+    /// The answer of a step that ends the wait.
+    fn answer(&self, step: WaiterStep) -> Result<Submitted, ApiError> {
+        match step {
+            WaiterStep::Mismatch => {
+                routing::count("mismatch");
+                Err(ApiError::new(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "idempotency_key_mismatch",
+                    "this idempotency key was already used for a different request",
+                ))
+            }
+            WaiterStep::Decided(Some(decision)) => {
+                routing::count(if self.waited { "waited" } else { "duplicate" });
+                Ok(Submitted::Duplicate(decision))
+            }
+            WaiterStep::Decided(None) => Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "a completed key has no decision",
+            )),
+            WaiterStep::Busy => {
+                routing::count("rejected");
+                Err(ApiError::new(
+                    StatusCode::CONFLICT,
+                    "in_progress",
+                    "a request with this idempotency key is in progress",
+                ))
+            }
+            WaiterStep::TimedOut | WaiterStep::Wait | WaiterStep::Reserve => {
+                routing::count("rejected");
+                Err(ApiError::new(
+                    StatusCode::CONFLICT,
+                    "in_progress",
+                    format!(
+                        "a request with this idempotency key is still in progress after {} ms",
+                        self.wait_timeout.as_millis()
+                    ),
+                ))
+            }
+        }
+    }
 }
 
 async fn decide(applier: &Applier, request: &RouteRequest) -> Result<RouteOutcome, ApiError> {

@@ -229,10 +229,96 @@ pub fn decode_route_request(
 /// The existing row for a key, as a duplicate sees it.
 #[derive(Debug, Clone)]
 pub struct ExistingRow {
-    pub status: String,
+    pub status: KeyStatus,
     pub fingerprint: String,
     pub decision: Option<Decision>,
     pub expired: bool,
+}
+
+/// Where an `eec_routing_idempotency` row is in its lifecycle: reserved
+/// (`pending`), decided (`completed`, the decision kept until its validity
+/// ends), or given up by the sweeper (`failed_before_commit`, free to be
+/// reclaimed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyStatus {
+    Pending,
+    Completed,
+    FailedBeforeCommit,
+}
+
+impl KeyStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeyStatus::Pending => "pending",
+            KeyStatus::Completed => "completed",
+            KeyStatus::FailedBeforeCommit => "failed_before_commit",
+        }
+    }
+
+    /// The status as stored; the table's CHECK constraint allows no other.
+    fn from_column(status: String) -> Result<KeyStatus, sqlx::Error> {
+        [
+            KeyStatus::Pending,
+            KeyStatus::Completed,
+            KeyStatus::FailedBeforeCommit,
+        ]
+        .into_iter()
+        .find(|s| s.as_str() == status)
+        .ok_or_else(|| sqlx::Error::Decode(format!("unknown routing status {status:?}").into()))
+    }
+}
+
+impl ReserveKind {
+    /// What kind of reservation a won claim was, from the row's status
+    /// before it: none, a completed row past its validity, or one the
+    /// sweeper gave up.
+    pub fn judged(before: Option<KeyStatus>) -> ReserveKind {
+        match before {
+            None => ReserveKind::Fresh,
+            Some(KeyStatus::Completed) => ReserveKind::Expired,
+            Some(_) => ReserveKind::Reclaimed,
+        }
+    }
+}
+
+/// What a caller that did not win the key does next, judged from the row
+/// that holds it: the duplicate-waiter as a state machine.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WaiterStep {
+    /// The key was used for a different request (which is not echoed back).
+    Mismatch,
+    /// The key was decided: this is the decision (`None`: a completed row
+    /// without one, which the schema forbids).
+    Decided(Option<Decision>),
+    /// Another caller is deciding and the policy is to answer at once.
+    Busy,
+    /// Another caller is still deciding at the deadline.
+    TimedOut,
+    /// Another caller is deciding: look again shortly.
+    Wait,
+    /// The row is free to take (given up, or past its validity): reserve again.
+    Reserve,
+}
+
+/// The next step of a caller with `fingerprint` that found `row` holding its
+/// key, under `policy`; `past_deadline` once its wait is over.
+pub fn waiter_step(
+    row: &ExistingRow,
+    fingerprint: &str,
+    policy: DuplicatePolicy,
+    past_deadline: bool,
+) -> WaiterStep {
+    let live = !row.expired && matches!(row.status, KeyStatus::Completed | KeyStatus::Pending);
+    if live && row.fingerprint != fingerprint {
+        return WaiterStep::Mismatch;
+    }
+    match row.status {
+        KeyStatus::Completed if !row.expired => WaiterStep::Decided(row.decision.clone()),
+        KeyStatus::Pending if policy == DuplicatePolicy::Reject => WaiterStep::Busy,
+        KeyStatus::Pending if past_deadline => WaiterStep::TimedOut,
+        KeyStatus::Pending => WaiterStep::Wait,
+        KeyStatus::Completed | KeyStatus::FailedBeforeCommit => WaiterStep::Reserve,
+    }
 }
 
 /// The outcome of [`reserve`].
@@ -301,7 +387,7 @@ where
     let Some(row) = row else { return Ok(None) };
     let decision: Option<Value> = row.try_get("decision")?;
     Ok(Some(ExistingRow {
-        status: row.try_get("status")?,
+        status: KeyStatus::from_column(row.try_get("status")?)?,
         fingerprint: row.try_get("request_fingerprint")?,
         decision: decision.and_then(|d| serde_json::from_value(d).ok()),
         expired: row.try_get("expired")?,
@@ -327,11 +413,8 @@ where
     .bind(key)
     .fetch_optional(executor)
     .await?;
-    Ok(match status.as_deref() {
-        None => ReserveKind::Fresh,
-        Some("completed") => ReserveKind::Expired,
-        Some(_) => ReserveKind::Reclaimed,
-    })
+    let before = status.map(KeyStatus::from_column).transpose()?;
+    Ok(ReserveKind::judged(before))
 }
 
 /// Reserve inside the deciding transaction. `Ok(Err(existing))` when another
@@ -482,4 +565,60 @@ pub fn policy_for(config: &RoutingConfig, pool: &str) -> (DuplicatePolicy, Durat
 
 pub fn count(outcome: &'static str) {
     metrics::counter!("ductor_routing_requests_total", "outcome" => outcome).increment(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(status: KeyStatus, fingerprint: &str, expired: bool) -> ExistingRow {
+        ExistingRow {
+            status,
+            fingerprint: fingerprint.into(),
+            decision: None,
+            expired,
+        }
+    }
+
+    #[test]
+    fn a_waiter_follows_the_key_until_it_is_decided_refused_or_free() {
+        use KeyStatus::*;
+        use WaiterStep::*;
+        let wait = DuplicatePolicy::Wait;
+        let cases = [
+            (row(Pending, "a", false), wait, false, Wait),
+            (row(Pending, "a", false), wait, true, TimedOut),
+            (
+                row(Pending, "a", false),
+                DuplicatePolicy::Reject,
+                false,
+                Busy,
+            ),
+            (row(Pending, "b", false), wait, false, Mismatch),
+            (row(Completed, "a", false), wait, false, Decided(None)),
+            (row(Completed, "b", false), wait, false, Mismatch),
+            (row(Completed, "b", true), wait, false, Reserve),
+            (row(FailedBeforeCommit, "b", false), wait, false, Reserve),
+        ];
+        for (row, policy, past_deadline, step) in cases {
+            assert_eq!(
+                waiter_step(&row, "a", policy, past_deadline),
+                step,
+                "{row:?} {policy:?} past_deadline={past_deadline}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_won_reservation_is_judged_by_the_row_before_it() {
+        assert_eq!(ReserveKind::judged(None), ReserveKind::Fresh);
+        assert_eq!(
+            ReserveKind::judged(Some(KeyStatus::Completed)),
+            ReserveKind::Expired
+        );
+        assert_eq!(
+            ReserveKind::judged(Some(KeyStatus::FailedBeforeCommit)),
+            ReserveKind::Reclaimed
+        );
+    }
 }
