@@ -407,7 +407,17 @@ proptest! {
                 }
             }
         }
-        let _ = checked;
+        // Every attempt the run abandoned to its timeout had its late
+        // answers tried, at least against the final state.
+        let timed_out = once.state.as_ref().map_or(0, |s| {
+            s.attempts.iter().filter(|a| a.status == AttemptStatus::TimedOut).count()
+        });
+        prop_assert!(
+            checked >= 3 * timed_out,
+            "{} late answers tried for {} timed-out attempts",
+            checked,
+            timed_out
+        );
     }
 
     /// Transition seqs are 1, 2, 3, ... and end at `last_transition_seq`; attempts per
@@ -455,7 +465,12 @@ proptest! {
         let trs = once.transitions();
         let successes: Vec<&Transition> = trs
             .iter()
-            .filter(|t| t.record.kind == "step.succeeded" || t.record.kind == "run.succeeded")
+            .filter(|t| {
+                matches!(
+                    t.record.kind,
+                    TransitionKind::StepSucceeded | TransitionKind::RunSucceeded
+                )
+            })
             .collect();
         for (i, t) in successes.iter().enumerate() {
             let d = &t.record.detail;
@@ -507,7 +522,7 @@ proptest! {
                 return Ok(());
             }
             Decision::Transition(t) => {
-                prop_assert_eq!(t.record.kind.as_str(), "run.failed");
+                prop_assert_eq!(t.record.kind, TransitionKind::RunFailed);
                 prop_assert_eq!(&t.record.detail["cause"], &json!(STATE_TOO_LARGE));
                 prop_assert!(t.state.outstanding.is_none() && t.state.pending_retry.is_none());
                 let last = capped.state.as_ref().unwrap();

@@ -494,7 +494,7 @@ fn timeouts_not_slow(
         *first = (*first).min(r.t_ms);
     }
     for t in &db.transitions {
-        if t.kind != ductor::coordinator::fold::KIND_RUN_FAILED
+        if t.kind != ductor::contract::TransitionKind::RunFailed.as_str()
             || t.detail["cause"] != "attempts_exhausted"
         {
             continue;

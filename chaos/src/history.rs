@@ -58,8 +58,8 @@ use super::snapshot::{AttemptRow, IntentRow, RunRow, TransitionRow};
 use super::topics::Msg;
 use super::violations::Violations;
 use ductor::contract::TopicNames;
+use ductor::contract::TransitionKind;
 use ductor::contract::{Input, InputTopic, RunStart};
-use ductor::coordinator::fold::{KIND_RUN_CANCELLED, KIND_RUN_FAILED, KIND_RUN_SIGNALLED};
 use ductor::coordinator::{Decision, Entropy, RunState, STATE_TOO_LARGE, Workflows, fold};
 
 /// What the replay needs besides the run's own rows.
@@ -102,8 +102,8 @@ pub struct RunRows<'a> {
 /// cancel, or the failure of a run whose state would have grown too large
 /// on an input that was not that attempt's result.
 fn abandons_attempts(t: &TransitionRow) -> bool {
-    t.kind == KIND_RUN_CANCELLED
-        || (t.kind == KIND_RUN_FAILED
+    t.kind == TransitionKind::RunCancelled.as_str()
+        || (t.kind == TransitionKind::RunFailed.as_str()
             && t.detail.get("cause").and_then(Value::as_str) == Some(STATE_TOO_LARGE))
 }
 
@@ -402,7 +402,7 @@ fn attempts_explained(
 fn signals_agree(state: &RunState, ts: &[TransitionRow], shape: &mut Vec<String>) {
     let signal_ids: Vec<&str> = ts
         .iter()
-        .filter(|t| t.kind == KIND_RUN_SIGNALLED)
+        .filter(|t| t.kind == TransitionKind::RunSignalled.as_str())
         .filter_map(|t| t.input_ref.strip_prefix("signal:"))
         .collect();
     let state_signals: Vec<&str> = state.signals.iter().map(|s| s.signal_id.as_str()).collect();
@@ -551,7 +551,7 @@ fn replay_one(
     let r = &tr.record;
     let same_record = r.seq == t.seq
         && r.input_ref == t.input_ref
-        && r.kind == t.kind
+        && r.kind.as_str() == t.kind
         && r.from_status.map(|s| s.as_str()) == t.from_status.as_deref()
         && r.to_status.as_str() == t.to_status
         && i64::from(r.step_index) == i64::from(t.step_index)
@@ -561,7 +561,13 @@ fn replay_one(
             MISMATCH,
             format!(
                 "seq {} replays to {} {} {}, stored {} {} {}",
-                t.seq, r.kind, r.input_ref, r.detail, t.kind, t.input_ref, t.detail
+                t.seq,
+                r.kind.as_str(),
+                r.input_ref,
+                r.detail,
+                t.kind,
+                t.input_ref,
+                t.detail
             ),
         ));
     }

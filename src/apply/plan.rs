@@ -117,7 +117,7 @@ fn plan_history<'a>(writes: &'a Writes, write: &mut BatchWrite<'a>) {
         t.run_id.push(&r.run_id);
         t.seq.push(r.seq);
         t.input_ref.push(&r.input_ref);
-        t.kind.push(&r.kind);
+        t.kind.push(r.kind);
         t.from_status.push(r.from_status);
         t.to_status.push(r.to_status);
         t.step_index.push(r.step_index);
@@ -257,7 +257,7 @@ mod tests {
             run_id: run_id.into(),
             seq,
             input_ref: format!("input-{seq}"),
-            kind: "step.succeeded".into(),
+            kind: "step.succeeded",
             from_status: Some("running"),
             to_status: "running",
             step_index: 1,

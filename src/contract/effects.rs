@@ -124,6 +124,60 @@ fn rfc3339_millis<S: Serializer>(t: &DateTime<Utc>, s: S) -> Result<S::Ok, S::Er
     s.serialize_str(&rfc3339(*t))
 }
 
+/// What a transition did to its run: the `kind` of its history row and of
+/// its `run.event`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TransitionKind {
+    RunStarted,
+    StepSucceeded,
+    StepRetryScheduled,
+    StepTimedOut,
+    StepRetried,
+    RunSucceeded,
+    RunFailed,
+    RunSignalled,
+    RunCancelled,
+}
+
+impl TransitionKind {
+    pub const ALL: [TransitionKind; 9] = [
+        TransitionKind::RunStarted,
+        TransitionKind::StepSucceeded,
+        TransitionKind::StepRetryScheduled,
+        TransitionKind::StepTimedOut,
+        TransitionKind::StepRetried,
+        TransitionKind::RunSucceeded,
+        TransitionKind::RunFailed,
+        TransitionKind::RunSignalled,
+        TransitionKind::RunCancelled,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransitionKind::RunStarted => "run.started",
+            TransitionKind::StepSucceeded => "step.succeeded",
+            TransitionKind::StepRetryScheduled => "step.retry_scheduled",
+            TransitionKind::StepTimedOut => "step.timed_out",
+            TransitionKind::StepRetried => "step.retried",
+            TransitionKind::RunSucceeded => "run.succeeded",
+            TransitionKind::RunFailed => "run.failed",
+            TransitionKind::RunSignalled => "run.signalled",
+            TransitionKind::RunCancelled => "run.cancelled",
+        }
+    }
+
+    /// The kind whose name is `name`, as stored in `run_transitions.kind`.
+    pub fn parse(name: &str) -> Option<TransitionKind> {
+        TransitionKind::ALL.into_iter().find(|k| k.as_str() == name)
+    }
+}
+
+impl Serialize for TransitionKind {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
 /// `run.event`: one transition of a run, as its followers see it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(tag = "type", rename = "run.event")]
@@ -132,8 +186,7 @@ pub struct RunEvent<'a> {
     pub run_id: &'a str,
     pub tenant: &'a str,
     pub seq: i64,
-    /// The transition's kind (`run.started`, `step.succeeded`, ...).
-    pub kind: &'a str,
+    pub kind: TransitionKind,
     pub status: &'a str,
     pub step_index: u32,
     pub attempt: u32,
@@ -386,6 +439,15 @@ mod tests {
         });
         assert_eq!(accepted["type"], EffectKind::RunAccepted.wire_type());
         assert_eq!(accepted["idempotency_key"], Value::Null);
+    }
+
+    #[test]
+    fn every_transition_kind_parses_from_its_name() {
+        for kind in TransitionKind::ALL {
+            assert_eq!(TransitionKind::parse(kind.as_str()), Some(kind));
+            assert_eq!(to_value(&kind), kind.as_str());
+        }
+        assert_eq!(TransitionKind::parse("run.paused"), None);
     }
 
     #[test]

@@ -18,7 +18,7 @@ pub mod input;
 pub mod names;
 pub mod screen;
 
-pub use effects::{DecodeError, Effect, EffectKind, EffectTarget, StepDispatch};
+pub use effects::{DecodeError, Effect, EffectKind, EffectTarget, StepDispatch, TransitionKind};
 pub use input::{
     AttemptOutcome, AttemptResult, CancelWakeup, Input, InputError, InputErrorClass, InputLimits,
     InputTopic, RunStart, SignalWakeup, Source, TimerKind, TimerWakeup, bound_payload, bound_start,

@@ -19,7 +19,7 @@ use crate::contract::input::{
     AttemptOutcome, AttemptResult, CancelWakeup, Input, RunStart, SCHEMA_VERSION, SignalWakeup,
     TimerKind, TimerWakeup, encoded_len, truncate,
 };
-use crate::contract::{Effect, EffectKind, EffectTarget, StepDispatch};
+use crate::contract::{Effect, EffectKind, EffectTarget, StepDispatch, TransitionKind};
 
 /// Longest error text copied into a transition's `detail`.
 pub const MAX_DETAIL_ERROR_LEN: usize = 256;
@@ -128,8 +128,7 @@ pub struct TransitionRecord {
     pub seq: i64,
     /// [`Input::dedup_ref`] of the input that caused it.
     pub input_ref: String,
-    /// One of the `KIND_*` constants.
-    pub kind: String,
+    pub kind: TransitionKind,
     /// `None` for the transition that created the run.
     pub from_status: Option<RunStatus>,
     pub to_status: RunStatus,
@@ -142,16 +141,6 @@ pub struct TransitionRecord {
     /// that carried it).
     pub detail: Value,
 }
-
-pub const KIND_RUN_STARTED: &str = "run.started";
-pub const KIND_STEP_SUCCEEDED: &str = "step.succeeded";
-pub const KIND_STEP_RETRY_SCHEDULED: &str = "step.retry_scheduled";
-pub const KIND_STEP_TIMED_OUT: &str = "step.timed_out";
-pub const KIND_STEP_RETRIED: &str = "step.retried";
-pub const KIND_RUN_SUCCEEDED: &str = "run.succeeded";
-pub const KIND_RUN_FAILED: &str = "run.failed";
-pub const KIND_RUN_SIGNALLED: &str = "run.signalled";
-pub const KIND_RUN_CANCELLED: &str = "run.cancelled";
 
 /// A row change in the attempts table, mirroring `RunState::attempts`.
 #[derive(Debug, Clone, PartialEq)]
@@ -282,7 +271,7 @@ fn fail_too_large(
         truncate(error.clone(), MAX_DETAIL_ERROR_LEN).into(),
     );
     b.state.error = Some(error);
-    b.finish(KIND_RUN_FAILED, input.dedup_ref())
+    b.finish(TransitionKind::RunFailed, input.dedup_ref())
 }
 
 fn reject(class: RejectionClass, message: impl Into<String>) -> Decision {
@@ -343,7 +332,7 @@ fn on_start(
     b.detail("workflow", def.name.clone().into());
     b.detail("workflow_version", def.version.into());
     b.detail("stamp", stamp.to_string().into());
-    b.finish(KIND_RUN_STARTED, "start".to_owned())
+    b.finish(TransitionKind::RunStarted, "start".to_owned())
 }
 
 /// The borrowed arguments of one fold over an existing run.
@@ -425,8 +414,13 @@ impl Ctx<'_> {
                     "step {} attempt {} failed: {message}",
                     attempt.step_index, attempt.attempt
                 );
-                let kind =
-                    b.after_failure(def, attempt, error, *retryable, KIND_STEP_RETRY_SCHEDULED);
+                let kind = b.after_failure(
+                    def,
+                    attempt,
+                    error,
+                    *retryable,
+                    TransitionKind::StepRetryScheduled,
+                );
                 b.finish(kind, self.input.dedup_ref())
             }
         }
@@ -453,7 +447,7 @@ impl Ctx<'_> {
                 );
             };
             b.detail("next_stamp", stamp.to_string().into());
-            return b.finish(KIND_STEP_SUCCEEDED, self.input.dedup_ref());
+            return b.finish(TransitionKind::StepSucceeded, self.input.dedup_ref());
         }
         b.state.status = RunStatus::Succeeded;
         if let Some(topic) = &def.output_topic {
@@ -471,7 +465,7 @@ impl Ctx<'_> {
             let effect = Effect::now(target, EffectKind::RunOutput, &output);
             b.effects.push(effect);
         }
-        b.finish(KIND_RUN_SUCCEEDED, self.input.dedup_ref())
+        b.finish(TransitionKind::RunSucceeded, self.input.dedup_ref())
     }
 
     fn on_timer(&self, timer: &TimerWakeup) -> Decision {
@@ -510,7 +504,7 @@ impl Ctx<'_> {
                     attempt.step_index, attempt.attempt
                 );
                 b.finish_attempt(attempt.stamp, AttemptStatus::TimedOut, Some(error.clone()));
-                let kind = b.after_failure(def, attempt, error, true, KIND_STEP_TIMED_OUT);
+                let kind = b.after_failure(def, attempt, error, true, TransitionKind::StepTimedOut);
                 b.finish(kind, self.input.dedup_ref())
             }
             TimerKind::Retry => {
@@ -523,7 +517,7 @@ impl Ctx<'_> {
                 };
                 b.detail("after_stamp", timer.stamp.to_string().into());
                 b.detail("stamp", stamp.to_string().into());
-                b.finish(KIND_STEP_RETRIED, self.input.dedup_ref())
+                b.finish(TransitionKind::StepRetried, self.input.dedup_ref())
             }
         }
     }
@@ -551,7 +545,7 @@ impl Ctx<'_> {
         b.detail("signal_id", signal.signal_id.clone().into());
         b.detail("name", signal.name.clone().into());
         b.detail("payload", signal.payload.clone());
-        b.finish(KIND_RUN_SIGNALLED, self.input.dedup_ref())
+        b.finish(TransitionKind::RunSignalled, self.input.dedup_ref())
     }
 
     fn on_cancel(&self, cancel: &CancelWakeup) -> Decision {
@@ -578,7 +572,7 @@ impl Ctx<'_> {
             truncate(reason.clone(), MAX_DETAIL_ERROR_LEN).into(),
         );
         b.state.error = Some(reason);
-        b.finish(KIND_RUN_CANCELLED, self.input.dedup_ref())
+        b.finish(TransitionKind::RunCancelled, self.input.dedup_ref())
     }
 }
 
@@ -732,8 +726,8 @@ impl<'a> Builder<'a> {
         attempt: &AttemptRecord,
         error: String,
         retryable: bool,
-        retry_kind: &'static str,
-    ) -> &'static str {
+        retry_kind: TransitionKind,
+    ) -> TransitionKind {
         self.detail("stamp", attempt.stamp.to_string().into());
         self.detail(
             "error",
@@ -762,13 +756,13 @@ impl<'a> Builder<'a> {
                 self.detail("cause", cause.into());
                 self.state.status = RunStatus::Failed;
                 self.state.error = Some(error);
-                KIND_RUN_FAILED
+                TransitionKind::RunFailed
             }
         }
     }
 
     /// Numbers the transition, prepends the lifecycle event and seals it.
-    fn finish(mut self, kind: &str, input_ref: String) -> Decision {
+    fn finish(mut self, kind: TransitionKind, input_ref: String) -> Decision {
         let seq = self.state.last_transition_seq.saturating_add(1);
         self.state.last_transition_seq = seq;
         self.state.updated_at = self.now;
@@ -791,7 +785,7 @@ impl<'a> Builder<'a> {
         let record = TransitionRecord {
             seq,
             input_ref,
-            kind: kind.to_owned(),
+            kind,
             from_status: self.from_status,
             to_status: s.status,
             step_index: s.step_index,

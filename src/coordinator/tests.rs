@@ -474,7 +474,7 @@ fn start_dispatches_step_zero_with_timer_after_event() {
     assert_eq!(s.record_version, 0);
     assert_eq!(s.outstanding.as_ref().unwrap().stamp, stamp(1));
     assert_eq!(s.outstanding.as_ref().unwrap().deadline, t(1000));
-    assert_eq!(tr.record.kind, KIND_RUN_STARTED);
+    assert_eq!(tr.record.kind, TransitionKind::RunStarted);
     assert_eq!(tr.record.from_status, None);
     assert_eq!(tr.record.input_ref, "start");
     assert!(matches!(&tr.attempt_writes[..], [AttemptWrite::Insert(a)] if a.stamp == stamp(1)));
@@ -580,7 +580,7 @@ fn success_dispatches_next_step_with_previous_output() {
     let wf = registry(2, 3);
     let s = started(&wf);
     let tr = apply(&s, &result_ok(stamp(1), json!("o1")), &wf, 10, 2);
-    assert_eq!(tr.record.kind, KIND_STEP_SUCCEEDED);
+    assert_eq!(tr.record.kind, TransitionKind::StepSucceeded);
     assert_eq!(tr.state.output, json!("o1"));
     assert_eq!(tr.record.detail["output"], json!("o1"));
     assert_eq!((tr.state.step_index, tr.state.attempt), (1, 1));
@@ -616,7 +616,7 @@ fn last_success_completes_run_and_emits_output() {
     let s = started(&wf);
     let tr = apply(&s, &result_ok(stamp(1), json!({"done": true})), &wf, 10, 2);
     assert_eq!(tr.state.status, RunStatus::Succeeded);
-    assert_eq!(tr.record.kind, KIND_RUN_SUCCEEDED);
+    assert_eq!(tr.record.kind, TransitionKind::RunSucceeded);
     assert!(tr.state.outstanding.is_none());
     assert_eq!(tr.effects.len(), 2);
     assert_eq!(tr.effects[0].payload["status"], "succeeded");
@@ -680,7 +680,7 @@ fn permanent_failure_fails_run() {
     let wf = registry(2, 3);
     let tr = apply(&started(&wf), &result_err(stamp(1), false), &wf, 10, 2);
     assert_eq!(tr.state.status, RunStatus::Failed);
-    assert_eq!(tr.record.kind, KIND_RUN_FAILED);
+    assert_eq!(tr.record.kind, TransitionKind::RunFailed);
     assert!(tr.state.error.as_deref().unwrap().contains("boom"));
     assert_eq!(tr.state.attempts[0].status, AttemptStatus::Failed);
     assert_eq!(tr.effects.len(), 1);
@@ -701,7 +701,7 @@ fn permanent_failure_fails_run() {
 fn retryable_failure_schedules_retry_then_retry_timer_dispatches() {
     let wf = registry(1, 2);
     let tr = apply(&started(&wf), &result_err(stamp(1), true), &wf, 10, 2);
-    assert_eq!(tr.record.kind, KIND_STEP_RETRY_SCHEDULED);
+    assert_eq!(tr.record.kind, TransitionKind::StepRetryScheduled);
     assert_eq!(tr.state.status, RunStatus::Running);
     let pending = tr.state.pending_retry.clone().unwrap();
     assert_eq!(pending.after_stamp, stamp(1));
@@ -714,7 +714,7 @@ fn retryable_failure_schedules_retry_then_retry_timer_dispatches() {
     );
     // the retry timer dispatches attempt 2
     let tr2 = apply(&tr.state, &timer(TimerKind::Retry, stamp(1)), &wf, 110, 3);
-    assert_eq!(tr2.record.kind, KIND_STEP_RETRIED);
+    assert_eq!(tr2.record.kind, TransitionKind::StepRetried);
     assert_eq!(
         (
             tr2.state.attempt,
@@ -753,7 +753,7 @@ fn timeout_abandons_attempt_and_late_result_is_stale() {
         1000,
         2,
     );
-    assert_eq!(tr.record.kind, KIND_STEP_TIMED_OUT);
+    assert_eq!(tr.record.kind, TransitionKind::StepTimedOut);
     assert_eq!(tr.state.attempts[0].status, AttemptStatus::TimedOut);
     assert!(tr.state.pending_retry.is_some());
     assert_eq!(
@@ -871,7 +871,7 @@ fn signals_are_recorded_once_and_bounded() {
     let wf = registry(1, 1);
     let mut s = started(&wf);
     let tr = apply(&s, &signal("a"), &wf, 5, 2);
-    assert_eq!(tr.record.kind, KIND_RUN_SIGNALLED);
+    assert_eq!(tr.record.kind, TransitionKind::RunSignalled);
     assert_eq!(tr.state.status, RunStatus::Running);
     assert_eq!(tr.state.outstanding, s.outstanding);
     assert_eq!(tr.state.signals.len(), 1);
@@ -913,7 +913,7 @@ fn cancel_finishes_outstanding_attempt_and_clears_retry() {
     let s = started(&wf);
     let tr = apply(&s, &cancel(), &wf, 5, 2);
     assert_eq!(tr.state.status, RunStatus::Cancelled);
-    assert_eq!(tr.record.kind, KIND_RUN_CANCELLED);
+    assert_eq!(tr.record.kind, TransitionKind::RunCancelled);
     assert_eq!(tr.state.error.as_deref(), Some("user"));
     assert_eq!(tr.state.attempts[0].status, AttemptStatus::Cancelled);
     assert!(matches!(
@@ -1122,7 +1122,7 @@ fn a_signal_payload_is_kept_in_history_not_in_state() {
     };
     sig.payload = json!({"note": "kept in the history"});
     let tr = apply(&started(&wf), &Input::Signal(sig), &wf, 5, 2);
-    assert_eq!(tr.record.kind, KIND_RUN_SIGNALLED);
+    assert_eq!(tr.record.kind, TransitionKind::RunSignalled);
     assert_eq!(
         tr.record.detail,
         json!({"signal_id": "a", "name": "poke", "payload": {"note": "kept in the history"}})
@@ -1145,7 +1145,7 @@ fn a_transition_over_the_state_cap_fails_the_run_with_state_too_large() {
     assert_eq!(at_cap, uncapped);
     // One byte below, the run fails instead, for good.
     let tr = transition(fold(Some(&s), &big, &wf, len - 1, t(10), &entropy(2)));
-    assert_eq!(tr.record.kind, KIND_RUN_FAILED);
+    assert_eq!(tr.record.kind, TransitionKind::RunFailed);
     assert_eq!(tr.record.input_ref, format!("result:{}", stamp(1)));
     assert_eq!(tr.record.detail["cause"], STATE_TOO_LARGE);
     assert_eq!(tr.record.detail["stamp"], stamp(1).to_string());
@@ -1181,7 +1181,7 @@ fn a_cap_hit_by_another_input_abandons_the_outstanding_attempt() {
     let tr = apply(&s, &signal("a"), &wf, 5, 2);
     let cap = encoded(&tr.state).len() - 1;
     let failed = transition(fold(Some(&s), &signal("a"), &wf, cap, t(5), &entropy(2)));
-    assert_eq!(failed.record.kind, KIND_RUN_FAILED);
+    assert_eq!(failed.record.kind, TransitionKind::RunFailed);
     assert_eq!(failed.record.detail["cause"], STATE_TOO_LARGE);
     assert!(failed.state.signals.is_empty());
     assert_eq!(failed.state.attempts[0].status, AttemptStatus::Cancelled);
