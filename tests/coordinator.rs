@@ -3,6 +3,11 @@
 //! write zero rows; bad inputs go to the dead-letter topic without blocking
 //! the good ones behind them.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, from its setup to its last assertion"
+)]
+
 mod common;
 
 use std::collections::{BTreeMap, HashMap};

@@ -2,6 +2,11 @@
 //! drives runs to completion, then the same inputs are re-delivered duplicated,
 //! interleaved across runs and mixed with nonsense, and the outcomes are compared.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, from its setup to its last assertion"
+)]
+
 use std::collections::{BTreeMap, HashMap};
 
 use chrono::{DateTime, Utc};

@@ -1,6 +1,11 @@
 //! The stack and the schema: a Kafka round trip, migrations on a fresh
 //! database, and the constraints that make duplicates impossible.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, from its setup to its last assertion"
+)]
+
 mod common;
 
 use std::time::Duration;

@@ -1,6 +1,11 @@
 //! The outbox drainer, the worker library and timers, end to end against
 //! the real Kafka broker and Postgres.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, from its setup to its last assertion"
+)]
+
 mod common;
 
 use std::collections::{BTreeMap, HashMap, HashSet};

@@ -1,6 +1,11 @@
 //! The routing plane: one decision per (tenant, pool, idempotency key),
 //! over HTTP and over Kafka, through crashes, sweeps, TTLs and retention.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, from its setup to its last assertion"
+)]
+
 mod common;
 
 use std::net::SocketAddr;

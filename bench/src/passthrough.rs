@@ -10,7 +10,7 @@
 //! topology are therefore those of the real pipeline (timers excepted: the
 //! bench's step timeouts never fall due, so Ductor publishes none either).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -21,7 +21,6 @@ use futures::future::join_all;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Header, Message, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::{Offset, TopicPartitionList};
 use serde::Serialize;
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
@@ -506,18 +505,7 @@ fn out(
 }
 
 fn store_offsets(consumer: &StreamConsumer, batch: &[OwnedMessage]) {
-    let mut next: BTreeMap<(String, i32), i64> = BTreeMap::new();
-    for msg in batch {
-        let entry = next
-            .entry((msg.topic().to_string(), msg.partition()))
-            .or_insert(0);
-        *entry = (*entry).max(msg.offset() + 1);
-    }
-    let mut tpl = TopicPartitionList::with_capacity(next.len());
-    for ((topic, partition), offset) in &next {
-        let _ = tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset));
-    }
-    if let Err(e) = consumer.store_offsets(&tpl) {
+    if let Err(e) = consumer.store_offsets(&ductor::ingress::next_offsets(batch)) {
         tracing::debug!(error = %e, "passthrough offsets not stored");
     }
 }

@@ -1266,6 +1266,10 @@ fn answers_agree(answers: &Answers<'_>, ix: &Index<'_>, v: &mut Violations) {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, from its setup to its last assertion"
+)]
 mod tests {
     use super::*;
 

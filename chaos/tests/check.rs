@@ -2,6 +2,11 @@
 //! in-process `serve` must check clean, and the same data with one run's
 //! history and another's state corrupted must not.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, from its setup to its last assertion"
+)]
+
 #[path = "../../tests/common/mod.rs"]
 mod common;
 

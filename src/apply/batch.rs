@@ -22,7 +22,7 @@ pub const WRITE_BATCH_PARAMS: usize = 60;
 pub const CONFLICT_SQLSTATE: &str = "DU409";
 
 /// The batch statement of this build (a canary build rewrites a guarantee
-/// out of it; see [`canary_rewrite`]).
+/// out of it).
 pub static WRITE_BATCH_SQL: LazyLock<String> =
     LazyLock::new(|| canary_rewrite(WRITE_BATCH_TEXT.to_owned()));
 

@@ -1,25 +1,39 @@
-//! The apply layer: load runs, fold inputs, commit in one transaction.
+//! The apply stage: load, fold, plan, write.
 //!
-//! A batch of inputs (from one or more partitions, in arrival order) is folded
-//! against the runs it touches and committed in one Postgres transaction:
-//! new runs are inserted, changed runs updated with
-//! `WHERE run_id = .. AND record_version = ..`, and their transition rows,
-//! attempt rows and effect intents are written, all by one set-based
-//! statement. Without routed requests that statement is the transaction.
-//! If any conditional write matches fewer rows than expected, another writer
-//! won a race: the transaction is rolled back and the whole batch recomputed
+//! In: a batch of decoded inputs and routed starts from the ingress (from one
+//! or more partitions, in arrival order). Out: one committed write of the
+//! runs they changed, their history and their effect intents, the claims the
+//! fast lane takes at insert, and each input's outcome for the ingress
+//! (applied, no-op, rejected) to count and dead-letter.
+//!
+//! - `load`: the runs the batch touches, cached or read with the
+//!   `record_version` the write must match;
+//! - the fold ([`crate::coordinator::fold()`]) of each input, in order;
+//! - `plan`: pure, from the fold results to one [`batch::BatchWrite`];
+//! - `write`: the batch statement ([`batch::WRITE_BATCH_SQL`]), which is
+//!   the batch's commit unless routed requests need a transaction.
+//!
+//! Guarantee: a batch applies whole or not at all. New runs are inserted,
+//! changed runs updated with `WHERE run_id = .. AND record_version = ..`;
+//! if any conditional write matches fewer rows than expected, another writer
+//! won a race: the statement rolls back and the whole batch is recomputed
 //! from fresh state, so no input of the batch is lost or applied twice.
 
 pub mod batch;
+mod load;
 mod plan;
+mod write;
 
-use std::collections::{HashMap, HashSet};
-use std::sync::Mutex;
+pub use load::RunCache;
+use load::load_runs;
+use write::{Handed, write_all};
+
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
-use sqlx::{PgConnection, PgPool, Postgres, Row, Transaction as PgTx};
+use sqlx::{PgConnection, PgPool, Postgres, Transaction as PgTx};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -211,104 +225,6 @@ impl Applier {
             ),
             #[cfg(feature = "canary-dispatch-before-commit")]
             canary_producer: crate::infra::kafka::producer(&config.kafka, "canary").ok(),
-        }
-    }
-}
-
-/// Run states as this applier last committed them, so that the next batch
-/// of a run need not load it. An entry is only a guess: the runs UPDATE is
-/// conditional on the `record_version` it carries, so an entry made stale by
-/// another writer loses the race, is dropped, and the batch is recomputed
-/// from the database. Terminal runs are not kept. Bounded twice, by entries
-/// (`coordinator.run_cache_size`) and by the bytes of the states' encoding
-/// (`coordinator.run_cache_max_bytes`, a fair measure of what a state holds
-/// in memory): when either is full, the cache starts over (no bookkeeping
-/// on the hot path), and a state larger than a tenth of the byte bound is
-/// not kept at all.
-pub struct RunCache {
-    capacity: usize,
-    max_bytes: usize,
-    inner: Mutex<CacheInner>,
-}
-
-#[derive(Default)]
-struct CacheInner {
-    states: HashMap<String, (RunState, usize)>,
-    bytes: usize,
-}
-
-impl CacheInner {
-    fn remove(&mut self, run_id: &str) {
-        if let Some((_, size)) = self.states.remove(run_id) {
-            self.bytes -= size;
-        }
-    }
-}
-
-impl RunCache {
-    pub fn new(capacity: usize, max_bytes: usize) -> Self {
-        RunCache {
-            capacity,
-            max_bytes,
-            inner: Mutex::new(CacheInner::default()),
-        }
-    }
-
-    /// Whether the cache keeps states at all (`run_cache_size` above 0).
-    fn enabled(&self) -> bool {
-        self.capacity > 0 && self.max_bytes > 0
-    }
-
-    /// The bytes of the encoded states held now.
-    pub fn bytes(&self) -> usize {
-        self.inner.lock().map_or(0, |i| i.bytes)
-    }
-
-    /// The cached state of each of `ids` that has one.
-    fn get_many<'a>(&self, ids: impl Iterator<Item = &'a str>) -> HashMap<String, RunState> {
-        if !self.enabled() {
-            return HashMap::new();
-        }
-        let Ok(inner) = self.inner.lock() else {
-            return HashMap::new();
-        };
-        ids.filter_map(|id| inner.states.get(id).map(|s| (id.to_string(), s.0.clone())))
-            .collect()
-    }
-
-    /// Remembers committed states (their `record_version` is the new one),
-    /// each with the length of its encoding.
-    fn put_many(&self, committed: Vec<(RunState, usize)>) {
-        if !self.enabled() {
-            return;
-        }
-        let Ok(mut inner) = self.inner.lock() else {
-            return;
-        };
-        for (state, size) in committed {
-            inner.remove(&state.run_id);
-            if state.status.is_terminal() || size > self.max_bytes / 10 {
-                continue;
-            }
-            if inner.states.len() >= self.capacity || inner.bytes + size > self.max_bytes {
-                inner.states.clear();
-                inner.bytes = 0;
-            }
-            inner.bytes += size;
-            inner.states.insert(state.run_id.clone(), (state, size));
-        }
-        metrics::gauge!("ductor_run_cache_bytes").set(inner.bytes as f64);
-    }
-
-    /// Forgets `ids`: their batch lost a race or its outcome is unknown.
-    fn forget<'a>(&self, ids: impl Iterator<Item = &'a str>) {
-        if !self.enabled() {
-            return;
-        }
-        if let Ok(mut inner) = self.inner.lock() {
-            for id in ids {
-                inner.remove(id);
-            }
         }
     }
 }
@@ -1051,78 +967,6 @@ fn unsure(
     })
 }
 
-/// The runs of a batch's inputs: from the cache when it has them, else
-/// from the database.
-///
-/// With the cache on, a run that the batch names only in `run.start`
-/// inputs, and that the cache does not hold, is taken to be new without a
-/// query: a start is almost always the first input of its run. The guess is
-/// checked where it matters. If the run exists after all (a redelivered
-/// start), its insert matches no row, the batch statement counts a lost
-/// race, and the batch is recomputed from the database, where the start is
-/// found a duplicate. A start that changes nothing on the guess (a
-/// rejection) is recomputed the same way, like any verdict on a state not
-/// read from the database.
-async fn load_runs(
-    conn: &mut PgConnection,
-    inputs: &[PendingInput],
-    cache: Option<&RunCache>,
-) -> Result<HashMap<String, Loaded>, ApplyError> {
-    let mut ids: Vec<String> = inputs
-        .iter()
-        .map(|p| p.input.run_id().to_string())
-        .collect();
-    ids.sort();
-    ids.dedup();
-    let mut cached = cache
-        .map(|c| c.get_many(ids.iter().map(String::as_str)))
-        .unwrap_or_default();
-    let guess = cache.is_some_and(RunCache::enabled);
-    // Runs that an input other than a start names are always read.
-    let named_otherwise: HashSet<&str> = inputs
-        .iter()
-        .filter(|p| !matches!(p.input, Input::Start(_)))
-        .map(|p| p.input.run_id())
-        .collect();
-    let mut runs: HashMap<String, Loaded> = HashMap::with_capacity(ids.len());
-    let mut missing = Vec::with_capacity(ids.len() - cached.len());
-    for id in ids {
-        let state = cached.remove(&id);
-        let guessed = guess && state.is_none() && !named_otherwise.contains(id.as_str());
-        if state.is_none() && !guessed {
-            missing.push(id.clone());
-        }
-        runs.insert(
-            id,
-            Loaded {
-                loaded_version: state.as_ref().map(|s| s.record_version),
-                cached: state.is_some() || guessed,
-                state,
-                changed: false,
-            },
-        );
-    }
-    if missing.is_empty() {
-        return Ok(runs);
-    }
-    let rows = sqlx::query("SELECT run_id, record_version, state FROM runs WHERE run_id = ANY($1)")
-        .bind(&missing)
-        .fetch_all(&mut *conn)
-        .await?;
-    for row in rows {
-        let run_id: String = row.try_get("run_id")?;
-        let version: i64 = row.try_get("record_version")?;
-        let state: sqlx::types::Json<RunState> = row.try_get("state")?;
-        let mut state = state.0;
-        state.record_version = version;
-        if let Some(slot) = runs.get_mut(&run_id) {
-            slot.state = Some(state);
-            slot.loaded_version = Some(version);
-        }
-    }
-    Ok(runs)
-}
-
 /// Time spent in one phase of an apply, whatever the attempt's outcome:
 /// `begin` (the wait for a pooled connection, and BEGIN when the batch has a
 /// transaction), `load`, `fold` (with the routing plane's decisions),
@@ -1141,146 +985,6 @@ fn commit_reply_lost() -> bool {
 }
 
 /// Intents a transaction inserted already claimed for the fast lane.
-#[derive(Default)]
-struct Handed {
-    claimed: Vec<crate::outbox::ClaimedIntent>,
-    /// Due intents inserted as `pending` (behind an undelivered one).
-    pending_due: usize,
-    /// The earliest `not_before` of the timers inserted.
-    next_timer: Option<DateTime<Utc>>,
-    /// The runs as written, with the length of their encoded state, for
-    /// the cache once committed.
-    states: Vec<(RunState, usize)>,
-}
-
-/// Writes everything; `Ok(None)` when a conditional write lost a race.
-///
-/// One statement, [`batch::WRITE_BATCH_SQL`]: the runs (inserts and
-/// conditional updates), the history and the effects (transitions,
-/// attempts, timer cancels and intents), each set-based over the whole
-/// batch, so a batch costs one round trip whatever its size. A count that
-/// falls short of what was sent is a lost race, and the statement rolls
-/// back on its own.
-async fn write_all(
-    conn: &mut PgConnection,
-    runs: &HashMap<String, Loaded>,
-    writes: &Writes,
-    notify: bool,
-    handoff: Option<&crate::outbox::Handoff>,
-) -> Result<Option<Handed>, ApplyError> {
-    let claim = handoff.map(|h| plan::FastLaneClaim {
-        drainer_id: h.drainer_id(),
-        lease_s: h.lease_s(),
-    });
-    let plan = plan::plan(runs, writes, claim)?;
-    if plan.write.is_empty() {
-        return Ok(Some(Handed::default()));
-    }
-    // Nothing of the batch has reached the database yet.
-    crate::crash_point!("apply.after_update");
-    let written = {
-        let fetch = std::pin::pin!(plan.write.query().fetch_one(&mut *conn));
-        // Sent, and the process dies before the reply: whether the batch
-        // committed is up to the database.
-        #[cfg(feature = "failpoints")]
-        let fetch = crate::infra::failpoints::send_then_crash("apply.mid_batch", fetch).await;
-        fetch.await
-    };
-    let row = match written {
-        Ok(row) => row,
-        Err(e) if lost_race(&e) => return Ok(None),
-        Err(e) => {
-            // Without a transaction around it, a statement whose reply never
-            // came (the connection broke) may still have committed, claims
-            // and all: they are nobody's, so give them back.
-            if let Some(handoff) = handoff {
-                handoff.uncertain_at(due_positions(&plan.intents)).await;
-            }
-            return Err(e.into());
-        }
-    };
-    let handed = handed(plan, &row)?;
-    if !writes.intents.is_empty() {
-        crate::crash_point!("apply.after_intents");
-    }
-    if notify && !writes.intents.is_empty() {
-        // Wakes drainers in other processes at the commit (which, without a
-        // transaction around the batch, has just happened).
-        sqlx::query("SELECT pg_notify('ductor_effect_intent', '')")
-            .execute(&mut *conn)
-            .await?;
-    }
-    Ok(Some(handed))
-}
-
-/// The positions of the due intents, which the fast lane may have claimed.
-fn due_positions(intents: &[&IntentRow]) -> Vec<(String, i64, i32)> {
-    intents
-        .iter()
-        .filter(|i| i.due)
-        .map(|i| (i.run_id.clone(), i.seq, i.effect_index))
-        .collect()
-}
-
-/// Whether the batch statement failed because another writer won: the
-/// guard's shortfall, or an intent position another writer took first
-/// (rows of one statement are written in no set order, so the intents may
-/// meet the other writer's before the runs update does).
-fn lost_race(error: &sqlx::Error) -> bool {
-    let sqlx::Error::Database(db) = error else {
-        return false;
-    };
-    match db.code().as_deref() {
-        Some(batch::CONFLICT_SQLSTATE) => true,
-        Some("23505") => db.constraint() == Some("eec_effect_intent_position_unique"),
-        _ => false,
-    }
-}
-
-/// The claimed intents in the statement's answer, ready to publish, and
-/// what the drainer's claim rounds must be told.
-fn handed(plan: plan::Plan<'_>, row: &sqlx::postgres::PgRow) -> Result<Handed, ApplyError> {
-    let ids: Vec<i64> = row.try_get("claimed_ids")?;
-    let runs: Vec<String> = row.try_get("claimed_runs")?;
-    let seqs: Vec<i64> = row.try_get("claimed_seqs")?;
-    let indexes: Vec<i32> = row.try_get("claimed_indexes")?;
-    let created: Vec<DateTime<Utc>> = row.try_get("claimed_created")?;
-    let by_position: HashMap<(&str, i64, i32), &IntentRow> = plan
-        .intents
-        .iter()
-        .map(|i| ((i.run_id.as_str(), i.seq, i.effect_index), *i))
-        .collect();
-    let mut handed = Handed::default();
-    for (k, intent_id) in ids.into_iter().enumerate() {
-        let Some(&intent) = by_position.get(&(runs[k].as_str(), seqs[k], indexes[k])) else {
-            continue;
-        };
-        handed.claimed.push(crate::outbox::ClaimedIntent {
-            intent_id,
-            run_id: intent.run_id.clone(),
-            seq: intent.seq,
-            effect_index: intent.effect_index,
-            topic: intent.topic.clone(),
-            message_key: intent.message_key.clone(),
-            headers: crate::outbox::ordered_headers(&intent.headers),
-            payload: intent.payload.clone(),
-            not_before: intent.not_before,
-            created_at: created[k],
-            publish_failures: 0,
-        });
-    }
-    let due = plan.intents.iter().filter(|i| i.due).count();
-    handed.pending_due = due.saturating_sub(handed.claimed.len());
-    handed.next_timer = plan
-        .intents
-        .iter()
-        .filter(|i| !i.due)
-        .map(|i| i.not_before)
-        .min();
-    handed.states = plan.states;
-    Ok(handed)
-}
-
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;

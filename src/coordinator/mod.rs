@@ -8,7 +8,7 @@
 //! 1. decode the Kafka message with [`crate::contract::decode_input`] (errors go
 //!    to the DLQ with [`crate::contract::InputErrorClass::as_str`] as the error class);
 //! 2. load the run (`None` if it does not exist) with its `record_version`;
-//! 3. call [`fold`] with `now` and one fresh [`Entropy`];
+//! 3. call [`fold()`] with `now` and one fresh [`Entropy`];
 //! 4. on [`Decision::Transition`], commit in one transaction: the new state
 //!    (`UPDATE ... WHERE record_version = $old`, bumping it), the [`TransitionRecord`],
 //!    the [`AttemptWrite`]s and one outbox intent per [`crate::contract::Effect`], in order. A

@@ -696,6 +696,14 @@ fn record_age<M: Message>(name: &'static str, msg: &M) {
 /// was revoked meanwhile refuses the store; its new owner re-reads the
 /// messages and they apply as no-ops.
 fn store_offsets(ctx: &IngressContext, batch: &[OwnedMessage]) {
+    if let Err(e) = ctx.consumer.store_offsets(&next_offsets(batch)) {
+        tracing::info!(error = %e, "offsets not stored (partition revoked?); they will be redelivered as no-ops");
+    }
+}
+
+/// The offsets to store once `batch` is applied: for each of its
+/// partitions, one past its last message.
+pub fn next_offsets(batch: &[OwnedMessage]) -> TopicPartitionList {
     let mut next: BTreeMap<(String, i32), i64> = BTreeMap::new();
     for msg in batch {
         let entry = next
@@ -709,9 +717,7 @@ fn store_offsets(ctx: &IngressContext, batch: &[OwnedMessage]) {
             tracing::warn!(error = %e, topic, partition, "could not record offset");
         }
     }
-    if let Err(e) = ctx.consumer.store_offsets(&tpl) {
-        tracing::info!(error = %e, "offsets not stored (partition revoked?); they will be redelivered as no-ops");
-    }
+    tpl
 }
 
 /// Header value as text, for logs and dead letters.

@@ -1,0 +1,185 @@
+//! Load: the runs a batch touches, from the cache of states this applier
+//! committed, or from the database with the `record_version` the write
+//! must match.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
+
+use sqlx::{PgConnection, Row};
+
+use super::{ApplyError, Loaded, PendingInput};
+use crate::contract::Input;
+use crate::coordinator::RunState;
+
+/// Run states as this applier last committed them, so that the next batch
+/// of a run need not load it. An entry is only a guess: the runs UPDATE is
+/// conditional on the `record_version` it carries, so an entry made stale by
+/// another writer loses the race, is dropped, and the batch is recomputed
+/// from the database. Terminal runs are not kept. Bounded twice, by entries
+/// (`coordinator.run_cache_size`) and by the bytes of the states' encoding
+/// (`coordinator.run_cache_max_bytes`, a fair measure of what a state holds
+/// in memory): when either is full, the cache starts over (no bookkeeping
+/// on the hot path), and a state larger than a tenth of the byte bound is
+/// not kept at all.
+pub struct RunCache {
+    capacity: usize,
+    max_bytes: usize,
+    inner: Mutex<CacheInner>,
+}
+
+#[derive(Default)]
+struct CacheInner {
+    states: HashMap<String, (RunState, usize)>,
+    bytes: usize,
+}
+
+impl CacheInner {
+    pub(super) fn remove(&mut self, run_id: &str) {
+        if let Some((_, size)) = self.states.remove(run_id) {
+            self.bytes -= size;
+        }
+    }
+}
+
+impl RunCache {
+    pub fn new(capacity: usize, max_bytes: usize) -> Self {
+        RunCache {
+            capacity,
+            max_bytes,
+            inner: Mutex::new(CacheInner::default()),
+        }
+    }
+
+    /// Whether the cache keeps states at all (`run_cache_size` above 0).
+    pub(super) fn enabled(&self) -> bool {
+        self.capacity > 0 && self.max_bytes > 0
+    }
+
+    /// The bytes of the encoded states held now.
+    pub fn bytes(&self) -> usize {
+        self.inner.lock().map_or(0, |i| i.bytes)
+    }
+
+    /// The cached state of each of `ids` that has one.
+    pub(super) fn get_many<'a>(
+        &self,
+        ids: impl Iterator<Item = &'a str>,
+    ) -> HashMap<String, RunState> {
+        if !self.enabled() {
+            return HashMap::new();
+        }
+        let Ok(inner) = self.inner.lock() else {
+            return HashMap::new();
+        };
+        ids.filter_map(|id| inner.states.get(id).map(|s| (id.to_string(), s.0.clone())))
+            .collect()
+    }
+
+    /// Remembers committed states (their `record_version` is the new one),
+    /// each with the length of its encoding.
+    pub(super) fn put_many(&self, committed: Vec<(RunState, usize)>) {
+        if !self.enabled() {
+            return;
+        }
+        let Ok(mut inner) = self.inner.lock() else {
+            return;
+        };
+        for (state, size) in committed {
+            inner.remove(&state.run_id);
+            if state.status.is_terminal() || size > self.max_bytes / 10 {
+                continue;
+            }
+            if inner.states.len() >= self.capacity || inner.bytes + size > self.max_bytes {
+                inner.states.clear();
+                inner.bytes = 0;
+            }
+            inner.bytes += size;
+            inner.states.insert(state.run_id.clone(), (state, size));
+        }
+        metrics::gauge!("ductor_run_cache_bytes").set(inner.bytes as f64);
+    }
+
+    /// Forgets `ids`: their batch lost a race or its outcome is unknown.
+    pub(super) fn forget<'a>(&self, ids: impl Iterator<Item = &'a str>) {
+        if !self.enabled() {
+            return;
+        }
+        if let Ok(mut inner) = self.inner.lock() {
+            for id in ids {
+                inner.remove(id);
+            }
+        }
+    }
+}
+
+/// The runs of a batch's inputs: from the cache when it has them, else
+/// from the database.
+///
+/// With the cache on, a run that the batch names only in `run.start`
+/// inputs, and that the cache does not hold, is taken to be new without a
+/// query: a start is almost always the first input of its run. The guess is
+/// checked where it matters. If the run exists after all (a redelivered
+/// start), its insert matches no row, the batch statement counts a lost
+/// race, and the batch is recomputed from the database, where the start is
+/// found a duplicate. A start that changes nothing on the guess (a
+/// rejection) is recomputed the same way, like any verdict on a state not
+/// read from the database.
+pub(super) async fn load_runs(
+    conn: &mut PgConnection,
+    inputs: &[PendingInput],
+    cache: Option<&RunCache>,
+) -> Result<HashMap<String, Loaded>, ApplyError> {
+    let mut ids: Vec<String> = inputs
+        .iter()
+        .map(|p| p.input.run_id().to_string())
+        .collect();
+    ids.sort();
+    ids.dedup();
+    let mut cached = cache
+        .map(|c| c.get_many(ids.iter().map(String::as_str)))
+        .unwrap_or_default();
+    let guess = cache.is_some_and(RunCache::enabled);
+    // Runs that an input other than a start names are always read.
+    let named_otherwise: HashSet<&str> = inputs
+        .iter()
+        .filter(|p| !matches!(p.input, Input::Start(_)))
+        .map(|p| p.input.run_id())
+        .collect();
+    let mut runs: HashMap<String, Loaded> = HashMap::with_capacity(ids.len());
+    let mut missing = Vec::with_capacity(ids.len() - cached.len());
+    for id in ids {
+        let state = cached.remove(&id);
+        let guessed = guess && state.is_none() && !named_otherwise.contains(id.as_str());
+        if state.is_none() && !guessed {
+            missing.push(id.clone());
+        }
+        runs.insert(
+            id,
+            Loaded {
+                loaded_version: state.as_ref().map(|s| s.record_version),
+                cached: state.is_some() || guessed,
+                state,
+                changed: false,
+            },
+        );
+    }
+    if missing.is_empty() {
+        return Ok(runs);
+    }
+    let rows = sqlx::query("SELECT run_id, record_version, state FROM runs WHERE run_id = ANY($1)")
+        .bind(&missing)
+        .fetch_all(&mut *conn)
+        .await?;
+    for row in rows {
+        let run_id: String = row.try_get("run_id")?;
+        let version: i64 = row.try_get("record_version")?;
+        let state: sqlx::types::Json<RunState> = row.try_get("state")?;
+        let mut state = state.0;
+        state.record_version = version;
+        if let Some(slot) = runs.get_mut(&run_id) {
+            slot.state = Some(state);
+            slot.loaded_version = Some(version);
+        }
+    }
+    Ok(runs)
+}
