@@ -12,7 +12,7 @@ use anyhow::Context;
 use clap::Parser;
 use ductor::config::Config;
 use futures::stream::{self, StreamExt};
-use rdkafka::producer::FutureRecord;
+use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde_json::json;
 
 #[derive(Parser)]
@@ -48,6 +48,8 @@ async fn main() -> ExitCode {
     }
 }
 
+/// Submits the batch, follows it, and prints the summary line; true when
+/// every run reached a terminal state before the deadline.
 async fn run(args: Args) -> anyhow::Result<bool> {
     let config = Config::load(args.config.as_deref())?;
     let pool = ductor::infra::db::connect(&config.database).await?;
@@ -56,18 +58,53 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     let run_ids: Vec<String> = (0..args.runs)
         .map(|i| format!("demo-{}-{i:05}", &batch[..8]))
         .collect();
-    let topic = config.requests_topic();
     let started = Instant::now();
+    submit(&producer, &config, &args, &run_ids).await?;
+    eprintln!(
+        "submitted {} runs of {:?} in {:.1}s",
+        args.runs,
+        args.workflow,
+        started.elapsed().as_secs_f64()
+    );
+    let batch = Batch {
+        prefix: format!("demo-{}-%", &batch[..8]),
+        runs: args.runs,
+        started,
+        deadline: started + Duration::from_secs(args.timeout_s),
+    };
+    let counts = follow(&pool, &batch).await?;
+    let seconds = started.elapsed().as_secs_f64();
+    let retries = count_retries(&pool, &batch.prefix).await?;
+    // Keys in a fixed order, for people reading the line.
+    println!(
+        "{{\"runs\":{},\"succeeded\":{},\"failed\":{},\"cancelled\":{},\"retries\":{},\"seconds\":{:.2}}}",
+        args.runs, counts.succeeded, counts.failed, counts.cancelled, retries, seconds
+    );
+    Ok(counts.terminal() >= args.runs as i64)
+}
+
+/// The runs this driver submitted, and until when it follows them.
+struct Batch {
+    /// A `LIKE` pattern matching the batch's run ids.
+    prefix: String,
+    runs: usize,
+    started: Instant,
+    deadline: Instant,
+}
+
+/// Sends one `run.start` request per run of this batch, many in flight at
+/// once, and fails if any of them was not acknowledged.
+async fn submit(
+    producer: &FutureProducer,
+    config: &Config,
+    args: &Args,
+    run_ids: &[String],
+) -> anyhow::Result<()> {
+    let topic = config.requests_topic();
     let timeout = Duration::from_millis(config.kafka.delivery_timeout_ms);
     let sent: Vec<anyhow::Result<()>> = stream::iter(run_ids.iter())
         .map(|run_id| {
-            let value = json!({
-                "type": "run.start", "schema_version": 1, "run_id": run_id,
-                "tenant": args.tenant, "workflow": args.workflow,
-                "input": {"order": run_id},
-            })
-            .to_string();
-            let producer = &producer;
+            let value = start_request(args, run_id);
             let topic = &topic;
             async move {
                 producer
@@ -81,56 +118,65 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         .collect()
         .await;
     sent.into_iter().collect::<anyhow::Result<Vec<()>>>()?;
-    eprintln!(
-        "submitted {} runs of {:?} in {:.1}s",
-        args.runs,
-        args.workflow,
-        started.elapsed().as_secs_f64()
-    );
+    Ok(())
+}
 
-    let deadline = started + Duration::from_secs(args.timeout_s);
-    let prefix = format!("demo-{}-%", &batch[..8]);
-    let mut counts;
+/// The `run.start` request of one run.
+fn start_request(args: &Args, run_id: &str) -> String {
+    json!({
+        "type": "run.start", "schema_version": 1, "run_id": run_id,
+        "tenant": args.tenant, "workflow": args.workflow,
+        "input": {"order": run_id},
+    })
+    .to_string()
+}
+
+/// Shows the batch's progress twice a second until all its runs are
+/// terminal or the deadline passes; returns the last counts.
+async fn follow(pool: &sqlx::PgPool, batch: &Batch) -> anyhow::Result<Counts> {
     loop {
-        counts = status_counts(&pool, &prefix).await?;
-        let terminal = counts.succeeded + counts.failed + counts.cancelled;
+        let counts = status_counts(pool, &batch.prefix).await?;
+        let terminal = counts.terminal();
         eprint!(
             "\r  {:>6.1}s  running {:>5}  succeeded {:>5}  failed {:>5}  cancelled {:>5}  ",
-            started.elapsed().as_secs_f64(),
-            args.runs as i64 - terminal,
+            batch.started.elapsed().as_secs_f64(),
+            batch.runs as i64 - terminal,
             counts.succeeded,
             counts.failed,
             counts.cancelled
         );
         let _ = std::io::stderr().flush();
-        if terminal >= args.runs as i64 || Instant::now() >= deadline {
-            break;
+        if terminal >= batch.runs as i64 || Instant::now() >= batch.deadline {
+            eprintln!();
+            return Ok(counts);
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    eprintln!();
-    let seconds = started.elapsed().as_secs_f64();
-    let terminal = counts.succeeded + counts.failed + counts.cancelled;
-    let retries: i64 = sqlx::query_scalar(
+}
+
+/// How many attempts of the batch's runs were retries.
+async fn count_retries(pool: &sqlx::PgPool, prefix: &str) -> anyhow::Result<i64> {
+    sqlx::query_scalar(
         "SELECT count(*) FROM run_attempts a JOIN runs r USING (run_id) \
          WHERE r.run_id LIKE $1 AND a.attempt > 1",
     )
-    .bind(&prefix)
-    .fetch_one(&pool)
+    .bind(prefix)
+    .fetch_one(pool)
     .await
-    .context("counting retries")?;
-    // Keys in a fixed order, for people reading the line.
-    println!(
-        "{{\"runs\":{},\"succeeded\":{},\"failed\":{},\"cancelled\":{},\"retries\":{},\"seconds\":{:.2}}}",
-        args.runs, counts.succeeded, counts.failed, counts.cancelled, retries, seconds
-    );
-    Ok(terminal >= args.runs as i64)
+    .context("counting retries")
 }
 
 struct Counts {
     succeeded: i64,
     failed: i64,
     cancelled: i64,
+}
+
+impl Counts {
+    /// Runs that reached a terminal state.
+    fn terminal(&self) -> i64 {
+        self.succeeded + self.failed + self.cancelled
+    }
 }
 
 async fn status_counts(pool: &sqlx::PgPool, prefix: &str) -> anyhow::Result<Counts> {

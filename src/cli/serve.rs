@@ -1,16 +1,19 @@
 //! `ductor serve`: the long-running process. Every task hangs off one root
 //! cancellation token and one tracker, so shutdown waits for all of them.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
 use rdkafka::consumer::BaseConsumer;
+use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
+use crate::coordinator::Workflows;
 use crate::infra::health::{HttpState, router};
+use crate::outbox::{FastLane, Handoff, Wakeup};
 
 /// Runs until `shutdown` is cancelled, then lets in-flight work finish within
 /// `server.shutdown_grace_ms`.
@@ -47,6 +50,43 @@ pub async fn run_on(
     listener: tokio::net::TcpListener,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    let workflows = load_workflows(&config)?;
+    check_topic_limits(&config).await?;
+    let pool = open_database(&config).await?;
+    crate::infra::telemetry::metrics_handle();
+
+    let tasks = Tasks::new(shutdown);
+    let progress = Arc::new(crate::ingress::Progress::new(
+        config.coordinator.apply_lanes,
+        Duration::from_millis(config.coordinator.stall_after_ms),
+    ));
+    let http_state = health_state(&config, &pool, &progress)?;
+    spawn_progress_watch(&tasks, progress.clone());
+    let wakeup = Wakeup::default();
+    let drainer = if config.drainer.enabled {
+        Some(local_drainer(&config, &pool, &tasks, &wakeup)?)
+    } else {
+        None
+    };
+    let handoff = drainer.as_ref().map(|local| local.handoff.clone());
+    let api_state = api_state(&config, &pool, &workflows, handoff.clone(), &wakeup);
+    spawn_http(&tasks, listener, http_state, api_state)?;
+    spawn_routing_maintenance(&tasks, &pool, &config);
+    if let Some(local) = drainer {
+        spawn_drainer(&tasks, local, &wakeup);
+    }
+    let links = IngressLinks {
+        wakeup,
+        handoff,
+        progress,
+    };
+    spawn_ingress(&tasks, &config, &pool, workflows, links)?;
+    wait_for_shutdown(tasks, &config, pool).await
+}
+
+/// Reads the workflow definitions the coordinator runs: a directory that
+/// does not load keeps the process from starting.
+fn load_workflows(config: &Config) -> anyhow::Result<Workflows> {
     let workflows = crate::infra::workflows::load_dir(&config.coordinator.workflows_dir)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     tracing::info!(
@@ -54,19 +94,65 @@ pub async fn run_on(
         dir = %config.coordinator.workflows_dir.display(),
         "workflow definitions loaded"
     );
-    check_topic_limits(&config).await?;
+    Ok(workflows)
+}
+
+/// Connects to Postgres and, when configured to, brings its schema up to
+/// date before any stage touches it.
+async fn open_database(config: &Config) -> anyhow::Result<PgPool> {
     let pool = crate::infra::db::connect(&config.database).await?;
     if config.database.migrate_on_start {
         crate::infra::db::migrate(&pool).await?;
         tracing::info!("database migrations applied");
     }
-    crate::infra::telemetry::metrics_handle();
+    Ok(pool)
+}
 
-    let tracker = TaskTracker::new();
-    // A task that fails cancels everything: the process should stop rather
-    // than run without, say, its ingress.
-    let failed = Arc::new(std::sync::Mutex::new(None::<anyhow::Error>));
+/// The tasks of one serve process. They hang off one tracker, so that
+/// shutdown waits for all of them, and one root token, so that one stop
+/// reaches all of them.
+struct Tasks {
+    tracker: TaskTracker,
+    shutdown: CancellationToken,
+    /// The first failure of a vital task, returned when the process stops.
+    failed: Arc<Mutex<Option<anyhow::Error>>>,
+}
 
+impl Tasks {
+    /// No tasks yet, all to be stopped by `shutdown`.
+    fn new(shutdown: CancellationToken) -> Self {
+        Tasks {
+            tracker: TaskTracker::new(),
+            shutdown,
+            failed: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    /// Runs a task the process cannot do without. A task that fails
+    /// cancels everything: the process should stop rather than run
+    /// without, say, its ingress. Its error, labelled with `what`, is the
+    /// one the process stops with.
+    fn spawn_vital<F>(&self, what: &'static str, task: F)
+    where
+        F: Future<Output = anyhow::Result<()>> + Send + 'static,
+    {
+        let (shutdown, failed) = (self.shutdown.clone(), self.failed.clone());
+        self.tracker.spawn(async move {
+            if let Err(e) = task.await {
+                record_failure(&failed, e.context(what));
+                shutdown.cancel();
+            }
+        });
+    }
+}
+
+/// What the health endpoints need: the database, a Kafka client kept only
+/// for metadata requests, and the ingress's lanes for readiness.
+fn health_state(
+    config: &Config,
+    pool: &PgPool,
+    progress: &Arc<crate::ingress::Progress>,
+) -> anyhow::Result<HttpState> {
     let kafka_probe: BaseConsumer = crate::infra::kafka::consumer_config(
         &config.kafka,
         &format!("{}-probe", config.kafka.group_id),
@@ -74,134 +160,193 @@ pub async fn run_on(
     )
     .create()
     .context("creating kafka probe client")?;
-    let progress = Arc::new(crate::ingress::Progress::new(
-        config.coordinator.apply_lanes,
-        Duration::from_millis(config.coordinator.stall_after_ms),
-    ));
-    let http_state = HttpState {
+    Ok(HttpState {
         pool: pool.clone(),
         kafka_probe: Arc::new(kafka_probe),
         readiness_timeout: Duration::from_millis(config.server.readiness_timeout_ms),
         ingress: Some(progress.clone()),
-    };
-    {
-        let (progress, shutdown) = (progress.clone(), shutdown.clone());
-        tracker.spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(1));
-            loop {
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = tick.tick() => {
-                        progress.observe();
-                        crate::infra::telemetry::observe_process();
-                    }
+    })
+}
+
+/// Once a second, notes the ingress lanes' progress (so that readiness sees
+/// a stalled lane) and the process's own gauges.
+fn spawn_progress_watch(tasks: &Tasks, progress: Arc<crate::ingress::Progress>) {
+    let shutdown = tasks.shutdown.clone();
+    tasks.tracker.spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {
+                    progress.observe();
+                    crate::infra::telemetry::observe_process();
                 }
             }
-        });
-    }
-    let wakeup = crate::outbox::Wakeup::default();
-    // The drainer runs in this process: the apply layer hands it the
-    // intents it may publish at once (its fast lane).
-    let drainer = if config.drainer.enabled {
-        let producer = crate::infra::kafka::producer(&config.kafka, "drainer")?;
-        let drainer = crate::outbox::Drainer::new(
-            pool.clone(),
-            producer,
-            config.drainer.clone(),
-            Duration::from_millis(config.kafka.delivery_timeout_ms),
-        )
-        .with_solo_producer(crate::infra::kafka::producer(
-            &config.kafka,
-            "drainer-solo",
-        )?)
-        .with_results_frontier(results_frontier(&config, &tracker, &wakeup, &shutdown))
-        .with_parked_notices(config.events_topic());
-        let (handoff, lane) = drainer.fast_lane(&wakeup);
-        Some((drainer, handoff, lane))
-    } else {
-        None
-    };
-    let handoff = drainer.as_ref().map(|(_, handoff, _)| handoff.clone());
-    let mut api_applier = crate::apply::Applier::new(&config, pool.clone(), workflows.clone());
+        }
+    });
+}
+
+/// The outbox drainer of this process, with the fast lane through which
+/// the apply layer hands it the intents it may publish at once.
+struct LocalDrainer {
+    drainer: crate::outbox::Drainer,
+    /// This process's own end of the lane, cloned for the ingress and the
+    /// API.
+    handoff: Handoff,
+    lane: FastLane,
+}
+
+/// Builds the in-process drainer: its producers, the results frontier its
+/// timeout timers wait on, and its fast lane.
+fn local_drainer(
+    config: &Config,
+    pool: &PgPool,
+    tasks: &Tasks,
+    wakeup: &Wakeup,
+) -> anyhow::Result<LocalDrainer> {
+    let producer = crate::infra::kafka::producer(&config.kafka, "drainer")?;
+    let drainer = crate::outbox::Drainer::new(
+        pool.clone(),
+        producer,
+        config.drainer.clone(),
+        Duration::from_millis(config.kafka.delivery_timeout_ms),
+    )
+    .with_solo_producer(crate::infra::kafka::producer(
+        &config.kafka,
+        "drainer-solo",
+    )?)
+    .with_results_frontier(results_frontier(
+        config,
+        &tasks.tracker,
+        wakeup,
+        &tasks.shutdown,
+    ))
+    .with_parked_notices(config.events_topic());
+    let (handoff, lane) = drainer.fast_lane(wakeup);
+    Ok(LocalDrainer {
+        drainer,
+        handoff,
+        lane,
+    })
+}
+
+/// The routing API's state. With an in-process drainer, its decisions hand
+/// their effects to the fast lane; without one, they only wake the drainer.
+fn api_state(
+    config: &Config,
+    pool: &PgPool,
+    workflows: &Workflows,
+    handoff: Option<Handoff>,
+    wakeup: &Wakeup,
+) -> crate::routing::http::ApiState {
+    let mut api_applier = crate::apply::Applier::new(config, pool.clone(), workflows.clone());
     api_applier.handoff = handoff.clone();
-    let api_state = crate::routing::http::ApiState {
+    crate::routing::http::ApiState {
         applier: Arc::new(api_applier),
         routing: config.routing.clone(),
         limits: config.input_limits(),
         wakeup: handoff.is_none().then(|| wakeup.clone()),
-    };
+    }
+}
+
+/// Serves the health endpoints and the routing API on `listener` until
+/// shutdown.
+fn spawn_http(
+    tasks: &Tasks,
+    listener: tokio::net::TcpListener,
+    http_state: HttpState,
+    api_state: crate::routing::http::ApiState,
+) -> anyhow::Result<()> {
     let addr = listener
         .local_addr()
         .context("reading the http listener's address")?;
     tracing::info!(%addr, "http listening");
-    {
-        let shutdown = shutdown.clone();
-        let failed = failed.clone();
-        tracker.spawn(async move {
-            let app = router(http_state).merge(crate::routing::http::router(api_state));
-            let result = axum::serve(listener, app)
-                .with_graceful_shutdown(shutdown.clone().cancelled_owned())
-                .await;
-            if let Err(e) = result {
-                record_failure(&failed, anyhow::Error::new(e).context("http server"));
-                shutdown.cancel();
-            }
-        });
-    }
+    let shutdown = tasks.shutdown.clone();
+    tasks.spawn_vital("http server", async move {
+        let app = router(http_state).merge(crate::routing::http::router(api_state));
+        axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown.cancelled_owned())
+            .await
+            .map_err(anyhow::Error::new)
+    });
+    Ok(())
+}
 
-    {
-        let pool = pool.clone();
-        let routing = config.routing.clone();
-        let shutdown = shutdown.clone();
-        tracker.spawn(async move { routing_maintenance(pool, routing, shutdown).await });
-    }
+/// Runs the routing plane's sweeper and retention until shutdown.
+fn spawn_routing_maintenance(tasks: &Tasks, pool: &PgPool, config: &Config) {
+    let pool = pool.clone();
+    let routing = config.routing.clone();
+    let shutdown = tasks.shutdown.clone();
+    tasks
+        .tracker
+        .spawn(async move { routing_maintenance(pool, routing, shutdown).await });
+}
 
-    if let Some((drainer, own_handoff, lane)) = drainer {
-        // The lane ends when the last handoff (the ingress's, the API's) is
-        // gone, so that batches committed during shutdown are published.
-        drop(own_handoff);
-        tracing::info!(drainer_id = %drainer.drainer_id, "outbox drainer starting");
-        let shutdown = shutdown.clone();
-        let failed = failed.clone();
-        let wakeup = wakeup.clone();
-        tracker.spawn(async move {
-            let result =
-                crate::outbox::run_with_fast_lane(drainer, wakeup, Some(lane), shutdown.clone())
-                    .await;
-            if let Err(e) = result {
-                record_failure(&failed, e.context("outbox drainer"));
-                shutdown.cancel();
-            }
-        });
-    }
+/// Starts publishing the outbox. The lane ends when the last handoff (the
+/// ingress's, the API's) is gone, so that batches committed during
+/// shutdown are published.
+fn spawn_drainer(tasks: &Tasks, local: LocalDrainer, wakeup: &Wakeup) {
+    let LocalDrainer {
+        drainer,
+        handoff,
+        lane,
+    } = local;
+    drop(handoff);
+    tracing::info!(drainer_id = %drainer.drainer_id, "outbox drainer starting");
+    let run = crate::outbox::run_with_fast_lane(
+        drainer,
+        wakeup.clone(),
+        Some(lane),
+        tasks.shutdown.clone(),
+    );
+    tasks.spawn_vital("outbox drainer", run);
+}
 
-    {
-        let mut ctx = crate::ingress::IngressContext::new(&config, pool.clone(), workflows)?;
-        ctx.wakeup = Some(wakeup.clone());
-        ctx.applier.handoff = handoff;
-        ctx.progress = progress;
-        let shutdown = shutdown.clone();
-        let failed = failed.clone();
-        tracker.spawn(async move {
-            if let Err(e) = crate::ingress::run(ctx, shutdown.clone()).await {
-                record_failure(&failed, e.context("coordinator ingress"));
-                shutdown.cancel();
-            }
-        });
-    }
+/// How the ingress reaches the rest of the process: the drainer it wakes
+/// or hands effects to, and the lanes' progress readiness reads.
+struct IngressLinks {
+    wakeup: Wakeup,
+    handoff: Option<Handoff>,
+    progress: Arc<crate::ingress::Progress>,
+}
 
-    tracker.close();
-    shutdown.cancelled().await;
+/// Starts the coordinator's ingress: it consumes requests and results and
+/// applies them.
+fn spawn_ingress(
+    tasks: &Tasks,
+    config: &Config,
+    pool: &PgPool,
+    workflows: Workflows,
+    links: IngressLinks,
+) -> anyhow::Result<()> {
+    let mut ctx = crate::ingress::IngressContext::new(config, pool.clone(), workflows)?;
+    ctx.wakeup = Some(links.wakeup);
+    ctx.applier.handoff = links.handoff;
+    ctx.progress = links.progress;
+    let run = crate::ingress::run(ctx, tasks.shutdown.clone());
+    tasks.spawn_vital("coordinator ingress", run);
+    Ok(())
+}
+
+/// Waits for shutdown, then gives in-flight work `server.shutdown_grace_ms`
+/// to finish. Returns the first vital task's failure, if one stopped the
+/// process.
+async fn wait_for_shutdown(tasks: Tasks, config: &Config, pool: PgPool) -> anyhow::Result<()> {
+    tasks.tracker.close();
+    tasks.shutdown.cancelled().await;
     tracing::info!(
         grace_ms = config.server.shutdown_grace_ms,
         "shutting down, waiting for in-flight work"
     );
     let grace = Duration::from_millis(config.server.shutdown_grace_ms);
-    if tokio::time::timeout(grace, tracker.wait()).await.is_err() {
+    if tokio::time::timeout(grace, tasks.tracker.wait())
+        .await
+        .is_err()
+    {
         tracing::warn!("in-flight work did not finish within the grace period");
     }
     pool.close().await;
-    let failure = failed.lock().ok().and_then(|mut f| f.take());
+    let failure = tasks.failed.lock().ok().and_then(|mut f| f.take());
     match failure {
         Some(e) => Err(e),
         None => {
@@ -239,7 +384,7 @@ async fn routing_maintenance(
     }
 }
 
-fn record_failure(slot: &std::sync::Mutex<Option<anyhow::Error>>, error: anyhow::Error) {
+fn record_failure(slot: &Mutex<Option<anyhow::Error>>, error: anyhow::Error) {
     if let Ok(mut slot) = slot.lock() {
         slot.get_or_insert(error);
     }

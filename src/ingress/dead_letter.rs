@@ -114,97 +114,37 @@ pub struct DeadLetterPublisher {
 }
 
 impl DeadLetterPublisher {
+    /// Publishes `letter`, retrying until the broker acknowledges it or the
+    /// process shuts down, then counts it.
     pub async fn publish(
         &self,
         letter: &DeadLetter<'_>,
         shutdown: &CancellationToken,
     ) -> anyhow::Result<()> {
-        let msg = letter.message;
-        let partition = msg.partition().to_string();
-        let offset = msg.offset().to_string();
-        let error = truncate(&letter.error, self.max_message_bytes);
-        let original: Vec<(&str, Option<&[u8]>)> = msg
-            .headers()
-            .map(|hs| hs.iter().map(|h| (h.key, h.value)).collect())
-            .unwrap_or_default();
-        let own = [
-            (DLQ_TOPIC, msg.topic()),
-            (DLQ_PARTITION, partition.as_str()),
-            (DLQ_OFFSET, offset.as_str()),
-            (DLQ_STAGE, letter.stage.as_str()),
-            (DLQ_CLASS, letter.class.as_str()),
-            (DLQ_MESSAGE, error),
-        ];
-        let header_bytes = |k: &str, v: usize| k.len() + v + HEADER_OVERHEAD_BYTES;
-        let own_bytes: usize = own
-            .iter()
-            .map(|(k, v)| header_bytes(k, v.len()))
-            .sum::<usize>()
-            + header_bytes(DLQ_TRUNCATED, 20)
-            + header_bytes(DLQ_DROPPED, 11);
-        let original_bytes: usize = original
-            .iter()
-            .map(|(k, v)| header_bytes(k, v.map_or(0, <[u8]>::len)))
-            .sum();
-        let key = msg.key().unwrap_or_default();
-        let value = msg.payload().unwrap_or_default();
+        let partition = letter.message.partition().to_string();
+        let offset = letter.message.offset().to_string();
+        let parts = Parts::new(letter, &partition, &offset, self.max_message_bytes);
+        self.send_until_acknowledged(&parts, shutdown).await?;
+        record_dead_letter(letter);
+        Ok(())
+    }
+
+    /// Sends the letter until it is acknowledged. A letter refused for its
+    /// size is cut harder at once; any other failure is retried with a
+    /// growing pause, unless the process is shutting down.
+    async fn send_until_acknowledged(
+        &self,
+        parts: &Parts<'_>,
+        shutdown: &CancellationToken,
+    ) -> anyhow::Result<()> {
         let mut max_record = self.max_record_bytes;
         let mut pause = Duration::from_millis(100);
         loop {
-            let fit = Fit::new(
-                max_record,
-                own_bytes,
-                key.len(),
-                original_bytes,
-                value.len(),
-            );
-            let mut headers = OwnedHeaders::new();
-            if fit.keep_headers {
-                for (key, value) in &original {
-                    headers = headers.insert(Header { key, value: *value });
-                }
-            }
-            for (key, value) in own {
-                headers = headers.insert(Header {
-                    key,
-                    value: Some(value.as_bytes()),
-                });
-            }
-            let truncated = value.len().to_string();
-            if fit.value_bytes < value.len() {
-                headers = headers.insert(Header {
-                    key: DLQ_TRUNCATED,
-                    value: Some(truncated.as_bytes()),
-                });
-            }
-            let dropped = match (
-                fit.keep_headers || original.is_empty(),
-                fit.keep_key || key.is_empty(),
-            ) {
-                (true, true) => None,
-                (false, true) => Some("headers"),
-                (true, false) => Some("key"),
-                (false, false) => Some("headers,key"),
+            let error = match self.send_once(parts, max_record).await {
+                Ok(()) => return Ok(()),
+                Err(e) => e,
             };
-            if let Some(dropped) = dropped {
-                headers = headers.insert(Header {
-                    key: DLQ_DROPPED,
-                    value: Some(dropped.as_bytes()),
-                });
-            }
-            let mut record: FutureRecord<'_, [u8], [u8]> =
-                FutureRecord::to(&self.topic).headers(headers);
-            if fit.keep_key && msg.key().is_some() {
-                record = record.key(key);
-            }
-            if msg.payload().is_some() {
-                record = record.payload(&value[..fit.value_bytes]);
-            }
-            let error = match self.producer.send(record, self.timeout).await {
-                Ok(_) => break,
-                Err((e, _)) => e,
-            };
-            if is_too_large(&error) && max_record > RECORD_OVERHEAD_BYTES + own_bytes {
+            if is_too_large(&error) && max_record > RECORD_OVERHEAD_BYTES + parts.own_bytes {
                 // A limit below ours (the topic's or the broker's): cut
                 // harder, down to the letter's own headers alone.
                 tracing::warn!(error = %error, max_record, "dead letter too large for the broker, cutting it");
@@ -224,18 +164,162 @@ impl DeadLetterPublisher {
             }
             pause = (pause * 2).min(Duration::from_secs(5));
         }
-        tracing::info!(
-            topic = msg.topic(),
-            partition = msg.partition(),
-            offset = msg.offset(),
-            stage = letter.stage.as_str(),
-            class = %letter.class,
-            "input dead-lettered"
-        );
-        metrics::counter!("ductor_dead_letters_total", "stage" => letter.stage.as_str(), "class" => letter.class.clone())
-            .increment(1);
-        Ok(())
     }
+
+    /// Sends the letter once, cut to fit `max_record` bytes.
+    async fn send_once(
+        &self,
+        parts: &Parts<'_>,
+        max_record: usize,
+    ) -> Result<(), rdkafka::error::KafkaError> {
+        let fit = parts.fit(max_record);
+        let mut record: FutureRecord<'_, [u8], [u8]> =
+            FutureRecord::to(&self.topic).headers(parts.headers(fit));
+        if fit.keep_key && parts.message.key().is_some() {
+            record = record.key(parts.key);
+        }
+        if parts.message.payload().is_some() {
+            record = record.payload(&parts.value[..fit.value_bytes]);
+        }
+        match self.producer.send(record, self.timeout).await {
+            Ok(_) => Ok(()),
+            Err((e, _)) => Err(e),
+        }
+    }
+}
+
+/// A dead letter's parts, measured once for every cut that may be tried.
+struct Parts<'a> {
+    message: &'a OwnedMessage,
+    /// The input's own headers.
+    original: Vec<(&'a str, Option<&'a [u8]>)>,
+    /// The headers that say where the input came from and why it failed.
+    own: [(&'a str, &'a str); 6],
+    /// What the own headers take, with the two that a cut adds.
+    own_bytes: usize,
+    /// What the input's own headers take.
+    original_bytes: usize,
+    key: &'a [u8],
+    value: &'a [u8],
+}
+
+impl<'a> Parts<'a> {
+    /// The parts of `letter`, whose input sat at `partition` and `offset`;
+    /// its error message is cut to `max_message_bytes`.
+    fn new(
+        letter: &'a DeadLetter<'_>,
+        partition: &'a str,
+        offset: &'a str,
+        max_message_bytes: usize,
+    ) -> Self {
+        let msg = letter.message;
+        let original: Vec<(&str, Option<&[u8]>)> = msg
+            .headers()
+            .map(|hs| hs.iter().map(|h| (h.key, h.value)).collect())
+            .unwrap_or_default();
+        let own = [
+            (DLQ_TOPIC, msg.topic()),
+            (DLQ_PARTITION, partition),
+            (DLQ_OFFSET, offset),
+            (DLQ_STAGE, letter.stage.as_str()),
+            (DLQ_CLASS, letter.class.as_str()),
+            (DLQ_MESSAGE, truncate(&letter.error, max_message_bytes)),
+        ];
+        let own_bytes: usize = own
+            .iter()
+            .map(|(k, v)| header_bytes(k, v.len()))
+            .sum::<usize>()
+            + header_bytes(DLQ_TRUNCATED, 20)
+            + header_bytes(DLQ_DROPPED, 11);
+        let original_bytes: usize = original
+            .iter()
+            .map(|(k, v)| header_bytes(k, v.map_or(0, <[u8]>::len)))
+            .sum();
+        Parts {
+            message: msg,
+            original,
+            own,
+            own_bytes,
+            original_bytes,
+            key: msg.key().unwrap_or_default(),
+            value: msg.payload().unwrap_or_default(),
+        }
+    }
+
+    /// How much of the input a letter of at most `max_record` bytes keeps.
+    fn fit(&self, max_record: usize) -> Fit {
+        Fit::new(
+            max_record,
+            self.own_bytes,
+            self.key.len(),
+            self.original_bytes,
+            self.value.len(),
+        )
+    }
+
+    /// The letter's headers under `fit`: the input's own when kept, then
+    /// where it came from and why it failed, then what the cut took away.
+    fn headers(&self, fit: Fit) -> OwnedHeaders {
+        let mut headers = OwnedHeaders::new();
+        if fit.keep_headers {
+            for (key, value) in &self.original {
+                headers = headers.insert(Header { key, value: *value });
+            }
+        }
+        for (key, value) in self.own {
+            headers = headers.insert(Header {
+                key,
+                value: Some(value.as_bytes()),
+            });
+        }
+        if fit.value_bytes < self.value.len() {
+            let truncated = self.value.len().to_string();
+            headers = headers.insert(Header {
+                key: DLQ_TRUNCATED,
+                value: Some(truncated.as_bytes()),
+            });
+        }
+        let (had_headers, had_key) = (!self.original.is_empty(), !self.key.is_empty());
+        if let Some(dropped) = dropped(fit, had_headers, had_key) {
+            headers = headers.insert(Header {
+                key: DLQ_DROPPED,
+                value: Some(dropped.as_bytes()),
+            });
+        }
+        headers
+    }
+}
+
+/// What a header of key `k` and a value of `v` bytes costs in a record.
+fn header_bytes(k: &str, v: usize) -> usize {
+    k.len() + v + HEADER_OVERHEAD_BYTES
+}
+
+/// What the `DLQ_DROPPED` header says `fit` left out of an input that had
+/// headers (`had_headers`) and a key (`had_key`): nothing, when it kept
+/// all that there was.
+fn dropped(fit: Fit, had_headers: bool, had_key: bool) -> Option<&'static str> {
+    match (fit.keep_headers || !had_headers, fit.keep_key || !had_key) {
+        (true, true) => None,
+        (false, true) => Some("headers"),
+        (true, false) => Some("key"),
+        (false, false) => Some("headers,key"),
+    }
+}
+
+/// Logs and counts a dead letter the broker acknowledged.
+fn record_dead_letter(letter: &DeadLetter<'_>) {
+    let msg = letter.message;
+    tracing::info!(
+        topic = msg.topic(),
+        partition = msg.partition(),
+        offset = msg.offset(),
+        stage = letter.stage.as_str(),
+        class = %letter.class,
+        "input dead-lettered"
+    );
+    metrics::counter!("ductor_dead_letters_total", "stage" => letter.stage.as_str(), "class" => letter.class.clone())
+        .increment(1);
 }
 
 /// Whether the producer or the broker refused a record for its size.
@@ -272,6 +356,21 @@ mod tests {
             + fit.value_bytes
             + usize::from(fit.keep_key) * key
             + usize::from(fit.keep_headers) * headers
+    }
+
+    #[test]
+    fn the_dropped_header_names_only_what_there_was() {
+        let cut = |keep_headers, keep_key| Fit {
+            value_bytes: 0,
+            keep_headers,
+            keep_key,
+        };
+        assert_eq!(dropped(cut(true, true), true, true), None);
+        assert_eq!(dropped(cut(false, true), true, true), Some("headers"));
+        assert_eq!(dropped(cut(true, false), true, true), Some("key"));
+        assert_eq!(dropped(cut(false, false), true, true), Some("headers,key"));
+        assert_eq!(dropped(cut(false, false), false, false), None);
+        assert_eq!(dropped(cut(false, false), true, false), Some("headers"));
     }
 
     #[test]

@@ -293,6 +293,66 @@ fn is_permanent(error: &rdkafka::error::KafkaError) -> bool {
     )
 }
 
+/// The record of an effect: its topic, key, payload and headers, as every
+/// delivery of it carries them.
+fn effect_record(intent: &ClaimedIntent) -> FutureRecord<'_, Vec<u8>, Vec<u8>> {
+    let mut headers = OwnedHeaders::new_with_capacity(intent.headers.len());
+    for (k, v) in &intent.headers {
+        headers = headers.insert(Header {
+            key: k,
+            value: Some(v.as_bytes()),
+        });
+    }
+    FutureRecord::to(&intent.topic)
+        .key(&intent.message_key)
+        .payload(&intent.payload)
+        .headers(headers)
+}
+
+/// Logs a delivered effect and measures how long its publish took and how
+/// long after it was due it went out.
+fn note_delivered(
+    intent: &ClaimedIntent,
+    delivery: &rdkafka::producer::future_producer::Delivery,
+    started: Instant,
+) {
+    // Where the broker says the effect landed: with it, an effect that is
+    // completed but missing from its topic can be looked for at its
+    // partition and offset.
+    tracing::debug!(
+        intent_id = intent.intent_id,
+        topic = %intent.topic,
+        partition = delivery.partition,
+        offset = delivery.offset,
+        "effect delivered"
+    );
+    metrics::histogram!("ductor_outbox_publish_seconds").record(started.elapsed().as_secs_f64());
+    let due = intent.not_before.max(intent.created_at);
+    let lag = (Utc::now() - due).num_microseconds().unwrap_or(0).max(0);
+    metrics::histogram!("ductor_outbox_dispatch_lag_seconds").record(lag as f64 / 1e6);
+}
+
+/// Logs and counts a failed publish, and says why the intent stays
+/// undelivered: it and the rest of its chain go back to pending.
+fn note_publish_failure(intent: &ClaimedIntent, e: rdkafka::error::KafkaError) -> Unpublished {
+    let cause = if is_permanent(&e) {
+        Cause::Permanent
+    } else {
+        Cause::Transient
+    };
+    tracing::warn!(
+        intent_id = intent.intent_id,
+        run_id = %intent.run_id,
+        topic = %intent.topic,
+        error = %e,
+        cause = cause.as_str(),
+        "publishing effect failed; it and the rest of its chain go back to pending"
+    );
+    metrics::counter!("ductor_outbox_publish_failures_total", "cause" => cause.as_str())
+        .increment(1);
+    Unpublished::new(intent.intent_id, e.to_string(), cause)
+}
+
 /// Marks published intents completed, only while this drainer's claim
 /// stands. `ductor-bench` runs the same statement for its baseline.
 ///
@@ -517,65 +577,10 @@ impl Drainer {
         let mut failed = Vec::new();
         let mut iter = chain.into_iter();
         for intent in iter.by_ref() {
-            let mut headers = OwnedHeaders::new_with_capacity(intent.headers.len());
-            for (k, v) in &intent.headers {
-                headers = headers.insert(Header {
-                    key: k,
-                    value: Some(v.as_bytes()),
-                });
-            }
-            let record = FutureRecord::to(&intent.topic)
-                .key(&intent.message_key)
-                .payload(&intent.payload)
-                .headers(headers);
-            let started = Instant::now();
-            let sent = if intent.publish_failures > 0 {
-                // One at a time, so that the batch it goes in is its own.
-                let solo = self.solo.lock().await;
-                solo.as_ref()
-                    .unwrap_or(&self.producer)
-                    .send(record, self.publish_timeout)
-                    .await
-            } else {
-                self.producer.send(record, self.publish_timeout).await
-            };
-            match sent {
-                Ok(delivery) => {
-                    // Where the broker says the effect landed: with it, an
-                    // effect that is completed but missing from its topic can
-                    // be looked for at its partition and offset.
-                    tracing::debug!(
-                        intent_id = intent.intent_id,
-                        topic = %intent.topic,
-                        partition = delivery.partition,
-                        offset = delivery.offset,
-                        "effect delivered"
-                    );
-                    metrics::histogram!("ductor_outbox_publish_seconds")
-                        .record(started.elapsed().as_secs_f64());
-                    let due = intent.not_before.max(intent.created_at);
-                    let lag = (Utc::now() - due).num_microseconds().unwrap_or(0).max(0);
-                    metrics::histogram!("ductor_outbox_dispatch_lag_seconds")
-                        .record(lag as f64 / 1e6);
-                    delivered.push(intent.intent_id);
-                }
-                Err((e, _)) => {
-                    let cause = if is_permanent(&e) {
-                        Cause::Permanent
-                    } else {
-                        Cause::Transient
-                    };
-                    tracing::warn!(
-                        intent_id = intent.intent_id,
-                        run_id = %intent.run_id,
-                        topic = %intent.topic,
-                        error = %e,
-                        cause = cause.as_str(),
-                        "publishing effect failed; it and the rest of its chain go back to pending"
-                    );
-                    metrics::counter!("ductor_outbox_publish_failures_total", "cause" => cause.as_str())
-                        .increment(1);
-                    failed.push(Unpublished::new(intent.intent_id, e.to_string(), cause));
+            match self.publish_one(intent).await {
+                Ok(()) => delivered.push(intent.intent_id),
+                Err(unpublished) => {
+                    failed.push(unpublished);
                     break;
                 }
             }
@@ -588,6 +593,31 @@ impl Drainer {
             ));
         }
         (delivered, failed)
+    }
+
+    /// Publishes one intent and waits for the broker's acknowledgement; an
+    /// intent that failed before goes through the solo producer. A failure
+    /// comes back as the reason it stays undelivered.
+    async fn publish_one(&self, intent: &ClaimedIntent) -> Result<(), Unpublished> {
+        let record = effect_record(intent);
+        let started = Instant::now();
+        let sent = if intent.publish_failures > 0 {
+            // One at a time, so that the batch it goes in is its own.
+            let solo = self.solo.lock().await;
+            solo.as_ref()
+                .unwrap_or(&self.producer)
+                .send(record, self.publish_timeout)
+                .await
+        } else {
+            self.producer.send(record, self.publish_timeout).await
+        };
+        match sent {
+            Ok(delivery) => {
+                note_delivered(intent, &delivery, started);
+                Ok(())
+            }
+            Err((e, _)) => Err(note_publish_failure(intent, e)),
+        }
     }
 
     async fn complete(&self, ids: &[i64]) -> anyhow::Result<usize> {
