@@ -171,6 +171,79 @@ impl<'a> BatchWrite<'a> {
             && self.intents.run_id.is_empty()
     }
 
+    /// Whether every column of each group has one entry per row, as UNNEST
+    /// needs to pair them up.
+    pub fn columns_aligned(&self) -> bool {
+        fn same(lens: &[usize]) -> bool {
+            lens.windows(2).all(|w| w[0] == w[1])
+        }
+        let (n, u, t) = (&self.inserts, &self.updates, &self.transitions);
+        let (a, f, i) = (&self.attempts, &self.finishes, &self.intents);
+        same(&[
+            n.run_id.len(),
+            n.tenant.len(),
+            n.pool.len(),
+            n.workflow.len(),
+            n.version.len(),
+            n.status.len(),
+            n.seq.len(),
+            n.state.len(),
+            n.created_at.len(),
+            n.updated_at.len(),
+            n.finished_at.len(),
+        ]) && same(&[
+            u.run_id.len(),
+            u.expected_version.len(),
+            u.status.len(),
+            u.seq.len(),
+            u.state.len(),
+            u.updated_at.len(),
+            u.finished_at.len(),
+        ]) && same(&[
+            t.run_id.len(),
+            t.seq.len(),
+            t.input_ref.len(),
+            t.kind.len(),
+            t.from_status.len(),
+            t.to_status.len(),
+            t.step_index.len(),
+            t.detail.len(),
+            t.source_topic.len(),
+            t.source_partition.len(),
+            t.source_offset.len(),
+            t.at.len(),
+        ]) && same(&[
+            a.stamp.len(),
+            a.run_id.len(),
+            a.step_index.len(),
+            a.attempt.len(),
+            a.status.len(),
+            a.dispatched_at.len(),
+            a.deadline.len(),
+            a.finished_at.len(),
+            a.error.len(),
+        ]) && same(&[
+            f.stamp.len(),
+            f.status.len(),
+            f.finished_at.len(),
+            f.error.len(),
+        ]) && same(&[
+            i.run_id.len(),
+            i.seq.len(),
+            i.effect_index.len(),
+            i.key.len(),
+            i.tenant.len(),
+            i.topic.len(),
+            i.message_key.len(),
+            i.headers.len(),
+            i.payload.len(),
+            i.ce_type.len(),
+            i.not_before.len(),
+            i.cancel_key.len(),
+            i.due.len(),
+        ])
+    }
+
     /// The counts the guard checks, from the columns themselves.
     pub fn guarded_counts(&self) -> Vec<i64> {
         [
@@ -305,6 +378,17 @@ mod tests {
             .expect("the query has arguments");
         assert_eq!(highest_placeholder(&WRITE_BATCH_SQL), WRITE_BATCH_PARAMS);
         assert_eq!(arguments.len(), WRITE_BATCH_PARAMS);
+    }
+
+    #[test]
+    fn a_column_left_behind_is_noticed() {
+        let mut write = BatchWrite::default();
+        assert!(write.columns_aligned());
+        write.intents.run_id.push("r");
+        assert!(!write.columns_aligned());
+        write.intents = IntentRows::default();
+        write.finishes.stamp.push(Uuid::nil());
+        assert!(!write.columns_aligned());
     }
 
     #[test]

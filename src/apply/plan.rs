@@ -57,6 +57,12 @@ pub(crate) fn plan<'a>(
     write.claimer = claim.map(|c| c.drainer_id);
     write.lease_s = claim.map_or(0.0, |c| c.lease_s);
     write.expected = (!CANARY_IGNORES_CONFLICTS).then(|| write.guarded_counts());
+    // UNNEST pads a shorter array with NULLs: a column left behind would
+    // write a row silently wrong instead of failing.
+    debug_assert!(
+        write.columns_aligned(),
+        "a batch's columns differ in length"
+    );
     Ok(Plan {
         write,
         intents,
@@ -94,6 +100,14 @@ fn plan_runs<'a>(
                 n.finished_at.push(finished_at);
             }
             Some(version) => {
+                // The update is conditional on the version the state was
+                // loaded with; a state carrying another would replace a
+                // version nobody read.
+                debug_assert_eq!(
+                    state.record_version, version,
+                    "run {} was loaded at one version and folded at another",
+                    state.run_id
+                );
                 let u = &mut write.updates;
                 u.run_id.push(&state.run_id);
                 u.expected_version.push(version);
@@ -207,7 +221,11 @@ mod tests {
     use crate::apply::{AttemptFinish, TransitionRow};
     use crate::coordinator::AttemptRecord;
 
-    fn loaded(state: RunState, version: Option<i64>, changed: bool) -> Loaded {
+    fn loaded(mut state: RunState, version: Option<i64>, changed: bool) -> Loaded {
+        // A loaded state carries the version it was loaded at.
+        if let Some(v) = version {
+            state.record_version = v;
+        }
         Loaded {
             state: Some(state),
             loaded_version: version,
@@ -336,6 +354,18 @@ mod tests {
         );
         assert_eq!(plan.write.finishes.status, ["timed_out"]);
         assert_eq!((plan.write.claimer, plan.write.lease_s), (Some("d1"), 90.0));
+    }
+
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "loaded at one version and folded at another")]
+    fn a_state_folded_at_another_version_than_it_was_loaded_at_is_refused() {
+        let mut runs = HashMap::new();
+        let mut stale = loaded(started("b", 1), Some(7), true);
+        stale.loaded_version = Some(6);
+        runs.insert("b".to_owned(), stale);
+        let writes = Writes::default();
+        let _ = plan(&runs, &writes, None);
     }
 
     #[test]
