@@ -814,7 +814,7 @@ impl Applier {
             .get(&start.run_id)
             .and_then(|l| l.state.as_ref())
             .expect("an applied start leaves a run");
-        let decision = routing::Decision {
+        let decision = routing::RoutingDecision {
             run_id: state.run_id.clone(),
             tenant: state.tenant.clone(),
             pool: state.pool.clone(),
@@ -936,7 +936,7 @@ impl Applier {
 
 /// The `run.accepted` event that tells a routed start's caller its
 /// decision: the last effect of the run's first transition.
-fn accepted(decision: &routing::Decision, correlation_id: Option<&str>) -> Effect {
+fn accepted(decision: &routing::RoutingDecision, correlation_id: Option<&str>) -> Effect {
     let accepted = RunAccepted {
         schema_version: SCHEMA_VERSION,
         run_id: &decision.run_id,

@@ -28,7 +28,7 @@ use crate::apply::Applier;
 use crate::config::{DuplicatePolicy, RoutingConfig};
 use crate::contract::{InputError, InputErrorClass, InputLimits, parse_value};
 use crate::routing::{
-    self, Decision, Reservation, ReserveKind, RouteOutcome, RouteRequest, WaiterStep,
+    self, Reservation, ReserveKind, RouteOutcome, RouteRequest, RoutingDecision, WaiterStep,
 };
 
 /// How often a reservation is re-tried after it was lost to a sweep, before
@@ -80,12 +80,12 @@ impl IntoResponse for ApiError {
 /// The answer to a start request, as `submit` reports it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Submitted {
-    Created(Decision),
-    Duplicate(Decision),
+    Created(RoutingDecision),
+    Duplicate(RoutingDecision),
 }
 
 impl Submitted {
-    pub fn decision(&self) -> &Decision {
+    pub fn decision(&self) -> &RoutingDecision {
         match self {
             Submitted::Created(d) | Submitted::Duplicate(d) => d,
         }

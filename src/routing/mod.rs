@@ -42,7 +42,7 @@ pub const MAX_KEY_LEN: usize = 256;
 /// The decision returned to every caller with the same key: the first gets it
 /// with 201, duplicates with 200, byte for byte the same body.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Decision {
+pub struct RoutingDecision {
     pub run_id: String,
     pub tenant: String,
     pub pool: String,
@@ -83,11 +83,11 @@ pub enum RouteOutcome {
     /// A new run; `kind` says whether the row was new, reclaimed from a
     /// failed caller, or renewed after its TTL.
     Decided {
-        decision: Decision,
+        decision: RoutingDecision,
         kind: ReserveKind,
     },
     /// The key already has a valid decision for the same request.
-    Duplicate { decision: Decision },
+    Duplicate { decision: RoutingDecision },
     /// The key already has a decision for a different request.
     Mismatch,
     /// Another caller holds the key and has not decided yet.
@@ -231,7 +231,7 @@ pub fn decode_route_request(
 pub struct ExistingRow {
     pub status: KeyStatus,
     pub fingerprint: String,
-    pub decision: Option<Decision>,
+    pub decision: Option<RoutingDecision>,
     pub expired: bool,
 }
 
@@ -289,7 +289,7 @@ pub enum WaiterStep {
     Mismatch,
     /// The key was decided: this is the decision (`None`: a completed row
     /// without one, which the schema forbids).
-    Decided(Option<Decision>),
+    Decided(Option<RoutingDecision>),
     /// Another caller is deciding and the policy is to answer at once.
     Busy,
     /// Another caller is still deciding at the deadline.
@@ -470,7 +470,7 @@ pub async fn fence_in_tx(
 /// Marks the key completed with its decision and a fresh validity TTL.
 pub async fn complete_in_tx(
     tx: &mut PgTx<'_, Postgres>,
-    decision: &Decision,
+    decision: &RoutingDecision,
     key: &str,
     completed_ttl: Duration,
 ) -> Result<bool, sqlx::Error> {
