@@ -729,7 +729,17 @@ async fn claims_of_a_batch_statement_whose_reply_was_lost_go_back_without_waitin
         Some(lane),
         shutdown.clone(),
     ));
-    handoff.uncertain_at(positions.clone()).await;
+    let given_back = positions
+        .iter()
+        .map(
+            |(run_id, seq, effect_index)| ductor::outbox::IntentPosition {
+                run_id: run_id.clone(),
+                seq: *seq,
+                effect_index: *effect_index,
+            },
+        )
+        .collect();
+    handoff.uncertain_at(given_back).await;
 
     let runs: Vec<String> = positions.iter().map(|p| p.0.clone()).collect();
     let seqs: Vec<i64> = positions.iter().map(|p| p.1).collect();

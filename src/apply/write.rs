@@ -8,6 +8,7 @@ use sqlx::{PgConnection, Row};
 
 use super::{ApplyError, IntentRow, Loaded, Writes, batch, plan};
 use crate::coordinator::RunState;
+use crate::outbox::IntentPosition;
 
 #[derive(Default)]
 pub(super) struct Handed {
@@ -82,11 +83,15 @@ pub(super) async fn write_all(
 }
 
 /// The positions of the due intents, which the fast lane may have claimed.
-pub(super) fn due_positions(intents: &[&IntentRow]) -> Vec<(String, i64, i32)> {
+pub(super) fn due_positions(intents: &[&IntentRow]) -> Vec<IntentPosition> {
     intents
         .iter()
         .filter(|i| i.due)
-        .map(|i| (i.run_id.clone(), i.seq, i.effect_index))
+        .map(|i| IntentPosition {
+            run_id: i.run_id.clone(),
+            seq: i.seq,
+            effect_index: i.effect_index,
+        })
         .collect()
 }
 

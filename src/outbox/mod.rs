@@ -155,6 +155,15 @@ const NOTICE_INDEX_OFFSET: i32 = 1 << 20;
 /// Longest error text a notice carries.
 const MAX_NOTICE_ERROR_LEN: usize = 512;
 
+/// An intent's place in its run's history, unique among intents: the
+/// transition that made it and its index among that transition's effects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IntentPosition {
+    pub run_id: String,
+    pub seq: i64,
+    pub effect_index: i32,
+}
+
 /// What a parked intent's release returned, for its notice.
 #[derive(Debug, Clone)]
 pub struct Parked {
@@ -730,10 +739,10 @@ impl Drainer {
     }
 
     /// Gives back this drainer's claims at the given positions, if any.
-    async fn release_at(&self, positions: &[(String, i64, i32)]) -> anyhow::Result<usize> {
-        let runs: Vec<&str> = positions.iter().map(|p| p.0.as_str()).collect();
-        let seqs: Vec<i64> = positions.iter().map(|p| p.1).collect();
-        let indexes: Vec<i32> = positions.iter().map(|p| p.2).collect();
+    async fn release_at(&self, positions: &[IntentPosition]) -> anyhow::Result<usize> {
+        let runs: Vec<&str> = positions.iter().map(|p| p.run_id.as_str()).collect();
+        let seqs: Vec<i64> = positions.iter().map(|p| p.seq).collect();
+        let indexes: Vec<i32> = positions.iter().map(|p| p.effect_index).collect();
         let released = sqlx::query(
             "UPDATE eec_effect_intent i SET status = 'pending', claimed_by = NULL, \
                  claim_expires_at = NULL, last_error = $4 \
@@ -1016,7 +1025,7 @@ enum Handed {
     /// A batch statement failed without its reply, which would have named
     /// the intents it claimed: give back, by position (run, seq, effect
     /// index), whatever it claimed if it committed after all.
-    ReleaseAt(Vec<(String, i64, i32)>),
+    ReleaseAt(Vec<IntentPosition>),
 }
 
 /// The drainer's side of the fast lane.
@@ -1078,7 +1087,7 @@ impl Handoff {
     /// may have claimed at these positions goes back to the claim rounds at
     /// once, instead of waiting for the lease. Nothing of it was handed over,
     /// so nothing of it is in flight.
-    pub async fn uncertain_at(&self, positions: Vec<(String, i64, i32)>) {
+    pub async fn uncertain_at(&self, positions: Vec<IntentPosition>) {
         if !positions.is_empty()
             && self
                 .sender
