@@ -22,13 +22,39 @@
 //! [`infra`] the connections, telemetry and health around them; [`cli`] the
 //! binary's entry points.
 
-pub mod apply;
+//! The public surface is what a user needs: [`contract`], [`client`],
+//! [`config`] and [`cli`]. The stages themselves are crate-private; the
+//! `internals` feature makes them public for the project's own harnesses
+//! (integration tests, `ductor-bench`, `ductor-chaos`), which drive one stage
+//! at a time. It is not a stable interface.
+
 pub mod cli;
 pub mod client;
 pub mod config;
 pub mod contract;
+
+// Each stage twice: public with `internals`, crate-private without.
+#[cfg(feature = "internals")]
+pub mod apply;
+#[cfg(not(feature = "internals"))]
+pub(crate) mod apply;
+#[cfg(feature = "internals")]
 pub mod coordinator;
+#[cfg(not(feature = "internals"))]
+pub(crate) mod coordinator;
+#[cfg(feature = "internals")]
 pub mod infra;
+#[cfg(not(feature = "internals"))]
+pub(crate) mod infra;
+#[cfg(feature = "internals")]
 pub mod ingress;
+#[cfg(not(feature = "internals"))]
+pub(crate) mod ingress;
+#[cfg(feature = "internals")]
 pub mod outbox;
+#[cfg(not(feature = "internals"))]
+pub(crate) mod outbox;
+#[cfg(feature = "internals")]
 pub mod routing;
+#[cfg(not(feature = "internals"))]
+pub(crate) mod routing;

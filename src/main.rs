@@ -3,8 +3,8 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Context;
 use clap::{Parser, Subcommand};
+use ductor::cli::commands;
 use ductor::config::Config;
 use tokio_util::sync::CancellationToken;
 
@@ -120,94 +120,51 @@ fn main() -> ExitCode {
 async fn run(command: Command, config: Config) -> anyhow::Result<()> {
     match command {
         Command::Migrate => {
-            let pool = ductor::infra::db::connect(&config.database).await?;
-            ductor::infra::db::migrate(&pool).await?;
+            commands::migrate(&config).await?;
             println!("migrations applied");
-            Ok(())
         }
         Command::Topics {
             command: TopicsCommand::Create,
         } => {
-            let outcomes = ductor::infra::kafka::create_configured_topics(&config).await?;
-            for o in outcomes {
-                println!(
-                    "{} {}",
-                    if o.created { "created" } else { "exists " },
-                    o.topic
-                );
+            for line in commands::create_topics(&config).await? {
+                println!("{line}");
             }
-            let small =
-                ductor::infra::kafka::topics_below_limit(&config.kafka, &config.all_topics())
-                    .await?;
-            if !small.is_empty() {
-                return Err(ductor::infra::kafka::limits_error(&config.kafka, &small));
-            }
-            Ok(())
         }
         Command::Outbox {
             command: OutboxCommand::Redrive { run, topic },
         } => {
-            let pool = ductor::infra::db::connect(&config.database).await?;
-            let redriven =
-                ductor::outbox::Drainer::redrive_parked(&pool, run.as_deref(), topic.as_deref())
-                    .await?;
+            let redriven = commands::redrive(&config, run.as_deref(), topic.as_deref()).await?;
             println!("{}", serde_json::json!({ "redriven": redriven }));
-            Ok(())
         }
         Command::Serve => {
             let shutdown = CancellationToken::new();
             ductor::cli::serve::cancel_on_signals(shutdown.clone())?;
-            ductor::cli::serve::run(config, shutdown).await
+            ductor::cli::serve::run(config, shutdown).await?;
         }
         Command::Inspect {
             command: InspectCommand::Run { run_id },
         } => {
-            let pool = ductor::infra::db::connect(&config.database).await?;
-            let run = ductor::cli::inspect::run(&pool, &run_id)
-                .await?
-                .with_context(|| format!("no run with id {run_id:?}"))?;
+            let run = commands::inspect_run(&config, &run_id).await?;
             println!("{}", serde_json::to_string_pretty(&run)?);
-            Ok(())
         }
-        Command::Submit(args) => submit(args, config).await,
-        Command::Config => {
-            println!("{config:#?}");
-            Ok(())
+        Command::Submit(args) => {
+            let decision = commands::submit(args.into(), &config).await?;
+            println!("{decision}");
         }
+        Command::Config => println!("{config:#?}"),
     }
+    Ok(())
 }
 
-async fn submit(args: SubmitArgs, config: Config) -> anyhow::Result<()> {
-    let limits = config.input_limits();
-    let input: serde_json::Value = ductor::contract::parse_value(args.input.as_bytes(), &limits)
-        .map_err(|e| anyhow::anyhow!("--input: {e}"))?;
-    let mut body = serde_json::json!({
-        "workflow": args.workflow,
-        "tenant": args.tenant,
-        "pool": args.pool,
-        "input": input,
-    });
-    if let Some(version) = args.workflow_version {
-        body["workflow_version"] = version.into();
+impl From<SubmitArgs> for commands::SubmitArgs {
+    fn from(a: SubmitArgs) -> Self {
+        commands::SubmitArgs {
+            workflow: a.workflow,
+            input: a.input,
+            tenant: a.tenant,
+            pool: a.pool,
+            workflow_version: a.workflow_version,
+            idempotency_key: a.idempotency_key,
+        }
     }
-    let key = args.idempotency_key.filter(|k| !k.is_empty());
-    let request = ductor::routing::http::route_request_from_body(body, key)
-        .map_err(|e| anyhow::anyhow!("{}: {}", e.code, e.message))?;
-    ductor::contract::bound_start(&request.start, args.input.len(), &limits)
-        .map_err(|e| anyhow::anyhow!("--input: {}: {}", e.class.as_str(), e.message))?;
-    let workflows = ductor::infra::workflows::load_dir(&config.coordinator.workflows_dir)
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let pool = ductor::infra::db::connect(&config.database).await?;
-    let applier = ductor::apply::Applier::new(&config, pool, workflows);
-    let submitted = ductor::routing::http::submit(&applier, &config.routing, request)
-        .await
-        .map_err(|e| anyhow::anyhow!("{}: {}", e.code, e.message))?;
-    let status = match submitted {
-        ductor::routing::http::Submitted::Created(_) => "created",
-        ductor::routing::http::Submitted::Duplicate(_) => "duplicate",
-    };
-    let mut out = serde_json::to_value(submitted.decision())?;
-    out["outcome"] = status.into();
-    println!("{out}");
-    Ok(())
 }

@@ -15,6 +15,7 @@ const WRITE_BATCH_TEXT: &str = include_str!("write_batch.sql");
 
 /// How many placeholders [`WRITE_BATCH_SQL`] has, and so how many
 /// parameters [`BatchWrite::bind`] binds.
+#[cfg(test)]
 pub const WRITE_BATCH_PARAMS: usize = 60;
 
 /// Raised by `ductor_write_guard` when a conditional write of the batch

@@ -56,6 +56,7 @@ impl RunCache {
     }
 
     /// The bytes of the encoded states held now.
+    #[cfg(test)]
     pub fn bytes(&self) -> usize {
         self.inner.lock().map_or(0, |i| i.bytes)
     }

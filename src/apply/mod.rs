@@ -76,6 +76,7 @@ pub struct BatchReport {
     /// Effect intents committed.
     pub intents_written: usize,
     /// Of those, how many went to the drainer's fast lane.
+    #[cfg_attr(not(feature = "internals"), allow(dead_code))]
     pub intents_handed_off: usize,
 }
 
@@ -398,6 +399,7 @@ enum Attempt {
 
 impl Applier {
     /// Applies `inputs` in order, in one transaction, recomputing on conflict.
+    #[cfg(any(test, feature = "internals"))]
     pub async fn apply_batch(&self, inputs: &[PendingInput]) -> Result<BatchReport, ApplyError> {
         self.apply(inputs, &[]).await
     }

@@ -1,6 +1,8 @@
 //! The `ductor` binary's entry points: [`serve`] composes every stage into
-//! one process; [`inspect`] reads durable state for an operator.
+//! one process; [`inspect`] reads durable state for an operator;
+//! [`commands`] are the operator's one-shot commands.
 
+pub mod commands;
 pub mod inspect;
 pub mod serve;
 

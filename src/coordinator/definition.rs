@@ -254,10 +254,12 @@ impl Workflows {
         self.by_name.values().flat_map(BTreeMap::values)
     }
 
+    #[cfg(any(test, feature = "internals"))]
     pub fn len(&self) -> usize {
         self.by_name.values().map(BTreeMap::len).sum()
     }
 
+    #[cfg(any(test, feature = "internals"))]
     pub fn is_empty(&self) -> bool {
         self.by_name.is_empty()
     }

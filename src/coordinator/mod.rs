@@ -32,15 +32,16 @@ pub mod definition;
 pub mod fold;
 pub mod state;
 
-pub use definition::{DefinitionError, RetryPolicy, StepDefinition, WorkflowDefinition, Workflows};
-pub use fold::{
-    AttemptWrite, Decision, Entropy, LATE_DISPATCH_MS, NoOpReason, Rejection, RejectionClass,
-    STATE_TOO_LARGE, Transition, TransitionRecord, fold,
-};
-pub use state::{
-    AttemptRecord, AttemptStatus, MAX_SIGNALS_PER_RUN, Outstanding, PendingRetry, RunState,
-    RunStatus, SignalRecord,
-};
+pub use definition::Workflows;
+pub use fold::{AttemptWrite, Decision, Entropy, LATE_DISPATCH_MS, NoOpReason, Rejection, fold};
+pub use state::{AttemptRecord, AttemptStatus, RunState, RunStatus};
+// The rest of the fold's vocabulary, for the harnesses and the tests.
+#[cfg(any(test, feature = "internals"))]
+pub use definition::{DefinitionError, RetryPolicy, StepDefinition, WorkflowDefinition};
+#[cfg(any(test, feature = "internals"))]
+pub use fold::{RejectionClass, STATE_TOO_LARGE, Transition, TransitionRecord};
+#[cfg(any(test, feature = "internals"))]
+pub use state::{MAX_SIGNALS_PER_RUN, Outstanding, PendingRetry, SignalRecord};
 
 #[cfg(test)]
 mod tests;

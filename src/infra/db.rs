@@ -51,6 +51,7 @@ pub fn session_options(options: PgConnectOptions, config: &DatabaseConfig) -> Pg
 /// our own role still connected to it, then a plain DROP, which stops
 /// autovacuum workers by itself and waits up to 5 s for other sessions to
 /// leave. Tried three times, for a session that connected meanwhile.
+#[cfg(any(test, feature = "internals"))]
 pub async fn drop_database(admin: &PgPool, name: &str) -> Result<(), sqlx::Error> {
     let mut result = Ok(());
     for _ in 0..3 {

@@ -19,6 +19,7 @@
 //! `api.after_decision`.
 
 /// Ends the process immediately, like SIGKILL.
+#[cfg(feature = "failpoints")]
 pub fn crash(point: &str) -> ! {
     eprintln!("failpoint {point}: crashing");
     std::process::abort()

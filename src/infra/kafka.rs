@@ -10,7 +10,6 @@ use anyhow::{Context, bail};
 use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
 use rdkafka::client::DefaultClientContext;
-use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::producer::FutureProducer;
 
@@ -172,6 +171,7 @@ pub async fn ensure_topics(
 
 /// Deletes the given topics. One that does not exist is not an error (it was
 /// never created, or is already gone); any other failure names its topics.
+#[cfg(any(test, feature = "internals"))]
 pub async fn delete_topics(kafka: &KafkaConfig, topics: &[String]) -> anyhow::Result<()> {
     let admin = admin(kafka)?;
     let names: Vec<&str> = topics.iter().map(String::as_str).collect();
@@ -249,19 +249,4 @@ pub fn limits_error(kafka: &KafkaConfig, small: &[(String, u64)]) -> anyhow::Err
 /// Creates every topic the configuration names.
 pub async fn create_configured_topics(config: &Config) -> anyhow::Result<Vec<TopicOutcome>> {
     ensure_topics(&config.kafka, &config.all_topics(), config.kafka.partitions).await
-}
-
-/// A metadata request to the cluster: proves a broker answers, not just that
-/// a port is open. Blocking; call from `spawn_blocking`.
-pub fn probe_metadata(kafka: &KafkaConfig, timeout: Duration) -> anyhow::Result<usize> {
-    let consumer: BaseConsumer = base_config(kafka, "probe")
-        .create()
-        .context("creating kafka probe client")?;
-    let metadata = consumer
-        .fetch_metadata(None, timeout)
-        .context("fetching kafka metadata")?;
-    if metadata.brokers().is_empty() {
-        bail!("kafka metadata lists no brokers");
-    }
-    Ok(metadata.brokers().len())
 }

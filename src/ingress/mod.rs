@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use rdkafka::message::{Headers, Message, OwnedMessage};
+use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::producer::FutureProducer;
 use rdkafka::{Offset, TopicPartitionList};
 use sqlx::PgPool;
@@ -718,13 +718,4 @@ pub fn next_offsets(batch: &[OwnedMessage]) -> TopicPartitionList {
         }
     }
     tpl
-}
-
-/// Header value as text, for logs and dead letters.
-pub fn header_text<H: Headers>(headers: &H, name: &str) -> Option<String> {
-    headers
-        .iter()
-        .find(|h| h.key == name)
-        .and_then(|h| h.value)
-        .map(|v| String::from_utf8_lossy(v).into_owned())
 }

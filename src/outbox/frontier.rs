@@ -162,6 +162,7 @@ fn candidates(options: &FrontierOptions, now_ms: i64) -> [i64; 3] {
 /// One probe now, with a reader of its own: the newest instant the
 /// coordinator group has covered, in milliseconds since the epoch, if any
 /// of those tried. Blocks on the broker.
+#[cfg(any(test, feature = "internals"))]
 pub fn probe_once(options: &FrontierOptions) -> anyhow::Result<Option<i64>> {
     let consumer = reader(options)?;
     let timeout = Duration::from_millis(options.kafka.admin_timeout_ms);

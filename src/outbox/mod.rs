@@ -1274,6 +1274,7 @@ async fn fast_lane(drainer: Arc<Drainer>, mut lane: FastLane, wakeup: Wakeup) {
 }
 
 /// Runs the drainer, its listener, reconciler and retention until shutdown.
+#[cfg(any(test, feature = "internals"))]
 pub async fn run(
     drainer: Drainer,
     wakeup: Wakeup,

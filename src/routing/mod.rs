@@ -321,13 +321,6 @@ pub fn waiter_step(
     }
 }
 
-/// The outcome of [`reserve`].
-#[derive(Debug, Clone)]
-pub enum Reserved {
-    Won { epoch: i64, kind: ReserveKind },
-    Existing(ExistingRow),
-}
-
 const RESERVE_SQL: &str = "\
     INSERT INTO eec_routing_idempotency AS r (tenant_scope, pool_id, idempotency_key, status, \
         request_fingerprint, claim_epoch, reserved_at, pending_expires_at, updated_at) \

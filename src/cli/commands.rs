@@ -1,0 +1,103 @@
+//! The operator's one-shot commands of the `ductor` binary: each takes the
+//! configuration, does one thing against Postgres or Kafka, and returns what
+//! the binary prints. The binary only parses its arguments and calls these.
+
+use anyhow::Context;
+
+use crate::config::Config;
+
+/// `ductor migrate`: applies pending database migrations.
+pub async fn migrate(config: &Config) -> anyhow::Result<()> {
+    let pool = crate::infra::db::connect(&config.database).await?;
+    crate::infra::db::migrate(&pool).await
+}
+
+/// `ductor topics create`: creates every configured topic (existing ones are
+/// left alone) and returns a line per topic. Fails, after creating, when a
+/// topic's `max.message.bytes` is below what Ductor's envelopes need.
+pub async fn create_topics(config: &Config) -> anyhow::Result<Vec<String>> {
+    let outcomes = crate::infra::kafka::create_configured_topics(config).await?;
+    let lines = outcomes
+        .into_iter()
+        .map(|o| {
+            let verb = if o.created { "created" } else { "exists " };
+            format!("{verb} {}", o.topic)
+        })
+        .collect();
+    let small =
+        crate::infra::kafka::topics_below_limit(&config.kafka, &config.all_topics()).await?;
+    if !small.is_empty() {
+        return Err(crate::infra::kafka::limits_error(&config.kafka, &small));
+    }
+    Ok(lines)
+}
+
+/// `ductor outbox redrive`: puts parked intents (of one run, or bound for one
+/// topic, or all) back into the claim rounds; returns how many.
+pub async fn redrive(
+    config: &Config,
+    run: Option<&str>,
+    topic: Option<&str>,
+) -> anyhow::Result<u64> {
+    let pool = crate::infra::db::connect(&config.database).await?;
+    crate::outbox::Drainer::redrive_parked(&pool, run, topic).await
+}
+
+/// `ductor inspect run`: a run's state, attempts and history, as JSON.
+pub async fn inspect_run(config: &Config, run_id: &str) -> anyhow::Result<serde_json::Value> {
+    let pool = crate::infra::db::connect(&config.database).await?;
+    let run = super::inspect::run(&pool, run_id)
+        .await?
+        .with_context(|| format!("no run with id {run_id:?}"))?;
+    Ok(serde_json::to_value(run)?)
+}
+
+/// What `ductor submit` starts: the fields of a start request, the input
+/// still as the JSON text the operator typed.
+pub struct SubmitArgs {
+    pub workflow: String,
+    pub input: String,
+    pub tenant: String,
+    pub pool: String,
+    pub workflow_version: Option<u32>,
+    /// Requests with the same key (per tenant and pool) get the same run;
+    /// without one (or an empty one), every submit is a new run.
+    pub idempotency_key: Option<String>,
+}
+
+/// `ductor submit`: starts a run through the routing plane, with the limits
+/// and validation the HTTP API applies, and returns its decision with an
+/// `outcome` of `created` or `duplicate`.
+pub async fn submit(args: SubmitArgs, config: &Config) -> anyhow::Result<serde_json::Value> {
+    let limits = config.input_limits();
+    let input: serde_json::Value = crate::contract::parse_value(args.input.as_bytes(), &limits)
+        .map_err(|e| anyhow::anyhow!("--input: {e}"))?;
+    let mut body = serde_json::json!({
+        "workflow": args.workflow,
+        "tenant": args.tenant,
+        "pool": args.pool,
+        "input": input,
+    });
+    if let Some(version) = args.workflow_version {
+        body["workflow_version"] = version.into();
+    }
+    let key = args.idempotency_key.filter(|k| !k.is_empty());
+    let request = crate::routing::http::route_request_from_body(body, key)
+        .map_err(|e| anyhow::anyhow!("{}: {}", e.code, e.message))?;
+    crate::contract::bound_start(&request.start, args.input.len(), &limits)
+        .map_err(|e| anyhow::anyhow!("--input: {}: {}", e.class.as_str(), e.message))?;
+    let workflows = crate::infra::workflows::load_dir(&config.coordinator.workflows_dir)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let pool = crate::infra::db::connect(&config.database).await?;
+    let applier = crate::apply::Applier::new(config, pool, workflows);
+    let submitted = crate::routing::http::submit(&applier, &config.routing, request)
+        .await
+        .map_err(|e| anyhow::anyhow!("{}: {}", e.code, e.message))?;
+    let status = match submitted {
+        crate::routing::http::Submitted::Created(_) => "created",
+        crate::routing::http::Submitted::Duplicate(_) => "duplicate",
+    };
+    let mut out = serde_json::to_value(submitted.decision())?;
+    out["outcome"] = status.into();
+    Ok(out)
+}
