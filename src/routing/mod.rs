@@ -23,7 +23,10 @@
 //! the first caller is in flight see a `pending` row and follow the pool's
 //! duplicate-waiter policy.
 
+mod decide;
 pub mod http;
+
+pub use decide::{Decide, DecideError};
 
 use std::time::Duration;
 
