@@ -11,13 +11,14 @@
 mod common;
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
 use ductor::apply::{InputOutcome, PendingInput};
 use ductor::config::Config;
 use ductor::contract::{InputLimits, InputTopic, decode_input};
-use ductor::ingress::{IngressContext, StepReport, TestHooks};
+use ductor::ingress::{IngressContext, Progress, StepReport, TestHooks};
 use rdkafka::message::{Headers, Message};
 use rdkafka::producer::FutureProducer;
 use serde_json::json;
@@ -38,6 +39,8 @@ struct Harness {
 struct Coordinator {
     shutdown: CancellationToken,
     task: JoinHandle<anyhow::Result<()>>,
+    /// What this instance has handled, read while it runs.
+    progress: Arc<Progress>,
 }
 
 impl Coordinator {
@@ -77,9 +80,14 @@ impl Harness {
 
     fn start_coordinator(&self, hooks: TestHooks) -> Coordinator {
         let ctx = self.ingress(hooks);
+        let progress = ctx.progress.clone();
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(ductor::ingress::run(ctx, shutdown.clone()));
-        Coordinator { shutdown, task }
+        Coordinator {
+            shutdown,
+            task,
+            progress,
+        }
     }
 
     /// An ingress subscribed to the input topics, for the test to drive
@@ -103,6 +111,84 @@ impl Harness {
         .await
         .expect("querying attempts")
         .unwrap_or_else(|| panic!("run {run_id} has no dispatched attempt {step_index}"))
+    }
+
+    /// Sends a probe to every partition of the requests and
+    /// attempt-results topics, round after round, until both instances have
+    /// handled a batch: then both are members of the group, each owning
+    /// partitions of the topics the runs use. A probe on requests starts a
+    /// probe run; one on attempt-results is a result for no run, which is
+    /// dead-lettered. Returns once every probe run is applied, with their
+    /// ids.
+    async fn probe_until_both_handle(&self, a: &Coordinator, b: &Coordinator) -> Vec<String> {
+        let requests = self.config.requests_topic();
+        let results = self.config.attempt_results_topic();
+        let topics = [
+            (&requests, self.partitions(&requests)),
+            (&results, self.partitions(&results)),
+        ];
+        let mut probes = Vec::new();
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while a.progress.batches_handled() == 0 || b.progress.batches_handled() == 0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "both instances did not handle a batch within {WAIT:?}"
+            );
+            for (topic, partitions) in topics {
+                for partition in 0..partitions {
+                    let run_id = unique("probe-");
+                    if topic == &requests {
+                        self.send_to(topic, partition, &run_id, &start_json(&run_id))
+                            .await;
+                        probes.push(run_id);
+                    } else {
+                        let stamp = uuid::Uuid::new_v4();
+                        let result = Harness::result_json(&run_id, "acme", stamp);
+                        self.send_to(topic, partition, &run_id, &result).await;
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        // Every probe run is one transition; wait for the last of them, so
+        // that what the instances apply from now on is the test's traffic.
+        let applied = || a.progress.inputs_applied() + b.progress.inputs_applied();
+        eventually("every probe run applied", WAIT, || async {
+            (applied() == probes.len() as u64).then_some(())
+        })
+        .await;
+        probes
+    }
+
+    /// Produces `value` to one partition of `topic`, whatever its key.
+    async fn send_to(&self, topic: &str, partition: i32, key: &str, value: &serde_json::Value) {
+        let payload = value.to_string();
+        let record = rdkafka::producer::FutureRecord::to(topic)
+            .partition(partition)
+            .key(key)
+            .payload(&payload);
+        self.producer
+            .send(record, Duration::from_secs(30))
+            .await
+            .map_err(|(e, _)| e)
+            .expect("producing to a partition");
+    }
+
+    /// How many partitions `topic` has, as the broker tells.
+    fn partitions(&self, topic: &str) -> i32 {
+        use rdkafka::producer::Producer;
+        let metadata = self
+            .producer
+            .client()
+            .fetch_metadata(Some(topic), Duration::from_secs(10))
+            .expect("fetching topic metadata");
+        metadata
+            .topics()
+            .iter()
+            .find(|t| t.name() == topic)
+            .map_or(0, |t| {
+                i32::try_from(t.partitions().len()).expect("a partition count")
+            })
     }
 
     async fn send(&self, topic: &str, key: &str, value: &serde_json::Value) -> (i32, i64) {
@@ -440,15 +526,24 @@ async fn the_same_attempt_result_three_times_writes_no_new_rows() {
 #[tokio::test]
 async fn two_coordinators_in_one_group_never_double_apply() {
     let h = Harness::new().await;
+    let requests = h.config.requests_topic();
+    let results_topic = h.config.attempt_results_topic();
+    for topic in [&requests, &results_topic] {
+        assert!(
+            h.partitions(topic) >= 2,
+            "{topic}: two members need two partitions to share"
+        );
+    }
     let first = h.start_coordinator(TestHooks::default());
     let second = h.start_coordinator(TestHooks::default());
+    let probes = h.probe_until_both_handle(&first, &second).await;
+    let applied_before = [&first, &second].map(|c| c.progress.inputs_applied());
     let runs: Vec<String> = (0..24)
         .map(|i| format!("{}-{i}", unique("multi-")))
         .collect();
     for run_id in &runs {
         h.start_run(run_id, "acme").await;
     }
-    let results_topic = h.config.attempt_results_topic();
     let mut stopped_first = Some(first);
     for step in 0..3 {
         for run_id in &runs {
@@ -461,6 +556,12 @@ async fn two_coordinators_in_one_group_never_double_apply() {
         if step == 1 {
             // One instance leaves mid-way: its partitions move to the other.
             if let Some(c) = stopped_first.take() {
+                // Until now both shared the runs: each applied some of them.
+                let applied = [&c, &second].map(|c| c.progress.inputs_applied());
+                assert!(
+                    applied[0] > applied_before[0] && applied[1] > applied_before[1],
+                    "both instances apply while both are members: {applied_before:?} then {applied:?}"
+                );
                 c.stop().await.expect("first coordinator stops cleanly");
             }
         }
@@ -470,13 +571,16 @@ async fn two_coordinators_in_one_group_never_double_apply() {
         let seqs: Vec<i64> = h.transitions(run_id).await.iter().map(|t| t.0).collect();
         assert_eq!(seqs, vec![1, 2, 3, 4], "run {run_id}");
     }
-    let versions: HashMap<String, i64> =
+    let mut versions: HashMap<String, i64> =
         sqlx::query_as("SELECT run_id, last_transition_seq FROM runs")
             .fetch_all(&h.db.pool)
             .await
             .unwrap()
             .into_iter()
             .collect();
+    for probe in &probes {
+        assert_eq!(versions.remove(probe), Some(1), "probe {probe}");
+    }
     assert_eq!(versions.len(), runs.len());
     assert!(versions.values().all(|seq| *seq == 4));
     second.stop().await.expect("clean stop");
