@@ -11,13 +11,14 @@
 mod common;
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
 use ductor::apply::{InputOutcome, PendingInput};
 use ductor::config::Config;
 use ductor::contract::{InputLimits, InputTopic, decode_input};
-use ductor::ingress::{IngressContext, TestHooks};
+use ductor::ingress::{IngressContext, Progress, StepReport, TestHooks};
 use rdkafka::message::{Headers, Message};
 use rdkafka::producer::FutureProducer;
 use serde_json::json;
@@ -25,6 +26,9 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(60);
+
+/// How long one step of a stepped ingress waits for a first message.
+const STEP_WAIT: Duration = Duration::from_millis(500);
 
 struct Harness {
     db: TestDb,
@@ -35,6 +39,8 @@ struct Harness {
 struct Coordinator {
     shutdown: CancellationToken,
     task: JoinHandle<anyhow::Result<()>>,
+    /// What this instance has handled, read while it runs.
+    progress: Arc<Progress>,
 }
 
 impl Coordinator {
@@ -63,15 +69,126 @@ impl Harness {
         }
     }
 
-    fn start_coordinator(&self, hooks: TestHooks) -> Coordinator {
+    fn ingress(&self, hooks: TestHooks) -> IngressContext {
         let workflows = ductor::infra::workflows::load_dir(&self.config.coordinator.workflows_dir)
             .expect("loading workflows");
         let mut ctx = IngressContext::new(&self.config, self.db.pool.clone(), workflows)
             .expect("creating ingress");
         ctx.hooks = hooks;
+        ctx
+    }
+
+    fn start_coordinator(&self, hooks: TestHooks) -> Coordinator {
+        let ctx = self.ingress(hooks);
+        let progress = ctx.progress.clone();
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(ductor::ingress::run(ctx, shutdown.clone()));
-        Coordinator { shutdown, task }
+        Coordinator {
+            shutdown,
+            task,
+            progress,
+        }
+    }
+
+    /// An ingress subscribed to the input topics, for the test to drive
+    /// with [`step_past`] instead of a running loop.
+    fn stepped_ingress(&self, hooks: TestHooks) -> IngressContext {
+        let ctx = self.ingress(hooks);
+        ductor::ingress::subscribe(&ctx).expect("subscribing the ingress");
+        ctx
+    }
+
+    /// The stamp of the run's dispatched attempt for `step_index`, which
+    /// a batch applied already has committed.
+    async fn attempt_stamp(&self, run_id: &str, step_index: i32) -> uuid::Uuid {
+        sqlx::query_scalar(
+            "SELECT stamp FROM run_attempts \
+             WHERE run_id = $1 AND step_index = $2 AND status = 'dispatched'",
+        )
+        .bind(run_id)
+        .bind(step_index)
+        .fetch_optional(&self.db.pool)
+        .await
+        .expect("querying attempts")
+        .unwrap_or_else(|| panic!("run {run_id} has no dispatched attempt {step_index}"))
+    }
+
+    /// Sends a probe to every partition of the requests and
+    /// attempt-results topics, round after round, until both instances have
+    /// handled a batch: then both are members of the group, each owning
+    /// partitions of the topics the runs use. A probe on requests starts a
+    /// probe run; one on attempt-results is a result for no run, which is
+    /// dead-lettered. Returns once every probe run is applied, with their
+    /// ids.
+    async fn probe_until_both_handle(&self, a: &Coordinator, b: &Coordinator) -> Vec<String> {
+        let requests = self.config.requests_topic();
+        let results = self.config.attempt_results_topic();
+        let topics = [
+            (&requests, self.partitions(&requests)),
+            (&results, self.partitions(&results)),
+        ];
+        let mut probes = Vec::new();
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while a.progress.batches_handled() == 0 || b.progress.batches_handled() == 0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "both instances did not handle a batch within {WAIT:?}"
+            );
+            for (topic, partitions) in topics {
+                for partition in 0..partitions {
+                    let run_id = unique("probe-");
+                    if topic == &requests {
+                        self.send_to(topic, partition, &run_id, &start_json(&run_id))
+                            .await;
+                        probes.push(run_id);
+                    } else {
+                        let stamp = uuid::Uuid::new_v4();
+                        let result = Harness::result_json(&run_id, "acme", stamp);
+                        self.send_to(topic, partition, &run_id, &result).await;
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        // Every probe run is one transition; wait for the last of them, so
+        // that what the instances apply from now on is the test's traffic.
+        let applied = || a.progress.inputs_applied() + b.progress.inputs_applied();
+        eventually("every probe run applied", WAIT, || async {
+            (applied() == probes.len() as u64).then_some(())
+        })
+        .await;
+        probes
+    }
+
+    /// Produces `value` to one partition of `topic`, whatever its key.
+    async fn send_to(&self, topic: &str, partition: i32, key: &str, value: &serde_json::Value) {
+        let payload = value.to_string();
+        let record = rdkafka::producer::FutureRecord::to(topic)
+            .partition(partition)
+            .key(key)
+            .payload(&payload);
+        self.producer
+            .send(record, Duration::from_secs(30))
+            .await
+            .map_err(|(e, _)| e)
+            .expect("producing to a partition");
+    }
+
+    /// How many partitions `topic` has, as the broker tells.
+    fn partitions(&self, topic: &str) -> i32 {
+        use rdkafka::producer::Producer;
+        let metadata = self
+            .producer
+            .client()
+            .fetch_metadata(Some(topic), Duration::from_secs(10))
+            .expect("fetching topic metadata");
+        metadata
+            .topics()
+            .iter()
+            .find(|t| t.name() == topic)
+            .map_or(0, |t| {
+                i32::try_from(t.partitions().len()).expect("a partition count")
+            })
     }
 
     async fn send(&self, topic: &str, key: &str, value: &serde_json::Value) -> (i32, i64) {
@@ -218,6 +335,52 @@ impl Harness {
     }
 }
 
+/// Steps `ingress` until a batch has held message `offset` of
+/// `topic`/`partition`, and returns the report of every batch it took. The
+/// first steps find nothing while the consumer joins its group.
+async fn step_past(
+    ingress: &IngressContext,
+    topic: &str,
+    partition: i32,
+    offset: i64,
+) -> Vec<StepReport> {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let shutdown = CancellationToken::new();
+    let mut reports = Vec::new();
+    while tokio::time::Instant::now() < deadline {
+        let stepped = ductor::ingress::step(ingress, STEP_WAIT, &shutdown)
+            .await
+            .expect("stepping the ingress");
+        let Some(report) = stepped else { continue };
+        let covered = report.covers(topic, partition, offset);
+        reports.push(report);
+        if covered {
+            return reports;
+        }
+    }
+    panic!("no batch held {topic}/{partition}@{offset} within {WAIT:?}: {reports:?}");
+}
+
+/// The reports of several batches added up.
+fn total(reports: &[StepReport]) -> StepReport {
+    let mut sum = StepReport::default();
+    for r in reports {
+        sum.messages += r.messages;
+        sum.applied += r.applied;
+        sum.no_ops += r.no_ops;
+        sum.rejected += r.rejected;
+        sum.failed += r.failed;
+        sum.undecodable += r.undecodable;
+        sum.conflicts += r.conflicts;
+        sum.intents_written += r.intents_written;
+        for (at, last) in &r.last_offsets {
+            let entry = sum.last_offsets.entry(at.clone()).or_insert(*last);
+            *entry = (*entry).max(*last);
+        }
+    }
+    sum
+}
+
 /// An input as the ingress would hand it to the apply layer.
 fn pending(topic: InputTopic, value: serde_json::Value) -> PendingInput {
     PendingInput {
@@ -315,42 +478,72 @@ async fn a_run_driven_by_kafka_inputs_succeeds_with_one_transition_per_input() {
 #[tokio::test]
 async fn the_same_attempt_result_three_times_writes_no_new_rows() {
     let h = Harness::new().await;
-    let coordinator = h.start_coordinator(TestHooks::default());
+    let ingress = h.stepped_ingress(TestHooks::default());
     let run_id = unique("run-");
-    h.start_run(&run_id, "acme").await;
-    let stamp = h.dispatched_stamp(&run_id, 0).await;
+    let requests = h.config.requests_topic();
+    let (start_partition, start_offset) = h.start_run(&run_id, "acme").await;
+    let started = total(&step_past(&ingress, &requests, start_partition, start_offset).await);
+    assert_eq!((started.messages, started.applied), (1, 1), "{started:?}");
+    let stamp = h.attempt_stamp(&run_id, 0).await;
     let result = Harness::result_json(&run_id, "acme", stamp);
     let topic = h.config.attempt_results_topic();
     let (partition, first) = h.send(&topic, &run_id, &result).await;
-    h.wait_committed_past(&topic, partition, first).await;
+    let once = total(&step_past(&ingress, &topic, partition, first).await);
+    assert_eq!(
+        (once.messages, once.applied, once.no_ops),
+        (1, 1, 0),
+        "the first copy applies: {once:?}"
+    );
     let after_once = h.footprint().await;
     assert_eq!(h.transitions(&run_id).await.len(), 2);
 
     h.send(&topic, &run_id, &result).await;
     let (_, third) = h.send(&topic, &run_id, &result).await;
-    h.wait_committed_past(&topic, partition, third).await;
+    let twice = total(&step_past(&ingress, &topic, partition, third).await);
+    assert_eq!(
+        (
+            twice.messages,
+            twice.applied,
+            twice.no_ops,
+            twice.dead_lettered()
+        ),
+        (2, 0, 2, 0),
+        "both copies are no-ops: {twice:?}"
+    );
     let after_thrice = h.footprint().await;
     assert_eq!(
         after_once, after_thrice,
         "duplicates must not write a single row"
     );
     assert_eq!(h.transitions(&run_id).await.len(), 2);
-    coordinator.stop().await.expect("clean stop");
+    // The offsets the steps stored are the group's once it leaves.
+    ductor::ingress::close(&ingress);
+    assert!(committed_offset(&h.config.kafka.group_id, &topic, partition) > third);
+    drop(ingress);
     h.db.drop_db().await;
 }
 
 #[tokio::test]
 async fn two_coordinators_in_one_group_never_double_apply() {
     let h = Harness::new().await;
+    let requests = h.config.requests_topic();
+    let results_topic = h.config.attempt_results_topic();
+    for topic in [&requests, &results_topic] {
+        assert!(
+            h.partitions(topic) >= 2,
+            "{topic}: two members need two partitions to share"
+        );
+    }
     let first = h.start_coordinator(TestHooks::default());
     let second = h.start_coordinator(TestHooks::default());
+    let probes = h.probe_until_both_handle(&first, &second).await;
+    let applied_before = [&first, &second].map(|c| c.progress.inputs_applied());
     let runs: Vec<String> = (0..24)
         .map(|i| format!("{}-{i}", unique("multi-")))
         .collect();
     for run_id in &runs {
         h.start_run(run_id, "acme").await;
     }
-    let results_topic = h.config.attempt_results_topic();
     let mut stopped_first = Some(first);
     for step in 0..3 {
         for run_id in &runs {
@@ -363,6 +556,12 @@ async fn two_coordinators_in_one_group_never_double_apply() {
         if step == 1 {
             // One instance leaves mid-way: its partitions move to the other.
             if let Some(c) = stopped_first.take() {
+                // Until now both shared the runs: each applied some of them.
+                let applied = [&c, &second].map(|c| c.progress.inputs_applied());
+                assert!(
+                    applied[0] > applied_before[0] && applied[1] > applied_before[1],
+                    "both instances apply while both are members: {applied_before:?} then {applied:?}"
+                );
                 c.stop().await.expect("first coordinator stops cleanly");
             }
         }
@@ -372,13 +571,16 @@ async fn two_coordinators_in_one_group_never_double_apply() {
         let seqs: Vec<i64> = h.transitions(run_id).await.iter().map(|t| t.0).collect();
         assert_eq!(seqs, vec![1, 2, 3, 4], "run {run_id}");
     }
-    let versions: HashMap<String, i64> =
+    let mut versions: HashMap<String, i64> =
         sqlx::query_as("SELECT run_id, last_transition_seq FROM runs")
             .fetch_all(&h.db.pool)
             .await
             .unwrap()
             .into_iter()
             .collect();
+    for probe in &probes {
+        assert_eq!(versions.remove(probe), Some(1), "probe {probe}");
+    }
     assert_eq!(versions.len(), runs.len());
     assert!(versions.values().all(|seq| *seq == 4));
     second.stop().await.expect("clean stop");
@@ -388,18 +590,29 @@ async fn two_coordinators_in_one_group_never_double_apply() {
 #[tokio::test]
 async fn a_coordinator_stopped_after_commit_before_offsets_gets_redeliveries_that_write_nothing() {
     let h = Harness::new().await;
-    let crashing = h.start_coordinator(TestHooks {
+    let crashing = h.stepped_ingress(TestHooks {
         fail_after_commit: true,
     });
     let run_id = unique("crash-");
     let topic = h.config.requests_topic();
     let (partition, offset) = h.start_run(&run_id, "acme").await;
-    let err = crashing
-        .task
-        .await
-        .expect("ingress task")
-        .expect_err("the hook stops the ingress after its first commit");
+    let shutdown = CancellationToken::new();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let err = loop {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the start was not read within {WAIT:?}"
+        );
+        match ductor::ingress::step(&crashing, STEP_WAIT, &shutdown).await {
+            Ok(None) => {}
+            Ok(Some(report)) => panic!("the hook lets no batch through: {report:?}"),
+            Err(e) => break e,
+        }
+    };
     assert!(err.to_string().contains("after commit"), "{err:#}");
+    // Leaves the group as the loop does when it fails.
+    ductor::ingress::close(&crashing);
+    drop(crashing);
     assert_eq!(h.run_status(&run_id).await.as_deref(), Some("running"));
     assert!(
         committed_offset(&h.config.kafka.group_id, &topic, partition) <= offset,
@@ -407,15 +620,29 @@ async fn a_coordinator_stopped_after_commit_before_offsets_gets_redeliveries_tha
     );
     let before = h.footprint().await;
 
-    let restarted = h.start_coordinator(TestHooks::default());
-    h.wait_committed_past(&topic, partition, offset).await;
+    let restarted = h.stepped_ingress(TestHooks::default());
+    let redelivered = total(&step_past(&restarted, &topic, partition, offset).await);
+    assert_eq!(
+        (
+            redelivered.applied,
+            redelivered.no_ops,
+            redelivered.dead_lettered()
+        ),
+        (0, 1, 0),
+        "the redelivered start is a duplicate: {redelivered:?}"
+    );
     assert_eq!(
         before,
         h.footprint().await,
         "the redelivered start wrote rows"
     );
     assert_eq!(h.transitions(&run_id).await.len(), 1);
-    restarted.stop().await.expect("clean stop");
+    ductor::ingress::close(&restarted);
+    assert!(
+        committed_offset(&h.config.kafka.group_id, &topic, partition) > offset,
+        "the redelivery's offset is committed"
+    );
+    drop(restarted);
     h.db.drop_db().await;
 }
 

@@ -20,6 +20,7 @@
 //! from fresh state, so no input of the batch is lost or applied twice.
 
 pub mod batch;
+mod decide;
 mod load;
 mod plan;
 mod write;

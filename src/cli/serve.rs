@@ -242,7 +242,7 @@ fn api_state(
     let mut api_applier = crate::apply::Applier::new(config, pool.clone(), workflows.clone());
     api_applier.handoff = handoff.clone();
     crate::routing::http::ApiState {
-        applier: Arc::new(api_applier),
+        decider: Arc::new(api_applier),
         routing: config.routing.clone(),
         limits: config.input_limits(),
         wakeup: handoff.is_none().then(|| wakeup.clone()),

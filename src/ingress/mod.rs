@@ -12,6 +12,10 @@
 //! stored (`enable.auto.offset.store=false`) only after the transaction and
 //! the dead-letter publishes have succeeded, so a crash anywhere leads to a
 //! redelivery, which the coordinator turns into zero new rows.
+//!
+//! [`run`] is the loop; [`step`] is one turn of the serial ingress, for
+//! tests that drive it a batch at a time and read what each batch did
+//! ([`StepReport`]) instead of waiting on the database.
 
 pub mod classify;
 pub mod dead_letter;
@@ -75,6 +79,11 @@ pub struct Progress {
     /// Per lane: when it took up its batch (Unix ms), 0 while idle.
     busy_since_ms: Vec<std::sync::atomic::AtomicI64>,
     stall_after: Duration,
+    /// Batches handled whole (applied, dead-lettered, offsets stored) since
+    /// the ingress was made, over every lane.
+    batches: std::sync::atomic::AtomicU64,
+    /// Inputs and routed starts of those batches that made a transition.
+    applied: std::sync::atomic::AtomicU64,
 }
 
 impl Progress {
@@ -84,6 +93,8 @@ impl Progress {
                 .map(|_| std::sync::atomic::AtomicI64::new(0))
                 .collect(),
             stall_after,
+            batches: std::sync::atomic::AtomicU64::new(0),
+            applied: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -100,6 +111,24 @@ impl Progress {
     fn finished(&self, lane: usize) {
         self.slot(lane)
             .store(0, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn handled(&self, report: &StepReport) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.batches.fetch_add(1, Relaxed);
+        self.applied.fetch_add(report.applied as u64, Relaxed);
+    }
+
+    /// Batches this ingress has handled whole, offsets stored.
+    #[cfg(any(test, feature = "internals"))]
+    pub fn batches_handled(&self) -> u64 {
+        self.batches.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Inputs and routed starts this ingress has applied as transitions.
+    #[cfg(any(test, feature = "internals"))]
+    pub fn inputs_applied(&self) -> u64 {
+        self.applied.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// How long the longest-held batch has been held, if any.
@@ -141,6 +170,58 @@ pub struct TestHooks {
     /// Return an error right after the first batch commits, before its
     /// offsets are stored.
     pub fail_after_commit: bool,
+}
+
+/// What the ingress did with one batch, once it was applied, its dead
+/// letters published and its offsets stored.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepReport {
+    /// Messages in the batch.
+    pub messages: usize,
+    /// The offset of the batch's last message on each `(topic, partition)`.
+    pub last_offsets: BTreeMap<(String, i32), i64>,
+    /// Inputs and routed starts that made a transition.
+    pub applied: usize,
+    /// Inputs and routed starts that changed nothing (duplicates, stale
+    /// results).
+    pub no_ops: usize,
+    /// Inputs and routed starts the coordinator or the routing plane
+    /// refused; dead-lettered.
+    pub rejected: usize,
+    /// Inputs that failed on their own in the database; dead-lettered.
+    pub failed: usize,
+    /// Messages that did not decode; dead-lettered.
+    pub undecodable: usize,
+    /// Recomputations after lost races.
+    pub conflicts: u32,
+    /// Effect intents committed.
+    pub intents_written: usize,
+}
+
+impl StepReport {
+    /// Whether the batch held message `offset` of `topic`/`partition`, or
+    /// one after it.
+    #[cfg(any(test, feature = "internals"))]
+    pub fn covers(&self, topic: &str, partition: i32, offset: i64) -> bool {
+        self.last_offsets
+            .get(&(topic.to_string(), partition))
+            .is_some_and(|last| *last >= offset)
+    }
+
+    /// Messages of the batch sent to the dead-letter topic.
+    #[cfg(any(test, feature = "internals"))]
+    pub fn dead_lettered(&self) -> usize {
+        self.rejected + self.failed + self.undecodable
+    }
+
+    /// Counts one input by its `ductor_inputs_total` outcome label.
+    fn count(&mut self, outcome: &str) {
+        match outcome {
+            "applied" => self.applied += 1,
+            "stale" | "deduplicated" => self.no_ops += 1,
+            _ => self.rejected += 1,
+        }
+    }
 }
 
 pub struct IngressContext {
@@ -224,6 +305,14 @@ impl IngressContext {
 
 /// Consumes until `shutdown`, finishing the batch in hand.
 pub async fn run(ctx: IngressContext, shutdown: CancellationToken) -> anyhow::Result<()> {
+    subscribe(&ctx)?;
+    let result = consume(&ctx, &shutdown).await;
+    close(&ctx);
+    result
+}
+
+/// Subscribes the ingress consumer to the input topics.
+pub fn subscribe(ctx: &IngressContext) -> anyhow::Result<()> {
     let topics = [
         ctx.requests_topic.as_str(),
         ctx.wakeups_topic.as_str(),
@@ -233,25 +322,52 @@ pub async fn run(ctx: IngressContext, shutdown: CancellationToken) -> anyhow::Re
         .subscribe(&topics)
         .context("subscribing to input topics")?;
     tracing::info!(topics = ?topics, "ingress subscribed");
-    let result = consume(&ctx, &shutdown).await;
-    // Flush the offsets stored so far; the broker keeps them for the group.
+    Ok(())
+}
+
+/// Commits the offsets stored so far, which the broker keeps for the
+/// group, and leaves the input topics.
+pub fn close(ctx: &IngressContext) {
     if let Err(e) = ctx.consumer.commit_consumer_state(CommitMode::Sync) {
         tracing::debug!(error = %e, "final offset commit skipped");
     }
     ctx.consumer.unsubscribe();
-    result
+}
+
+/// One turn of the serial ingress, for a caller that drives it one batch at
+/// a time (tests, after [`subscribe`]): waits up to `wait` for a first
+/// message, gathers a batch as the loop does, applies it and stores its
+/// offsets. `Ok(None)` when no message came within `wait`, or when
+/// shutdown interrupted the batch (nothing of it stored, so it is
+/// redelivered). Lanes play no part: the batch is lane 0's.
+#[cfg(any(test, feature = "internals"))]
+pub async fn step(
+    ctx: &IngressContext,
+    wait: Duration,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Option<StepReport>> {
+    turn(ctx, Some(Instant::now() + wait), shutdown).await
+}
+
+/// Reads one batch, waiting for its first message until `first_by` (for
+/// ever without it), and handles it as lane 0. `Ok(None)` when there was
+/// nothing to handle or shutdown interrupted it.
+async fn turn(
+    ctx: &IngressContext,
+    first_by: Option<Instant>,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Option<StepReport>> {
+    let Some(batch) = next_batch(ctx, shutdown, first_by).await? else {
+        return Ok(None);
+    };
+    handle_batch(ctx, 0, &batch, shutdown).await
 }
 
 async fn consume(ctx: &IngressContext, shutdown: &CancellationToken) -> anyhow::Result<()> {
     if ctx.apply_lanes <= 1 {
-        loop {
-            let Some(batch) = next_batch(ctx, shutdown).await? else {
-                return Ok(());
-            };
-            if !handle_batch(ctx, 0, &batch, shutdown).await? {
-                return Ok(());
-            }
-        }
+        // The serial ingress: one turn after the other, until shutdown.
+        while turn(ctx, None, shutdown).await?.is_some() {}
+        return Ok(());
     }
     // Lanes: the reader hands each message to its partition's lane; a lane
     // batches, applies and stores offsets on its own. A failing lane stops
@@ -356,8 +472,8 @@ async fn lane(
         };
         let handled = handle_batch(ctx, index, &batch.messages, stop).await;
         match handled {
-            Ok(true) => {}
-            Ok(false) => return Ok(()),
+            Ok(Some(_)) => {}
+            Ok(None) => return Ok(()),
             Err(e) => {
                 stop.cancel();
                 return Err(e);
@@ -405,17 +521,20 @@ fn take_queued(messages: &mut tokio::sync::mpsc::Receiver<OwnedMessage>, batch: 
     }
 }
 
-/// Applies one batch and stores its offsets. `Ok(false)` when shutdown
+/// Applies one batch and stores its offsets. `Ok(None)` when shutdown
 /// interrupted it (nothing of it stored, so it is redelivered).
 async fn handle_batch(
     ctx: &IngressContext,
     lane: usize,
     batch: &[OwnedMessage],
     shutdown: &CancellationToken,
-) -> anyhow::Result<bool> {
+) -> anyhow::Result<Option<StepReport>> {
     ctx.progress.began(lane);
     let handled = handle_batch_in(ctx, batch, shutdown).await;
     ctx.progress.finished(lane);
+    if let Ok(Some(report)) = &handled {
+        ctx.progress.handled(report);
+    }
     handled
 }
 
@@ -423,42 +542,53 @@ async fn handle_batch_in(
     ctx: &IngressContext,
     batch: &[OwnedMessage],
     shutdown: &CancellationToken,
-) -> anyhow::Result<bool> {
+) -> anyhow::Result<Option<StepReport>> {
     // Canary: storing offsets first loses the batch on a crash.
     #[cfg(feature = "canary-offsets-before-commit")]
     store_offsets(ctx, batch);
-    if let Err(e) = process_batch(ctx, batch, shutdown).await {
-        if shutdown.is_cancelled() {
+    let report = match process_batch(ctx, batch, shutdown).await {
+        Ok(report) => report,
+        Err(e) if shutdown.is_cancelled() => {
             // Interrupted while retrying: nothing of the batch is stored,
             // so it is redelivered after the restart.
             tracing::info!(
                 error = format!("{e:#}"),
                 "batch left for redelivery at shutdown"
             );
-            return Ok(false);
+            return Ok(None);
         }
-        return Err(e);
-    }
+        Err(e) => return Err(e),
+    };
     if ctx.hooks.fail_after_commit {
         anyhow::bail!("test hook: stopped after commit, before storing offsets");
     }
     crate::crash_point!("ingress.before_offset_store");
     #[cfg(not(feature = "canary-offsets-before-commit"))]
     store_offsets(ctx, batch);
-    Ok(true)
+    Ok(Some(report))
 }
 
-/// Waits for one message, then gathers more until the batch is full or the
-/// linger time has passed. `None` on shutdown with nothing in hand.
+/// Waits for one message, until `first_by` if given, then gathers more
+/// until the batch is full or the linger time has passed. `None` on
+/// shutdown or at `first_by`, with nothing in hand.
 async fn next_batch(
     ctx: &IngressContext,
     shutdown: &CancellationToken,
+    first_by: Option<Instant>,
 ) -> anyhow::Result<Option<Vec<OwnedMessage>>> {
     let mut batch = Gathered::new(ctx);
+    let given_up = async {
+        match first_by {
+            Some(deadline) => tokio::time::sleep_until(deadline).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(given_up);
     loop {
         tokio::select! {
             biased;
             _ = shutdown.cancelled() => return Ok(None),
+            _ = &mut given_up => return Ok(None),
             msg = ctx.consumer.recv() => match msg {
                 Ok(m) => {
                     record_age("ductor_ingress_fetch_age_seconds", &m);
@@ -493,24 +623,33 @@ async fn next_batch(
 }
 
 /// Decodes, applies and dead-letters one batch. Returns only when every
-/// message of the batch is durably handled, or on shutdown/fatal error.
+/// message of the batch is durably handled, with what became of them, or
+/// on shutdown/fatal error. Offsets are the caller's to store.
 pub async fn process_batch(
     ctx: &IngressContext,
     batch: &[OwnedMessage],
     shutdown: &CancellationToken,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<StepReport> {
     for msg in batch {
         record_age("ductor_ingress_apply_age_seconds", msg);
     }
     let mut sorted = sort(ctx, batch);
+    let mut step = StepReport {
+        messages: batch.len(),
+        last_offsets: last_offsets(batch),
+        undecodable: sorted.dead.len(),
+        ..StepReport::default()
+    };
     if !sorted.pending.is_empty() || !sorted.routed.is_empty() {
         let report = ctx
             .applier
             .apply_isolating(&sorted.pending, &sorted.routed, ctx.retry, shutdown)
             .await
             .context("applying batch")?;
-        settle_inputs(&report, &mut sorted);
-        settle_routed(&report, &mut sorted);
+        settle_inputs(&report, &mut sorted, &mut step);
+        settle_routed(&report, &mut sorted, &mut step);
+        step.conflicts = report.conflicts;
+        step.intents_written = report.intents_written;
         // With a fast lane the applier hands over and wakes by itself.
         if report.intents_written > 0
             && ctx.applier.handoff.is_none()
@@ -530,7 +669,7 @@ pub async fn process_batch(
         metrics::counter!("ductor_inputs_total", "topic" => letter.message.topic().to_string(), "outcome" => "dead_lettered")
             .increment(1);
     }
-    Ok(())
+    Ok(step)
 }
 
 /// A batch sorted by what each message is: inputs to apply, starts for the
@@ -587,13 +726,16 @@ fn sort<'m>(ctx: &IngressContext, batch: &'m [OwnedMessage]) -> Sorted<'m> {
 }
 
 /// Counts what each input did, and dead-letters the rejected ones.
-fn settle_inputs<'m>(report: &IsolatedBatch, sorted: &mut Sorted<'m>) {
+fn settle_inputs<'m>(report: &IsolatedBatch, sorted: &mut Sorted<'m>, step: &mut StepReport) {
     let inputs = report.outcomes.iter().zip(&sorted.pending);
     for ((outcome, input), &msg) in inputs.zip(&sorted.pending_msgs) {
         let Some(outcome) = settled(outcome, msg, &mut sorted.dead) else {
+            step.failed += 1;
             continue;
         };
-        metrics::counter!("ductor_inputs_total", "topic" => msg.topic().to_string(), "outcome" => input_label(outcome))
+        let label = input_label(outcome);
+        step.count(label);
+        metrics::counter!("ductor_inputs_total", "topic" => msg.topic().to_string(), "outcome" => label)
             .increment(1);
         match outcome {
             InputOutcome::Rejected(rejection) => sorted.dead.push(DeadLetter {
@@ -626,12 +768,14 @@ fn input_label(outcome: &InputOutcome) -> &'static str {
 
 /// Counts what each routed start got, and dead-letters a key reused for
 /// another request and a start the routing plane refused.
-fn settle_routed<'m>(report: &IsolatedBatch, sorted: &mut Sorted<'m>) {
+fn settle_routed<'m>(report: &IsolatedBatch, sorted: &mut Sorted<'m>, step: &mut StepReport) {
     for (outcome, &msg) in report.routed.iter().zip(&sorted.routed_msgs) {
         let Some(outcome) = settled(outcome, msg, &mut sorted.dead) else {
+            step.failed += 1;
             continue;
         };
         let (input_label, routing_label) = routed_labels(outcome);
+        step.count(input_label);
         metrics::counter!("ductor_inputs_total", "topic" => msg.topic().to_string(), "outcome" => input_label)
             .increment(1);
         routing::count(routing_label);
@@ -662,7 +806,7 @@ fn routed_labels(outcome: &RouteOutcome) -> (&'static str, &'static str) {
         RouteOutcome::Mismatch => ("rejected", "mismatch"),
         RouteOutcome::Rejected(_) => ("rejected", "rejected_request"),
         // Not produced inside a transaction that reserves for itself.
-        RouteOutcome::InProgress | RouteOutcome::ClaimLost => ("rejected", "in_progress"),
+        RouteOutcome::ClaimLost => ("rejected", "in_progress"),
     }
 }
 
@@ -704,18 +848,25 @@ fn store_offsets(ctx: &IngressContext, batch: &[OwnedMessage]) {
 /// The offsets to store once `batch` is applied: for each of its
 /// partitions, one past its last message.
 pub fn next_offsets(batch: &[OwnedMessage]) -> TopicPartitionList {
-    let mut next: BTreeMap<(String, i32), i64> = BTreeMap::new();
-    for msg in batch {
-        let entry = next
-            .entry((msg.topic().to_string(), msg.partition()))
-            .or_insert(0);
-        *entry = (*entry).max(msg.offset() + 1);
-    }
-    let mut tpl = TopicPartitionList::with_capacity(next.len());
-    for ((topic, partition), offset) in &next {
-        if let Err(e) = tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset)) {
+    let last = last_offsets(batch);
+    let mut tpl = TopicPartitionList::with_capacity(last.len());
+    for ((topic, partition), offset) in &last {
+        let next = Offset::Offset(offset + 1);
+        if let Err(e) = tpl.add_partition_offset(topic, *partition, next) {
             tracing::warn!(error = %e, topic, partition, "could not record offset");
         }
     }
     tpl
+}
+
+/// The offset of the last message of `batch` on each of its partitions.
+fn last_offsets(batch: &[OwnedMessage]) -> BTreeMap<(String, i32), i64> {
+    let mut last: BTreeMap<(String, i32), i64> = BTreeMap::new();
+    for msg in batch {
+        let entry = last
+            .entry((msg.topic().to_string(), msg.partition()))
+            .or_insert(msg.offset());
+        *entry = (*entry).max(msg.offset());
+    }
+    last
 }

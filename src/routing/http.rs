@@ -24,11 +24,11 @@ use serde_json::{Value, json};
 use sqlx::Row;
 use tokio::time::Instant;
 
-use crate::apply::Applier;
 use crate::config::{DuplicatePolicy, RoutingConfig};
 use crate::contract::{InputError, InputErrorClass, InputLimits, parse_value};
 use crate::routing::{
-    self, Reservation, ReserveKind, RouteOutcome, RouteRequest, RoutingDecision, WaiterStep,
+    self, Decide, DecideError, Reservation, ReserveKind, RouteOutcome, RouteRequest,
+    RoutingDecision, WaiterStep,
 };
 
 /// How often a reservation is re-tried after it was lost to a sweep, before
@@ -37,7 +37,8 @@ const MAX_RESERVE_ROUNDS: u32 = 8;
 
 #[derive(Clone)]
 pub struct ApiState {
-    pub applier: Arc<Applier>,
+    /// Decides the runs, in the database the keys are reserved in.
+    pub decider: Arc<dyn Decide>,
     pub routing: RoutingConfig,
     /// The bounds a body keeps, as every input does on Kafka.
     pub limits: InputLimits,
@@ -121,7 +122,7 @@ async fn create_run_inner(state: &ApiState, request: Request<Body>) -> Result<Su
             e.message,
         )
     })?;
-    let submitted = submit(&state.applier, &state.routing, request).await?;
+    let submitted = submit(state.decider.as_ref(), &state.routing, request).await?;
     if let (Submitted::Created(_), Some(wakeup)) = (&submitted, &state.wakeup) {
         wakeup.wake();
     }
@@ -222,12 +223,12 @@ pub fn route_request_from_body(body: Value, key: Option<String>) -> Result<Route
 /// Routes one start request to its decision: reserve, decide, or follow the
 /// pool's duplicate-waiter policy. Shared by HTTP and `ductor submit`.
 pub async fn submit(
-    applier: &Applier,
+    decider: &dyn Decide,
     config: &RoutingConfig,
     mut request: RouteRequest,
 ) -> Result<Submitted, ApiError> {
     let Some(key) = request.key.clone() else {
-        return submit_unkeyed(applier, request).await;
+        return submit_unkeyed(decider, request).await;
     };
     let (policy, wait_timeout) = routing::policy_for(config, &request.start.pool);
     let mut waiter = Waiter {
@@ -240,11 +241,11 @@ pub async fn submit(
     let pending_ttl = Duration::from_millis(config.pending_ttl_ms);
     for _ in 0..MAX_RESERVE_ROUNDS {
         if let Some(submitted) =
-            reserve_and_decide(applier, &mut request, &key, pending_ttl).await?
+            reserve_and_decide(decider, &mut request, &key, pending_ttl).await?
         {
             return Ok(submitted);
         }
-        if let Some(submitted) = waiter.follow(applier, &request, &key).await? {
+        if let Some(submitted) = waiter.follow(decider, &request, &key).await? {
             return Ok(submitted);
         }
     }
@@ -257,11 +258,11 @@ pub async fn submit(
 
 /// A start without a key: decided in one transaction, never deduplicated.
 async fn submit_unkeyed(
-    applier: &Applier,
+    decider: &dyn Decide,
     mut request: RouteRequest,
 ) -> Result<Submitted, ApiError> {
     request.reservation = Reservation::InTransaction;
-    match decide(applier, &request).await? {
+    match decide(decider, &request).await? {
         RouteOutcome::Decided { decision, .. } => {
             routing::count(ReserveKind::Unkeyed.as_str());
             Ok(Submitted::Created(decision))
@@ -273,17 +274,17 @@ async fn submit_unkeyed(
 /// Reserves the key and, when it is won, decides the run. `None` when
 /// another caller holds the key, or took it over while this one decided.
 async fn reserve_and_decide(
-    applier: &Applier,
+    decider: &dyn Decide,
     request: &mut RouteRequest,
     key: &str,
     pending_ttl: Duration,
 ) -> Result<Option<Submitted>, ApiError> {
     let start = &request.start;
-    let before = routing::existing(&applier.pool, &start.tenant, &start.pool, key)
+    let before = routing::existing(decider.pool(), &start.tenant, &start.pool, key)
         .await
         .map_err(database)?;
     let won = routing::reserve(
-        &applier.pool,
+        decider.pool(),
         &start.tenant,
         &start.pool,
         key,
@@ -296,7 +297,7 @@ async fn reserve_and_decide(
     let kind = ReserveKind::judged(before.map(|row| row.status));
     request.reservation = Reservation::Held { epoch };
     crate::crash_point!("routing.after_reserve");
-    match decide(applier, request).await? {
+    match decide(decider, request).await? {
         RouteOutcome::Decided { decision, .. } => {
             crate::crash_point!("api.after_decision");
             routing::count(kind.as_str());
@@ -327,13 +328,13 @@ impl Waiter {
     /// free again (`None`: reserve once more).
     async fn follow(
         &mut self,
-        applier: &Applier,
+        decider: &dyn Decide,
         request: &RouteRequest,
         key: &str,
     ) -> Result<Option<Submitted>, ApiError> {
         let start = &request.start;
         loop {
-            let row = routing::existing(&applier.pool, &start.tenant, &start.pool, key)
+            let row = routing::existing(decider.pool(), &start.tenant, &start.pool, key)
                 .await
                 .map_err(database)?;
             let Some(row) = row else { return Ok(None) };
@@ -393,33 +394,33 @@ impl Waiter {
     }
 }
 
-async fn decide(applier: &Applier, request: &RouteRequest) -> Result<RouteOutcome, ApiError> {
-    let report = applier
-        .apply(&[], std::slice::from_ref(request))
-        .await
-        .map_err(|e| {
-            if let Some(failure) = e.permanent() {
-                // The request itself is what the database refuses: the
-                // same request would fail again.
-                tracing::warn!(class = failure.class, error = %failure.message, "a start request cannot be stored");
-                return ApiError::new(
-                    StatusCode::UNPROCESSABLE_ENTITY,
-                    failure.class,
-                    failure.message,
-                );
-            }
+/// Decides one request through `decider`; a start the routing plane
+/// refuses (an unknown workflow) is an error here, 422.
+async fn decide(decider: &dyn Decide, request: &RouteRequest) -> Result<RouteOutcome, ApiError> {
+    let outcome = decider.decide(request).await.map_err(|e| match e {
+        DecideError::Refused { class, message } => {
+            // The request itself is what the database refuses: the
+            // same request would fail again.
+            tracing::warn!(class, error = %message, "a start request cannot be stored");
+            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, class, message)
+        }
+        DecideError::Unavailable(e) => {
             tracing::warn!(error = %e, "deciding a start request failed");
             ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "unavailable",
                 "the decision could not be committed; retry with the same key",
             )
-        })?;
-    let outcome = report
-        .routed
-        .into_iter()
-        .next()
-        .ok_or_else(|| unexpected(RouteOutcome::InProgress))?;
+        }
+        DecideError::Unanswered => {
+            tracing::error!("the decision came back without an outcome");
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "unexpected routing outcome",
+            )
+        }
+    })?;
     if let RouteOutcome::Rejected(message) = outcome {
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -465,7 +466,7 @@ async fn get_run(
         )
         .into_response();
     };
-    match run_summary(&state.applier.pool, &run_id, tenant).await {
+    match run_summary(state.decider.pool(), &run_id, tenant).await {
         Ok(Some(body)) => (StatusCode::OK, axum::Json(body)).into_response(),
         // Another tenant's run looks exactly like a missing one.
         Ok(None) => {

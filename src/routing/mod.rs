@@ -23,7 +23,10 @@
 //! the first caller is in flight see a `pending` row and follow the pool's
 //! duplicate-waiter policy.
 
+mod decide;
 pub mod http;
+
+pub use decide::{Decide, DecideError};
 
 use std::time::Duration;
 
@@ -90,8 +93,6 @@ pub enum RouteOutcome {
     Duplicate { decision: RoutingDecision },
     /// The key already has a decision for a different request.
     Mismatch,
-    /// Another caller holds the key and has not decided yet.
-    InProgress,
     /// Our reservation was swept and taken over by another caller.
     ClaimLost,
     /// The start itself was rejected (e.g. unknown workflow).
