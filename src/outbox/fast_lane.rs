@@ -19,7 +19,7 @@
 //! first, the leases run out and the reconciler redrives the intents.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -46,6 +46,8 @@ pub struct Handoff {
     /// Due intents committed as `pending` (they wait behind an undelivered
     /// one) since the fast lane last completed something.
     pending_behind: Arc<AtomicUsize>,
+    /// Intents this lane published, see [`Handoff::delivered`].
+    delivered: Arc<AtomicU64>,
 }
 
 /// What the apply layer hands over after a transaction ended.
@@ -66,6 +68,7 @@ enum Handed {
 pub struct FastLane {
     receiver: mpsc::Receiver<Handed>,
     pending_behind: Arc<AtomicUsize>,
+    delivered: Arc<AtomicU64>,
 }
 
 impl Handoff {
@@ -77,6 +80,14 @@ impl Handoff {
     /// The claim lease, in seconds.
     pub fn lease_s(&self) -> f64 {
         self.lease_s
+    }
+
+    /// How many intents this lane has published so far (acknowledged by
+    /// the broker; their completion may still be on its way). It counts
+    /// this lane alone, where `ductor_outbox_fast_lane_total` adds up every
+    /// drainer of the process.
+    pub fn delivered(&self) -> u64 {
+        self.delivered.load(Ordering::Relaxed)
     }
 
     /// After a commit: publish `claimed` now; wake the claim rounds when
@@ -140,6 +151,7 @@ impl Drainer {
     pub fn fast_lane(&self, wakeup: &Wakeup) -> (Handoff, FastLane) {
         let (sender, receiver) = mpsc::channel(HANDOFF_QUEUE);
         let pending_behind = self.pending_behind.clone();
+        let delivered = Arc::new(AtomicU64::new(0));
         (
             Handoff {
                 drainer_id: self.drainer_id.clone(),
@@ -148,10 +160,12 @@ impl Drainer {
                 sender,
                 wakeup: wakeup.clone(),
                 pending_behind: pending_behind.clone(),
+                delivered: delivered.clone(),
             },
             FastLane {
                 receiver,
                 pending_behind,
+                delivered,
             },
         )
     }
@@ -188,6 +202,8 @@ impl Drainer {
         }
         let (delivered, failed) = self.publish_all(&claimed).await;
         metrics::counter!("ductor_outbox_fast_lane_total").increment(delivered.len() as u64);
+        lane.delivered
+            .fetch_add(delivered.len() as u64, Ordering::Relaxed);
         if let Err(e) = self.restart_late_clocks(&claimed, &delivered).await {
             tracing::warn!(
                 error = format!("{e:#}"),
@@ -211,6 +227,7 @@ impl Drainer {
 struct FastLaneShared {
     completions: mpsc::UnboundedSender<Vec<i64>>,
     wakeup: Wakeup,
+    delivered: Arc<AtomicU64>,
 }
 
 /// Marks what the fast lane delivered completed: everything that arrived
@@ -260,6 +277,7 @@ pub(super) async fn fast_lane(drainer: Arc<Drainer>, mut lane: FastLane, wakeup:
     let shared = Arc::new(FastLaneShared {
         completions,
         wakeup,
+        delivered: lane.delivered.clone(),
     });
     let in_flight = Arc::new(Semaphore::new(FAST_LANE_IN_FLIGHT));
     let tasks = tokio_util::task::TaskTracker::new();
