@@ -25,6 +25,7 @@
 
 mod decide;
 pub mod http;
+mod sql;
 
 pub use decide::{Decide, DecideError};
 
@@ -36,6 +37,9 @@ use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 use sqlx::{PgPool, Postgres, Row, Transaction as PgTx};
 
+use self::sql::{
+    COMPLETE_SQL, EXISTING_SQL, FENCE_SQL, PURGE_SQL, RESERVE_SQL, STATUS_SQL, SWEEP_SQL,
+};
 use crate::config::{DuplicatePolicy, RoutingConfig};
 use crate::contract::{Input, InputError, InputErrorClass, InputTopic, RunStart, decode_value};
 
@@ -322,19 +326,6 @@ pub fn waiter_step(
     }
 }
 
-const RESERVE_SQL: &str = "\
-    INSERT INTO eec_routing_idempotency AS r (tenant_scope, pool_id, idempotency_key, status, \
-        request_fingerprint, claim_epoch, reserved_at, pending_expires_at, updated_at) \
-    VALUES ($1, $2, $3, 'pending', $4, 1, now(), now() + make_interval(secs => $5), now()) \
-    ON CONFLICT (tenant_scope, pool_id, idempotency_key) DO UPDATE SET \
-        status = 'pending', request_fingerprint = EXCLUDED.request_fingerprint, \
-        claim_epoch = r.claim_epoch + 1, decision_id = NULL, decision = NULL, \
-        reserved_at = now(), pending_expires_at = EXCLUDED.pending_expires_at, \
-        expires_at = NULL, completed_at = NULL, updated_at = now() \
-    WHERE r.status = 'failed_before_commit' \
-       OR (r.status = 'completed' AND r.expires_at <= now()) \
-    RETURNING r.claim_epoch";
-
 /// Reserves `(tenant, pool, key)`, reclaiming a failed or expired row; on an
 /// executor that is either the pool (autocommit) or a transaction.
 pub async fn reserve<'e, E>(
@@ -367,17 +358,12 @@ pub async fn existing<'e, E>(
 where
     E: sqlx::Executor<'e, Database = Postgres>,
 {
-    let row = sqlx::query(
-        "SELECT status, request_fingerprint, decision, \
-             (status = 'completed' AND expires_at <= now()) AS expired \
-         FROM eec_routing_idempotency \
-         WHERE tenant_scope = $1 AND pool_id = $2 AND idempotency_key = $3",
-    )
-    .bind(tenant)
-    .bind(pool_id)
-    .bind(key)
-    .fetch_optional(executor)
-    .await?;
+    let row = sqlx::query(EXISTING_SQL)
+        .bind(tenant)
+        .bind(pool_id)
+        .bind(key)
+        .fetch_optional(executor)
+        .await?;
     let Some(row) = row else { return Ok(None) };
     let decision: Option<Value> = row.try_get("decision")?;
     Ok(Some(ExistingRow {
@@ -398,15 +384,12 @@ async fn kind_before<'e, E>(
 where
     E: sqlx::Executor<'e, Database = Postgres>,
 {
-    let status: Option<String> = sqlx::query_scalar(
-        "SELECT status FROM eec_routing_idempotency \
-         WHERE tenant_scope = $1 AND pool_id = $2 AND idempotency_key = $3",
-    )
-    .bind(tenant)
-    .bind(pool_id)
-    .bind(key)
-    .fetch_optional(executor)
-    .await?;
+    let status: Option<String> = sqlx::query_scalar(STATUS_SQL)
+        .bind(tenant)
+        .bind(pool_id)
+        .bind(key)
+        .fetch_optional(executor)
+        .await?;
     let before = status.map(KeyStatus::from_column).transpose()?;
     Ok(ReserveKind::judged(before))
 }
@@ -446,18 +429,13 @@ pub async fn fence_in_tx(
     key: &str,
     epoch: i64,
 ) -> Result<bool, sqlx::Error> {
-    let held = sqlx::query(
-        "SELECT 1 FROM eec_routing_idempotency \
-         WHERE tenant_scope = $1 AND pool_id = $2 AND idempotency_key = $3 \
-           AND status = 'pending' AND claim_epoch = $4 \
-         FOR UPDATE",
-    )
-    .bind(&start.tenant)
-    .bind(&start.pool)
-    .bind(key)
-    .bind(epoch)
-    .fetch_optional(&mut **tx)
-    .await?;
+    let held = sqlx::query(FENCE_SQL)
+        .bind(&start.tenant)
+        .bind(&start.pool)
+        .bind(key)
+        .bind(epoch)
+        .fetch_optional(&mut **tx)
+        .await?;
     Ok(held.is_some())
 }
 
@@ -469,37 +447,26 @@ pub async fn complete_in_tx(
     completed_ttl: Duration,
 ) -> Result<bool, sqlx::Error> {
     let body = serde_json::to_value(decision).map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
-    let done = sqlx::query(
-        "UPDATE eec_routing_idempotency SET status = 'completed', decision_id = $4, \
-             decision = $5, completed_at = now(), \
-             expires_at = now() + make_interval(secs => $6), updated_at = now() \
-         WHERE tenant_scope = $1 AND pool_id = $2 AND idempotency_key = $3 AND status = 'pending'",
-    )
-    .bind(&decision.tenant)
-    .bind(&decision.pool)
-    .bind(key)
-    .bind(&decision.run_id)
-    .bind(body)
-    .bind(completed_ttl.as_secs_f64())
-    .execute(&mut **tx)
-    .await?
-    .rows_affected();
+    let done = sqlx::query(COMPLETE_SQL)
+        .bind(&decision.tenant)
+        .bind(&decision.pool)
+        .bind(key)
+        .bind(&decision.run_id)
+        .bind(body)
+        .bind(completed_ttl.as_secs_f64())
+        .execute(&mut **tx)
+        .await?
+        .rows_affected();
     Ok(done == 1)
 }
 
 /// Moves expired `pending` rows to `failed_before_commit`, at most `batch`.
 pub async fn sweep(pool: &PgPool, batch: usize) -> Result<u64, sqlx::Error> {
-    let swept = sqlx::query(
-        "UPDATE eec_routing_idempotency SET status = 'failed_before_commit', updated_at = now() \
-         WHERE (tenant_scope, pool_id, idempotency_key) IN ( \
-             SELECT tenant_scope, pool_id, idempotency_key FROM eec_routing_idempotency \
-             WHERE status = 'pending' AND pending_expires_at < now() \
-             ORDER BY pending_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED)",
-    )
-    .bind(batch as i64)
-    .execute(pool)
-    .await?
-    .rows_affected();
+    let swept = sqlx::query(SWEEP_SQL)
+        .bind(batch as i64)
+        .execute(pool)
+        .await?
+        .rows_affected();
     if swept > 0 {
         tracing::info!(swept, "swept expired pending reservations");
         metrics::counter!("ductor_routing_swept_total").increment(swept);
@@ -518,22 +485,12 @@ pub async fn purge(
 ) -> Result<u64, sqlx::Error> {
     let mut total = 0;
     for _ in 0..max_rounds {
-        let deleted = sqlx::query(
-            "DELETE FROM eec_routing_idempotency \
-             WHERE (tenant_scope, pool_id, idempotency_key) IN ( \
-                 SELECT tenant_scope, pool_id, idempotency_key FROM eec_routing_idempotency \
-                 WHERE (status = 'failed_before_commit' \
-                         AND updated_at < now() - make_interval(secs => $1)) \
-                    OR (status = 'completed' \
-                         AND expires_at < now() - make_interval(secs => $1)) \
-                 LIMIT $2 FOR UPDATE SKIP LOCKED) \
-               AND status <> 'pending'",
-        )
-        .bind(retention.as_secs_f64())
-        .bind(batch as i64)
-        .execute(pool)
-        .await?
-        .rows_affected();
+        let deleted = sqlx::query(PURGE_SQL)
+            .bind(retention.as_secs_f64())
+            .bind(batch as i64)
+            .execute(pool)
+            .await?
+            .rows_affected();
         total += deleted;
         if deleted < batch as u64 {
             break;

@@ -1,0 +1,238 @@
+//! The Kafka side of a round: publishing claimed intents and judging why
+//! one was not.
+//!
+//! In: [`ClaimedIntent`]s, from a claim round or from the fast lane. Out:
+//! the ids the broker acknowledged, and the [`Unpublished`] ones with their
+//! [`Cause`]: transient, permanent, or not tried.
+//!
+//! Guarantees: the intents of one run and topic form a chain published in
+//! (seq, effect_index) order, each publish waiting for its acknowledgement
+//! before the next starts; after a failure the rest of the chain is not
+//! tried. Every delivery of an intent carries the same record, its headers
+//! in one order, so a redelivery is byte-identical to the first. An intent
+//! that failed before goes out alone, on the solo producer, so that a
+//! failure it meets is its own. Nothing here writes to the database.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use chrono::Utc;
+use futures::future::join_all;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::FutureRecord;
+use serde_json::Value;
+
+use super::{ClaimedIntent, Drainer};
+
+/// An intent's headers in the order every delivery of it carries them:
+/// by name, byte for byte. The stored `jsonb` object keeps its own key
+/// order, and the fast lane holds the headers as they were built, so both
+/// publish paths put them in this one order, and a redelivery is
+/// byte-identical to the first delivery, headers and all.
+pub(crate) fn ordered_headers(headers: &serde_json::Map<String, Value>) -> Vec<(String, String)> {
+    let mut list: Vec<(String, String)> = headers
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string()))
+        .collect();
+    list.sort();
+    list
+}
+
+/// Why a claimed intent was not published.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Cause {
+    /// The broker or the producer failed in a way that may pass (a broker
+    /// away, a timeout, a leader election).
+    Transient,
+    /// It can never be published as it is: too large, its topic unknown or
+    /// invalid, or not authorised.
+    Permanent,
+    /// Not tried: an earlier effect of its chain failed, or its claim was
+    /// given back unused.
+    NotTried,
+}
+
+impl Cause {
+    pub(super) fn as_str(self) -> &'static str {
+        match self {
+            Cause::Transient => "transient",
+            Cause::Permanent => "permanent",
+            Cause::NotTried => "not_tried",
+        }
+    }
+}
+
+/// A claimed intent given back, and why.
+#[derive(Debug, Clone)]
+pub(super) struct Unpublished {
+    pub(super) intent_id: i64,
+    pub(super) error: String,
+    pub(super) cause: Cause,
+}
+
+impl Unpublished {
+    pub(super) fn new(intent_id: i64, error: impl Into<String>, cause: Cause) -> Self {
+        Unpublished {
+            intent_id,
+            error: error.into(),
+            cause,
+        }
+    }
+}
+
+/// Whether a publish failure can only repeat: the record is too large for
+/// the producer or the broker, the topic does not exist or is invalid, or
+/// the producer may not write it.
+fn is_permanent(error: &rdkafka::error::KafkaError) -> bool {
+    use rdkafka::types::RDKafkaErrorCode as Code;
+    matches!(
+        error.rdkafka_error_code(),
+        Some(
+            Code::MessageSizeTooLarge
+                | Code::MessageBatchTooLarge
+                | Code::InvalidRecord
+                | Code::UnknownTopic
+                | Code::UnknownTopicOrPartition
+                | Code::InvalidTopic
+                | Code::TopicAuthorizationFailed
+        )
+    )
+}
+
+/// The record of an effect: its topic, key, payload and headers, as every
+/// delivery of it carries them.
+fn effect_record(intent: &ClaimedIntent) -> FutureRecord<'_, Vec<u8>, Vec<u8>> {
+    let mut headers = OwnedHeaders::new_with_capacity(intent.headers.len());
+    for (k, v) in &intent.headers {
+        headers = headers.insert(Header {
+            key: k,
+            value: Some(v.as_bytes()),
+        });
+    }
+    FutureRecord::to(&intent.topic)
+        .key(&intent.message_key)
+        .payload(&intent.payload)
+        .headers(headers)
+}
+
+/// Logs a delivered effect and measures how long its publish took and how
+/// long after it was due it went out.
+fn note_delivered(
+    intent: &ClaimedIntent,
+    delivery: &rdkafka::producer::future_producer::Delivery,
+    started: Instant,
+) {
+    // Where the broker says the effect landed: with it, an effect that is
+    // completed but missing from its topic can be looked for at its
+    // partition and offset.
+    tracing::debug!(
+        intent_id = intent.intent_id,
+        topic = %intent.topic,
+        partition = delivery.partition,
+        offset = delivery.offset,
+        "effect delivered"
+    );
+    metrics::histogram!("ductor_outbox_publish_seconds").record(started.elapsed().as_secs_f64());
+    let due = intent.not_before.max(intent.created_at);
+    let lag = (Utc::now() - due).num_microseconds().unwrap_or(0).max(0);
+    metrics::histogram!("ductor_outbox_dispatch_lag_seconds").record(lag as f64 / 1e6);
+}
+
+/// Logs and counts a failed publish, and says why the intent stays
+/// undelivered: it and the rest of its chain go back to pending.
+fn note_publish_failure(intent: &ClaimedIntent, e: rdkafka::error::KafkaError) -> Unpublished {
+    let cause = if is_permanent(&e) {
+        Cause::Permanent
+    } else {
+        Cause::Transient
+    };
+    tracing::warn!(
+        intent_id = intent.intent_id,
+        run_id = %intent.run_id,
+        topic = %intent.topic,
+        error = %e,
+        cause = cause.as_str(),
+        "publishing effect failed; it and the rest of its chain go back to pending"
+    );
+    metrics::counter!("ductor_outbox_publish_failures_total", "cause" => cause.as_str())
+        .increment(1);
+    Unpublished::new(intent.intent_id, e.to_string(), cause)
+}
+
+impl Drainer {
+    /// Publishes `intents` as chains, one per (run, topic) in (seq,
+    /// effect_index) order, the chains concurrently. Returns the delivered
+    /// ids and the ids left undelivered with their reason.
+    pub(super) async fn publish_all(
+        &self,
+        intents: &[ClaimedIntent],
+    ) -> (Vec<i64>, Vec<Unpublished>) {
+        let mut chains: BTreeMap<(&str, &str), Vec<&ClaimedIntent>> = BTreeMap::new();
+        for intent in intents {
+            chains
+                .entry((intent.run_id.as_str(), intent.topic.as_str()))
+                .or_default()
+                .push(intent);
+        }
+        for chain in chains.values_mut() {
+            chain.sort_by_key(|i| (i.seq, i.effect_index));
+        }
+        let results = join_all(chains.into_values().map(|chain| self.publish_chain(chain))).await;
+        let mut delivered = Vec::new();
+        let mut failed = Vec::new();
+        for (ok, err) in results {
+            delivered.extend(ok);
+            failed.extend(err);
+        }
+        (delivered, failed)
+    }
+
+    /// Publishes a chain in order; returns (delivered, not delivered) ids.
+    async fn publish_chain(&self, chain: Vec<&ClaimedIntent>) -> (Vec<i64>, Vec<Unpublished>) {
+        let mut delivered = Vec::with_capacity(chain.len());
+        let mut failed = Vec::new();
+        let mut iter = chain.into_iter();
+        for intent in iter.by_ref() {
+            match self.publish_one(intent).await {
+                Ok(()) => delivered.push(intent.intent_id),
+                Err(unpublished) => {
+                    failed.push(unpublished);
+                    break;
+                }
+            }
+        }
+        for rest in iter {
+            failed.push(Unpublished::new(
+                rest.intent_id,
+                "an earlier effect of the chain failed",
+                Cause::NotTried,
+            ));
+        }
+        (delivered, failed)
+    }
+
+    /// Publishes one intent and waits for the broker's acknowledgement; an
+    /// intent that failed before goes through the solo producer. A failure
+    /// comes back as the reason it stays undelivered.
+    async fn publish_one(&self, intent: &ClaimedIntent) -> Result<(), Unpublished> {
+        let record = effect_record(intent);
+        let started = Instant::now();
+        let sent = if intent.publish_failures > 0 {
+            // One at a time, so that the batch it goes in is its own.
+            let solo = self.solo.lock().await;
+            solo.as_ref()
+                .unwrap_or(&self.producer)
+                .send(record, self.publish_timeout)
+                .await
+        } else {
+            self.producer.send(record, self.publish_timeout).await
+        };
+        match sent {
+            Ok(delivery) => {
+                note_delivered(intent, &delivery, started);
+                Ok(())
+            }
+            Err((e, _)) => Err(note_publish_failure(intent, e)),
+        }
+    }
+}
