@@ -164,7 +164,7 @@ fn health_state(
         pool: pool.clone(),
         kafka_probe: Arc::new(kafka_probe),
         readiness_timeout: Duration::from_millis(config.server.readiness_timeout_ms),
-        ingress: Some(progress.clone()),
+        ingress: Some(progress.clone() as Arc<dyn crate::infra::health::LaneWatch>),
     })
 }
 

@@ -21,7 +21,14 @@ pub struct HttpState {
     pub kafka_probe: Arc<BaseConsumer>,
     pub readiness_timeout: Duration,
     /// The ingress's lanes, when this process runs one.
-    pub ingress: Option<Arc<crate::ingress::Progress>>,
+    pub ingress: Option<Arc<dyn LaneWatch>>,
+}
+
+/// What readiness asks of a stage that works in lanes: which of them hold a
+/// batch for too long now. The ingress answers it; health only reports.
+pub trait LaneWatch: Send + Sync {
+    /// The lanes stalled now, with how long each has held its batch.
+    fn stalled(&self) -> Vec<(usize, Duration)>;
 }
 
 pub fn router(state: HttpState) -> Router {
@@ -93,11 +100,7 @@ async fn readyz(State(state): State<HttpState>) -> Response {
         .map_err(|e| anyhow::anyhow!("kafka probe task: {e}"))?
     };
     let (pg, kafka) = tokio::join!(pg, kafka);
-    let ingress = match state
-        .ingress
-        .as_deref()
-        .map(crate::ingress::Progress::stalled)
-    {
+    let ingress = match state.ingress.as_deref().map(LaneWatch::stalled) {
         Some(stalled) if !stalled.is_empty() => {
             let lanes: Vec<String> = stalled
                 .iter()

@@ -37,6 +37,7 @@ use crate::config::Config;
 use crate::contract::Source;
 use crate::contract::{InputLimits, InputTopic};
 use crate::coordinator::{NoOpReason, Workflows};
+use crate::infra::health::LaneWatch;
 use crate::ingress::classify::{Classified, classify};
 use crate::ingress::dead_letter::{DeadLetter, DeadLetterPublisher, Stage};
 use crate::routing::{self, RouteOutcome};
@@ -142,8 +143,17 @@ impl Progress {
             .max()
     }
 
+    /// Sets the gauges; `serve` calls it every second.
+    pub fn observe(&self) {
+        metrics::gauge!("ductor_ingress_stalled_lanes").set(self.stalled().len() as f64);
+        metrics::gauge!("ductor_ingress_oldest_batch_age_seconds")
+            .set(self.oldest_batch_age().map_or(0.0, |age| age.as_secs_f64()));
+    }
+}
+
+impl LaneWatch for Progress {
     /// The lanes stalled now, with how long each has held its batch.
-    pub fn stalled(&self) -> Vec<(usize, Duration)> {
+    fn stalled(&self) -> Vec<(usize, Duration)> {
         let now = chrono::Utc::now().timestamp_millis();
         self.busy_since_ms
             .iter()
@@ -154,13 +164,6 @@ impl Progress {
                 (since > 0 && age >= self.stall_after).then_some((lane, age))
             })
             .collect()
-    }
-
-    /// Sets the gauges; `serve` calls it every second.
-    pub fn observe(&self) {
-        metrics::gauge!("ductor_ingress_stalled_lanes").set(self.stalled().len() as f64);
-        metrics::gauge!("ductor_ingress_oldest_batch_age_seconds")
-            .set(self.oldest_batch_age().map_or(0.0, |age| age.as_secs_f64()));
     }
 }
 
