@@ -184,6 +184,19 @@ pub struct ServerConfig {
     pub shutdown_grace_ms: u64,
     /// Bound on each dependency check of `/readyz`.
     pub readiness_timeout_ms: u64,
+    /// Whether the public API requires an API key (`Authorization: Bearer
+    /// <key>`, made with `ductor keys create`): `required` (the default),
+    /// or `disabled`, for local development only, where every request names
+    /// its own tenant and `serve` warns at start-up.
+    pub auth: AuthMode,
+}
+
+/// See [`ServerConfig::auth`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AuthMode {
+    Required,
+    Disabled,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -15,7 +15,8 @@
 //!                │
 //!   dispatches / events / timers (Kafka) ─► [client] workers and consumers
 //!
-//!   HTTP / routed requests ─► [routing] reserve → decide → complete, exactly one decision
+//!   HTTP ─► [auth] the caller's key: its tenant and scopes
+//!            └─► [routing] reserve → decide → complete, exactly one decision
 //! ```
 //!
 //! [`contract`] is the wire every stage shares; [`config`] the configuration;
@@ -38,6 +39,10 @@ pub mod contract;
 pub mod apply;
 #[cfg(not(feature = "internals"))]
 pub(crate) mod apply;
+#[cfg(feature = "internals")]
+pub mod auth;
+#[cfg(not(feature = "internals"))]
+pub(crate) mod auth;
 #[cfg(feature = "internals")]
 pub mod coordinator;
 #[cfg(not(feature = "internals"))]

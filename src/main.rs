@@ -48,6 +48,43 @@ enum Command {
     Config,
     /// Start a run through the routing plane and print its decision as JSON.
     Submit(SubmitArgs),
+    /// Manage the API keys of the public HTTP API.
+    Keys {
+        #[command(subcommand)]
+        command: KeysCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum KeysCommand {
+    /// Make a key bound to a tenant and print it, once, as JSON (`key`); only
+    /// its hash is stored.
+    Create {
+        /// The tenant every request with this key acts as.
+        #[arg(long)]
+        tenant: String,
+        /// What the key may do, comma-separated: runs:write (start, signal,
+        /// cancel), runs:read, admin.
+        #[arg(long)]
+        scopes: String,
+        /// When the key stops working: a duration (90d, 12h, 30m) or an RFC
+        /// 3339 time. Without it, the key works until revoked.
+        #[arg(long)]
+        expires: Option<String>,
+        /// A note for `keys list`: whose key it is.
+        #[arg(long)]
+        label: Option<String>,
+        /// This key's request rate, over `server.requests_per_second`.
+        #[arg(long)]
+        requests_per_second: Option<u32>,
+    },
+    /// Print every key (or one tenant's) as JSON lines, without secrets.
+    List {
+        #[arg(long)]
+        tenant: Option<String>,
+    },
+    /// Revoke a key by its id; its next request is refused.
+    Revoke { key_id: String },
 }
 
 #[derive(clap::Args)]
@@ -151,7 +188,38 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
             let decision = commands::submit(args.into(), &config).await?;
             println!("{decision}");
         }
+        Command::Keys { command } => keys(command, &config).await?,
         Command::Config => println!("{config:#?}"),
+    }
+    Ok(())
+}
+
+async fn keys(command: KeysCommand, config: &Config) -> anyhow::Result<()> {
+    use ductor::cli::keys;
+    match command {
+        KeysCommand::Create {
+            tenant,
+            scopes,
+            expires,
+            label,
+            requests_per_second,
+        } => {
+            let args = keys::CreateArgs {
+                tenant,
+                scopes,
+                expires,
+                label,
+                requests_per_second,
+            };
+            println!("{}", keys::create(config, args).await?);
+            eprintln!("keep the key now: it is not shown again");
+        }
+        KeysCommand::List { tenant } => {
+            for key in keys::list(config, tenant.as_deref()).await? {
+                println!("{key}");
+            }
+        }
+        KeysCommand::Revoke { key_id } => println!("{}", keys::revoke(config, &key_id).await?),
     }
     Ok(())
 }

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use common::*;
 use ductor::apply::Applier;
+use ductor::auth::Scope;
 use ductor::config::{Config, DuplicatePolicy, PoolRouting};
 use ductor::ingress::{IngressContext, TestHooks};
 use ductor::routing::{Reservation, RouteOutcome};
@@ -29,6 +30,8 @@ struct Env {
 
 struct Server {
     addr: SocketAddr,
+    /// The API as tenant `acme`.
+    api: Api,
     shutdown: CancellationToken,
     task: JoinHandle<anyhow::Result<()>>,
 }
@@ -67,6 +70,10 @@ impl Env {
         ));
         let server = Server {
             addr,
+            api: Api {
+                addr,
+                token: leak(api_key(&self.db, "acme", &ALL_SCOPES).await),
+            },
             shutdown,
             task,
         };
@@ -92,15 +99,48 @@ impl Env {
     }
 }
 
+const ALL_SCOPES: [Scope; 2] = [Scope::RunsWrite, Scope::RunsRead];
+
+/// The public API as one tenant: its address and that tenant's key.
+#[derive(Clone, Copy)]
+struct Api {
+    addr: SocketAddr,
+    token: &'static str,
+}
+
+impl Api {
+    /// The same server as another tenant, with a key of its own.
+    async fn as_tenant(self, env: &Env, tenant: &str) -> Api {
+        Api {
+            token: leak(api_key(&env.db, tenant, &ALL_SCOPES).await),
+            ..self
+        }
+    }
+
+    /// `GET path` with this tenant's key.
+    async fn get(self, path: &str) -> (u16, Vec<u8>) {
+        let auth = bearer(self.token);
+        http(self.addr, "GET", path, &[(auth.0, &auth.1)], b"").await
+    }
+}
+
+/// Keeps a test's key for the rest of the test process, so that [`Api`]
+/// stays `Copy` across the concurrent requests of a test.
+fn leak(token: String) -> &'static str {
+    Box::leak(token.into_boxed_str())
+}
+
 fn body(input: Value, tenant: &str) -> Vec<u8> {
     json!({"workflow": "example", "tenant": tenant, "input": input})
         .to_string()
         .into_bytes()
 }
 
-async fn post(addr: SocketAddr, key: Option<&str>, body: &[u8]) -> (u16, Value, Vec<u8>) {
-    let headers: Vec<(&str, &str)> = key.map(|k| ("Idempotency-Key", k)).into_iter().collect();
-    let (status, raw) = http(addr, "POST", "/v1/runs", &headers, body).await;
+async fn post(api: Api, key: Option<&str>, body: &[u8]) -> (u16, Value, Vec<u8>) {
+    let auth = bearer(api.token);
+    let mut headers: Vec<(&str, &str)> = vec![(auth.0, &auth.1)];
+    headers.extend(key.map(|k| ("Idempotency-Key", k)));
+    let (status, raw) = http(api.addr, "POST", "/v1/runs", &headers, body).await;
     let value = serde_json::from_slice(&raw).unwrap_or(Value::Null);
     (status, value, raw)
 }
@@ -109,7 +149,7 @@ async fn post(addr: SocketAddr, key: Option<&str>, body: &[u8]) -> (u16, Value, 
 async fn a_hundred_concurrent_requests_with_one_key_make_one_run_and_identical_answers() {
     let env = Env::new(|_| {}).await;
     let server = env.serve().await;
-    let addr = server.addr;
+    let addr = server.api;
     let request = body(json!({"order": 1}), "acme");
     let answers = futures::future::join_all((0..100).map(|_| {
         let request = request.clone();
@@ -139,14 +179,7 @@ async fn a_hundred_concurrent_requests_with_one_key_make_one_run_and_identical_a
     .unwrap();
     assert_eq!(status, "completed");
     let (code, run) = {
-        let (code, raw) = http(
-            addr,
-            "GET",
-            &format!("/v1/runs/{run_id}"),
-            &[("X-Ductor-Tenant", "acme")],
-            b"",
-        )
-        .await;
+        let (code, raw) = addr.get(&format!("/v1/runs/{run_id}")).await;
         (code, serde_json::from_slice::<Value>(&raw).unwrap())
     };
     assert_eq!(code, 200);
@@ -323,9 +356,9 @@ async fn ttl_expiry_gives_a_new_decision_and_retention_never_deletes_pending_row
     let env = Env::new(|c| c.routing.completed_ttl_ms = 300).await;
     let server = env.serve().await;
     let request = body(json!({"ttl": true}), "acme");
-    let (code, first, _) = post(server.addr, Some("ttl-key"), &request).await;
+    let (code, first, _) = post(server.api, Some("ttl-key"), &request).await;
     assert_eq!(code, 201);
-    let (code, again, _) = post(server.addr, Some("ttl-key"), &request).await;
+    let (code, again, _) = post(server.api, Some("ttl-key"), &request).await;
     assert_eq!((code, &again["run_id"]), (200, &first["run_id"]));
     eventually("the decision expires", WAIT, || async {
         let expired: bool = sqlx::query_scalar(
@@ -337,7 +370,7 @@ async fn ttl_expiry_gives_a_new_decision_and_retention_never_deletes_pending_row
         expired.then_some(())
     })
     .await;
-    let (code, renewed, _) = post(server.addr, Some("ttl-key"), &request).await;
+    let (code, renewed, _) = post(server.api, Some("ttl-key"), &request).await;
     assert_eq!(code, 201, "an expired decision is replaced: {renewed}");
     assert_ne!(renewed["run_id"], first["run_id"]);
     server.stop().await;
@@ -385,7 +418,7 @@ async fn a_key_reused_for_another_request_is_rejected_empty_keys_opt_out_and_ten
 {
     let env = Env::new(|_| {}).await;
     let server = env.serve().await;
-    let addr = server.addr;
+    let addr = server.api;
     let (code, original, _) = post(
         addr,
         Some("shared"),
@@ -423,8 +456,9 @@ async fn a_key_reused_for_another_request_is_rejected_empty_keys_opt_out_and_ten
 
     // Another tenant with the same key and body gets its own decision and
     // cannot see the first tenant's run.
+    let globex = addr.as_tenant(&env, "globex").await;
     let (code, other, _) = post(
-        addr,
+        globex,
         Some("shared"),
         &body(json!({"secret": "first-payload"}), "globex"),
     )
@@ -432,19 +466,9 @@ async fn a_key_reused_for_another_request_is_rejected_empty_keys_opt_out_and_ten
     assert_eq!(code, 201);
     assert_ne!(other["run_id"], original["run_id"]);
     let path = format!("/v1/runs/{}", original["run_id"].as_str().unwrap());
-    assert_eq!(
-        http(addr, "GET", &path, &[("X-Ductor-Tenant", "globex")], b"")
-            .await
-            .0,
-        404
-    );
-    assert_eq!(
-        http(addr, "GET", &path, &[("X-Ductor-Tenant", "acme")], b"")
-            .await
-            .0,
-        200
-    );
-    assert_eq!(http(addr, "GET", &path, &[], b"").await.0, 400);
+    assert_eq!(globex.get(&path).await.0, 404);
+    assert_eq!(addr.get(&path).await.0, 200);
+    assert_eq!(http(addr.addr, "GET", &path, &[], b"").await.0, 401);
     assert_eq!(env.runs().await, 4, "acme keyed, two unkeyed, globex keyed");
     server.stop().await;
     env.db.drop_db().await;
@@ -464,7 +488,7 @@ async fn the_reject_policy_answers_in_progress_and_bad_requests_get_json_errors(
     })
     .await;
     let server = env.serve().await;
-    let addr = server.addr;
+    let addr = server.api;
     let request = json!({"workflow": "example", "tenant": "acme", "pool": "strict", "input": 1});
     let fingerprint =
         ductor::routing::http::route_request_from_body(request.clone(), Some("busy".into()))
@@ -523,7 +547,7 @@ async fn the_reject_policy_answers_in_progress_and_bad_requests_get_json_errors(
 async fn hostile_json_bodies_get_a_422_with_their_class_and_reserve_nothing() {
     let env = Env::new(|_| {}).await;
     let server = env.serve().await;
-    let addr = server.addr;
+    let addr = server.api;
     let deep = format!("{}1{}", "[".repeat(5000), "]".repeat(5000));
     let cases: Vec<(&str, String)> = vec![
         (

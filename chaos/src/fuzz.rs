@@ -329,7 +329,9 @@ pub async fn run(config: &Config, args: &FuzzArgs) -> anyhow::Result<FuzzReport>
     ));
     let watch = tokio::spawn(watch_stalls(serve.addr, shutdown.clone()));
     let mut report = FuzzReport::default();
-    let sent = send(config, args, serve.addr, &mut report).await;
+    let authorization = super::keys::issue(config, &[FUZZ_TENANT.to_string()]).await?;
+    let authorization = &authorization[FUZZ_TENANT];
+    let sent = send(config, args, serve.addr, authorization, &mut report).await;
     let checked = match sent {
         Ok(sent) => check(config, args, &sent, &hostile, &mut report).await,
         Err(e) => Err(e),
@@ -513,10 +515,14 @@ struct Sent {
 /// One good run in this many is a garbage run.
 const GARBAGE_EVERY: usize = 10;
 
+/// The tenant of the HTTP calls, whose key they carry.
+const FUZZ_TENANT: &str = "acme";
+
 async fn send(
     config: &Config,
     args: &FuzzArgs,
     addr: SocketAddr,
+    authorization: &str,
     report: &mut FuzzReport,
 ) -> anyhow::Result<Sent> {
     let producer: FutureProducer = ductor::infra::kafka::producer(&config.kafka, "fuzz")?;
@@ -546,7 +552,7 @@ async fn send(
         };
         report.bad_inputs += 1;
         if args.http_every > 0 && report.bad_inputs.is_multiple_of(args.http_every) {
-            post_hostile(addr, &h.value, report).await;
+            post_hostile(addr, authorization, &h.value, report).await;
             continue;
         }
         pending.push((topic.clone(), h));
@@ -557,7 +563,7 @@ async fn send(
     produce_all(&producer, &mut pending, &mut sent).await?;
     while sent.good.len() < args.good_runs {
         let run_id = format!("fuzz-good-{}-tail-{}", args.seed, sent.good.len());
-        let status = post_good(addr, &run_id).await?;
+        let status = post_good(addr, authorization, &run_id).await?;
         anyhow::ensure!(status == 201, "a good HTTP start got {status}");
         sent.good.push(run_id);
     }
@@ -630,12 +636,15 @@ async fn produce_all(
     Ok(())
 }
 
-async fn post_hostile(addr: SocketAddr, body: &[u8], report: &mut FuzzReport) {
+async fn post_hostile(addr: SocketAddr, authorization: &str, body: &[u8], report: &mut FuzzReport) {
     let answer = super::http::request(
         addr,
         "POST",
         "/v1/runs",
-        &[("Content-Type", "application/json")],
+        &[
+            ("Content-Type", "application/json"),
+            ("Authorization", authorization),
+        ],
         body,
         Duration::from_secs(30),
     )
@@ -661,14 +670,15 @@ async fn post_hostile(addr: SocketAddr, body: &[u8], report: &mut FuzzReport) {
     }
 }
 
-async fn post_good(addr: SocketAddr, key: &str) -> anyhow::Result<u16> {
-    let body = json!({"workflow": "example", "tenant": "acme", "input": {"key": key}});
+async fn post_good(addr: SocketAddr, authorization: &str, key: &str) -> anyhow::Result<u16> {
+    let body = json!({"workflow": "example", "tenant": FUZZ_TENANT, "input": {"key": key}});
     let (status, _) = super::http::request(
         addr,
         "POST",
         "/v1/runs",
         &[
             ("Content-Type", "application/json"),
+            ("Authorization", authorization),
             ("Idempotency-Key", key),
         ],
         body.to_string().as_bytes(),

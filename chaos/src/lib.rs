@@ -37,6 +37,7 @@ pub mod check;
 pub mod fuzz;
 pub mod history;
 pub mod http;
+pub mod keys;
 pub mod load;
 pub mod log;
 pub mod restart;

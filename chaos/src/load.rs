@@ -250,6 +250,8 @@ struct Driver {
     workflows: Vec<String>,
     tenants: Vec<String>,
     http: Vec<SocketAddr>,
+    /// Each tenant's `Authorization` header value for the HTTP starts.
+    authorization: BTreeMap<String, String>,
     sends: Semaphore,
     http_slots: Semaphore,
     delayed: AtomicUsize,
@@ -293,7 +295,8 @@ pub async fn run(
     anyhow::ensure!(!args.tenants.is_empty(), "--tenants must name one tenant");
     let started = Instant::now();
     let (names, pools) = workflows_and_pools(&config)?;
-    let driver = Arc::new(Driver::new(&args, &config, names)?);
+    let keys = super::keys::issue(&config, &args.tenants).await?;
+    let driver = Arc::new(Driver::new(&args, &config, names, keys)?);
     stop_when_orphaned(stop.clone(), abort.clone());
     let background = Background::start(&driver, &config, &pools)?;
     driver.clone().produce(&args, &stop, &abort).await;
@@ -466,7 +469,12 @@ impl Book {
 }
 
 impl Driver {
-    fn new(args: &LoadArgs, config: &Config, workflows: Vec<String>) -> anyhow::Result<Driver> {
+    fn new(
+        args: &LoadArgs,
+        config: &Config,
+        workflows: Vec<String>,
+        authorization: BTreeMap<String, String>,
+    ) -> anyhow::Result<Driver> {
         let mut producer_cfg = ductor::infra::kafka::producer_config(&config.kafka, "chaos-load");
         producer_cfg.set("message.timeout.ms", SEND_TIMEOUT_MS.to_string());
         producer_cfg.set("request.timeout.ms", "5000");
@@ -481,6 +489,7 @@ impl Driver {
             workflows,
             tenants: args.tenants.clone(),
             http: args.http.clone(),
+            authorization,
             sends: Semaphore::new(MAX_SENDS_IN_FLIGHT),
             http_slots: Semaphore::new(MAX_HTTP_IN_FLIGHT),
             delayed: AtomicUsize::new(0),
@@ -903,6 +912,9 @@ impl Driver {
                 return;
             };
             let mut headers = Vec::new();
+            if let Some(auth) = self.authorization.get(&start.tenant) {
+                headers.push(("Authorization", auth.as_str()));
+            }
             if let Some(k) = &start.key {
                 headers.push(("Idempotency-Key", k.as_str()));
             }

@@ -4,6 +4,7 @@
 
 pub mod commands;
 pub mod inspect;
+pub mod keys;
 pub mod serve;
 
 use std::future::Future;

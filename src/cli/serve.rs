@@ -10,7 +10,7 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::Config;
+use crate::config::{AuthMode, Config};
 use crate::coordinator::Workflows;
 use crate::infra::health::{HttpState, router};
 use crate::outbox::{FastLane, Handoff, Wakeup};
@@ -69,7 +69,7 @@ pub async fn run_on(
         None
     };
     let handoff = drainer.as_ref().map(|local| local.handoff.clone());
-    let api_state = api_state(&config, &pool, &workflows, handoff.clone(), &wakeup);
+    let api_state = api_state(&config, &pool, &workflows, handoff.clone(), &wakeup)?;
     spawn_http(&tasks, listener, http_state, api_state)?;
     spawn_routing_maintenance(&tasks, &pool, &config);
     if let Some(local) = drainer {
@@ -238,15 +238,28 @@ fn api_state(
     workflows: &Workflows,
     handoff: Option<Handoff>,
     wakeup: &Wakeup,
-) -> crate::routing::http::ApiState {
+) -> anyhow::Result<crate::routing::http::ApiState> {
     let mut api_applier = crate::apply::Applier::new(config, pool.clone(), workflows.clone());
     api_applier.handoff = handoff.clone();
-    crate::routing::http::ApiState {
+    if config.server.auth == AuthMode::Disabled {
+        tracing::warn!(
+            "server.auth = \"disabled\": the public API takes every request's word for its \
+             tenant. Anyone who reaches {} can act as any tenant. For local development only.",
+            config.server.listen
+        );
+    }
+    Ok(crate::routing::http::ApiState {
         decider: Arc::new(api_applier),
         routing: config.routing.clone(),
         limits: config.input_limits(),
         wakeup: handoff.is_none().then(|| wakeup.clone()),
-    }
+        auth: crate::auth::Authenticator::new(config.server.auth, pool.clone()),
+        inputs: crate::routing::runs::InputSink {
+            producer: crate::infra::kafka::producer(&config.kafka, "api")?,
+            topic: config.wakeups_topic(),
+            timeout: Duration::from_millis(config.kafka.delivery_timeout_ms),
+        },
+    })
 }
 
 /// Serves the health endpoints and the routing API on `listener` until

@@ -28,12 +28,13 @@ pub struct TopicNames {
 }
 
 impl TopicNames {
-    /// `<prefix>requests`: run starts, signals and cancels.
+    /// `<prefix>requests`: run starts.
     pub fn requests(&self) -> String {
         format!("{}requests", self.prefix)
     }
 
-    /// `<prefix>wakeups`: durable timers, published at their due time.
+    /// `<prefix>wakeups`: durable timers (published at their due time),
+    /// signals and cancels.
     pub fn wakeups(&self) -> String {
         format!("{}wakeups", self.prefix)
     }

@@ -1,29 +1,35 @@
-//! The HTTP ingress of the routing plane, for callers who want a synchronous
-//! answer:
+//! The public HTTP API: the ingress of the routing plane, for callers who
+//! want a synchronous answer, and the run endpoints beside it
+//! ([`super::runs`]). Every request carries `Authorization: Bearer <key>`
+//! (see [`crate::auth`]) and acts as its key's tenant:
 //!
 //! - `POST /v1/runs` with an optional `Idempotency-Key` header starts a run:
 //!   201 with the decision when it is new, 200 with the same body for a
 //!   duplicate, 409 while the first caller is still deciding under the
 //!   `reject` policy (or when a `wait` ran out), 422 when the key was used for
 //!   a different request or the workflow is unknown;
-//! - `GET /v1/runs/{id}` with an `X-Ductor-Tenant` header returns the run.
+//! - `GET /v1/runs/{id}` returns the run;
+//! - `POST /v1/runs/{id}/signals` and `POST /v1/runs/{id}/cancel` put a
+//!   signal or a cancel for the run on the wakeups topic.
 //!
 //! Errors are JSON, `{"error": {"code": "...", "message": "..."}}`, with a
-//! stable `code`.
+//! stable `code`: 401 `unauthenticated` for a missing, unknown, expired or
+//! revoked key (which one is not said), 403 `insufficient_scope` and
+//! `tenant_mismatch`.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{Path, State};
-use axum::http::{HeaderMap, Request, StatusCode};
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde_json::{Value, json};
-use sqlx::Row;
 use tokio::time::Instant;
 
+use crate::auth::{AuthError, Authenticator, Identity, Scope, TenantError};
 use crate::config::{DuplicatePolicy, RoutingConfig};
 use crate::contract::{InputError, InputErrorClass, InputLimits, parse_value};
 use crate::routing::{
@@ -44,12 +50,18 @@ pub struct ApiState {
     pub limits: InputLimits,
     /// Pokes the in-process drainer after a decision committed effects.
     pub wakeup: Option<crate::outbox::Wakeup>,
+    /// Who the requests come from.
+    pub auth: Authenticator,
+    /// Where signals and cancels go.
+    pub inputs: super::runs::InputSink,
 }
 
 pub fn router(state: ApiState) -> Router {
     Router::new()
         .route("/v1/runs", post(create_run))
-        .route("/v1/runs/{run_id}", get(get_run))
+        .route("/v1/runs/{run_id}", get(super::runs::get_run))
+        .route("/v1/runs/{run_id}/signals", post(super::runs::signal_run))
+        .route("/v1/runs/{run_id}/cancel", post(super::runs::cancel_run))
         .with_state(state)
 }
 
@@ -59,23 +71,98 @@ pub struct ApiError {
     pub status: StatusCode,
     pub code: &'static str,
     pub message: String,
+    /// Extra response headers (`WWW-Authenticate`, `Retry-After`).
+    pub headers: Vec<(HeaderName, HeaderValue)>,
 }
 
 impl ApiError {
-    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+    pub(crate) fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
         ApiError {
             status,
             code,
             message: message.into(),
+            headers: Vec::new(),
         }
+    }
+
+    fn with_header(mut self, name: HeaderName, value: &'static str) -> Self {
+        self.headers.push((name, HeaderValue::from_static(value)));
+        self
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = json!({"error": {"code": self.code, "message": self.message}});
-        (self.status, axum::Json(body)).into_response()
+        let mut response = (self.status, axum::Json(body)).into_response();
+        response.headers_mut().extend(self.headers);
+        response
     }
+}
+
+/// Who sent `headers`, if it may do what needs `scope`.
+pub(crate) async fn authenticate(
+    state: &ApiState,
+    headers: &HeaderMap,
+    scope: Scope,
+) -> Result<Identity, ApiError> {
+    let authorization = headers
+        .get(header::AUTHORIZATION)
+        .map(HeaderValue::as_bytes);
+    state
+        .auth
+        .authenticate(authorization, scope)
+        .await
+        .map_err(|e| match e {
+            AuthError::Unauthenticated(_) => ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthenticated",
+                "a valid API key is required: Authorization: Bearer <key>",
+            )
+            .with_header(header::WWW_AUTHENTICATE, "Bearer"),
+            AuthError::MissingScope(scope) => ApiError::new(
+                StatusCode::FORBIDDEN,
+                "insufficient_scope",
+                format!("this key does not have the {} scope", scope.as_str()),
+            ),
+            AuthError::Unavailable(e) => database(e),
+        })
+}
+
+/// The tenant a request acts as (see [`crate::auth::tenant_for`]).
+pub(crate) fn tenant(
+    identity: &Identity,
+    named: Option<&str>,
+    default: Option<&str>,
+) -> Result<String, ApiError> {
+    crate::auth::tenant_for(identity, named, default).map_err(|e| match e {
+        TenantError::Mismatch => ApiError::new(
+            StatusCode::FORBIDDEN,
+            "tenant_mismatch",
+            "the request names a tenant other than its API key's",
+        ),
+        TenantError::Missing => ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "missing_tenant",
+            "the X-Ductor-Tenant header is required",
+        ),
+    })
+}
+
+/// Sets a start body's `tenant` to the one the request acts as. A `tenant`
+/// that is no string is left for the contract to refuse.
+fn bind_tenant(body: &mut Value, identity: &Identity) -> Result<(), ApiError> {
+    let Value::Object(obj) = body else {
+        return Ok(());
+    };
+    let named = match obj.get("tenant") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(t)) => Some(t.as_str()),
+        Some(_) => return Ok(()),
+    };
+    let tenant = tenant(identity, named, Some("default"))?;
+    obj.insert("tenant".into(), Value::String(tenant));
+    Ok(())
 }
 
 /// The answer to a start request, as `submit` reports it.
@@ -102,18 +189,11 @@ async fn create_run(State(state): State<ApiState>, request: Request<Body>) -> Re
 }
 
 async fn create_run_inner(state: &ApiState, request: Request<Body>) -> Result<Submitted, ApiError> {
+    let identity = authenticate(state, request.headers(), Scope::RunsWrite).await?;
     let key = idempotency_key(request.headers())?;
-    let limit = state.routing.max_body_bytes;
-    let bytes = axum::body::to_bytes(request.into_body(), limit)
-        .await
-        .map_err(|_| {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "body_too_large",
-                format!("the request body exceeds {limit} bytes"),
-            )
-        })?;
-    let body = parse_value(&bytes, &state.limits).map_err(body_error)?;
+    let bytes = read_body(state, request.into_body()).await?;
+    let mut body = parse_value(&bytes, &state.limits).map_err(body_error)?;
+    bind_tenant(&mut body, &identity)?;
     let request = route_request_from_body(body, key)?;
     crate::contract::bound_start(&request.start, bytes.len(), &state.limits).map_err(|e| {
         ApiError::new(
@@ -127,6 +207,18 @@ async fn create_run_inner(state: &ApiState, request: Request<Body>) -> Result<Su
         wakeup.wake();
     }
     Ok(submitted)
+}
+
+/// A request's body, up to `routing.max_body_bytes`.
+pub(crate) async fn read_body(state: &ApiState, body: Body) -> Result<axum::body::Bytes, ApiError> {
+    let limit = state.routing.max_body_bytes;
+    axum::body::to_bytes(body, limit).await.map_err(|_| {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            format!("the request body exceeds {limit} bytes"),
+        )
+    })
 }
 
 /// The answer to a body that is no acceptable JSON: 422 with the
@@ -431,7 +523,7 @@ async fn decide(decider: &dyn Decide, request: &RouteRequest) -> Result<RouteOut
     Ok(outcome)
 }
 
-fn database(e: sqlx::Error) -> ApiError {
+pub(crate) fn database(e: sqlx::Error) -> ApiError {
     tracing::warn!(error = %e, "routing query failed");
     ApiError::new(
         StatusCode::SERVICE_UNAVAILABLE,
@@ -447,65 +539,4 @@ fn unexpected(outcome: RouteOutcome) -> ApiError {
         "internal",
         "unexpected routing outcome",
     )
-}
-
-async fn get_run(
-    State(state): State<ApiState>,
-    Path(run_id): Path<String>,
-    headers: HeaderMap,
-) -> Response {
-    let Some(tenant) = headers
-        .get("x-ductor-tenant")
-        .and_then(|v| v.to_str().ok())
-        .filter(|t| !t.is_empty())
-    else {
-        return ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "missing_tenant",
-            "the X-Ductor-Tenant header is required",
-        )
-        .into_response();
-    };
-    match run_summary(state.decider.pool(), &run_id, tenant).await {
-        Ok(Some(body)) => (StatusCode::OK, axum::Json(body)).into_response(),
-        // Another tenant's run looks exactly like a missing one.
-        Ok(None) => {
-            ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such run").into_response()
-        }
-        Err(e) => database(e).into_response(),
-    }
-}
-
-async fn run_summary(
-    pool: &sqlx::PgPool,
-    run_id: &str,
-    tenant: &str,
-) -> Result<Option<Value>, sqlx::Error> {
-    let row = sqlx::query(
-        "SELECT run_id, tenant_scope, pool_id, workflow_name, workflow_version, status, \
-             last_transition_seq, created_at, updated_at, finished_at, \
-             state->'output' AS output, state->'error' AS error \
-         FROM runs WHERE run_id = $1 AND tenant_scope = $2",
-    )
-    .bind(run_id)
-    .bind(tenant)
-    .fetch_optional(pool)
-    .await?;
-    let Some(row) = row else { return Ok(None) };
-    let status: String = row.try_get("status")?;
-    let output: Option<Value> = row.try_get("output")?;
-    Ok(Some(json!({
-        "run_id": row.try_get::<String, _>("run_id")?,
-        "tenant": row.try_get::<String, _>("tenant_scope")?,
-        "pool": row.try_get::<String, _>("pool_id")?,
-        "workflow": row.try_get::<String, _>("workflow_name")?,
-        "workflow_version": row.try_get::<i32, _>("workflow_version")?,
-        "status": status,
-        "last_transition_seq": row.try_get::<i64, _>("last_transition_seq")?,
-        "created_at": row.try_get::<chrono::DateTime<chrono::Utc>, _>("created_at")?,
-        "updated_at": row.try_get::<chrono::DateTime<chrono::Utc>, _>("updated_at")?,
-        "finished_at": row.try_get::<Option<chrono::DateTime<chrono::Utc>>, _>("finished_at")?,
-        "output": if status == "succeeded" { output.unwrap_or(Value::Null) } else { Value::Null },
-        "error": row.try_get::<Option<Value>, _>("error")?.unwrap_or(Value::Null),
-    })))
 }

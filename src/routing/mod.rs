@@ -25,6 +25,7 @@
 
 mod decide;
 pub mod http;
+pub mod runs;
 mod sql;
 
 pub use decide::{Decide, DecideError};

@@ -400,3 +400,24 @@ pub fn workspace_dir() -> std::path::PathBuf {
         .expect("a package of this workspace is below its config/workflows")
         .to_path_buf()
 }
+
+/// A fresh API key of `tenant` with `scopes`, stored in `db`; its token.
+pub async fn api_key(db: &TestDb, tenant: &str, scopes: &[ductor::auth::Scope]) -> String {
+    let new = ductor::auth::key::generate().expect("reading the random source");
+    let request = ductor::auth::store::KeyRequest {
+        tenant: tenant.into(),
+        scopes: scopes.to_vec(),
+        label: None,
+        requests_per_second: None,
+        expires_at: None,
+    };
+    ductor::auth::store::insert(&db.pool, &new, &request)
+        .await
+        .expect("storing an API key");
+    new.token
+}
+
+/// The `Authorization` header of a request made with `token`.
+pub fn bearer(token: &str) -> (&'static str, String) {
+    ("Authorization", format!("Bearer {token}"))
+}

@@ -1,0 +1,163 @@
+//! Identity: who a request to the public API comes from.
+//!
+//! In: the `Authorization: Bearer <key>` header of a request. Out: the
+//! [`Caller`] — the key's tenant and scopes — or a refusal. Guarantees: the
+//! tenant of a request is its key's, never one the request names; a key that
+//! is unknown, wrong, expired or revoked is refused on its next request (the
+//! row is read every time, nothing is cached); the caller is never told
+//! which of those it was, the `ductor_api_auth_failures_total` counter is;
+//! keys are never logged, and only a hash of each is stored.
+//!
+//! `server.auth = "disabled"` turns this off for local development: every
+//! request is then [`Identity::Anonymous`] and names its tenant itself.
+
+pub mod key;
+pub mod store;
+
+use chrono::Utc;
+use sqlx::PgPool;
+
+use crate::config::AuthMode;
+pub use key::{Caller, Refusal, Scope};
+
+/// Who a request comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Identity {
+    /// A caller with a valid key.
+    Key(Caller),
+    /// Anyone, with authentication disabled.
+    Anonymous,
+}
+
+/// Why a request cannot go on as who it claims to be.
+#[derive(Debug)]
+pub enum AuthError {
+    /// No valid key (401).
+    Unauthenticated(Refusal),
+    /// A valid key without the scope the endpoint needs (403).
+    MissingScope(Scope),
+    /// The keys could not be read (503).
+    Unavailable(sqlx::Error),
+}
+
+/// Checks the keys of requests against the database.
+#[derive(Clone)]
+pub struct Authenticator {
+    mode: AuthMode,
+    pool: PgPool,
+}
+
+impl Authenticator {
+    pub fn new(mode: AuthMode, pool: PgPool) -> Self {
+        Authenticator { mode, pool }
+    }
+
+    /// Who sent a request with this `Authorization` header, if it may do
+    /// what needs `scope`.
+    pub async fn authenticate(
+        &self,
+        authorization: Option<&[u8]>,
+        scope: Scope,
+    ) -> Result<Identity, AuthError> {
+        if self.mode == AuthMode::Disabled {
+            return Ok(Identity::Anonymous);
+        }
+        let caller = self.caller(authorization).await.inspect_err(|e| {
+            if let AuthError::Unauthenticated(refusal) = e {
+                metrics::counter!("ductor_api_auth_failures_total", "reason" => refusal.as_str())
+                    .increment(1);
+            }
+        })?;
+        if !caller.allows(scope) {
+            metrics::counter!("ductor_api_auth_failures_total", "reason" => "missing_scope")
+                .increment(1);
+            return Err(AuthError::MissingScope(scope));
+        }
+        Ok(Identity::Key(caller))
+    }
+
+    async fn caller(&self, authorization: Option<&[u8]>) -> Result<Caller, AuthError> {
+        let header = authorization.ok_or(AuthError::Unauthenticated(Refusal::Missing))?;
+        let presented = key::bearer(header)
+            .and_then(key::parse)
+            .ok_or(AuthError::Unauthenticated(Refusal::Malformed))?;
+        let stored = store::load(&self.pool, presented.key_id)
+            .await
+            .map_err(AuthError::Unavailable)?;
+        let caller = key::verify(stored.as_ref(), presented, Utc::now())
+            .map_err(AuthError::Unauthenticated)?;
+        let stale = stored.and_then(|k| k.last_used_at).is_none_or(|at| {
+            Utc::now() - at >= chrono::Duration::seconds(store::LAST_USED_RESOLUTION_S)
+        });
+        if stale && let Err(e) = store::touch(&self.pool, &caller.key_id).await {
+            // Bookkeeping only: the request goes on.
+            tracing::warn!(key_id = %caller.key_id, error = %e, "a key's last use was not noted");
+        }
+        Ok(caller)
+    }
+}
+
+/// Why a request cannot act as the tenant it names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TenantError {
+    /// The request names a tenant other than its key's.
+    Mismatch,
+    /// Without authentication, the request names none where one is needed.
+    Missing,
+}
+
+/// The tenant a request acts as: its key's, which a tenant the request
+/// names must equal. Without authentication, the named one, or `default`
+/// where the endpoint has one.
+pub fn tenant_for(
+    identity: &Identity,
+    named: Option<&str>,
+    default: Option<&str>,
+) -> Result<String, TenantError> {
+    match identity {
+        Identity::Key(caller) => match named {
+            Some(t) if t != caller.tenant => Err(TenantError::Mismatch),
+            _ => Ok(caller.tenant.clone()),
+        },
+        Identity::Anonymous => named
+            .or(default)
+            .map(str::to_owned)
+            .ok_or(TenantError::Missing),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn caller(tenant: &str) -> Identity {
+        Identity::Key(Caller {
+            key_id: "0123456789abcdef".into(),
+            tenant: tenant.into(),
+            scopes: vec![Scope::RunsWrite],
+            requests_per_second: None,
+        })
+    }
+
+    #[test]
+    fn a_key_acts_as_its_own_tenant_only() {
+        let acme = caller("acme");
+        assert_eq!(tenant_for(&acme, None, Some("default")).unwrap(), "acme");
+        assert_eq!(tenant_for(&acme, Some("acme"), None).unwrap(), "acme");
+        assert_eq!(
+            tenant_for(&acme, Some("globex"), Some("default")),
+            Err(TenantError::Mismatch)
+        );
+    }
+
+    #[test]
+    fn without_authentication_the_request_names_its_tenant() {
+        let anyone = Identity::Anonymous;
+        assert_eq!(tenant_for(&anyone, Some("globex"), None).unwrap(), "globex");
+        assert_eq!(
+            tenant_for(&anyone, None, Some("default")).unwrap(),
+            "default"
+        );
+        assert_eq!(tenant_for(&anyone, None, None), Err(TenantError::Missing));
+    }
+}

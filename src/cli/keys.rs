@@ -1,0 +1,122 @@
+//! `ductor keys`: the API keys of the public listener. A key is printed
+//! once, when it is made; the database keeps only its hash.
+
+use anyhow::{Context, bail};
+use serde_json::{Value, json};
+
+use crate::auth::key::{self, parse_expiry, parse_scopes};
+use crate::auth::store::{self, KeyRequest, Revoked};
+use crate::config::Config;
+
+/// What `ductor keys create` was asked for, as typed.
+pub struct CreateArgs {
+    pub tenant: String,
+    pub scopes: String,
+    pub expires: Option<String>,
+    pub label: Option<String>,
+    pub requests_per_second: Option<u32>,
+}
+
+/// Makes a key and returns it with its row, as JSON: the only time the key
+/// itself is shown.
+pub async fn create(config: &Config, args: CreateArgs) -> anyhow::Result<Value> {
+    let request = request(args, chrono::Utc::now())?;
+    let pool = crate::infra::db::connect(&config.database).await?;
+    let new = key::generate().context("reading the system's random source")?;
+    let info = store::insert(&pool, &new, &request)
+        .await
+        .context("storing the key")?;
+    let mut out = serde_json::to_value(info)?;
+    out["key"] = json!(new.token);
+    Ok(out)
+}
+
+fn request(args: CreateArgs, now: chrono::DateTime<chrono::Utc>) -> anyhow::Result<KeyRequest> {
+    if !crate::contract::input::is_id(&args.tenant) {
+        bail!("--tenant: 1 to 128 characters of [A-Za-z0-9_.:-]");
+    }
+    if args.label.as_ref().is_some_and(|l| l.chars().count() > 200) {
+        bail!("--label: at most 200 characters");
+    }
+    if args
+        .requests_per_second
+        .is_some_and(|n| n == 0 || n > i32::MAX as u32)
+    {
+        bail!("--requests-per-second: between 1 and {}", i32::MAX);
+    }
+    let scopes = parse_scopes(&args.scopes).map_err(|e| anyhow::anyhow!("--scopes: {e}"))?;
+    let expires_at = args
+        .expires
+        .map(|text| parse_expiry(&text, now))
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("--expires: {e}"))?;
+    Ok(KeyRequest {
+        tenant: args.tenant,
+        scopes,
+        label: args.label,
+        requests_per_second: args.requests_per_second,
+        expires_at,
+    })
+}
+
+/// Every key (or one tenant's), without secrets, a JSON value per key.
+pub async fn list(config: &Config, tenant: Option<&str>) -> anyhow::Result<Vec<Value>> {
+    let pool = crate::infra::db::connect(&config.database).await?;
+    let keys = store::list(&pool, tenant).await.context("listing keys")?;
+    keys.into_iter()
+        .map(|k| serde_json::to_value(k).map_err(Into::into))
+        .collect()
+}
+
+/// Revokes a key by its id; its next request is refused.
+pub async fn revoke(config: &Config, key_id: &str) -> anyhow::Result<Value> {
+    let pool = crate::infra::db::connect(&config.database).await?;
+    match store::revoke(&pool, key_id).await.context("revoking")? {
+        Revoked::Now => Ok(json!({"key_id": key_id, "revoked": true})),
+        Revoked::Already => Ok(json!({"key_id": key_id, "revoked": true, "already": true})),
+        Revoked::NoSuchKey => bail!("no key with id {key_id:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args() -> CreateArgs {
+        CreateArgs {
+            tenant: "acme".into(),
+            scopes: "runs:write,runs:read".into(),
+            expires: Some("30d".into()),
+            label: None,
+            requests_per_second: Some(50),
+        }
+    }
+
+    #[test]
+    fn a_request_takes_its_fields_from_the_arguments() {
+        let now = chrono::Utc::now();
+        let r = request(args(), now).unwrap();
+        assert_eq!(r.tenant, "acme");
+        assert_eq!(r.scopes.len(), 2);
+        assert_eq!(r.expires_at, Some(now + chrono::Duration::days(30)));
+        assert_eq!(r.requests_per_second, Some(50));
+    }
+
+    #[test]
+    fn bad_arguments_name_their_flag() {
+        let now = chrono::Utc::now();
+        type Spoil = fn(&mut CreateArgs);
+        let cases: [(Spoil, &str); 4] = [
+            (|a| a.tenant = "a b".into(), "--tenant"),
+            (|a| a.scopes = "runs:all".into(), "--scopes"),
+            (|a| a.expires = Some("soon".into()), "--expires"),
+            (|a| a.requests_per_second = Some(0), "--requests-per-second"),
+        ];
+        for (spoil, flag) in cases {
+            let mut a = args();
+            spoil(&mut a);
+            let e = request(a, now).unwrap_err().to_string();
+            assert!(e.starts_with(flag), "{e}");
+        }
+    }
+}

@@ -1,0 +1,242 @@
+//! The run endpoints beside the start: read a run, signal it, cancel it.
+//! Each acts only on runs of the caller's tenant: another tenant's run
+//! answers exactly as a missing one does (404).
+//!
+//! A signal or a cancel is not applied here: it goes on the wakeups topic
+//! as the same input a Kafka producer would send, keyed by the run, so that
+//! the run's one writer (the coordinator) folds it in order with the run's
+//! other inputs. 202 means the broker has it.
+
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, Request, StatusCode};
+use axum::response::{IntoResponse, Response};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use serde_json::{Map, Value, json};
+use sqlx::Row;
+
+use super::http::{ApiError, ApiState, authenticate, body_error, database, read_body, tenant};
+use crate::auth::Scope;
+use crate::contract::{InputTopic, decode_value, parse_value};
+
+/// Where the API puts the inputs it accepts for the coordinator.
+#[derive(Clone)]
+pub struct InputSink {
+    pub producer: FutureProducer,
+    /// The wakeups topic.
+    pub topic: String,
+    /// Bound on the broker's acknowledgement.
+    pub timeout: Duration,
+}
+
+/// `GET /v1/runs/{id}`: the run, if it is the caller's tenant's.
+pub(crate) async fn get_run(
+    State(state): State<ApiState>,
+    Path(run_id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let answer = async {
+        let identity = authenticate(&state, &headers, Scope::RunsRead).await?;
+        let tenant = tenant(&identity, named_tenant(&headers), None)?;
+        run_summary(state.decider.pool(), &run_id, &tenant)
+            .await
+            .map_err(database)?
+            .ok_or_else(not_found)
+    };
+    match answer.await {
+        Ok(body) => (StatusCode::OK, axum::Json(body)).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /v1/runs/{id}/signals` with `{"name": ..., "payload": ...,
+/// "signal_id": ...}`; without a `signal_id` the server chooses one, and a
+/// retry then signals twice.
+pub(crate) async fn signal_run(
+    State(state): State<ApiState>,
+    Path(run_id): Path<String>,
+    request: Request<Body>,
+) -> Response {
+    let answer = async {
+        let (tenant, fields) = accept(&state, request, false).await?;
+        let signal_id = match fields.get("signal_id") {
+            Some(id) => id.clone(),
+            None => json!(uuid::Uuid::new_v4().to_string()),
+        };
+        let mut input = fields;
+        input.insert("signal_id".into(), signal_id.clone());
+        input.entry("payload").or_insert(Value::Null);
+        send(&state, &tenant, &run_id, "wakeup.signal", input).await?;
+        Ok(json!({"run_id": run_id, "signal_id": signal_id, "status": "accepted"}))
+    };
+    accepted(answer.await)
+}
+
+/// `POST /v1/runs/{id}/cancel` with an optional `{"reason": ...}`.
+pub(crate) async fn cancel_run(
+    State(state): State<ApiState>,
+    Path(run_id): Path<String>,
+    request: Request<Body>,
+) -> Response {
+    let answer = async {
+        let (tenant, fields) = accept(&state, request, true).await?;
+        send(&state, &tenant, &run_id, "wakeup.cancel", fields).await?;
+        Ok(json!({"run_id": run_id, "status": "accepted"}))
+    };
+    accepted(answer.await)
+}
+
+fn accepted(answer: Result<Value, ApiError>) -> Response {
+    match answer {
+        Ok(body) => (StatusCode::ACCEPTED, axum::Json(body)).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Authenticates a write, and reads its tenant and its body's fields (an
+/// empty body is `{}` where `empty_ok`). The fields that name the input
+/// itself are the server's to set.
+async fn accept(
+    state: &ApiState,
+    request: Request<Body>,
+    empty_ok: bool,
+) -> Result<(String, Map<String, Value>), ApiError> {
+    let identity = authenticate(state, request.headers(), Scope::RunsWrite).await?;
+    let header = named_tenant(request.headers()).map(str::to_owned);
+    let bytes = read_body(state, request.into_body()).await?;
+    let body = if bytes.is_empty() && empty_ok {
+        Value::Object(Map::new())
+    } else {
+        parse_value(&bytes, &state.limits).map_err(body_error)?
+    };
+    let Value::Object(mut fields) = body else {
+        return Err(invalid("the body must be a JSON object"));
+    };
+    for forbidden in ["type", "schema_version", "run_id"] {
+        if fields.contains_key(forbidden) {
+            return Err(invalid(format!(
+                "{forbidden}: not accepted here (the server sets it)"
+            )));
+        }
+    }
+    let body_tenant = match fields.remove("tenant") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(t)) => Some(t),
+        Some(_) => return Err(invalid("tenant: must be a string")),
+    };
+    let named = match (body_tenant, header) {
+        (Some(body), Some(header)) if body != header => {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "tenant_mismatch",
+                "the body's tenant and X-Ductor-Tenant differ",
+            ));
+        }
+        (body, header) => body.or(header),
+    };
+    Ok((tenant(&identity, named.as_deref(), None)?, fields))
+}
+
+/// Builds the input of `kind` for the run from `fields`, checks it as the
+/// ingress would, and puts it on the wakeups topic once the run is known
+/// to be the tenant's.
+async fn send(
+    state: &ApiState,
+    tenant: &str,
+    run_id: &str,
+    kind: &str,
+    mut input: Map<String, Value>,
+) -> Result<(), ApiError> {
+    input.insert("type".into(), json!(kind));
+    input.insert(
+        "schema_version".into(),
+        json!(crate::contract::input::SCHEMA_VERSION),
+    );
+    input.insert("run_id".into(), json!(run_id));
+    input.insert("tenant".into(), json!(tenant));
+    let input = Value::Object(input);
+    decode_value(InputTopic::Wakeups, &input)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.class.as_str(), e.message))?;
+    if !run_exists(state.decider.pool(), run_id, tenant)
+        .await
+        .map_err(database)?
+    {
+        return Err(not_found());
+    }
+    let bytes = serde_json::to_vec(&input).expect("a JSON value serializes");
+    let sink = &state.inputs;
+    let record = FutureRecord::to(&sink.topic).key(run_id).payload(&bytes);
+    sink.producer
+        .send(record, sink.timeout)
+        .await
+        .map_err(|(e, _)| {
+            tracing::warn!(error = %e, "an API input was not accepted by the broker");
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "the input could not be handed to Kafka; retry",
+            )
+        })?;
+    Ok(())
+}
+
+async fn run_exists(pool: &sqlx::PgPool, run_id: &str, tenant: &str) -> sqlx::Result<bool> {
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM runs WHERE run_id = $1 AND tenant_scope = $2)")
+        .bind(run_id)
+        .bind(tenant)
+        .fetch_one(pool)
+        .await
+}
+
+fn invalid(message: impl Into<String>) -> ApiError {
+    ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message)
+}
+
+fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such run")
+}
+
+/// The `X-Ductor-Tenant` header: the tenant a request names, which must be
+/// its key's (and is required without authentication).
+fn named_tenant(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get("x-ductor-tenant")
+        .and_then(|v| v.to_str().ok())
+        .filter(|t| !t.is_empty())
+}
+
+async fn run_summary(
+    pool: &sqlx::PgPool,
+    run_id: &str,
+    tenant: &str,
+) -> Result<Option<Value>, sqlx::Error> {
+    let row = sqlx::query(
+        "SELECT run_id, tenant_scope, pool_id, workflow_name, workflow_version, status, \
+             last_transition_seq, created_at, updated_at, finished_at, \
+             state->'output' AS output, state->'error' AS error \
+         FROM runs WHERE run_id = $1 AND tenant_scope = $2",
+    )
+    .bind(run_id)
+    .bind(tenant)
+    .fetch_optional(pool)
+    .await?;
+    let Some(row) = row else { return Ok(None) };
+    let status: String = row.try_get("status")?;
+    let output: Option<Value> = row.try_get("output")?;
+    Ok(Some(json!({
+        "run_id": row.try_get::<String, _>("run_id")?,
+        "tenant": row.try_get::<String, _>("tenant_scope")?,
+        "pool": row.try_get::<String, _>("pool_id")?,
+        "workflow": row.try_get::<String, _>("workflow_name")?,
+        "workflow_version": row.try_get::<i32, _>("workflow_version")?,
+        "status": status,
+        "last_transition_seq": row.try_get::<i64, _>("last_transition_seq")?,
+        "created_at": row.try_get::<chrono::DateTime<chrono::Utc>, _>("created_at")?,
+        "updated_at": row.try_get::<chrono::DateTime<chrono::Utc>, _>("updated_at")?,
+        "finished_at": row.try_get::<Option<chrono::DateTime<chrono::Utc>>, _>("finished_at")?,
+        "output": if status == "succeeded" { output.unwrap_or(Value::Null) } else { Value::Null },
+        "error": row.try_get::<Option<Value>, _>("error")?.unwrap_or(Value::Null),
+    })))
+}

@@ -1,0 +1,378 @@
+//! Tenants are who their keys prove them to be: the public API against the
+//! real Postgres and Kafka, with `server.auth = "required"` (the default).
+
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, from its setup to its last assertion"
+)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::*;
+use ductor::auth::Scope;
+use ductor::config::{AuthMode, Config};
+use serde_json::{Value, json};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(60);
+const BOTH: [Scope; 2] = [Scope::RunsWrite, Scope::RunsRead];
+
+struct Env {
+    db: TestDb,
+    config: Config,
+    addr: SocketAddr,
+    shutdown: CancellationToken,
+    task: JoinHandle<anyhow::Result<()>>,
+}
+
+impl Env {
+    /// A migrated database, its topics, and `serve` over them (without a
+    /// drainer: these tests look at runs, not at their effects).
+    async fn start(tweak: impl FnOnce(&mut Config)) -> Env {
+        let db = TestDb::migrated().await;
+        let mut config = test_config(&db);
+        config.drainer.enabled = false;
+        tweak(&mut config);
+        ductor::infra::kafka::create_configured_topics(&config)
+            .await
+            .expect("creating topics");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(ductor::cli::serve::run_on(
+            config.clone(),
+            listener,
+            shutdown.clone(),
+        ));
+        eventually("serve answers /healthz", WAIT, || async {
+            let up = tokio::net::TcpStream::connect(addr).await.is_ok();
+            (up && http(addr, "GET", "/healthz", &[], b"").await.0 == 200).then_some(())
+        })
+        .await;
+        Env {
+            db,
+            config,
+            addr,
+            shutdown,
+            task,
+        }
+    }
+
+    async fn stop(self) {
+        self.shutdown.cancel();
+        self.task
+            .await
+            .expect("serve panicked")
+            .expect("serve failed");
+        self.db.drop_db().await;
+    }
+
+    /// A request with `token` (none: no `Authorization` header) and any
+    /// further headers; the status and the body as JSON.
+    async fn call(
+        &self,
+        token: Option<&str>,
+        method: &str,
+        path: &str,
+        extra: &[(&str, &str)],
+        body: Value,
+    ) -> (u16, Value) {
+        let auth = token.map(bearer);
+        let mut headers: Vec<(&str, &str)> = extra.to_vec();
+        headers.extend(auth.as_ref().map(|(k, v)| (*k, v.as_str())));
+        let bytes = if body.is_null() {
+            Vec::new()
+        } else {
+            body.to_string().into_bytes()
+        };
+        let (status, raw) = http(self.addr, method, path, &headers, &bytes).await;
+        (status, serde_json::from_slice(&raw).unwrap_or(Value::Null))
+    }
+
+    /// Starts a run of the example workflow as `token`'s tenant.
+    async fn start_run(&self, token: &str) -> String {
+        let (status, answer) = self
+            .call(
+                Some(token),
+                "POST",
+                "/v1/runs",
+                &[],
+                json!({"workflow": "example"}),
+            )
+            .await;
+        assert_eq!(status, 201, "{answer}");
+        answer["run_id"].as_str().unwrap().to_string()
+    }
+
+    async fn transitions(&self, run_id: &str) -> Vec<String> {
+        sqlx::query_scalar("SELECT kind FROM run_transitions WHERE run_id = $1 ORDER BY seq")
+            .bind(run_id)
+            .fetch_all(&self.db.pool)
+            .await
+            .unwrap()
+    }
+
+    async fn status(&self, run_id: &str) -> String {
+        sqlx::query_scalar("SELECT status FROM runs WHERE run_id = $1")
+            .bind(run_id)
+            .fetch_one(&self.db.pool)
+            .await
+            .unwrap()
+    }
+}
+
+fn code(answer: &Value) -> &str {
+    answer["error"]["code"].as_str().unwrap_or("")
+}
+
+#[tokio::test]
+async fn a_key_of_one_tenant_cannot_create_read_signal_or_cancel_anything_of_another() {
+    let env = Env::start(|_| {}).await;
+    let acme = api_key(&env.db, "acme", &BOTH).await;
+    let globex = api_key(&env.db, "globex", &BOTH).await;
+    let theirs = env.start_run(&globex).await;
+    let before = env.transitions(&theirs).await;
+    assert_eq!(env.status(&theirs).await, "running");
+    let run = format!("/v1/runs/{theirs}");
+    let as_globex = [("X-Ductor-Tenant", "globex")];
+
+    // Create: a body naming another tenant is refused, and creates nothing.
+    let (status, answer) = env
+        .call(
+            Some(&acme),
+            "POST",
+            "/v1/runs",
+            &[],
+            json!({"workflow": "example", "tenant": "globex"}),
+        )
+        .await;
+    assert_eq!((status, code(&answer)), (403, "tenant_mismatch"));
+    assert_eq!(env.db.count("runs").await, 1);
+
+    // Read: another tenant's run is a missing one; naming its tenant is 403.
+    let (status, answer) = env.call(Some(&acme), "GET", &run, &[], Value::Null).await;
+    assert_eq!((status, code(&answer)), (404, "not_found"));
+    let (status, answer) = env
+        .call(Some(&acme), "GET", &run, &as_globex, Value::Null)
+        .await;
+    assert_eq!((status, code(&answer)), (403, "tenant_mismatch"));
+
+    // Signal and cancel: the same, and nothing reaches the run.
+    let signals = format!("{run}/signals");
+    let cancel = format!("{run}/cancel");
+    let poke = json!({"name": "poke", "payload": {"n": 1}});
+    let (status, answer) = env
+        .call(Some(&acme), "POST", &signals, &[], poke.clone())
+        .await;
+    assert_eq!((status, code(&answer)), (404, "not_found"));
+    let (status, answer) = env
+        .call(
+            Some(&acme),
+            "POST",
+            &signals,
+            &[],
+            json!({"name": "poke", "tenant": "globex"}),
+        )
+        .await;
+    assert_eq!((status, code(&answer)), (403, "tenant_mismatch"));
+    let (status, answer) = env
+        .call(Some(&acme), "POST", &cancel, &[], Value::Null)
+        .await;
+    assert_eq!((status, code(&answer)), (404, "not_found"));
+    let (status, answer) = env
+        .call(Some(&acme), "POST", &cancel, &as_globex, Value::Null)
+        .await;
+    assert_eq!((status, code(&answer)), (403, "tenant_mismatch"));
+
+    // The same calls work for the run's own tenant: the refusals above
+    // were about the tenant, not the calls.
+    let (status, answer) = env.call(Some(&globex), "GET", &run, &[], Value::Null).await;
+    assert_eq!((status, answer["tenant"].as_str()), (200, Some("globex")));
+    let ours = env.start_run(&acme).await;
+    let mine = format!("/v1/runs/{ours}");
+    let (status, answer) = env
+        .call(Some(&acme), "POST", &format!("{mine}/signals"), &[], poke)
+        .await;
+    assert_eq!(status, 202, "{answer}");
+    let (status, answer) = env
+        .call(
+            Some(&acme),
+            "POST",
+            &format!("{mine}/cancel"),
+            &[],
+            json!({"reason": "done"}),
+        )
+        .await;
+    assert_eq!(status, 202, "{answer}");
+    eventually("acme's own run is cancelled", WAIT, || async {
+        (env.status(&ours).await == "cancelled").then_some(())
+    })
+    .await;
+    let kinds = env.transitions(&ours).await;
+    assert!(kinds.iter().any(|k| k == "run.signalled"), "{kinds:?}");
+    assert!(kinds.iter().any(|k| k == "run.cancelled"), "{kinds:?}");
+    // acme's inputs went through the ingress after everything it tried on
+    // globex's run: that run is as it was.
+    assert_eq!(env.transitions(&theirs).await, before);
+    assert_eq!(env.status(&theirs).await, "running");
+    env.stop().await;
+}
+
+#[tokio::test]
+async fn a_revoked_key_is_refused_at_once_and_every_refusal_looks_the_same() {
+    let env = Env::start(|_| {}).await;
+    let created = ductor_cli(
+        &env,
+        &[
+            "keys",
+            "create",
+            "--tenant",
+            "acme",
+            "--scopes",
+            "runs:write,runs:read",
+            "--label",
+            "ci",
+        ],
+    );
+    let key = created["key"]
+        .as_str()
+        .expect("the key is printed")
+        .to_string();
+    let key_id = created["key_id"].as_str().unwrap().to_string();
+    let run = env.start_run(&key).await;
+    let path = format!("/v1/runs/{run}");
+    assert_eq!(
+        env.call(Some(&key), "GET", &path, &[], Value::Null).await.0,
+        200
+    );
+
+    let revoked = ductor_cli(&env, &["keys", "revoke", &key_id]);
+    assert_eq!(revoked["revoked"], true);
+    let (status, refusal) = env.call(Some(&key), "GET", &path, &[], Value::Null).await;
+    assert_eq!((status, code(&refusal)), (401, "unauthenticated"));
+
+    // Missing, malformed, unknown, wrong secret, expired: the same answer.
+    let other = api_key(&env.db, "acme", &BOTH).await;
+    let wrong_secret = format!("{}{}", &key[..20], &other[20..]);
+    let unknown = format!("dk_{}{}", "f".repeat(16), &other[19..]);
+    let expired = api_key(&env.db, "acme", &BOTH).await;
+    sqlx::query("UPDATE api_keys SET expires_at = now() - interval '1 second' WHERE key_id = $1")
+        .bind(&expired[3..19])
+        .execute(&env.db.pool)
+        .await
+        .unwrap();
+    let refused: [Option<&str>; 5] = [
+        None,
+        Some("not-a-key"),
+        Some(&unknown),
+        Some(&wrong_secret),
+        Some(&expired),
+    ];
+    for token in refused {
+        let answer = env.call(token, "GET", &path, &[], Value::Null).await;
+        assert_eq!(answer, (status, refusal.clone()), "{token:?}");
+    }
+    let metrics = ductor::infra::telemetry::metrics_handle().render();
+    for reason in [
+        "missing",
+        "malformed",
+        "unknown",
+        "wrong_secret",
+        "expired",
+        "revoked",
+    ] {
+        let series = format!("ductor_api_auth_failures_total{{reason=\"{reason}\"}}");
+        assert!(metrics.contains(&series), "{series} missing");
+    }
+
+    // A key is never shown again, and does only what its scopes say.
+    let listed = ductor_cli_lines(&env, &["keys", "list", "--tenant", "acme"]);
+    assert_eq!(listed.len(), 3);
+    for k in &listed {
+        assert!(
+            k.get("key").is_none() && !k.to_string().contains(&key[20..]),
+            "{k}"
+        );
+    }
+    assert!(
+        listed
+            .iter()
+            .any(|k| k["key_id"] == key_id.as_str() && !k["revoked_at"].is_null())
+    );
+    let reader = api_key(&env.db, "acme", &[Scope::RunsRead]).await;
+    assert_eq!(
+        env.call(Some(&reader), "GET", &path, &[], Value::Null)
+            .await
+            .0,
+        200
+    );
+    let (status, answer) = env
+        .call(
+            Some(&reader),
+            "POST",
+            "/v1/runs",
+            &[],
+            json!({"workflow": "example"}),
+        )
+        .await;
+    assert_eq!((status, code(&answer)), (403, "insufficient_scope"));
+    env.stop().await;
+}
+
+#[tokio::test]
+async fn with_authentication_disabled_a_request_names_its_tenant() {
+    let env = Env::start(|c| c.server.auth = AuthMode::Disabled).await;
+    let (status, answer) = env
+        .call(
+            None,
+            "POST",
+            "/v1/runs",
+            &[],
+            json!({"workflow": "example", "tenant": "initech"}),
+        )
+        .await;
+    assert_eq!(status, 201, "{answer}");
+    let path = format!("/v1/runs/{}", answer["run_id"].as_str().unwrap());
+    let (status, run) = env
+        .call(
+            None,
+            "GET",
+            &path,
+            &[("X-Ductor-Tenant", "initech")],
+            Value::Null,
+        )
+        .await;
+    assert_eq!((status, run["tenant"].as_str()), (200, Some("initech")));
+    let (status, answer) = env.call(None, "GET", &path, &[], Value::Null).await;
+    assert_eq!((status, code(&answer)), (400, "missing_tenant"));
+    env.stop().await;
+}
+
+/// Runs the `ductor` binary against the test's database; its stdout as JSON.
+fn ductor_cli(env: &Env, args: &[&str]) -> Value {
+    let lines = ductor_cli_lines(env, args);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    lines.into_iter().next().unwrap()
+}
+
+fn ductor_cli_lines(env: &Env, args: &[&str]) -> Vec<Value> {
+    let out = std::process::Command::new(ductor_bin())
+        .args(args)
+        .env("DATABASE_URL", env.config.database.url.expose())
+        .output()
+        .expect("running ductor");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect()
+}
