@@ -74,8 +74,14 @@ pub struct DatabaseConfig {
     /// Postgres connection URL, `postgres://user:password@host:port/db`.
     /// The password is redacted wherever the configuration is printed.
     pub url: DatabaseUrl,
-    /// Upper bound on pooled connections per process.
+    /// Upper bound on pooled connections per process, for the ingress,
+    /// the drainer and maintenance.
     pub max_connections: u32,
+    /// Connections of the public API's own pool, apart from
+    /// `max_connections`, so that callers, however many, cannot take the
+    /// connections the ingress and the drainer need. A request that finds
+    /// them all busy waits up to `acquire_timeout_ms`, then gets 503.
+    pub api_max_connections: u32,
     /// Connections kept open while idle.
     pub min_connections: u32,
     /// How long a task waits for a pooled connection before failing.
@@ -184,6 +190,23 @@ pub struct ServerConfig {
     pub shutdown_grace_ms: u64,
     /// Bound on each dependency check of `/readyz`.
     pub readiness_timeout_ms: u64,
+    /// Bound on the whole of one API request, from its headers to its
+    /// answer: past it, 503 `timeout` (a decision cut short rolls back, and a
+    /// retry with the same idempotency key gets the one decision).
+    pub request_timeout_ms: u64,
+    /// Bound on reading a request's body once its headers are in: past it,
+    /// 408 `body_timeout`, so a caller that trickles a body cannot hold a
+    /// slot for long.
+    pub body_read_timeout_ms: u64,
+    /// API requests handled at once; one more is shed at once with 503
+    /// `overloaded` and `Retry-After`, instead of queueing behind the rest.
+    pub max_concurrent_requests: usize,
+    /// Requests per second an API key may make, unless the key has its own
+    /// rate (`ductor keys create --requests-per-second`); past it, 429
+    /// `rate_limited` with `Retry-After`.
+    pub requests_per_second: u32,
+    /// Requests a key may make at once above its rate (its bucket's size).
+    pub request_burst: u32,
     /// Whether the public API requires an API key (`Authorization: Bearer
     /// <key>`, made with `ductor keys create`): `required` (the default),
     /// or `disabled`, for local development only, where every request names
@@ -498,6 +521,32 @@ impl Config {
             .ok_or_else(|| invalid("database.url", "must be a postgres:// URL"))?;
         if self.database.max_connections == 0 {
             return Err(invalid("database.max_connections", "must be at least 1"));
+        }
+        if self.database.api_max_connections == 0 {
+            return Err(invalid(
+                "database.api_max_connections",
+                "must be at least 1",
+            ));
+        }
+        for (key, value) in [
+            (
+                "server.max_concurrent_requests",
+                self.server.max_concurrent_requests as u64,
+            ),
+            (
+                "server.requests_per_second",
+                u64::from(self.server.requests_per_second),
+            ),
+            ("server.request_burst", u64::from(self.server.request_burst)),
+            ("server.request_timeout_ms", self.server.request_timeout_ms),
+            (
+                "server.body_read_timeout_ms",
+                self.server.body_read_timeout_ms,
+            ),
+        ] {
+            if value == 0 {
+                return Err(invalid(key, "must be at least 1"));
+            }
         }
         if self.database.min_connections > self.database.max_connections {
             return Err(invalid(

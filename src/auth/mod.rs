@@ -12,6 +12,7 @@
 //! request is then [`Identity::Anonymous`] and names its tenant itself.
 
 pub mod key;
+pub mod rate;
 pub mod store;
 
 use chrono::Utc;

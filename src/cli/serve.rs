@@ -69,7 +69,7 @@ pub async fn run_on(
         None
     };
     let handoff = drainer.as_ref().map(|local| local.handoff.clone());
-    let api_state = api_state(&config, &pool, &workflows, handoff.clone(), &wakeup)?;
+    let api_state = api_state(&config, &workflows, handoff.clone(), &wakeup).await?;
     spawn_http(&tasks, listener, http_state, api_state)?;
     spawn_routing_maintenance(&tasks, &pool, &config);
     if let Some(local) = drainer {
@@ -232,13 +232,16 @@ fn local_drainer(
 
 /// The routing API's state. With an in-process drainer, its decisions hand
 /// their effects to the fast lane; without one, they only wake the drainer.
-fn api_state(
+///
+/// The API has a pool of its own (`database.api_max_connections`), so that
+/// its callers cannot take the connections the ingress and the drainer need.
+async fn api_state(
     config: &Config,
-    pool: &PgPool,
     workflows: &Workflows,
     handoff: Option<Handoff>,
     wakeup: &Wakeup,
 ) -> anyhow::Result<crate::routing::http::ApiState> {
+    let pool = crate::infra::db::connect_api(&config.database).await?;
     let mut api_applier = crate::apply::Applier::new(config, pool.clone(), workflows.clone());
     api_applier.handoff = handoff.clone();
     if config.server.auth == AuthMode::Disabled {
@@ -253,7 +256,13 @@ fn api_state(
         routing: config.routing.clone(),
         limits: config.input_limits(),
         wakeup: handoff.is_none().then(|| wakeup.clone()),
-        auth: crate::auth::Authenticator::new(config.server.auth, pool.clone()),
+        auth: crate::auth::Authenticator::new(config.server.auth, pool),
+        rates: Arc::new(crate::auth::rate::RateLimiter::new(
+            config.server.requests_per_second,
+            config.server.request_burst,
+        )),
+        body_read_timeout: Duration::from_millis(config.server.body_read_timeout_ms),
+        guard: crate::routing::guard::Guard::new(&config.server),
         inputs: crate::routing::runs::InputSink {
             producer: crate::infra::kafka::producer(&config.kafka, "api")?,
             topic: config.wakeups_topic(),

@@ -11,19 +11,30 @@ use crate::config::DatabaseConfig;
 /// The schema migrations, compiled into the binary.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
+/// The process's pool, for the ingress, the drainer and maintenance.
 pub async fn connect(config: &DatabaseConfig) -> anyhow::Result<PgPool> {
+    connect_as(config, "ductor", config.max_connections).await
+}
+
+/// The public API's own pool (`database.api_max_connections`), apart from
+/// the process's, and named `ductor-api` in `pg_stat_activity`.
+pub async fn connect_api(config: &DatabaseConfig) -> anyhow::Result<PgPool> {
+    connect_as(config, "ductor-api", config.api_max_connections).await
+}
+
+async fn connect_as(config: &DatabaseConfig, name: &str, max: u32) -> anyhow::Result<PgPool> {
     let options: PgConnectOptions = config
         .url
         .expose()
         .parse()
         .with_context(|| format!("parsing database url {}", config.url))?;
-    let options = session_options(options, config).application_name("ductor");
+    let options = session_options(options, config).application_name(name);
     // Tests only connections that have waited in the pool (see
     // `DatabaseConfig::test_idle_after_ms`).
     let test_idle_after = Duration::from_millis(config.test_idle_after_ms);
     PgPoolOptions::new()
-        .max_connections(config.max_connections)
-        .min_connections(config.min_connections)
+        .max_connections(max)
+        .min_connections(config.min_connections.min(max))
         .acquire_timeout(Duration::from_millis(config.acquire_timeout_ms))
         .test_before_acquire(false)
         .before_acquire(move |conn, meta| {

@@ -29,6 +29,7 @@ use axum::routing::{get, post};
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
+use crate::auth::rate::RateLimiter;
 use crate::auth::{AuthError, Authenticator, Identity, Scope, TenantError};
 use crate::config::{DuplicatePolicy, RoutingConfig};
 use crate::contract::{InputError, InputErrorClass, InputLimits, parse_value};
@@ -54,15 +55,26 @@ pub struct ApiState {
     pub auth: Authenticator,
     /// Where signals and cancels go.
     pub inputs: super::runs::InputSink,
+    /// Each key's request rate.
+    pub rates: Arc<RateLimiter>,
+    /// Bound on reading a body once the headers are in.
+    pub body_read_timeout: Duration,
+    /// Concurrency and time bounds of every request.
+    pub guard: super::guard::Guard,
 }
 
 pub fn router(state: ApiState) -> Router {
+    let guard = state.guard.clone();
     Router::new()
         .route("/v1/runs", post(create_run))
         .route("/v1/runs/{run_id}", get(super::runs::get_run))
         .route("/v1/runs/{run_id}/signals", post(super::runs::signal_run))
         .route("/v1/runs/{run_id}/cancel", post(super::runs::cancel_run))
         .with_state(state)
+        .layer(axum::middleware::from_fn_with_state(
+            guard,
+            super::guard::guard,
+        ))
 }
 
 /// An error answer with a stable code.
@@ -85,7 +97,7 @@ impl ApiError {
         }
     }
 
-    fn with_header(mut self, name: HeaderName, value: &'static str) -> Self {
+    pub(crate) fn with_header(mut self, name: HeaderName, value: &'static str) -> Self {
         self.headers.push((name, HeaderValue::from_static(value)));
         self
     }
@@ -109,7 +121,7 @@ pub(crate) async fn authenticate(
     let authorization = headers
         .get(header::AUTHORIZATION)
         .map(HeaderValue::as_bytes);
-    state
+    let identity = state
         .auth
         .authenticate(authorization, scope)
         .await
@@ -126,7 +138,27 @@ pub(crate) async fn authenticate(
                 format!("this key does not have the {} scope", scope.as_str()),
             ),
             AuthError::Unavailable(e) => database(e),
-        })
+        })?;
+    if let Identity::Key(caller) = &identity {
+        let now = std::time::Instant::now();
+        if let Err(wait) = state
+            .rates
+            .admit(&caller.key_id, caller.requests_per_second, now)
+        {
+            super::guard::refused("rate_limited");
+            let mut error = ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limited",
+                "this key's request rate is used up; retry after the Retry-After seconds",
+            );
+            let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+            error
+                .headers
+                .push((header::RETRY_AFTER, HeaderValue::from(seconds.max(1))));
+            return Err(error);
+        }
+    }
+    Ok(identity)
 }
 
 /// The tenant a request acts as (see [`crate::auth::tenant_for`]).
@@ -191,7 +223,7 @@ async fn create_run(State(state): State<ApiState>, request: Request<Body>) -> Re
 async fn create_run_inner(state: &ApiState, request: Request<Body>) -> Result<Submitted, ApiError> {
     let identity = authenticate(state, request.headers(), Scope::RunsWrite).await?;
     let key = idempotency_key(request.headers())?;
-    let bytes = read_body(state, request.into_body()).await?;
+    let bytes = read_body(state, request).await?;
     let mut body = parse_value(&bytes, &state.limits).map_err(body_error)?;
     bind_tenant(&mut body, &identity)?;
     let request = route_request_from_body(body, key)?;
@@ -209,16 +241,66 @@ async fn create_run_inner(state: &ApiState, request: Request<Body>) -> Result<Su
     Ok(submitted)
 }
 
-/// A request's body, up to `routing.max_body_bytes`.
-pub(crate) async fn read_body(state: &ApiState, body: Body) -> Result<axum::body::Bytes, ApiError> {
+/// A request's body, up to `routing.max_body_bytes` and within
+/// `server.body_read_timeout_ms`. A body must say it is JSON.
+pub(crate) async fn read_body(
+    state: &ApiState,
+    request: Request<Body>,
+) -> Result<axum::body::Bytes, ApiError> {
+    let json = request
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(is_json);
     let limit = state.routing.max_body_bytes;
-    axum::body::to_bytes(body, limit).await.map_err(|_| {
-        ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "body_too_large",
-            format!("the request body exceeds {limit} bytes"),
-        )
-    })
+    let read =
+        http_body_util::BodyExt::collect(http_body_util::Limited::new(request.into_body(), limit));
+    let bytes = tokio::time::timeout(state.body_read_timeout, read)
+        .await
+        .map_err(|_| {
+            super::guard::refused("body_timeout");
+            ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "body_timeout",
+                format!(
+                    "the body did not arrive within {} ms",
+                    state.body_read_timeout.as_millis()
+                ),
+            )
+        })?
+        .map_err(|e| {
+            if e.is::<http_body_util::LengthLimitError>() {
+                ApiError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "body_too_large",
+                    format!("the request body exceeds {limit} bytes"),
+                )
+            } else {
+                ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "body_incomplete",
+                    "the body ended before its length",
+                )
+            }
+        })?
+        .to_bytes();
+    if !bytes.is_empty() && !json {
+        super::guard::refused("unsupported_media_type");
+        return Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "a body must be sent with Content-Type: application/json",
+        ));
+    }
+    Ok(bytes)
+}
+
+/// `application/json`, with or without parameters (`; charset=utf-8`).
+fn is_json(content_type: &str) -> bool {
+    content_type
+        .split(';')
+        .next()
+        .is_some_and(|essence| essence.trim().eq_ignore_ascii_case("application/json"))
 }
 
 /// The answer to a body that is no acceptable JSON: 422 with the
@@ -539,4 +621,28 @@ fn unexpected(outcome: RouteOutcome) -> ApiError {
         "internal",
         "unexpected routing outcome",
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_json;
+
+    #[test]
+    fn json_is_json_whatever_its_parameters_and_case() {
+        for yes in [
+            "application/json",
+            "application/json; charset=utf-8",
+            "Application/JSON",
+        ] {
+            assert!(is_json(yes), "{yes}");
+        }
+        for no in [
+            "",
+            "text/plain",
+            "application/jsonx",
+            "application/x-www-form-urlencoded",
+        ] {
+            assert!(!is_json(no), "{no}");
+        }
+    }
 }

@@ -24,6 +24,7 @@
 //! duplicate-waiter policy.
 
 mod decide;
+pub mod guard;
 pub mod http;
 pub mod runs;
 mod sql;

@@ -105,7 +105,7 @@ async fn accept(
 ) -> Result<(String, Map<String, Value>), ApiError> {
     let identity = authenticate(state, request.headers(), Scope::RunsWrite).await?;
     let header = named_tenant(request.headers()).map(str::to_owned);
-    let bytes = read_body(state, request.into_body()).await?;
+    let bytes = read_body(state, request).await?;
     let body = if bytes.is_empty() && empty_ok {
         Value::Object(Map::new())
     } else {

@@ -268,7 +268,10 @@ pub async fn http(
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
         body.len()
     );
-    if !body.is_empty() {
+    let typed = headers
+        .iter()
+        .any(|(k, _)| k.eq_ignore_ascii_case("content-type"));
+    if !body.is_empty() && !typed {
         request.push_str("Content-Type: application/json\r\n");
     }
     for (k, v) in headers {

@@ -1,5 +1,6 @@
-//! Tenants are who their keys prove them to be: the public API against the
-//! real Postgres and Kafka, with `server.auth = "required"` (the default).
+//! The public listener against the real Postgres and Kafka: tenants are who
+//! their keys prove them to be (`server.auth = "required"`, the default),
+//! and no caller can take more than the listener's bounds give it.
 
 #![allow(
     clippy::too_many_lines,
@@ -350,6 +351,182 @@ async fn with_authentication_disabled_a_request_names_its_tenant() {
     let (status, answer) = env.call(None, "GET", &path, &[], Value::Null).await;
     assert_eq!((status, code(&answer)), (400, "missing_tenant"));
     env.stop().await;
+}
+
+#[tokio::test]
+async fn a_body_must_say_it_is_json_and_arrive_in_time() {
+    let env = Env::start(|c| c.server.body_read_timeout_ms = 300).await;
+    let acme = api_key(&env.db, "acme", &BOTH).await;
+    let auth = bearer(&acme);
+    let body = json!({"workflow": "example"}).to_string();
+    let (status, answer) = http(
+        env.addr,
+        "POST",
+        "/v1/runs",
+        &[(auth.0, &auth.1), ("Content-Type", "text/plain")],
+        body.as_bytes(),
+    )
+    .await;
+    let answer: Value = serde_json::from_slice(&answer).unwrap();
+    assert_eq!((status, code(&answer)), (415, "unsupported_media_type"));
+
+    // Headers in, the body promised but never sent: answered once the
+    // body's time is up, and nothing was decided.
+    let mut slow = SlowRequest::open(env.addr, &acme).await;
+    let (status, head, answer) = slow.answer().await;
+    assert_eq!((status, code(&answer)), (408, "body_timeout"), "{head}");
+    assert_eq!(env.db.count("runs").await, 0);
+    env.stop().await;
+}
+
+#[tokio::test]
+async fn requests_past_the_concurrency_bound_are_shed_and_a_key_past_its_rate_waits() {
+    let env = Env::start(|c| {
+        c.server.max_concurrent_requests = 1;
+        c.server.request_burst = 2;
+    })
+    .await;
+    let acme = api_key(&env.db, "acme", &BOTH).await;
+    let run = env.start_run(&acme).await;
+    let path = format!("/v1/runs/{run}");
+
+    // One request holds the only slot while its body does not come.
+    let slow = SlowRequest::open(env.addr, &acme).await;
+    let (_, head, answer) = eventually("a request is shed", WAIT, || async {
+        let shed = raw_get(env.addr, &path, &acme).await;
+        (shed.0 == 503).then_some(shed)
+    })
+    .await;
+    assert_eq!(code(&answer), "overloaded");
+    assert!(
+        head.to_ascii_lowercase().contains("retry-after: 1"),
+        "{head}"
+    );
+    drop(slow);
+    eventually("the slot is free again", WAIT, || async {
+        (raw_get(env.addr, &path, &acme).await.0 == 200).then_some(())
+    })
+    .await;
+
+    // A key of one request a second, in a burst of two: five requests at
+    // once cannot all pass, and the refusal says when to come back. Another
+    // key, at the default rate, is not held back by it.
+    let slow_key = ductor::auth::key::generate().unwrap();
+    let request = ductor::auth::store::KeyRequest {
+        tenant: "acme".into(),
+        scopes: BOTH.to_vec(),
+        label: None,
+        requests_per_second: Some(1),
+        expires_at: None,
+    };
+    ductor::auth::store::insert(&env.db.pool, &slow_key, &request)
+        .await
+        .unwrap();
+    let mut answers = Vec::new();
+    for _ in 0..5 {
+        answers.push(raw_get(env.addr, &path, &slow_key.token).await);
+    }
+    let limited: Vec<_> = answers.iter().filter(|a| a.0 == 429).collect();
+    assert!(
+        !limited.is_empty(),
+        "{:?}",
+        answers.iter().map(|a| a.0).collect::<Vec<_>>()
+    );
+    assert_eq!(code(&limited[0].2), "rate_limited");
+    assert!(
+        limited[0].1.to_ascii_lowercase().contains("retry-after: "),
+        "{}",
+        limited[0].1
+    );
+    assert_eq!(raw_get(env.addr, &path, &acme).await.0, 200);
+    env.stop().await;
+}
+
+#[tokio::test]
+async fn the_api_has_a_bounded_database_pool_of_its_own() {
+    let env = Env::start(|c| c.database.api_max_connections = 2).await;
+    let acme = api_key(&env.db, "acme", &BOTH).await;
+    let starts = (0..40).map(|_| env.start_run(&acme));
+    futures::future::join_all(starts).await;
+    let by_name: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT application_name, count(*) FROM pg_stat_activity \
+         WHERE datname = current_database() AND application_name LIKE 'ductor%' \
+         GROUP BY application_name ORDER BY 1",
+    )
+    .fetch_all(&env.db.pool)
+    .await
+    .unwrap();
+    let api = by_name.iter().find(|(name, _)| name == "ductor-api");
+    assert!(matches!(api, Some((_, 1..=2))), "{by_name:?}");
+    assert!(
+        by_name.iter().any(|(name, _)| name == "ductor"),
+        "{by_name:?}"
+    );
+    assert_eq!(env.db.count("runs").await, 40);
+    env.stop().await;
+}
+
+/// A `POST /v1/runs` whose headers promise a body that never comes.
+struct SlowRequest(tokio::net::TcpStream);
+
+impl SlowRequest {
+    async fn open(addr: SocketAddr, token: &str) -> SlowRequest {
+        use tokio::io::AsyncWriteExt;
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let head = format!(
+            "POST /v1/runs HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\n\
+             Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{"
+        );
+        stream.write_all(head.as_bytes()).await.unwrap();
+        SlowRequest(stream)
+    }
+
+    async fn answer(&mut self) -> (u16, String, Value) {
+        read_answer(&mut self.0).await
+    }
+}
+
+/// `GET path` with `token`; the status, the header block and the body.
+async fn raw_get(addr: SocketAddr, path: &str, token: &str) -> (u16, String, Value) {
+    use tokio::io::AsyncWriteExt;
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\n\
+         Connection: close\r\n\r\n"
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    read_answer(&mut stream).await
+}
+
+async fn read_answer(stream: &mut tokio::net::TcpStream) -> (u16, String, Value) {
+    use tokio::io::AsyncReadExt;
+    let mut response = Vec::new();
+    let mut buf = [0u8; 4096];
+    // Until the header block and the length it announces are in (the
+    // server may keep the connection open).
+    loop {
+        let n = stream.read(&mut buf).await.unwrap();
+        response.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&response).into_owned();
+        if let Some(split) = text.find("\r\n\r\n") {
+            let head = text[..split].to_string();
+            let length = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length: ")
+                        .map(str::to_owned)
+                })
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .unwrap_or(0);
+            if n == 0 || response.len() >= split + 4 + length {
+                let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+                let body = serde_json::from_slice(&response[split + 4..]).unwrap_or(Value::Null);
+                return (status, head, body);
+            }
+        }
+        assert!(n > 0, "the connection closed without an answer");
+    }
 }
 
 /// Runs the `ductor` binary against the test's database; its stdout as JSON.

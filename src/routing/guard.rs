@@ -1,0 +1,68 @@
+//! What the public listener refuses before a handler does any work: more
+//! requests at once than `server.max_concurrent_requests` (shed with 503
+//! `overloaded`, not queued), and requests past `server.request_timeout_ms`
+//! (503 `timeout`). Each refusal is counted in
+//! `ductor_api_refused_total{reason}`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use tokio::sync::Semaphore;
+
+use super::http::ApiError;
+use crate::config::ServerConfig;
+
+/// The bounds of the public API, shared by its requests.
+#[derive(Clone)]
+pub struct Guard {
+    permits: Arc<Semaphore>,
+    timeout: Duration,
+}
+
+impl Guard {
+    pub fn new(server: &ServerConfig) -> Self {
+        Guard {
+            permits: Arc::new(Semaphore::new(server.max_concurrent_requests)),
+            timeout: Duration::from_millis(server.request_timeout_ms),
+        }
+    }
+}
+
+/// Counts a refusal of the public API by its code.
+pub(crate) fn refused(reason: &'static str) {
+    metrics::counter!("ductor_api_refused_total", "reason" => reason).increment(1);
+}
+
+/// The middleware: a permit for the request's whole life, within its time.
+pub(crate) async fn guard(State(guard): State<Guard>, request: Request, next: Next) -> Response {
+    let Ok(_permit) = guard.permits.clone().try_acquire_owned() else {
+        refused("overloaded");
+        return ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "overloaded",
+            "too many requests at once; retry shortly",
+        )
+        .with_header(axum::http::header::RETRY_AFTER, "1")
+        .into_response();
+    };
+    match tokio::time::timeout(guard.timeout, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => {
+            refused("timeout");
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "timeout",
+                format!(
+                    "the request took longer than {} ms; retry (with the same idempotency key)",
+                    guard.timeout.as_millis()
+                ),
+            )
+            .with_header(axum::http::header::RETRY_AFTER, "1")
+            .into_response()
+        }
+    }
+}
