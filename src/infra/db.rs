@@ -225,13 +225,13 @@ fn quote_ident(name: &str) -> String {
 /// first one missing: a `serve` that does not migrate must not run on an
 /// older schema. Migrations applied by a newer binary are fine.
 pub async fn check_migrated(pool: &PgPool) -> anyhow::Result<()> {
-    const HINT: &str = "run `ductor migrate` (as the migrator, database.migrate_url), \
+    const HINT: &str = "run `ductor migrate` as the migrator (database.migrate_url), \
                         or set database.migrate_on_start = true";
     let applied: Vec<i64> =
         sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
             .fetch_all(pool)
             .await
-            .with_context(|| format!("reading the applied migrations ({HINT})"))?;
+            .with_context(|| format!("reading the applied migrations: {HINT}"))?;
     let mut missing = MIGRATOR
         .iter()
         .filter(|m| !m.migration_type.is_down_migration() && !applied.contains(&m.version));

@@ -81,16 +81,17 @@ impl TestDb {
         admin.close().await;
         let url = on_database(&database_url(), &name);
         let owner_url = on_database(&migrate_url(), &name);
-        let connect = |url: String| async move {
+        let connect = |url: String, connections: u32| async move {
             PgPoolOptions::new()
-                .max_connections(8)
+                .max_connections(connections)
                 .connect(&url)
                 .await
                 .expect("connecting to the test database")
         };
         TestDb {
-            pool: connect(url.clone()).await,
-            owner: connect(owner_url.clone()).await,
+            pool: connect(url.clone(), 8).await,
+            // The owner's statements are few: set-up and the odd DDL.
+            owner: connect(owner_url.clone(), 2).await,
             name,
             url,
             owner_url,
