@@ -3,7 +3,8 @@
 //!
 //! Environment variables are `DUCTOR__SECTION__KEY` (double underscores
 //! separate the path). `DATABASE_URL` and `KAFKA_BOOTSTRAP_SERVERS` are also
-//! honoured, because the local stack and docker-compose export those names;
+//! honoured, because the local stack and docker-compose export those names,
+//! and so is `DATABASE_MIGRATE_URL` (`database.migrate_url`, the migrator's);
 //! `DUCTOR__DATABASE__URL` and `DUCTOR__KAFKA__BOOTSTRAP_SERVERS` win over them.
 //!
 //! Every struct denies unknown fields, so a misspelt key is an error that names
@@ -71,9 +72,27 @@ pub struct Config {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DatabaseConfig {
-    /// Postgres connection URL, `postgres://user:password@host:port/db`.
-    /// The password is redacted wherever the configuration is printed.
+    /// Postgres connection URL, `postgres://user:password@host:port/db`,
+    /// of the application role: every command but `ductor migrate`
+    /// connects with it. That role needs no DDL rights (`ductor migrate`
+    /// grants it what it does need). The password is redacted wherever the
+    /// configuration is printed.
     pub url: DatabaseUrl,
+    /// Postgres connection URL of the migrator: a role that owns the schema
+    /// and every object the migrations create. `ductor migrate` (and
+    /// `serve` with `migrate_on_start`) connects with it; nothing else
+    /// does. Unset: `url`, one role for both, which then owns the schema.
+    /// Redacted like `url`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migrate_url: Option<DatabaseUrl>,
+    /// The role to which `ductor migrate` grants what `serve` needs (and
+    /// nothing else: what it held before is revoked): USAGE on
+    /// the schema, SELECT, INSERT, UPDATE and DELETE on its tables, USAGE
+    /// on its sequences, EXECUTE on its functions, and the same on what
+    /// later migrations create. Unset: the user of `url`. Nothing is
+    /// granted when it is the migrator itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub app_role: Option<String>,
     /// Upper bound on pooled connections per process, for the ingress,
     /// the drainer and maintenance.
     pub max_connections: u32,
@@ -100,8 +119,24 @@ pub struct DatabaseConfig {
     /// `statement_timeout` set on every connection, so a stuck statement
     /// cannot hold a batch (and its partition) forever.
     pub statement_timeout_ms: u64,
-    /// Apply pending migrations when `serve` starts.
+    /// Apply pending migrations, as the migrator (`migrate_url`), when
+    /// `serve` starts. Off by default: migrating is `ductor migrate`'s job,
+    /// and `serve` then only checks that every migration it knows is
+    /// applied, and refuses to start on an older schema.
     pub migrate_on_start: bool,
+}
+
+impl DatabaseConfig {
+    /// The URL migrations run with: `migrate_url`, else `url`.
+    pub fn migrate_url(&self) -> &DatabaseUrl {
+        self.migrate_url.as_ref().unwrap_or(&self.url)
+    }
+
+    /// The role `ductor migrate` grants serve's rights to: `app_role`,
+    /// else the user of `url`.
+    pub fn app_role(&self) -> Option<String> {
+        self.app_role.clone().or_else(|| self.url.user())
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -481,6 +516,9 @@ impl Config {
         if let Some(url) = plain("DATABASE_URL") {
             figment = figment.merge(Serialized::default("database.url", url));
         }
+        if let Some(url) = plain("DATABASE_MIGRATE_URL") {
+            figment = figment.merge(Serialized::default("database.migrate_url", url));
+        }
         if let Some(servers) = plain("KAFKA_BOOTSTRAP_SERVERS") {
             figment = figment.merge(Serialized::default("kafka.bootstrap_servers", servers));
         }
@@ -515,10 +553,21 @@ impl Config {
 
     /// The database URL and pool.
     fn validate_database(&self) -> Result<(), ConfigError> {
-        url::Url::parse(self.database.url.expose())
-            .ok()
-            .filter(|u| matches!(u.scheme(), "postgres" | "postgresql"))
-            .ok_or_else(|| invalid("database.url", "must be a postgres:// URL"))?;
+        let postgres = |url: &DatabaseUrl| {
+            url::Url::parse(url.expose())
+                .is_ok_and(|u| matches!(u.scheme(), "postgres" | "postgresql"))
+        };
+        if !postgres(&self.database.url) {
+            return Err(invalid("database.url", "must be a postgres:// URL"));
+        }
+        if !self.database.migrate_url.as_ref().is_none_or(postgres) {
+            return Err(invalid("database.migrate_url", "must be a postgres:// URL"));
+        }
+        if let Some(role) = &self.database.app_role
+            && (role.is_empty() || role.len() > 63)
+        {
+            return Err(invalid("database.app_role", "must be 1 to 63 bytes"));
+        }
         if self.database.max_connections == 0 {
             return Err(invalid("database.max_connections", "must be at least 1"));
         }
@@ -928,6 +977,13 @@ impl DatabaseUrl {
     /// The URL with its password, for connecting. Never log this.
     pub fn expose(&self) -> &str {
         &self.0
+    }
+
+    /// The role this URL logs in as, decoded (libpq's default when the URL
+    /// names none); `None` for a URL that does not parse.
+    pub fn user(&self) -> Option<String> {
+        let options: sqlx::postgres::PgConnectOptions = self.0.parse().ok()?;
+        Some(options.get_username().to_owned())
     }
 
     /// The URL with the password replaced, safe to log.

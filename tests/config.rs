@@ -113,6 +113,62 @@ fn a_bad_value_is_an_error_that_names_the_key() {
         .expect_err("a non-postgres url is rejected")
         .to_string();
     assert!(err.contains("database.url"), "{err}");
+
+    let err = Config::load_from(None, env(&[("DATABASE_MIGRATE_URL", "mysql://x@y/z")]))
+        .expect_err("a non-postgres migrator url is rejected")
+        .to_string();
+    assert!(err.contains("database.migrate_url"), "{err}");
+}
+
+/// `ductor migrate` connects as the migrator when one is configured, and
+/// grants serve's rights to the user of `database.url` unless told another
+/// role; serve does not migrate unless told.
+#[test]
+fn the_migrator_and_the_application_role_come_from_their_urls() {
+    let config = Config::load_from(
+        None,
+        env(&[("DATABASE_URL", "postgres://app%2Dx:pw@db:5432/d")]),
+    )
+    .unwrap();
+    assert!(!config.database.migrate_on_start);
+    assert!(config.database.migrate_url.is_none());
+    assert_eq!(
+        config.database.migrate_url().expose(),
+        "postgres://app%2Dx:pw@db:5432/d",
+        "without a migrator, one role does both"
+    );
+    assert_eq!(config.database.app_role().as_deref(), Some("app-x"));
+
+    let config = Config::load_from(
+        None,
+        env(&[
+            ("DATABASE_URL", "postgres://app:pw@db:5432/d"),
+            ("DATABASE_MIGRATE_URL", "postgres://owner:pw@db:5432/d"),
+            ("DUCTOR__DATABASE__APP_ROLE", "serve_role"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(
+        config.database.migrate_url().expose(),
+        "postgres://owner:pw@db:5432/d"
+    );
+    assert_eq!(config.database.app_role().as_deref(), Some("serve_role"));
+    let config = Config::load_from(
+        None,
+        env(&[
+            ("DATABASE_MIGRATE_URL", "postgres://owner:pw@db:5432/d"),
+            (
+                "DUCTOR__DATABASE__MIGRATE_URL",
+                "postgres://wins:pw@db:5432/d",
+            ),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(
+        config.database.migrate_url().expose(),
+        "postgres://wins:pw@db:5432/d",
+        "DUCTOR__ wins over the plain variable"
+    );
 }
 
 /// A state cap that could not hold a run's largest input and one output is
@@ -161,14 +217,24 @@ fn secrets_never_appear_in_debug_output() {
     .unwrap();
     let config = Config::load_from(
         Some(file.path()),
-        env(&[(
-            "DATABASE_URL",
-            "postgres://ductor:pg-hunter2@db:5432/ductor",
-        )]),
+        env(&[
+            (
+                "DATABASE_URL",
+                "postgres://ductor:pg-hunter2@db:5432/ductor",
+            ),
+            (
+                "DATABASE_MIGRATE_URL",
+                "postgres://ductor_migrator:mig-hunter2@db:5432/ductor",
+            ),
+        ]),
     )
     .unwrap();
-    let debug = format!("{config:?} {config:#?} {}", config.database.url);
-    for secret in ["pg-hunter2", "kafka-hunter2", "key-hunter2"] {
+    let debug = format!(
+        "{config:?} {config:#?} {} {}",
+        config.database.url,
+        config.database.migrate_url()
+    );
+    for secret in ["pg-hunter2", "mig-hunter2", "kafka-hunter2", "key-hunter2"] {
         assert!(!debug.contains(secret), "{secret} leaked into {debug}");
     }
     assert!(

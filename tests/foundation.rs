@@ -42,15 +42,34 @@ async fn kafka_round_trip_through_a_random_topic() {
     delete_test_topics(std::slice::from_ref(&topic)).await;
 }
 
+/// The database settings of `ductor migrate` on the test database: the
+/// application role's URL and the migrator's.
+fn database_config(db: &TestDb) -> ductor::config::DatabaseConfig {
+    let env = [
+        ("DATABASE_URL", &db.url),
+        ("DATABASE_MIGRATE_URL", &db.owner_url),
+    ];
+    ductor::config::Config::load_from(None, env.map(|(k, v)| (k.to_string(), v.clone())))
+        .expect("test configuration is valid")
+        .database
+}
+
 #[tokio::test]
 async fn migrations_apply_to_a_fresh_database_and_are_idempotent() {
     let db = TestDb::empty().await;
-    ductor::infra::db::migrate(&db.pool)
+    let config = database_config(&db);
+    ductor::infra::db::check_migrated(&db.owner)
+        .await
+        .expect_err("a fresh database is not migrated");
+    ductor::infra::db::migrate_database(&config)
         .await
         .expect("first migration");
-    ductor::infra::db::migrate(&db.pool)
+    ductor::infra::db::migrate_database(&config)
         .await
         .expect("second migration is a no-op");
+    ductor::infra::db::check_migrated(&db.pool)
+        .await
+        .expect("the application role sees a current schema");
     let tables: Vec<String> = sqlx::query_scalar(
         "SELECT table_name::text FROM information_schema.tables \
          WHERE table_schema = 'public' ORDER BY 1",
@@ -187,10 +206,11 @@ async fn the_state_history_migration_moves_outputs_and_payloads_into_the_history
         &[("start", "run.started", 0, r#"{"stamp": "c"}"#)],
     )
     .await;
-    // Applied twice: the second time finds nothing left to move.
+    // Applied twice: the second time finds nothing left to move. As the
+    // owner: it turns the history's trigger off and on.
     for _ in 0..2 {
         sqlx::raw_sql(STATE_HISTORY_MIGRATION)
-            .execute(&db.pool)
+            .execute(&db.owner)
             .await
             .expect("the migration applies");
     }
@@ -321,6 +341,112 @@ async fn constraints_reject_a_duplicate_routing_key() {
     .await
     .expect_err("an unknown status is rejected");
     assert_eq!(sql_state(&err).as_deref(), Some("23514"), "{err}");
+    db.drop_db().await;
+}
+
+/// `serve`'s role, the application role that `ductor migrate` grants
+/// rights to, can change no part of the schema: every DDL statement is
+/// refused as `insufficient_privilege`. What serve does in SQL works (and
+/// every other integration test runs serve as this role).
+#[tokio::test]
+async fn the_application_role_cannot_change_the_schema() {
+    let db = TestDb::migrated().await;
+    for ddl in [
+        "CREATE TABLE intruder (n int)",
+        "CREATE TABLE runs_copy AS SELECT * FROM runs",
+        "CREATE INDEX intruder ON runs (status)",
+        "CREATE SCHEMA intruder",
+        "CREATE FUNCTION intruder() RETURNS int LANGUAGE sql AS 'SELECT 1'",
+        "CREATE OR REPLACE FUNCTION ductor_write_guard(expected bigint[], written bigint[]) \
+         RETURNS boolean LANGUAGE sql AS 'SELECT true'",
+        "CREATE VIEW intruder AS SELECT 1",
+        "ALTER TABLE runs ADD COLUMN intruder int",
+        "ALTER TABLE eec_effect_intent DROP CONSTRAINT eec_effect_intent_key_unique",
+        "ALTER TABLE run_transitions DISABLE TRIGGER run_transitions_no_update",
+        "DROP TABLE run_transitions",
+        "DROP FUNCTION ductor_write_guard(bigint[], bigint[])",
+        "TRUNCATE runs",
+        "DELETE FROM _sqlx_migrations",
+    ] {
+        let err = sqlx::raw_sql(ddl).execute(&db.pool).await.expect_err(ddl);
+        assert_eq!(sql_state(&err).as_deref(), Some("42501"), "{ddl}: {err}");
+    }
+    // Serve's own statements: rows, the intents' identity sequence, the
+    // write guard, NOTIFY, the schema check.
+    insert_run(&db, "r1").await;
+    let intent: i64 = sqlx::query_scalar(
+        "INSERT INTO eec_effect_intent (run_id, seq, effect_index, idempotency_key, \
+             tenant_scope, topic, message_key, headers, payload, ce_type, not_before) \
+         VALUES ('r1', 1, 0, 'r1/1/0', 't', 'ductor.events', '', '{}', '', 'x', now()) \
+         RETURNING intent_id",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .expect("the application role inserts an intent");
+    assert!(intent >= 1);
+    sqlx::query("SELECT ductor_write_guard(ARRAY[1]::bigint[], ARRAY[1]::bigint[]), pg_notify('ductor_effect_intent', '')")
+        .execute(&db.pool)
+        .await
+        .expect("the write guard and NOTIFY");
+    sqlx::query("DELETE FROM runs WHERE run_id = 'r1'")
+        .execute(&db.pool)
+        .await
+        .expect("retention deletes rows");
+    ductor::infra::db::check_migrated(&db.pool)
+        .await
+        .expect("the application role reads the applied migrations");
+    // A table a later migration makes is the application role's to use
+    // at once (default privileges), and still not its to change.
+    sqlx::raw_sql("CREATE TABLE later_migration (n int)")
+        .execute(&db.owner)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO later_migration VALUES (1)")
+        .execute(&db.pool)
+        .await
+        .expect("a later table's rows are granted");
+    let err = sqlx::raw_sql("DROP TABLE later_migration")
+        .execute(&db.pool)
+        .await
+        .expect_err("a later table is not the application role's");
+    assert_eq!(sql_state(&err).as_deref(), Some("42501"), "{err}");
+    db.drop_db().await;
+}
+
+/// A `serve` that does not migrate (the default) refuses a schema that
+/// lacks one of its migrations, naming it and the command that fixes it.
+#[tokio::test]
+async fn serve_refuses_a_schema_without_all_its_migrations() {
+    let db = TestDb::migrated().await;
+    let last = ductor::infra::db::MIGRATOR
+        .iter()
+        .map(|m| m.version)
+        .max()
+        .unwrap();
+    sqlx::query("DELETE FROM _sqlx_migrations WHERE version = $1")
+        .bind(last)
+        .execute(&db.owner)
+        .await
+        .unwrap();
+    let config = test_config(&db);
+    assert!(
+        !config.database.migrate_on_start,
+        "serve does not migrate by default"
+    );
+    ductor::infra::kafka::create_configured_topics(&config)
+        .await
+        .expect("creating topics");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let serve = ductor::cli::serve::run_on(config, listener, CancellationToken::new());
+    let refused = tokio::time::timeout(Duration::from_secs(60), serve)
+        .await
+        .expect("serve stops at once")
+        .expect_err("serve refuses the schema");
+    let message = format!("{refused:#}");
+    assert!(
+        message.contains(&last.to_string()) && message.contains("ductor migrate"),
+        "{message}"
+    );
     db.drop_db().await;
 }
 

@@ -499,12 +499,13 @@ async fn a_drainer_stopped_after_publishing_republishes_with_the_same_key_and_de
         "and the same bytes"
     );
 
-    // The consumer-side helper applies the effect once.
-    ductor::client::dedup::ensure_schema(&env.db.pool)
+    // The consumer-side helper applies the effect once. Its tables are the
+    // owner's to create; the application role uses them.
+    ductor::client::dedup::ensure_schema(&env.db.owner)
         .await
         .unwrap();
     sqlx::query("CREATE TABLE applied (run_id text NOT NULL, key text NOT NULL)")
-        .execute(&env.db.pool)
+        .execute(&env.db.owner)
         .await
         .unwrap();
     for m in &copies {
@@ -821,8 +822,9 @@ async fn completing_claims_probes_the_primary_key_after_the_outbox_was_analyzed_
     .execute(&db.pool)
     .await
     .unwrap();
+    // Only the table's owner may analyse it.
     sqlx::query("ANALYZE eec_effect_intent")
-        .execute(&db.pool)
+        .execute(&db.owner)
         .await
         .unwrap();
     let claimed = insert_claimed(3001, 3005).await.unwrap();

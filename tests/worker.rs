@@ -476,12 +476,15 @@ async fn a_panicking_or_overrunning_handler_reports_a_retryable_failure() {
 // ---------------------------------------------------------------------------
 // dedup
 
+/// A database whose owner made the dedup table; the claims then run as a
+/// role with rights on rows only, granted by default privileges (those
+/// `ductor migrate` sets), as a consumer's own role would be.
 async fn dedup_db() -> TestDb {
-    let db = TestDb::empty().await;
-    dedup::ensure_schema(&db.pool)
+    let db = TestDb::migrated().await;
+    dedup::ensure_schema(&db.owner)
         .await
         .expect("first ensure_schema");
-    dedup::ensure_schema(&db.pool)
+    dedup::ensure_schema(&db.owner)
         .await
         .expect("second ensure_schema is a no-op");
     db
@@ -589,7 +592,7 @@ fn message(headers: Option<OwnedHeaders>) -> OwnedMessage {
 async fn dedup_claim_message_applies_an_effect_once_and_needs_the_header() {
     let db = dedup_db().await;
     sqlx::query("CREATE TABLE effects (n int NOT NULL)")
-        .execute(&db.pool)
+        .execute(&db.owner)
         .await
         .unwrap();
     let keyed = message(Some(OwnedHeaders::new().insert(Header {

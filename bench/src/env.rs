@@ -44,8 +44,12 @@ pub fn workflow_toml() -> String {
 pub struct BenchEnv {
     /// The user's configuration, pointed at the bench database.
     pub base: Config,
-    /// A pool on the bench database for the bench's own queries.
+    /// A pool on the bench database for the bench's own queries, as the
+    /// application role, like the pipelines'.
     pub pool: PgPool,
+    /// A connection of the bench database's owner, the migrator, for what
+    /// the application role may not do (TRUNCATE, ANALYZE).
+    owner: PgPool,
     pub db_name: String,
     pub db_url: String,
     /// Random part of every name this run creates.
@@ -58,24 +62,24 @@ pub struct BenchEnv {
 }
 
 impl BenchEnv {
-    /// Creates and migrates `ductor_bench_<random>` on the configured server
-    /// and writes the bench workflow to a temporary directory.
+    /// Creates `ductor_bench_<random>` on the configured server as the
+    /// migrator (`database.migrate_url`), migrates it as `ductor migrate`
+    /// does, and writes the bench workflow to a temporary directory.
     pub async fn create(config: &Config) -> anyhow::Result<BenchEnv> {
         let tag = uuid::Uuid::new_v4().simple().to_string()[..10].to_string();
         let db_name = format!("ductor_bench_{tag}");
-        let admin_url = config.database.url.expose().to_string();
+        let admin_url = config.database.migrate_url().expose().to_string();
         let admin = admin_pool(&admin_url).await?;
         sqlx::query(&format!("CREATE DATABASE {db_name}"))
             .execute(&admin)
             .await
             .with_context(|| format!("creating database {db_name}"))?;
         admin.close().await;
-        let mut url = url::Url::parse(&admin_url).context("parsing database.url")?;
-        url.set_path(&format!("/{db_name}"));
-        let db_url = url.to_string();
+        let db_url = on_database(config.database.url.expose(), &db_name)?;
 
         let mut base = config.clone();
         base.database.url = DatabaseUrl::new(db_url.clone());
+        base.database.migrate_url = Some(DatabaseUrl::new(on_database(&admin_url, &db_name)?));
         base.database.migrate_on_start = false;
         let workflows = std::env::temp_dir().join(format!("ductor-bench-{tag}"));
         std::fs::create_dir_all(&workflows).context("creating the workflow directory")?;
@@ -86,12 +90,14 @@ impl BenchEnv {
         base.kafka.extra_topics = Vec::new();
         base.server.listen = "127.0.0.1:0".parse().context("parsing listen address")?;
 
+        ductor::infra::db::migrate_database(&base.database).await?;
         let env = BenchEnv {
             pool: PgPoolOptions::new()
                 .max_connections(BENCH_POOL_CONNECTIONS)
                 .connect_with(connect_options(&base)?)
                 .await
                 .with_context(|| format!("connecting to {db_name}"))?,
+            owner: admin_pool(base.database.migrate_url().expose()).await?,
             cpu: super::stats::CpuScope::new(&db_name, &base.kafka.bootstrap_servers),
             base,
             db_name,
@@ -101,7 +107,6 @@ impl BenchEnv {
             topics: Mutex::new(Vec::new()),
             workflows,
         };
-        ductor::infra::db::migrate(&env.pool).await?;
         Ok(env)
     }
 
@@ -178,15 +183,17 @@ impl BenchEnv {
             .await
     }
 
-    /// Runs `sql` on the bench database; `what` names it in an error.
+    /// Runs `sql` on the bench database as its owner; `what` names it in
+    /// an error.
     async fn execute(&self, sql: &str, what: &'static str) -> anyhow::Result<()> {
-        sqlx::query(sql).execute(&self.pool).await.context(what)?;
+        sqlx::query(sql).execute(&self.owner).await.context(what)?;
         Ok(())
     }
 
     /// Drops the database and deletes the topics; reports what it could not do.
     pub async fn cleanup(self) -> anyhow::Result<()> {
         self.pool.close().await;
+        self.owner.close().await;
         let mut problems = Vec::new();
         if let Err(e) = std::fs::remove_dir_all(&self.workflows) {
             problems.push(format!("removing {}: {e}", self.workflows.display()));
@@ -216,7 +223,14 @@ async fn admin_pool(url: &str) -> anyhow::Result<PgPool> {
         .max_connections(1)
         .connect(url)
         .await
-        .context("connecting to postgres as the configured user")
+        .context("connecting to postgres as the migrator (database.migrate_url)")
+}
+
+/// `url` with its database replaced by `name`.
+fn on_database(url: &str, name: &str) -> anyhow::Result<String> {
+    let mut url = url::Url::parse(url).context("parsing a database url")?;
+    url.set_path(&format!("/{name}"));
+    Ok(url.to_string())
 }
 
 /// Connection options for the bench database, as Ductor's own pool sets them.

@@ -37,6 +37,7 @@ async fn the_quick_bench_reports_every_figure_positive() {
         None,
         vec![
             ("DATABASE_URL".to_string(), common::database_url()),
+            ("DATABASE_MIGRATE_URL".to_string(), common::migrate_url()),
             (
                 "KAFKA_BOOTSTRAP_SERVERS".to_string(),
                 common::bootstrap_servers(),

@@ -306,7 +306,7 @@ pub fn hostile(rng: &mut StdRng, topic: InputTopic, limits: &InputLimits) -> Opt
 /// Runs the harness against a `serve` started here, on `config`'s topics
 /// and database (migrated, the topics created).
 pub async fn run(config: &Config, args: &FuzzArgs) -> anyhow::Result<FuzzReport> {
-    ductor::infra::db::migrate(&ductor::infra::db::connect(&config.database).await?).await?;
+    ductor::infra::db::migrate_database(&config.database).await?;
     ductor::infra::kafka::create_configured_topics(config).await?;
     let bin = match &args.serve_bin {
         Some(bin) => bin.clone(),

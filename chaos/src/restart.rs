@@ -109,7 +109,7 @@ pub async fn run(config: &Config, args: &RestartArgs) -> anyhow::Result<RestartR
     if config.kafka.group_instance_id.is_none() {
         config.kafka.group_instance_id = Some(format!("{}-restart", config.kafka.group_id));
     }
-    ductor::infra::db::migrate(&ductor::infra::db::connect(&config.database).await?).await?;
+    ductor::infra::db::migrate_database(&config.database).await?;
     ductor::infra::kafka::create_configured_topics(&config).await?;
     let bin = match &args.serve_bin {
         Some(bin) => bin.clone(),

@@ -29,6 +29,7 @@ fn overrides_configuration(name: &str) -> bool {
     name.starts_with("DUCTOR__")
         || name == "DUCTOR_CONFIG"
         || name == "DATABASE_URL"
+        || name == "DATABASE_MIGRATE_URL"
         || name == "KAFKA_BOOTSTRAP_SERVERS"
 }
 

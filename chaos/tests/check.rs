@@ -45,6 +45,7 @@ fn config(db: &TestDb, workflows: &std::path::Path) -> Config {
     let prefix = unique("cc").chars().take(14).collect::<String>();
     let env = [
         ("DATABASE_URL", db.url.clone()),
+        ("DATABASE_MIGRATE_URL", db.owner_url.clone()),
         ("KAFKA_BOOTSTRAP_SERVERS", bootstrap_servers()),
         ("DUCTOR__KAFKA__TOPIC_PREFIX", format!("{prefix}.")),
         ("DUCTOR__KAFKA__GROUP_ID", format!("{prefix}-coordinator")),

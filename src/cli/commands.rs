@@ -6,10 +6,10 @@ use anyhow::Context;
 
 use crate::config::Config;
 
-/// `ductor migrate`: applies pending database migrations.
+/// `ductor migrate`: applies pending database migrations as the migrator
+/// (`database.migrate_url`) and grants the application role its rights.
 pub async fn migrate(config: &Config) -> anyhow::Result<()> {
-    let pool = crate::infra::db::connect(&config.database).await?;
-    crate::infra::db::migrate(&pool).await
+    crate::infra::db::migrate_database(&config.database).await
 }
 
 /// `ductor topics create`: creates every configured topic (existing ones are

@@ -97,13 +97,17 @@ fn load_workflows(config: &Config) -> anyhow::Result<Workflows> {
     Ok(workflows)
 }
 
-/// Connects to Postgres and, when configured to, brings its schema up to
-/// date before any stage touches it.
+/// Connects to Postgres as the application role after, when configured
+/// to, bringing the schema up to date as the migrator; without that, the
+/// schema must already be current. Before any stage touches it.
 async fn open_database(config: &Config) -> anyhow::Result<PgPool> {
-    let pool = crate::infra::db::connect(&config.database).await?;
     if config.database.migrate_on_start {
-        crate::infra::db::migrate(&pool).await?;
+        crate::infra::db::migrate_database(&config.database).await?;
         tracing::info!("database migrations applied");
+    }
+    let pool = crate::infra::db::connect(&config.database).await?;
+    if !config.database.migrate_on_start {
+        crate::infra::db::check_migrated(&pool).await?;
     }
     Ok(pool)
 }

@@ -15,9 +15,25 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
+/// The application role's URL (`serve`'s), on the stack's database.
 pub fn database_url() -> String {
     std::env::var("DATABASE_URL")
         .expect("DATABASE_URL is not set: run the tests through scripts/test (or eval \"$(scripts/stack env)\")")
+}
+
+/// The migrator's URL, on the stack's database: the role that creates the
+/// tests' databases, owns them and migrates them.
+pub fn migrate_url() -> String {
+    std::env::var("DATABASE_MIGRATE_URL").expect(
+        "DATABASE_MIGRATE_URL is not set: run the tests through scripts/test (or eval \"$(scripts/stack env)\")",
+    )
+}
+
+/// `url` with its database replaced by `name`.
+fn on_database(url: &str, name: &str) -> String {
+    let mut url = url::Url::parse(url).expect("a database URL is a URL");
+    url.set_path(&format!("/{name}"));
+    url.to_string()
 }
 
 pub fn bootstrap_servers() -> String {
@@ -31,52 +47,79 @@ pub fn unique(prefix: &str) -> String {
 }
 
 /// A fresh database on the test server, dropped by [`TestDb::drop_db`]
-/// together with the topics of every [`test_config`] made for it.
+/// together with the topics of every [`test_config`] made for it. It
+/// belongs to the migrator; `url` and `pool` are the application role's,
+/// with only the rights `ductor migrate` grants, so every test runs Ductor
+/// under least privilege. What needs the owner's rights (DDL, ANALYZE, a
+/// migration) goes through `owner`.
 pub struct TestDb {
     pub name: String,
+    /// The application role's URL on this database.
     pub url: String,
+    /// A pool of the application role.
     pub pool: PgPool,
+    /// The migrator's URL on this database.
+    pub owner_url: String,
+    /// A pool of the migrator, the owner of the database and its schema.
+    pub owner: PgPool,
     topics: Mutex<Vec<String>>,
 }
 
 impl TestDb {
     /// An empty database, without migrations.
     pub async fn empty() -> TestDb {
-        let admin_url = database_url();
         let admin = PgPoolOptions::new()
             .max_connections(1)
-            .connect(&admin_url)
+            .connect(&migrate_url())
             .await
-            .expect("connecting to the test postgres");
+            .expect("connecting to the test postgres as the migrator");
         let name = unique("ductor_test_");
         sqlx::query(&format!("CREATE DATABASE {name}"))
             .execute(&admin)
             .await
             .expect("creating test database");
         admin.close().await;
-        let mut url = url::Url::parse(&admin_url).expect("DATABASE_URL is a URL");
-        url.set_path(&format!("/{name}"));
-        let url = url.to_string();
-        let pool = PgPoolOptions::new()
-            .max_connections(8)
-            .connect(&url)
-            .await
-            .expect("connecting to the test database");
+        let url = on_database(&database_url(), &name);
+        let owner_url = on_database(&migrate_url(), &name);
+        let connect = |url: String, connections: u32| async move {
+            PgPoolOptions::new()
+                .max_connections(connections)
+                .connect(&url)
+                .await
+                .expect("connecting to the test database")
+        };
         TestDb {
+            pool: connect(url.clone(), 8).await,
+            // The owner's statements are few: set-up and the odd DDL.
+            owner: connect(owner_url.clone(), 2).await,
             name,
             url,
-            pool,
+            owner_url,
             topics: Mutex::new(Vec::new()),
         }
     }
 
-    /// A fresh database with Ductor's migrations applied.
+    /// A fresh database with Ductor's migrations applied by the migrator,
+    /// and the application role granted its rights, as `ductor migrate`
+    /// leaves it.
     pub async fn migrated() -> TestDb {
         let db = TestDb::empty().await;
-        ductor::infra::db::migrate(&db.pool)
+        db.migrate().await;
+        db
+    }
+
+    /// Applies the migrations as the owner and grants the application role
+    /// its rights.
+    pub async fn migrate(&self) {
+        ductor::infra::db::migrate(&self.owner)
             .await
             .expect("migrating");
-        db
+        let role = ductor::config::DatabaseUrl::new(database_url())
+            .user()
+            .expect("DATABASE_URL names a role");
+        ductor::infra::db::grant_app_role(&self.owner, &role)
+            .await
+            .expect("granting the application role its rights");
     }
 
     /// Adds `topics` to those [`TestDb::drop_db`] deletes, for a test that
@@ -93,9 +136,10 @@ impl TestDb {
         topics.dedup();
         delete_test_topics(&topics).await;
         self.pool.close().await;
+        self.owner.close().await;
         let admin = PgPoolOptions::new()
             .max_connections(1)
-            .connect(&database_url())
+            .connect(&migrate_url())
             .await
             .expect("connecting to the test postgres");
         ductor::infra::db::drop_database(&admin, &self.name)
@@ -117,6 +161,7 @@ pub fn test_config(db: &TestDb) -> Config {
     let prefix = unique("t").chars().take(13).collect::<String>();
     let env = vec![
         ("DATABASE_URL".to_string(), db.url.clone()),
+        ("DATABASE_MIGRATE_URL".to_string(), db.owner_url.clone()),
         ("KAFKA_BOOTSTRAP_SERVERS".to_string(), bootstrap_servers()),
         (
             "DUCTOR__KAFKA__TOPIC_PREFIX".to_string(),
