@@ -57,12 +57,14 @@ impl Env {
     }
 
     async fn serve(&self) -> Server {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
+        let listeners = ductor::cli::serve::Listeners::bind(&self.config.server)
+            .await
+            .unwrap();
+        let addr = listeners.public.local_addr().unwrap();
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(ductor::cli::serve::run_on(
             self.config.clone(),
-            listener,
+            listeners,
             shutdown.clone(),
         ));
         let server = Server {
