@@ -287,7 +287,8 @@ pub struct CoordinatorConfig {
     /// An apply lane that has held a batch this long without committing it
     /// (the database away, a lock held, a dead letter the broker will not
     /// take) is stalled, with the partitions behind it: `/readyz` answers
-    /// 503 naming it, and `ductor_ingress_stalled_lanes` counts it.
+    /// 503 (naming it on the admin listener), and
+    /// `ductor_ingress_stalled_lanes` counts it.
     pub stall_after_ms: u64,
     /// Times a batch is recomputed after losing an optimistic-lock race
     /// before the batch fails (and is retried from Kafka).

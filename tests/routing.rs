@@ -29,6 +29,8 @@ struct Env {
 
 struct Server {
     addr: SocketAddr,
+    /// The admin listener: metrics and the detailed readiness.
+    admin: SocketAddr,
     shutdown: CancellationToken,
     task: JoinHandle<anyhow::Result<()>>,
 }
@@ -61,6 +63,7 @@ impl Env {
             .await
             .unwrap();
         let addr = listeners.public.local_addr().unwrap();
+        let admin = listeners.admin.local_addr().unwrap();
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(ductor::cli::serve::run_on(
             self.config.clone(),
@@ -69,6 +72,7 @@ impl Env {
         ));
         let server = Server {
             addr,
+            admin,
             shutdown,
             task,
         };
@@ -590,9 +594,9 @@ async fn hostile_json_bodies_get_a_422_with_their_class_and_reserve_nothing() {
 async fn a_stalled_apply_lane_makes_readiness_fail_until_its_batch_commits() {
     let env = Env::new(|c| c.coordinator.stall_after_ms = 500).await;
     let server = env.serve().await;
-    let addr = server.addr;
+    let (public, admin) = (server.addr, server.admin);
     let ready = || async {
-        let (code, body) = http(addr, "GET", "/readyz", &[], b"").await;
+        let (code, body) = http(admin, "GET", "/readyz", &[], b"").await;
         (
             code,
             serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null),
@@ -627,6 +631,15 @@ async fn a_stalled_apply_lane_makes_readiness_fail_until_its_batch_commits() {
     let error = stalled["ingress"]["error"].as_str().unwrap();
     assert!(error.contains("lane"), "{error}");
     assert_eq!(stalled["postgres"]["ok"], true);
+    // The public listener tells the verdict, not the lane or the error.
+    let (code, body) = http(public, "GET", "/readyz", &[], b"").await;
+    assert_eq!(code, 503);
+    assert_eq!(
+        serde_json::from_slice::<Value>(&body).unwrap(),
+        json!({"status": "not_ready"}),
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
     lock.rollback().await.unwrap();
     eventually("readiness recovers", WAIT, || async {
         (ready().await.0 == 200).then_some(())
