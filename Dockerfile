@@ -35,7 +35,12 @@ COPY --from=builder /out/ductor /usr/local/bin/ductor
 WORKDIR /app
 COPY --from=builder /src/config ./config
 USER ductor
-# Inside a container the HTTP listener must not be loopback-only.
+# Inside a container neither HTTP listener may be loopback-only: the
+# container's loopback is its own, and nothing outside it (a port mapping, a
+# scraper in the same network) would reach it. The admin port (/metrics, the
+# detailed /readyz) is then reachable by whatever shares the container's
+# network; publish it on the host's loopback only, as docker-compose.yml does.
 ENV DUCTOR__SERVER__LISTEN=0.0.0.0:8080
-EXPOSE 8080
+ENV DUCTOR__SERVER__ADMIN_LISTEN=0.0.0.0:9464
+EXPOSE 8080 9464
 CMD ["ductor", "serve"]

@@ -218,12 +218,21 @@ pub struct KafkaConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServerConfig {
-    /// Address of the HTTP listener (`/healthz`, `/readyz`, `/metrics`).
+    /// Address of the public HTTP listener: the routing API, `/healthz`,
+    /// and a `/readyz` that answers ready or not, without detail.
     pub listen: SocketAddr,
+    /// Address of the admin HTTP listener: `/metrics`, `/healthz`, the
+    /// detailed `/readyz` (each dependency's check with its error, the
+    /// stalled lanes) and the operator endpoints. Loopback by default:
+    /// what it tells (hosts, users, error texts, the process's own
+    /// numbers) is for the operator and the scraper beside the process,
+    /// not for every client that can reach the API. Must differ from
+    /// `listen`.
+    pub admin_listen: SocketAddr,
     /// After SIGINT/SIGTERM, how long in-flight work may take to finish
     /// before the process exits anyway.
     pub shutdown_grace_ms: u64,
-    /// Bound on each dependency check of `/readyz`.
+    /// Bound on each dependency check of `/readyz` (on either listener).
     pub readiness_timeout_ms: u64,
     /// Bound on the whole of one API request, from its headers to its
     /// answer: past it, 503 `timeout` (a decision cut short rolls back, and a
@@ -349,7 +358,8 @@ pub struct CoordinatorConfig {
     /// An apply lane that has held a batch this long without committing it
     /// (the database away, a lock held, a dead letter the broker will not
     /// take) is stalled, with the partitions behind it: `/readyz` answers
-    /// 503 naming it, and `ductor_ingress_stalled_lanes` counts it.
+    /// 503 (naming it on the admin listener), and
+    /// `ductor_ingress_stalled_lanes` counts it.
     pub stall_after_ms: u64,
     /// Times a batch is recomputed after losing an optimistic-lock race
     /// before the batch fails (and is retried from Kafka).
@@ -542,6 +552,7 @@ impl Config {
 
     /// Rejects values that deserialize but cannot work.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_server()?;
         self.validate_database()?;
         self.validate_kafka()?;
         self.validate_batches()?;
@@ -549,6 +560,24 @@ impl Config {
         self.validate_inputs()?;
         self.validate_drainer()?;
         self.validate_routing()
+    }
+
+    /// The two listeners are apart: on one address the admin endpoints
+    /// would answer beside the public API (or the second bind fail).
+    fn validate_server(&self) -> Result<(), ConfigError> {
+        let (public, admin) = (self.server.listen, self.server.admin_listen);
+        let same_ip = public.ip() == admin.ip()
+            || public.ip().is_unspecified()
+            || admin.ip().is_unspecified();
+        if admin.port() != 0 && admin.port() == public.port() && same_ip {
+            return Err(invalid(
+                "server.admin_listen",
+                format!(
+                    "{admin} overlaps server.listen ({public}): the admin endpoints must listen apart from the public API"
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// The database URL and pool.

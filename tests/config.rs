@@ -317,3 +317,44 @@ fn submit_refuses_an_input_past_the_limits_with_its_class() {
         "refused before connecting: {stderr}"
     );
 }
+
+#[test]
+fn the_admin_listener_is_loopback_by_default_and_apart_from_the_public_one() {
+    let config = Config::load_from(None, env(&[])).expect("defaults are valid");
+    assert!(config.server.admin_listen.ip().is_loopback());
+    assert_ne!(config.server.admin_listen, config.server.listen);
+    for (public, admin) in [
+        ("127.0.0.1:9000", "127.0.0.1:9000"),
+        ("0.0.0.0:9000", "127.0.0.1:9000"),
+        ("127.0.0.1:9000", "[::]:9000"),
+    ] {
+        let refused = Config::load_from(
+            None,
+            env(&[
+                ("DUCTOR__SERVER__LISTEN", public),
+                ("DUCTOR__SERVER__ADMIN_LISTEN", admin),
+            ]),
+        )
+        .expect_err("one address for both listeners");
+        let message = refused.to_string();
+        assert!(
+            message.contains("server.admin_listen") && message.contains("server.listen"),
+            "{message}"
+        );
+    }
+    // Port 0 twice is two ports the kernel picks; one port on two distinct
+    // addresses is two sockets.
+    for (public, admin) in [
+        ("127.0.0.1:0", "127.0.0.1:0"),
+        ("127.0.0.1:9000", "127.0.0.2:9000"),
+    ] {
+        Config::load_from(
+            None,
+            env(&[
+                ("DUCTOR__SERVER__LISTEN", public),
+                ("DUCTOR__SERVER__ADMIN_LISTEN", admin),
+            ]),
+        )
+        .expect("listeners apart");
+    }
+}

@@ -436,8 +436,10 @@ async fn serve_refuses_a_schema_without_all_its_migrations() {
     ductor::infra::kafka::create_configured_topics(&config)
         .await
         .expect("creating topics");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let serve = ductor::cli::serve::run_on(config, listener, CancellationToken::new());
+    let listeners = ductor::cli::serve::Listeners::bind(&config.server)
+        .await
+        .unwrap();
+    let serve = ductor::cli::serve::run_on(config, listeners, CancellationToken::new());
     let refused = tokio::time::timeout(Duration::from_secs(60), serve)
         .await
         .expect("serve stops at once")
@@ -468,9 +470,11 @@ async fn serve_refuses_a_topic_that_takes_smaller_records_than_the_producers_sen
     );
     let events = config.events_topic();
     set_topic_limit(&config.kafka, &events, 65_536).await;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listeners = ductor::cli::serve::Listeners::bind(&config.server)
+        .await
+        .unwrap();
     let shutdown = CancellationToken::new();
-    let serve = ductor::cli::serve::run_on(config.clone(), listener, shutdown.clone());
+    let serve = ductor::cli::serve::run_on(config.clone(), listeners, shutdown.clone());
     let refused = tokio::time::timeout(Duration::from_secs(60), serve)
         .await
         .expect("serve stops at once")
@@ -501,4 +505,148 @@ fn an_input_limit_that_leaves_no_room_for_the_envelope_is_refused() {
             && message.contains("kafka.message_max_bytes"),
         "{message}"
     );
+}
+
+/// `serve` answers on two listeners: the public one carries the API, the
+/// liveness and a readiness that is a bare verdict; the admin one carries
+/// the metrics and the readiness with every check's result. Neither
+/// answers the other's endpoints.
+#[tokio::test]
+async fn serve_keeps_metrics_and_readiness_detail_on_the_admin_listener() {
+    let db = TestDb::migrated().await;
+    let mut config = test_config(&db);
+    config.drainer.enabled = false;
+    ductor::infra::kafka::create_configured_topics(&config)
+        .await
+        .expect("creating topics");
+    let listeners = ductor::cli::serve::Listeners::bind(&config.server)
+        .await
+        .unwrap();
+    let public = listeners.public.local_addr().unwrap();
+    let admin = listeners.admin.local_addr().unwrap();
+    assert_ne!(public, admin);
+    let shutdown = CancellationToken::new();
+    let serve = tokio::spawn(ductor::cli::serve::run_on(
+        config.clone(),
+        listeners,
+        shutdown.clone(),
+    ));
+    let wait = Duration::from_secs(60);
+    let public_ready = eventually("the public /readyz says ready", wait, || async {
+        let (status, body) = http(public, "GET", "/readyz", &[], b"").await;
+        (status == 200).then_some(body)
+    })
+    .await;
+    let public_ready: serde_json::Value = serde_json::from_slice(&public_ready).unwrap();
+    assert_eq!(
+        public_ready,
+        serde_json::json!({"status": "ready"}),
+        "the verdict alone"
+    );
+    assert_eq!(http(public, "GET", "/healthz", &[], b"").await.0, 200);
+    assert_eq!(http(public, "GET", "/metrics", &[], b"").await.0, 404);
+
+    let (status, detailed) = http(admin, "GET", "/readyz", &[], b"").await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&detailed));
+    let detailed: serde_json::Value = serde_json::from_slice(&detailed).unwrap();
+    assert_eq!(detailed["status"], "ready");
+    for check in ["postgres", "kafka", "ingress"] {
+        assert_eq!(detailed[check]["ok"], true, "{check}: {detailed}");
+    }
+    assert_eq!(http(admin, "GET", "/healthz", &[], b"").await.0, 200);
+    let metrics = eventually("the admin /metrics has the ingress gauge", wait, || async {
+        let (status, body) = http(admin, "GET", "/metrics", &[], b"").await;
+        let text = String::from_utf8_lossy(&body).into_owned();
+        (status == 200 && text.contains("ductor_ingress_stalled_lanes")).then_some(text)
+    })
+    .await;
+    assert!(
+        metrics.lines().any(|l| l.starts_with("# TYPE ductor_")),
+        "a Prometheus text exposition: {metrics}"
+    );
+    // The API is on the public listener only.
+    let (status, _) = http(
+        admin,
+        "POST",
+        "/v1/runs",
+        &[],
+        b"{\"workflow\":\"example\"}",
+    )
+    .await;
+    assert_eq!(status, 404, "the admin listener does not take requests");
+
+    shutdown.cancel();
+    serve
+        .await
+        .expect("serve panicked")
+        .expect("serve stopped cleanly");
+    db.drop_db().await;
+}
+
+/// With the database unreachable, the public readiness says not ready and
+/// nothing else; the admin readiness names the failing check and its error.
+#[tokio::test]
+async fn public_readiness_tells_no_error_when_the_database_is_unreachable() {
+    // Nothing listens on the port of a listener that was just dropped.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .acquire_timeout(Duration::from_millis(500))
+        .connect_lazy(&format!("postgres://ductor:hunter2@{closed}/nowhere"))
+        .unwrap();
+    let kafka_probe: rdkafka::consumer::BaseConsumer =
+        ductor::infra::kafka::consumer_config(&kafka_config(), &unique("probe-"), "probe")
+            .create()
+            .unwrap();
+    let state = ductor::infra::health::HttpState {
+        pool,
+        kafka_probe: std::sync::Arc::new(kafka_probe),
+        readiness_timeout: Duration::from_secs(2),
+        ingress: None,
+    };
+    let shutdown = CancellationToken::new();
+    let public = serve_router(
+        ductor::infra::health::public_router(state.clone()),
+        &shutdown,
+    )
+    .await;
+    let admin = serve_router(ductor::infra::health::admin_router(state), &shutdown).await;
+
+    let (status, body) = http(public, "GET", "/readyz", &[], b"").await;
+    assert_eq!(status, 503);
+    let text = String::from_utf8_lossy(&body);
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&body).unwrap(),
+        serde_json::json!({"status": "not_ready"}),
+        "no check and no error on the public listener: {text}"
+    );
+
+    let (status, body) = http(admin, "GET", "/readyz", &[], b"").await;
+    assert_eq!(status, 503);
+    let detailed: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(detailed["status"], "not_ready");
+    assert_eq!(detailed["postgres"]["ok"], false, "{detailed}");
+    assert!(
+        detailed["postgres"]["error"]
+            .as_str()
+            .is_some_and(|e| !e.is_empty()),
+        "the admin readiness says why: {detailed}"
+    );
+    assert_eq!(detailed["kafka"]["ok"], true, "{detailed}");
+    shutdown.cancel();
+}
+
+/// Serves `router` on a fresh loopback port until `shutdown`.
+async fn serve_router(router: axum::Router, shutdown: &CancellationToken) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let shutdown = shutdown.clone();
+    tokio::spawn(async move {
+        axum::serve(listener, router)
+            .with_graceful_shutdown(shutdown.cancelled_owned())
+            .await
+    });
+    addr
 }

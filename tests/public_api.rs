@@ -41,12 +41,14 @@ impl Env {
         ductor::infra::kafka::create_configured_topics(&config)
             .await
             .expect("creating topics");
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
+        let listeners = ductor::cli::serve::Listeners::bind(&config.server)
+            .await
+            .unwrap();
+        let addr = listeners.public.local_addr().unwrap();
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(ductor::cli::serve::run_on(
             config.clone(),
-            listener,
+            listeners,
             shutdown.clone(),
         ));
         eventually("serve answers /healthz", WAIT, || async {

@@ -32,6 +32,8 @@ struct Server {
     addr: SocketAddr,
     /// The API as tenant `acme`.
     api: Api,
+    /// The admin listener: metrics and the detailed readiness.
+    admin: SocketAddr,
     shutdown: CancellationToken,
     task: JoinHandle<anyhow::Result<()>>,
 }
@@ -60,12 +62,15 @@ impl Env {
     }
 
     async fn serve(&self) -> Server {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
+        let listeners = ductor::cli::serve::Listeners::bind(&self.config.server)
+            .await
+            .unwrap();
+        let addr = listeners.public.local_addr().unwrap();
+        let admin = listeners.admin.local_addr().unwrap();
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(ductor::cli::serve::run_on(
             self.config.clone(),
-            listener,
+            listeners,
             shutdown.clone(),
         ));
         let server = Server {
@@ -74,6 +79,7 @@ impl Env {
                 addr,
                 token: leak(api_key(&self.db, "acme", &ALL_SCOPES).await),
             },
+            admin,
             shutdown,
             task,
         };
@@ -612,9 +618,9 @@ async fn hostile_json_bodies_get_a_422_with_their_class_and_reserve_nothing() {
 async fn a_stalled_apply_lane_makes_readiness_fail_until_its_batch_commits() {
     let env = Env::new(|c| c.coordinator.stall_after_ms = 500).await;
     let server = env.serve().await;
-    let addr = server.addr;
+    let (public, admin) = (server.addr, server.admin);
     let ready = || async {
-        let (code, body) = http(addr, "GET", "/readyz", &[], b"").await;
+        let (code, body) = http(admin, "GET", "/readyz", &[], b"").await;
         (
             code,
             serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null),
@@ -649,6 +655,15 @@ async fn a_stalled_apply_lane_makes_readiness_fail_until_its_batch_commits() {
     let error = stalled["ingress"]["error"].as_str().unwrap();
     assert!(error.contains("lane"), "{error}");
     assert_eq!(stalled["postgres"]["ok"], true);
+    // The public listener tells the verdict, not the lane or the error.
+    let (code, body) = http(public, "GET", "/readyz", &[], b"").await;
+    assert_eq!(code, 503);
+    assert_eq!(
+        serde_json::from_slice::<Value>(&body).unwrap(),
+        json!({"status": "not_ready"}),
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
     lock.rollback().await.unwrap();
     eventually("readiness recovers", WAIT, || async {
         (ready().await.0 == 200).then_some(())

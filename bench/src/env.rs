@@ -88,7 +88,12 @@ impl BenchEnv {
         base.coordinator.workflows_dir = workflows.clone();
         base.kafka.step_pools = vec![POOL.to_string()];
         base.kafka.extra_topics = Vec::new();
+        // Ports of their own, so that a bench beside a running serve (or
+        // another bench) binds.
         base.server.listen = "127.0.0.1:0".parse().context("parsing listen address")?;
+        base.server.admin_listen = "127.0.0.1:0"
+            .parse()
+            .context("parsing admin listen address")?;
 
         ductor::infra::db::migrate_database(&base.database).await?;
         let env = BenchEnv {

@@ -327,7 +327,7 @@ pub async fn run(config: &Config, args: &FuzzArgs) -> anyhow::Result<FuzzReport>
         handler,
         shutdown.clone(),
     ));
-    let watch = tokio::spawn(watch_stalls(serve.addr, shutdown.clone()));
+    let watch = tokio::spawn(watch_stalls(serve.admin_addr, shutdown.clone()));
     let mut report = FuzzReport::default();
     let authorization = super::keys::issue(config, &[FUZZ_TENANT.to_string()]).await?;
     let authorization = &authorization[FUZZ_TENANT];
@@ -471,8 +471,8 @@ struct Stalls {
     max_stalled: u64,
 }
 
-/// Reads the serve's `ductor_ingress_stalled_lanes` every second until
-/// `stop`.
+/// Reads the serve's `ductor_ingress_stalled_lanes` every second, on its
+/// admin listener `addr`, until `stop`.
 async fn watch_stalls(addr: SocketAddr, stop: CancellationToken) -> Stalls {
     let mut stalls = Stalls::default();
     loop {

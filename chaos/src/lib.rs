@@ -8,7 +8,7 @@
 //! and runs [`check`]. The binary is `ductor-chaos` (`chaos/src/main.rs`):
 //!
 //! ```text
-//! ductor-chaos load  --log FILE --duration-s S [--rate R] [--http ADDR]... [--config FILE]
+//! ductor-chaos load  --log FILE --duration-s S [--rate R] [--http ADDR]... [--admin ADDR]... [--config FILE]
 //! ductor-chaos check --log FILE [--faults FILE] [--settle-timeout-s S] [--config FILE]
 //! ```
 //!
@@ -67,6 +67,11 @@ pub struct LoadArgs {
     /// HTTP traffic without one.
     #[arg(long)]
     pub http: Vec<std::net::SocketAddr>,
+    /// `ductor serve` admin addresses (`server.admin_listen`, repeatable)
+    /// whose `/metrics` the driver reads each second for stalled lanes;
+    /// none, no such watch.
+    #[arg(long)]
+    pub admin: Vec<std::net::SocketAddr>,
     /// Upper bound of the wind-down after `--duration-s`.
     #[arg(long, default_value_t = 90)]
     pub drain_s: u64,

@@ -252,6 +252,8 @@ struct Driver {
     http: Vec<SocketAddr>,
     /// Each tenant's `Authorization` header value for the HTTP starts.
     authorization: BTreeMap<String, String>,
+    /// The serves' admin addresses, where their metrics are.
+    admin: Vec<SocketAddr>,
     sends: Semaphore,
     http_slots: Semaphore,
     delayed: AtomicUsize,
@@ -490,6 +492,7 @@ impl Driver {
             tenants: args.tenants.clone(),
             http: args.http.clone(),
             authorization,
+            admin: args.admin.clone(),
             sends: Semaphore::new(MAX_SENDS_IN_FLIGHT),
             http_slots: Semaphore::new(MAX_HTTP_IN_FLIGHT),
             delayed: AtomicUsize::new(0),
@@ -1259,15 +1262,16 @@ impl Driver {
         Some(input)
     }
 
-    /// Reads every serve's `ductor_ingress_stalled_lanes` each second, and
-    /// logs each reading above zero (the checker's `lane_stalled`).
+    /// Reads every serve's `ductor_ingress_stalled_lanes` (on its admin
+    /// listener) each second, and logs each reading above zero (the
+    /// checker's `lane_stalled`).
     async fn watch_stalls(self: Arc<Self>, stop: CancellationToken) {
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {}
             }
-            for server in &self.http {
+            for server in &self.admin {
                 let metrics = super::http::request(
                     *server,
                     "GET",

@@ -37,19 +37,25 @@ fn overrides_configuration(name: &str) -> bool {
 pub struct ServeProcess {
     child: tokio::process::Child,
     bin: PathBuf,
+    /// The public listener: the API and the bare readiness.
     pub addr: SocketAddr,
+    /// The admin listener: metrics and the detailed readiness.
+    pub admin_addr: SocketAddr,
     config_file: PathBuf,
     pub log_file: PathBuf,
 }
 
 impl ServeProcess {
-    /// Starts it on `config` with a free port, and waits until it is ready.
+    /// Starts it on `config` with two free ports, and waits until it is
+    /// ready.
     pub async fn start(bin: &Path, config: &Config) -> anyhow::Result<ServeProcess> {
-        let addr = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .context("finding a free port")?;
+        // Both found before either is given up, so that they differ.
+        let (public, admin) = (free_port()?, free_port()?);
+        let (addr, admin_addr) = (public.local_addr()?, admin.local_addr()?);
+        drop((public, admin));
         let mut config = config.clone();
         config.server.listen = addr;
+        config.server.admin_listen = admin_addr;
         let stem = format!("ductor-serve-{}", uuid::Uuid::new_v4().simple());
         let config_file = std::env::temp_dir().join(format!("{stem}.toml"));
         let log_file = std::env::temp_dir().join(format!("{stem}.log"));
@@ -61,6 +67,7 @@ impl ServeProcess {
             child,
             bin: bin.to_path_buf(),
             addr,
+            admin_addr,
             config_file,
             log_file,
         };
@@ -69,7 +76,7 @@ impl ServeProcess {
     }
 
     /// SIGKILLs it and starts it again at once on the same configuration
-    /// (its port, its `group.instance.id`), as a supervisor would; returns
+    /// (its ports, its `group.instance.id`), as a supervisor would; returns
     /// once the new process is ready.
     pub async fn kill_and_restart(&mut self) -> anyhow::Result<()> {
         self.child.kill().await.context("killing the serve")?;
@@ -136,6 +143,11 @@ impl ServeProcess {
         }
         let _ = std::fs::remove_file(&self.config_file);
     }
+}
+
+/// A loopback port nothing listens on, held until the listener is dropped.
+fn free_port() -> anyhow::Result<std::net::TcpListener> {
+    std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")
 }
 
 /// Starts `bin serve` on `config_file`, appending to `log_file`.

@@ -56,6 +56,7 @@ fn config(db: &TestDb, workflows: &std::path::Path) -> Config {
         ),
         ("DUCTOR__KAFKA__EXTRA_TOPICS", "[]".into()),
         ("DUCTOR__SERVER__LISTEN", "127.0.0.1:0".into()),
+        ("DUCTOR__SERVER__ADMIN_LISTEN", "127.0.0.1:0".into()),
         (
             "DUCTOR__COORDINATOR__WORKFLOWS_DIR",
             workflows.display().to_string(),
@@ -84,12 +85,15 @@ async fn checker_passes_a_clean_run_and_flags_corrupted_ones() {
         .await
         .expect("creating topics");
 
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
+    let listeners = ductor::cli::serve::Listeners::bind(&config.server)
+        .await
+        .unwrap();
+    let addr = listeners.public.local_addr().unwrap();
+    let admin = listeners.admin.local_addr().unwrap();
     let shutdown = CancellationToken::new();
     let serve = tokio::spawn(ductor::cli::serve::run_on(
         config.clone(),
-        listener,
+        listeners,
         shutdown.clone(),
     ));
 
@@ -100,6 +104,7 @@ async fn checker_passes_a_clean_run_and_flags_corrupted_ones() {
             duration_s: 6,
             rate: 15.0,
             http: vec![addr],
+            admin: vec![admin],
             drain_s: 60,
             tenants: vec!["acme".into(), "globex".into()],
         },

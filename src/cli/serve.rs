@@ -12,16 +12,47 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::{AuthMode, Config};
 use crate::coordinator::Workflows;
-use crate::infra::health::{HttpState, router};
+use crate::infra::health::HttpState;
 use crate::outbox::{FastLane, Handoff, Wakeup};
 
 /// Runs until `shutdown` is cancelled, then lets in-flight work finish within
 /// `server.shutdown_grace_ms`.
 pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind(config.server.listen)
-        .await
-        .with_context(|| format!("binding http listener on {}", config.server.listen))?;
-    run_on(config, listener, shutdown).await
+    let listeners = Listeners::bind(&config.server).await?;
+    run_on(config, listeners, shutdown).await
+}
+
+/// The process's two HTTP listeners: the public one (`server.listen`), for
+/// the routing API and a bare readiness, and the admin one
+/// (`server.admin_listen`), for metrics, detailed readiness and the
+/// operator's endpoints.
+pub struct Listeners {
+    pub public: tokio::net::TcpListener,
+    pub admin: tokio::net::TcpListener,
+}
+
+impl Listeners {
+    /// Binds both addresses of `server`; an address that cannot be bound
+    /// is an error naming it and its key.
+    pub async fn bind(server: &crate::config::ServerConfig) -> anyhow::Result<Listeners> {
+        let public = tokio::net::TcpListener::bind(server.listen)
+            .await
+            .with_context(|| {
+                format!(
+                    "binding the public http listener on {} (server.listen)",
+                    server.listen
+                )
+            })?;
+        let admin = tokio::net::TcpListener::bind(server.admin_listen)
+            .await
+            .with_context(|| {
+                format!(
+                    "binding the admin http listener on {} (server.admin_listen)",
+                    server.admin_listen
+                )
+            })?;
+        Ok(Listeners { public, admin })
+    }
 }
 
 /// Refuses to start when a topic takes smaller records than Ductor may
@@ -44,10 +75,11 @@ async fn check_topic_limits(config: &Config) -> anyhow::Result<()> {
 /// How long `serve` waits at start-up for the topics' limits.
 const TOPIC_CHECK_TIMEOUT_MS: u64 = 10_000;
 
-/// [`run`] on an already bound listener (tests bind port 0 and read it back).
+/// [`run`] on already bound listeners (tests bind port 0 and read them
+/// back).
 pub async fn run_on(
     config: Config,
-    listener: tokio::net::TcpListener,
+    listeners: Listeners,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let workflows = load_workflows(&config)?;
@@ -70,7 +102,7 @@ pub async fn run_on(
     };
     let handoff = drainer.as_ref().map(|local| local.handoff.clone());
     let api_state = api_state(&config, &workflows, handoff.clone(), &wakeup).await?;
-    spawn_http(&tasks, listener, http_state, api_state)?;
+    spawn_http(&tasks, listeners, http_state, api_state)?;
     spawn_routing_maintenance(&tasks, &pool, &config);
     if let Some(local) = drainer {
         spawn_drainer(&tasks, local, &wakeup);
@@ -275,21 +307,34 @@ async fn api_state(
     })
 }
 
-/// Serves the health endpoints and the routing API on `listener` until
-/// shutdown.
+/// Serves the routing API with the public health endpoints on the public
+/// listener, and the admin endpoints on the admin listener, until shutdown.
 fn spawn_http(
     tasks: &Tasks,
-    listener: tokio::net::TcpListener,
+    listeners: Listeners,
     http_state: HttpState,
     api_state: crate::routing::http::ApiState,
 ) -> anyhow::Result<()> {
+    let public = crate::infra::health::public_router(http_state.clone())
+        .merge(crate::routing::http::router(api_state));
+    let admin = crate::infra::health::admin_router(http_state);
+    serve_http(tasks, "public http server", listeners.public, public)?;
+    serve_http(tasks, "admin http server", listeners.admin, admin)
+}
+
+/// Serves `app` on `listener` until shutdown, as a vital task named `what`.
+fn serve_http(
+    tasks: &Tasks,
+    what: &'static str,
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+) -> anyhow::Result<()> {
     let addr = listener
         .local_addr()
-        .context("reading the http listener's address")?;
-    tracing::info!(%addr, "http listening");
+        .with_context(|| format!("reading the {what}'s address"))?;
+    tracing::info!(%addr, server = what, "http listening");
     let shutdown = tasks.shutdown.clone();
-    tasks.spawn_vital("http server", async move {
-        let app = router(http_state).merge(crate::routing::http::router(api_state));
+    tasks.spawn_vital(what, async move {
         axum::serve(listener, app)
             .with_graceful_shutdown(shutdown.cancelled_owned())
             .await

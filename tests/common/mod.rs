@@ -181,6 +181,10 @@ pub fn test_config(db: &TestDb) -> Config {
             "127.0.0.1:0".to_string(),
         ),
         (
+            "DUCTOR__SERVER__ADMIN_LISTEN".to_string(),
+            "127.0.0.1:0".to_string(),
+        ),
+        (
             "DUCTOR__COORDINATOR__WORKFLOWS_DIR".to_string(),
             workspace_dir()
                 .join("config/workflows")
