@@ -67,6 +67,61 @@ pub struct Config {
     pub coordinator: CoordinatorConfig,
     pub drainer: DrainerConfig,
     pub routing: RoutingConfig,
+    /// Off unless configured: inputs signed per tenant.
+    #[serde(default)]
+    pub signatures: SignaturesConfig,
+}
+
+/// Signed inputs (`ductor-signature`, HMAC-SHA256 of the record's value
+/// with the tenant's key; see [`crate::contract::signature`]). Where they
+/// are required, an unsigned or mis-signed input is dead-lettered with
+/// class `unauthenticated`. Kafka ACLs decide who may write a topic at all;
+/// signatures decide which tenant a writer may speak for.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SignaturesConfig {
+    /// Pools whose `run.start` inputs must be signed.
+    #[serde(default)]
+    pub pools: Vec<String>,
+    /// Every input from outside Ductor must be signed: starts of any pool,
+    /// attempt results, signals and cancels (a result or a signal names no
+    /// pool, so only this covers them). Ductor's own timers are not signed;
+    /// Kafka ACLs keep others from writing them.
+    #[serde(default)]
+    pub all_inputs: bool,
+    /// Each tenant's signing key. Set them through the environment
+    /// (`DUCTOR__SIGNATURES__TENANT_KEYS__ACME=...`) rather than a file;
+    /// they are redacted wherever the configuration is printed. The HTTP
+    /// API signs the signals and cancels it puts on Kafka with them.
+    #[serde(default)]
+    pub tenant_keys: BTreeMap<String, SigningKey>,
+}
+
+impl SignaturesConfig {
+    /// Whether an input of this kind (a start of `start_pool`, or another
+    /// input from outside Ductor) must be signed.
+    pub fn required(&self, start_pool: Option<&str>) -> bool {
+        self.all_inputs || start_pool.is_some_and(|pool| self.pools.iter().any(|p| p == pool))
+    }
+
+    /// `tenant`'s key, if it has one.
+    pub fn key(&self, tenant: &str) -> Option<&[u8]> {
+        self.tenant_keys.get(tenant).map(|k| k.0.as_bytes())
+    }
+}
+
+/// Shortest signing key accepted: a key guessed is a tenant impersonated.
+pub const MIN_SIGNING_KEY_BYTES: usize = 16;
+
+/// A tenant's signing key: printed as `[redacted]`.
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct SigningKey(pub String);
+
+impl fmt::Debug for SigningKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("\"[redacted]\"")
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -599,6 +654,19 @@ impl Config {
         }
         if self.database.max_connections == 0 {
             return Err(invalid("database.max_connections", "must be at least 1"));
+        }
+        if let Some((tenant, _)) = self
+            .signatures
+            .tenant_keys
+            .iter()
+            .find(|(_, key)| key.0.len() < MIN_SIGNING_KEY_BYTES)
+        {
+            return Err(invalid(
+                "signatures.tenant_keys",
+                format!(
+                    "the key of tenant {tenant:?} is shorter than {MIN_SIGNING_KEY_BYTES} bytes"
+                ),
+            ));
         }
         if self.database.api_max_connections == 0 {
             return Err(invalid(

@@ -358,3 +358,34 @@ fn the_admin_listener_is_loopback_by_default_and_apart_from_the_public_one() {
         .expect("listeners apart");
     }
 }
+
+#[test]
+fn signing_keys_come_from_the_environment_are_redacted_and_must_be_long() {
+    let key = "acme-signing-key-0123456789";
+    let config = Config::load_from(
+        None,
+        env(&[
+            ("DUCTOR__SIGNATURES__TENANT_KEYS__ACME", key),
+            ("DUCTOR__SIGNATURES__POOLS", "[\"payments\"]"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(config.signatures.key("acme"), Some(key.as_bytes()));
+    assert!(config.signatures.required(Some("payments")));
+    assert!(!config.signatures.required(Some("default")) && !config.signatures.required(None));
+    let printed = format!("{config:?}");
+    assert!(
+        !printed.contains(key) && printed.contains("[redacted]"),
+        "{printed}"
+    );
+    let short = Config::load_from(
+        None,
+        env(&[("DUCTOR__SIGNATURES__TENANT_KEYS__ACME", "short")]),
+    );
+    assert!(
+        short
+            .unwrap_err()
+            .to_string()
+            .contains("signatures.tenant_keys")
+    );
+}

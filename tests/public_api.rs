@@ -468,6 +468,116 @@ async fn the_api_has_a_bounded_database_pool_of_its_own() {
     env.stop().await;
 }
 
+#[tokio::test]
+async fn where_signatures_are_required_unsigned_or_mis_signed_inputs_are_dead_lettered() {
+    const KEY: &str = "acme-signing-key-0123456789";
+    let env = Env::start(|c| {
+        c.signatures.all_inputs = true;
+        c.signatures
+            .tenant_keys
+            .insert("acme".into(), ductor::config::SigningKey(KEY.into()));
+    })
+    .await;
+    let dlq = reader(&[&env.config.dlq_topic()]);
+    let producer = producer();
+    let requests = env.config.requests_topic();
+    let start = |run_id: &str| {
+        json!({"type": "run.start", "schema_version": 1, "run_id": run_id,
+               "tenant": "acme", "workflow": "example"})
+        .to_string()
+    };
+    let signed = start("signed-1");
+    let signature = ductor::contract::signature::sign(KEY.as_bytes(), signed.as_bytes());
+    let header = ductor::contract::signature::SIGNATURE;
+    produce(
+        &producer,
+        &requests,
+        "signed-1",
+        signed.as_bytes(),
+        &[(header, &signature)],
+    )
+    .await;
+    let unsigned = start("unsigned-1");
+    produce(&producer, &requests, "unsigned-1", unsigned.as_bytes(), &[]).await;
+    let forged = start("forged-1");
+    let wrong = ductor::contract::signature::sign(b"not-acme-s-key-0123456789", forged.as_bytes());
+    produce(
+        &producer,
+        &requests,
+        "forged-1",
+        forged.as_bytes(),
+        &[(header, &wrong)],
+    )
+    .await;
+    // Signed for another input: a signature covers its own value only.
+    let replayed = start("replayed-1");
+    produce(
+        &producer,
+        &requests,
+        "replayed-1",
+        replayed.as_bytes(),
+        &[(header, &signature)],
+    )
+    .await;
+
+    let dead = read_n(&dlq, 3, WAIT).await;
+    let mut refused: Vec<(String, String)> = dead
+        .iter()
+        .map(|m| {
+            let value = String::from_utf8_lossy(rdkafka::Message::payload(m).unwrap()).to_string();
+            let run: Value = serde_json::from_str(&value).unwrap();
+            (run["run_id"].as_str().unwrap().to_string(), dlq_class(m))
+        })
+        .collect();
+    refused.sort();
+    let expected = ["forged-1", "replayed-1", "unsigned-1"]
+        .map(|r| (r.to_string(), "unauthenticated".to_string()));
+    assert_eq!(refused, expected);
+    eventually("the signed start is applied", WAIT, || async {
+        (env.db.count("runs").await == 1).then_some(())
+    })
+    .await;
+    assert_eq!(env.status("signed-1").await, "running");
+
+    // The HTTP API signs what it puts on Kafka for the tenant; an unsigned
+    // signal on Kafka is refused.
+    let acme = api_key(&env.db, "acme", &BOTH).await;
+    let (status, _) = env
+        .call(
+            Some(&acme),
+            "POST",
+            "/v1/runs/signed-1/signals",
+            &[],
+            json!({"name": "poke"}),
+        )
+        .await;
+    assert_eq!(status, 202);
+    let wakeups = env.config.wakeups_topic();
+    let signal = json!({"type": "wakeup.signal", "schema_version": 1, "run_id": "signed-1",
+        "tenant": "acme", "signal_id": "unsigned-signal", "name": "poke", "payload": null})
+    .to_string();
+    produce(&producer, &wakeups, "signed-1", signal.as_bytes(), &[]).await;
+    let dead = read_n(&dlq, 1, WAIT).await;
+    assert_eq!(dlq_class(&dead[0]), "unauthenticated");
+    eventually("the API's signal is applied", WAIT, || async {
+        let kinds = env.transitions("signed-1").await;
+        (kinds.iter().filter(|k| *k == "run.signalled").count() == 1).then_some(())
+    })
+    .await;
+    env.stop().await;
+}
+
+fn dlq_class(m: &rdkafka::message::OwnedMessage) -> String {
+    use rdkafka::message::{Headers, Message};
+    let headers = m.headers().expect("a dead letter has headers");
+    headers
+        .iter()
+        .find(|h| h.key == "ductor-dlq-error-class")
+        .and_then(|h| h.value)
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .expect("a dead letter names its class")
+}
+
 /// A `POST /v1/runs` whose headers promise a body that never comes.
 struct SlowRequest(tokio::net::TcpStream);
 

@@ -303,6 +303,7 @@ async fn api_state(
             producer: crate::infra::kafka::producer(&config.kafka, "api")?,
             topic: config.wakeups_topic(),
             timeout: Duration::from_millis(config.kafka.delivery_timeout_ms),
+            signatures: config.signatures.clone(),
         },
     })
 }

@@ -148,6 +148,9 @@ pub struct WorkerOptions {
     /// What is still running then is abandoned, its offset unstored.
     pub shutdown_grace: Duration,
     pub hooks: TestHooks,
+    /// The tenants' signing keys: a result of a run whose tenant has one is
+    /// signed (`ductor-signature`), as the coordinator may require.
+    pub signatures: crate::config::SignaturesConfig,
 }
 
 impl WorkerOptions {
@@ -166,6 +169,7 @@ impl WorkerOptions {
             result_shape: config.input_limits().shape,
             shutdown_grace: Duration::from_millis(config.server.shutdown_grace_ms),
             hooks: TestHooks::default(),
+            signatures: config.signatures.clone(),
         }
     }
 }
@@ -253,6 +257,7 @@ where
         },
         publish_timeout: Duration::from_millis(options.kafka.delivery_timeout_ms),
         stop_before_publish: options.hooks.stop_before_publish,
+        signatures: options.signatures.clone(),
         shutdown: shutdown.clone(),
     });
     let mut worker = Worker {
@@ -285,6 +290,7 @@ struct Shared<F> {
     publish_timeout: Duration,
     stop_before_publish: bool,
     shutdown: CancellationToken,
+    signatures: crate::config::SignaturesConfig,
 }
 
 /// How an attempt task ended.
@@ -504,7 +510,7 @@ where
     if shared.stop_before_publish {
         return Finished::HookStopped;
     }
-    match publish(&shared, &run_id, payload.as_bytes()).await {
+    match publish(&shared, &run_id, &tenant, payload.as_bytes()).await {
         Ok(()) => Finished::Published(ticket),
         Err(e) => {
             tracing::warn!(error = %e, "step result not published before shutdown; the dispatch will be redelivered");
@@ -539,11 +545,23 @@ fn classify(
 
 /// Publishes keyed by `run_id` and waits for the broker's acknowledgement;
 /// retries with capped backoff until it succeeds or shutdown begins.
-async fn publish<F>(shared: &Shared<F>, run_id: &str, payload: &[u8]) -> anyhow::Result<()> {
-    let headers = OwnedHeaders::new().insert(Header {
+async fn publish<F>(
+    shared: &Shared<F>,
+    run_id: &str,
+    tenant: &str,
+    payload: &[u8],
+) -> anyhow::Result<()> {
+    let mut headers = OwnedHeaders::new().insert(Header {
         key: "content-type",
         value: Some("application/json"),
     });
+    if let Some(key) = shared.signatures.key(tenant) {
+        let signature = crate::contract::signature::sign(key, payload);
+        headers = headers.insert(Header {
+            key: crate::contract::signature::SIGNATURE,
+            value: Some(signature.as_str()),
+        });
+    }
     let send = || async {
         let record = FutureRecord::to(&shared.results_topic)
             .key(run_id)

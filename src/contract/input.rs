@@ -166,6 +166,8 @@ pub enum InputErrorClass {
     UnsupportedVersion,
     Invalid,
     WrongTopic,
+    /// Unsigned or mis-signed where signatures are required.
+    Unauthenticated,
 }
 
 impl InputErrorClass {
@@ -180,6 +182,7 @@ impl InputErrorClass {
             InputErrorClass::UnsupportedVersion => "unsupported_version",
             InputErrorClass::Invalid => "invalid",
             InputErrorClass::WrongTopic => "wrong_topic",
+            InputErrorClass::Unauthenticated => "unauthenticated",
         }
     }
 }

@@ -17,6 +17,7 @@ pub mod headers;
 pub mod input;
 pub mod names;
 pub mod screen;
+pub mod signature;
 
 pub use effects::{DecodeError, Effect, EffectKind, EffectTarget, StepDispatch, TransitionKind};
 pub use input::{

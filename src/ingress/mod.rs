@@ -38,7 +38,7 @@ use crate::contract::Source;
 use crate::contract::{InputLimits, InputTopic};
 use crate::coordinator::{NoOpReason, Workflows};
 use crate::infra::health::LaneWatch;
-use crate::ingress::classify::{Classified, classify};
+use crate::ingress::classify::{Classified, check_signature, classify};
 use crate::ingress::dead_letter::{DeadLetter, DeadLetterPublisher, Stage};
 use crate::routing::{self, RouteOutcome};
 
@@ -242,6 +242,8 @@ pub struct IngressContext {
     pub concurrent_batch_min_inputs: usize,
     /// The bounds every input keeps (size and shape).
     pub limits: InputLimits,
+    /// Which inputs must be signed, and the tenants' keys.
+    pub signatures: crate::config::SignaturesConfig,
     /// How a batch that failed transiently is retried.
     pub retry: RetryPolicy,
     pub hooks: TestHooks,
@@ -283,6 +285,7 @@ impl IngressContext {
             apply_lanes: config.coordinator.apply_lanes,
             concurrent_batch_min_inputs: config.coordinator.concurrent_batch_min_inputs,
             limits: config.input_limits(),
+            signatures: config.signatures.clone(),
             retry: RetryPolicy {
                 min: Duration::from_millis(config.coordinator.apply_retry_min_ms),
                 max: Duration::from_millis(config.coordinator.apply_retry_max_ms),
@@ -704,7 +707,11 @@ fn sort<'m>(ctx: &IngressContext, batch: &'m [OwnedMessage]) -> Sorted<'m> {
             offset: msg.offset(),
         };
         let payload = msg.payload().unwrap_or_default();
-        match classify(kind, payload, &source, &ctx.limits) {
+        let classified = classify(kind, payload, &source, &ctx.limits).and_then(|c| {
+            check_signature(&ctx.signatures, &c, payload, signature_header(msg))?;
+            Ok(c)
+        });
+        match classified {
             Ok(Classified::Routed(mut request)) => {
                 request.source = Some(source);
                 sorted.routed.push(*request);
@@ -726,6 +733,16 @@ fn sort<'m>(ctx: &IngressContext, batch: &'m [OwnedMessage]) -> Sorted<'m> {
         }
     }
     sorted
+}
+
+/// The `ductor-signature` header of a message, if it has one.
+fn signature_header(msg: &OwnedMessage) -> Option<&[u8]> {
+    use rdkafka::message::Headers;
+    let headers = msg.headers()?;
+    headers
+        .iter()
+        .find(|h| h.key == crate::contract::signature::SIGNATURE)
+        .and_then(|h| h.value)
 }
 
 /// Counts what each input did, and dead-letters the rejected ones.

@@ -29,6 +29,9 @@ pub struct InputSink {
     pub topic: String,
     /// Bound on the broker's acknowledgement.
     pub timeout: Duration,
+    /// The tenants' signing keys: an input of a tenant with one is signed,
+    /// as the ingress may require.
+    pub signatures: crate::config::SignaturesConfig,
 }
 
 /// `GET /v1/runs/{id}`: the run, if it is the caller's tenant's.
@@ -167,7 +170,19 @@ async fn send(
     }
     let bytes = serde_json::to_vec(&input).expect("a JSON value serializes");
     let sink = &state.inputs;
-    let record = FutureRecord::to(&sink.topic).key(run_id).payload(&bytes);
+    let signature = sink
+        .signatures
+        .key(tenant)
+        .map(|key| crate::contract::signature::sign(key, &bytes));
+    let mut record = FutureRecord::to(&sink.topic).key(run_id).payload(&bytes);
+    if let Some(signature) = &signature {
+        record = record.headers(rdkafka::message::OwnedHeaders::new().insert(
+            rdkafka::message::Header {
+                key: crate::contract::signature::SIGNATURE,
+                value: Some(signature.as_str()),
+            },
+        ));
+    }
     sink.producer
         .send(record, sink.timeout)
         .await
