@@ -306,6 +306,35 @@ pub struct ServerConfig {
     pub requests_per_second: u32,
     /// Requests a key may make at once above its rate (its bucket's size).
     pub request_burst: u32,
+    /// Bound on reading a request's head (its request line and headers)
+    /// on either listener, counted from the connection's opening or the
+    /// previous answer; with TLS, the handshake is held to it too. Past it
+    /// the connection is closed without an answer, so a client that
+    /// trickles its headers, or sends none, cannot hold a connection.
+    pub header_read_timeout_ms: u64,
+    /// PEM file of the public listener's certificate chain (the server's
+    /// certificate first). Set with `tls_key_file`, the public listener
+    /// speaks only TLS; unset (the default), only plain HTTP. Both files are
+    /// read at start-up, where one that cannot be read or that does not
+    /// match the other keeps `serve` from starting; they are read again on
+    /// SIGHUP and when either's modification time changes (see
+    /// `tls_check_interval_ms`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM file of the private key of `tls_cert_file` (PKCS#8, PKCS#1 or
+    /// SEC1). Both or neither.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_key_file: Option<PathBuf>,
+    /// `tls_cert_file` for the admin listener.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub admin_tls_cert_file: Option<PathBuf>,
+    /// `tls_key_file` for the admin listener. Both or neither.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub admin_tls_key_file: Option<PathBuf>,
+    /// How often `serve` looks at the modification times of the TLS files.
+    /// A change loads the new pair for new connections (open ones keep
+    /// theirs); a pair that does not load is logged and the old one kept.
+    pub tls_check_interval_ms: u64,
     /// Whether the public API requires an API key (`Authorization: Bearer
     /// <key>`, made with `ductor keys create`): `required` (the default),
     /// or `disabled`, for local development only, where every request names
@@ -609,6 +638,7 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.validate_server()?;
         self.validate_database()?;
+        self.validate_limits()?;
         self.validate_kafka()?;
         self.validate_batches()?;
         self.validate_state_bound()?;
@@ -618,7 +648,8 @@ impl Config {
     }
 
     /// The two listeners are apart: on one address the admin endpoints
-    /// would answer beside the public API (or the second bind fail).
+    /// would answer beside the public API (or the second bind fail). Each
+    /// has a certificate and its key, or neither.
     fn validate_server(&self) -> Result<(), ConfigError> {
         let (public, admin) = (self.server.listen, self.server.admin_listen);
         let same_ip = public.ip() == admin.ip()
@@ -632,29 +663,19 @@ impl Config {
                 ),
             ));
         }
-        Ok(())
+        let server = &self.server;
+        both_or_neither(
+            ("server.tls_cert_file", &server.tls_cert_file),
+            ("server.tls_key_file", &server.tls_key_file),
+        )?;
+        both_or_neither(
+            ("server.admin_tls_cert_file", &server.admin_tls_cert_file),
+            ("server.admin_tls_key_file", &server.admin_tls_key_file),
+        )
     }
 
-    /// The database URL and pool.
-    fn validate_database(&self) -> Result<(), ConfigError> {
-        let postgres = |url: &DatabaseUrl| {
-            url::Url::parse(url.expose())
-                .is_ok_and(|u| matches!(u.scheme(), "postgres" | "postgresql"))
-        };
-        if !postgres(&self.database.url) {
-            return Err(invalid("database.url", "must be a postgres:// URL"));
-        }
-        if !self.database.migrate_url.as_ref().is_none_or(postgres) {
-            return Err(invalid("database.migrate_url", "must be a postgres:// URL"));
-        }
-        if let Some(role) = &self.database.app_role
-            && (role.is_empty() || role.len() > 63)
-        {
-            return Err(invalid("database.app_role", "must be 1 to 63 bytes"));
-        }
-        if self.database.max_connections == 0 {
-            return Err(invalid("database.max_connections", "must be at least 1"));
-        }
+    /// The bounds of the public API and the signing keys.
+    fn validate_limits(&self) -> Result<(), ConfigError> {
         if let Some((tenant, _)) = self
             .signatures
             .tenant_keys
@@ -689,10 +710,41 @@ impl Config {
                 "server.body_read_timeout_ms",
                 self.server.body_read_timeout_ms,
             ),
+            (
+                "server.header_read_timeout_ms",
+                self.server.header_read_timeout_ms,
+            ),
+            (
+                "server.tls_check_interval_ms",
+                self.server.tls_check_interval_ms,
+            ),
         ] {
             if value == 0 {
                 return Err(invalid(key, "must be at least 1"));
             }
+        }
+        Ok(())
+    }
+
+    /// The database URL and pool.
+    fn validate_database(&self) -> Result<(), ConfigError> {
+        let postgres = |url: &DatabaseUrl| {
+            url::Url::parse(url.expose())
+                .is_ok_and(|u| matches!(u.scheme(), "postgres" | "postgresql"))
+        };
+        if !postgres(&self.database.url) {
+            return Err(invalid("database.url", "must be a postgres:// URL"));
+        }
+        if !self.database.migrate_url.as_ref().is_none_or(postgres) {
+            return Err(invalid("database.migrate_url", "must be a postgres:// URL"));
+        }
+        if let Some(role) = &self.database.app_role
+            && (role.is_empty() || role.len() > 63)
+        {
+            return Err(invalid("database.app_role", "must be 1 to 63 bytes"));
+        }
+        if self.database.max_connections == 0 {
+            return Err(invalid("database.max_connections", "must be at least 1"));
         }
         if self.database.min_connections > self.database.max_connections {
             return Err(invalid(
@@ -1014,6 +1066,25 @@ impl Config {
         topics.sort();
         topics.dedup();
         topics
+    }
+}
+
+/// A certificate without its key, or a key without its certificate, is
+/// refused, naming the one that is missing.
+fn both_or_neither(
+    cert: (&'static str, &Option<PathBuf>),
+    key: (&'static str, &Option<PathBuf>),
+) -> Result<(), ConfigError> {
+    match (cert.1, key.1) {
+        (Some(_), None) => Err(invalid(
+            key.0,
+            format!("must be set with {} (both or neither)", cert.0),
+        )),
+        (None, Some(_)) => Err(invalid(
+            cert.0,
+            format!("must be set with {} (both or neither)", key.0),
+        )),
+        _ => Ok(()),
     }
 }
 

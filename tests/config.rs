@@ -389,3 +389,55 @@ fn signing_keys_come_from_the_environment_are_redacted_and_must_be_long() {
             .contains("signatures.tenant_keys")
     );
 }
+
+#[test]
+fn a_listener_has_a_certificate_and_its_key_or_neither() {
+    let config = Config::load_from(None, env(&[])).expect("defaults are valid");
+    assert!(config.server.tls_cert_file.is_none() && config.server.admin_tls_key_file.is_none());
+    assert_eq!(config.server.header_read_timeout_ms, 10_000);
+    for (set, missing) in [
+        ("DUCTOR__SERVER__TLS_CERT_FILE", "server.tls_key_file"),
+        ("DUCTOR__SERVER__TLS_KEY_FILE", "server.tls_cert_file"),
+        (
+            "DUCTOR__SERVER__ADMIN_TLS_CERT_FILE",
+            "server.admin_tls_key_file",
+        ),
+        (
+            "DUCTOR__SERVER__ADMIN_TLS_KEY_FILE",
+            "server.admin_tls_cert_file",
+        ),
+    ] {
+        let refused = Config::load_from(None, env(&[(set, "/etc/ductor/tls/x.pem")]))
+            .expect_err("half a pair");
+        let message = refused.to_string();
+        assert!(
+            message.contains(missing) && message.contains("both or neither"),
+            "{message}"
+        );
+    }
+    let config = Config::load_from(
+        None,
+        env(&[
+            (
+                "DUCTOR__SERVER__TLS_CERT_FILE",
+                "/etc/ductor/tls/server.crt",
+            ),
+            ("DUCTOR__SERVER__TLS_KEY_FILE", "/etc/ductor/tls/server.key"),
+        ]),
+    )
+    .expect("a whole pair");
+    assert_eq!(
+        config.server.tls_cert_file.as_deref(),
+        Some(std::path::Path::new("/etc/ductor/tls/server.crt"))
+    );
+    let refused = Config::load_from(
+        None,
+        env(&[("DUCTOR__SERVER__HEADER_READ_TIMEOUT_MS", "0")]),
+    )
+    .expect_err("no time for a head");
+    assert!(
+        refused
+            .to_string()
+            .contains("server.header_read_timeout_ms")
+    );
+}

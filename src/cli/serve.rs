@@ -13,6 +13,7 @@ use tokio_util::task::TaskTracker;
 use crate::config::{AuthMode, Config};
 use crate::coordinator::Workflows;
 use crate::infra::health::HttpState;
+use crate::infra::http_server::{CertStore, ServeOptions, TlsFiles, watch_tls};
 use crate::outbox::{FastLane, Handoff, Wakeup};
 
 /// Runs until `shutdown` is cancelled, then lets in-flight work finish within
@@ -83,6 +84,7 @@ pub async fn run_on(
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let workflows = load_workflows(&config)?;
+    let tls = ListenerTls::load(&config.server)?;
     check_topic_limits(&config).await?;
     let pool = open_database(&config).await?;
     crate::infra::telemetry::metrics_handle();
@@ -102,7 +104,12 @@ pub async fn run_on(
     };
     let handoff = drainer.as_ref().map(|local| local.handoff.clone());
     let api_state = api_state(&config, &workflows, handoff.clone(), &wakeup).await?;
-    spawn_http(&tasks, listeners, http_state, api_state)?;
+    let routers = Routers {
+        public: crate::infra::health::public_router(http_state.clone())
+            .merge(crate::routing::http::router(api_state)),
+        admin: crate::infra::health::admin_router(http_state),
+    };
+    spawn_http(&tasks, &config.server, listeners, tls, routers)?;
     spawn_routing_maintenance(&tasks, &pool, &config);
     if let Some(local) = drainer {
         spawn_drainer(&tasks, local, &wakeup);
@@ -308,39 +315,89 @@ async fn api_state(
     })
 }
 
-/// Serves the routing API with the public health endpoints on the public
-/// listener, and the admin endpoints on the admin listener, until shutdown.
-fn spawn_http(
-    tasks: &Tasks,
-    listeners: Listeners,
-    http_state: HttpState,
-    api_state: crate::routing::http::ApiState,
-) -> anyhow::Result<()> {
-    let public = crate::infra::health::public_router(http_state.clone())
-        .merge(crate::routing::http::router(api_state));
-    let admin = crate::infra::health::admin_router(http_state);
-    serve_http(tasks, "public http server", listeners.public, public)?;
-    serve_http(tasks, "admin http server", listeners.admin, admin)
+/// The listeners' TLS, each `None` for plain HTTP. Loaded before
+/// anything else starts: a pair that does not load keeps `serve` from
+/// starting, with an error naming the key and the path.
+struct ListenerTls {
+    public: Option<Arc<CertStore>>,
+    admin: Option<Arc<CertStore>>,
 }
 
-/// Serves `app` on `listener` until shutdown, as a vital task named `what`.
+impl ListenerTls {
+    fn load(server: &crate::config::ServerConfig) -> anyhow::Result<ListenerTls> {
+        let store = |files: Option<TlsFiles>, listener| {
+            files
+                .map(|files| CertStore::load(files, listener))
+                .transpose()
+        };
+        Ok(ListenerTls {
+            public: store(TlsFiles::public(server), "public")?,
+            admin: store(TlsFiles::admin(server), "admin")?,
+        })
+    }
+}
+
+/// What each listener serves: the routing API with the public health
+/// endpoints, and the admin endpoints.
+struct Routers {
+    public: axum::Router,
+    admin: axum::Router,
+}
+
+/// Serves the public and the admin routers on their listeners until
+/// shutdown.
+fn spawn_http(
+    tasks: &Tasks,
+    server: &crate::config::ServerConfig,
+    listeners: Listeners,
+    tls: ListenerTls,
+    routers: Routers,
+) -> anyhow::Result<()> {
+    let http = |store| HttpListener {
+        header_read_timeout: Duration::from_millis(server.header_read_timeout_ms),
+        tls_check_interval: Duration::from_millis(server.tls_check_interval_ms),
+        tls: store,
+    };
+    let public = (listeners.public, routers.public);
+    serve_http(tasks, "public http server", public, http(tls.public))?;
+    serve_http(
+        tasks,
+        "admin http server",
+        (listeners.admin, routers.admin),
+        http(tls.admin),
+    )
+}
+
+/// How one listener serves: its bound on a request's head, and its TLS.
+struct HttpListener {
+    header_read_timeout: Duration,
+    tls_check_interval: Duration,
+    tls: Option<Arc<CertStore>>,
+}
+
+/// Serves `app` on `listener` until shutdown, as a vital task named `what`,
+/// with a task that reloads its certificate when it has TLS.
 fn serve_http(
     tasks: &Tasks,
     what: &'static str,
-    listener: tokio::net::TcpListener,
-    app: axum::Router,
+    (listener, app): (tokio::net::TcpListener, axum::Router),
+    http: HttpListener,
 ) -> anyhow::Result<()> {
     let addr = listener
         .local_addr()
         .with_context(|| format!("reading the {what}'s address"))?;
-    tracing::info!(%addr, server = what, "http listening");
-    let shutdown = tasks.shutdown.clone();
-    tasks.spawn_vital(what, async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown.cancelled_owned())
-            .await
-            .map_err(anyhow::Error::new)
-    });
+    let tls = http.tls.as_ref().map(CertStore::acceptor).transpose()?;
+    tracing::info!(%addr, server = what, tls = tls.is_some(), "http listening");
+    if let Some(store) = http.tls {
+        let watch = watch_tls(store, http.tls_check_interval, tasks.shutdown.clone())?;
+        tasks.spawn_vital("tls certificate reload", watch);
+    }
+    let options = ServeOptions {
+        header_read_timeout: http.header_read_timeout,
+        tls,
+    };
+    let serve = crate::infra::http_server::serve(listener, app, options, tasks.shutdown.clone());
+    tasks.spawn_vital(what, serve);
     Ok(())
 }
 

@@ -1,10 +1,12 @@
 //! Infrastructure around the stages: Postgres and Kafka connections, the
-//! workflow catalogue on disk, telemetry, the health endpoints and the crash
-//! points of fault injection. Nothing here decides anything about a run.
+//! workflow catalogue on disk, telemetry, the health endpoints and the
+//! server of the HTTP listeners, and the crash points of fault injection.
+//! Nothing here decides anything about a run.
 
 pub mod db;
 pub mod failpoints;
 pub mod health;
+pub mod http_server;
 pub mod kafka;
 pub mod telemetry;
 pub mod workflows;
