@@ -85,6 +85,25 @@ fn sasl_reader(kafka: &KafkaConfig, topic: &str) -> StreamConsumer {
     consumer
 }
 
+/// The errors librdkafka reports to a client's context.
+#[derive(Default)]
+struct ErrorLog(std::sync::Mutex<Vec<String>>);
+
+impl rdkafka::ClientContext for ErrorLog {
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        self.0.lock().unwrap().push(format!("{error}: {reason}"));
+    }
+
+    fn log(&self, _level: rdkafka::config::RDKafkaLogLevel, facility: &str, message: &str) {
+        self.0
+            .lock()
+            .unwrap()
+            .push(format!("{facility}: {message}"));
+    }
+}
+
+impl rdkafka::consumer::ConsumerContext for ErrorLog {}
+
 /// The error of connecting to `url` with Ductor's pool.
 async fn connect_error(url: String) -> String {
     let mut config = Config::load_from(None, vec![("DATABASE_URL".to_string(), url.clone())])
@@ -268,7 +287,7 @@ async fn postgres_takes_the_tls_role_over_verified_tls_only() {
 
 /// Through `kafka.properties` alone, Ductor's clients authenticate on the
 /// SCRAM listener: topics are made, a record goes in and comes out. With
-/// a wrong password the broker answers nothing.
+/// a wrong password the broker refuses the client, which says so.
 #[tokio::test]
 async fn kafka_clients_authenticate_with_scram_through_the_properties() {
     let mut kafka = kafka_config();
@@ -284,16 +303,31 @@ async fn kafka_clients_authenticate_with_scram_through_the_properties() {
 
     let mut wrong = kafka.clone();
     over_sasl(&mut wrong, "not-the-password");
-    let consumer: BaseConsumer =
+    let consumer: BaseConsumer<ErrorLog> =
         ductor::infra::kafka::offsets_reader_config(&wrong, &unique("tls-wrong-"), "tls-test")
-            .create()
+            .create_with_context(ErrorLog::default())
             .unwrap();
-    let refused =
-        tokio::task::spawn_blocking(move || consumer.fetch_metadata(None, Duration::from_secs(10)))
-            .await
-            .unwrap();
+    let (refused, consumer) = tokio::task::spawn_blocking(move || {
+        let refused = consumer.fetch_metadata(None, Duration::from_secs(10));
+        // Errors reach the context as the client is polled.
+        for _ in 0..50 {
+            if !consumer.context().0.lock().unwrap().is_empty() {
+                break;
+            }
+            let _ = consumer.poll(Duration::from_millis(100));
+        }
+        (refused, consumer)
+    })
+    .await
+    .unwrap();
     assert!(refused.is_err(), "metadata with a wrong password");
-    eprintln!("wrong password: {:?}", refused.err());
+    let errors = consumer.context().0.lock().unwrap().clone();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("SASL authentication error")),
+        "the client says why: {errors:?}"
+    );
 
     delete_test_topics(&[topic]).await;
 }
