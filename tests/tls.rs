@@ -2,7 +2,8 @@
 //! servers of `scripts/stack`: a role that Postgres admits over TLS only
 //! (`ductor_tls`, with the application role's rights), verified against the
 //! stack's CA with `sslmode=verify-full`, and the broker's SASL_PLAINTEXT
-//! listener with a SCRAM-SHA-512 user, configured through `kafka.properties`.
+//! and SASL_SSL listeners with a SCRAM-SHA-512 user, configured through
+//! `kafka.properties`.
 
 #![allow(
     clippy::too_many_lines,
@@ -48,9 +49,17 @@ fn tls_url(name: &str, sslmode: &str, ca: Option<&str>) -> String {
     url.to_string()
 }
 
-/// The librdkafka properties of the SCRAM listener, with `password`.
-fn sasl_properties(password: &str) -> KafkaProperties {
-    KafkaProperties(BTreeMap::from([
+/// The broker's two SCRAM listeners.
+#[derive(Debug, Clone, Copy)]
+enum Listener {
+    SaslPlaintext,
+    /// SCRAM over TLS, the broker verified against the stack's CA.
+    SaslSsl,
+}
+
+/// The librdkafka properties of `listener`, with `password`.
+fn sasl_properties(listener: Listener, password: &str) -> KafkaProperties {
+    let mut properties = BTreeMap::from([
         ("security.protocol".into(), "SASL_PLAINTEXT".into()),
         (
             "sasl.mechanism".into(),
@@ -61,16 +70,52 @@ fn sasl_properties(password: &str) -> KafkaProperties {
             stack_env("DUCTOR_TEST_KAFKA_SASL_USERNAME"),
         ),
         ("sasl.password".into(), password.into()),
-    ]))
+    ]);
+    if let Listener::SaslSsl = listener {
+        properties.insert("security.protocol".into(), "SASL_SSL".into());
+        properties.insert("ssl.ca.location".into(), stack_env("DUCTOR_TEST_KAFKA_CA"));
+    }
+    KafkaProperties(properties)
 }
 
-/// `kafka` pointed at the SCRAM listener, authenticating with `password`.
-fn over_sasl(kafka: &mut KafkaConfig, password: &str) {
-    kafka.bootstrap_servers = stack_env("DUCTOR_TEST_KAFKA_SASL_SERVERS");
-    kafka.properties = sasl_properties(password);
+/// `kafka` pointed at `listener`, authenticating with `password`.
+fn over_sasl(kafka: &mut KafkaConfig, listener: Listener, password: &str) {
+    kafka.bootstrap_servers = stack_env(match listener {
+        Listener::SaslPlaintext => "DUCTOR_TEST_KAFKA_SASL_SERVERS",
+        Listener::SaslSsl => "DUCTOR_TEST_KAFKA_SASL_SSL_SERVERS",
+    });
+    kafka.properties = sasl_properties(listener, password);
 }
 
-/// A reader of `topic` from its start, through the SCRAM listener.
+/// What librdkafka reports while a client with `kafka`'s settings asks
+/// for metadata, which must fail, until it reports a SASL
+/// authentication error (or has been given 5 s to).
+async fn refusal(kafka: &KafkaConfig) -> Vec<String> {
+    let consumer: BaseConsumer<ErrorLog> =
+        ductor::infra::kafka::offsets_reader_config(kafka, &unique("tls-wrong-"), "tls-test")
+            .create_with_context(ErrorLog::default())
+            .unwrap();
+    tokio::task::spawn_blocking(move || {
+        let refused = consumer.fetch_metadata(None, Duration::from_secs(10));
+        assert!(refused.is_err(), "metadata with a wrong password");
+        let said = |c: &BaseConsumer<ErrorLog>| {
+            let log = c.context().0.lock().unwrap();
+            log.iter().any(|e| e.contains("SASL authentication error"))
+        };
+        // Errors reach the context as the client is polled.
+        for _ in 0..50 {
+            if said(&consumer) {
+                break;
+            }
+            let _ = consumer.poll(Duration::from_millis(100));
+        }
+        consumer.context().0.lock().unwrap().clone()
+    })
+    .await
+    .unwrap()
+}
+
+/// A reader of `topic` from its start, through the SCRAM listener `kafka` names.
 fn sasl_reader(kafka: &KafkaConfig, topic: &str) -> StreamConsumer {
     let mut cfg = ClientConfig::new();
     cfg.set("bootstrap.servers", &kafka.bootstrap_servers)
@@ -133,7 +178,7 @@ async fn api_key(db: &TestDb, tenant: &str) -> String {
 }
 
 /// The done-when of TLS and authentication: `serve` with its database over
-/// verified TLS and every Kafka client on the SCRAM listener starts, is
+/// verified TLS and every Kafka client on the SCRAM listener over TLS (SASL_SSL) starts, is
 /// ready, takes a run over the API, applies it and publishes its first
 /// step's dispatch.
 #[tokio::test]
@@ -145,6 +190,7 @@ async fn serve_runs_a_workflow_over_verified_tls_postgres_and_scram_kafka() {
     config.database.migrate_url = None;
     over_sasl(
         &mut config.kafka,
+        Listener::SaslSsl,
         &stack_env("DUCTOR_TEST_KAFKA_SASL_PASSWORD"),
     );
     ductor::infra::kafka::create_configured_topics(&config)
@@ -285,49 +331,37 @@ async fn postgres_takes_the_tls_role_over_verified_tls_only() {
     pool.close().await;
 }
 
-/// Through `kafka.properties` alone, Ductor's clients authenticate on the
-/// SCRAM listener: topics are made, a record goes in and comes out. With
-/// a wrong password the broker refuses the client, which says so.
+/// Through `kafka.properties` alone, Ductor's clients authenticate on both
+/// SCRAM listeners, in plain text and over verified TLS: topics are made,
+/// a record goes in and comes out. With a wrong password the broker
+/// refuses the client, which says so.
 #[tokio::test]
 async fn kafka_clients_authenticate_with_scram_through_the_properties() {
-    let mut kafka = kafka_config();
-    over_sasl(&mut kafka, &stack_env("DUCTOR_TEST_KAFKA_SASL_PASSWORD"));
-    let topic = unique("tls-sasl-");
-    ductor::infra::kafka::ensure_topics(&kafka, std::slice::from_ref(&topic), 1)
-        .await
-        .expect("creating a topic through the SCRAM listener");
-    let producer = ductor::infra::kafka::producer(&kafka, "tls-test").unwrap();
-    produce(&producer, &topic, "k", b"over scram", &[]).await;
-    let got = read_n(&sasl_reader(&kafka, &topic), 1, WAIT).await;
-    assert_eq!(rdkafka::Message::payload(&got[0]), Some(&b"over scram"[..]));
+    for listener in [Listener::SaslPlaintext, Listener::SaslSsl] {
+        let mut kafka = kafka_config();
+        over_sasl(
+            &mut kafka,
+            listener,
+            &stack_env("DUCTOR_TEST_KAFKA_SASL_PASSWORD"),
+        );
+        let topic = unique("tls-sasl-");
+        ductor::infra::kafka::ensure_topics(&kafka, std::slice::from_ref(&topic), 1)
+            .await
+            .unwrap_or_else(|e| panic!("creating a topic through {listener:?}: {e:#}"));
+        let producer = ductor::infra::kafka::producer(&kafka, "tls-test").unwrap();
+        produce(&producer, &topic, "k", b"over scram", &[]).await;
+        let got = read_n(&sasl_reader(&kafka, &topic), 1, WAIT).await;
+        assert_eq!(rdkafka::Message::payload(&got[0]), Some(&b"over scram"[..]));
 
-    let mut wrong = kafka.clone();
-    over_sasl(&mut wrong, "not-the-password");
-    let consumer: BaseConsumer<ErrorLog> =
-        ductor::infra::kafka::offsets_reader_config(&wrong, &unique("tls-wrong-"), "tls-test")
-            .create_with_context(ErrorLog::default())
-            .unwrap();
-    let (refused, consumer) = tokio::task::spawn_blocking(move || {
-        let refused = consumer.fetch_metadata(None, Duration::from_secs(10));
-        // Errors reach the context as the client is polled.
-        for _ in 0..50 {
-            if !consumer.context().0.lock().unwrap().is_empty() {
-                break;
-            }
-            let _ = consumer.poll(Duration::from_millis(100));
-        }
-        (refused, consumer)
-    })
-    .await
-    .unwrap();
-    assert!(refused.is_err(), "metadata with a wrong password");
-    let errors = consumer.context().0.lock().unwrap().clone();
-    assert!(
-        errors
-            .iter()
-            .any(|e| e.contains("SASL authentication error")),
-        "the client says why: {errors:?}"
-    );
-
-    delete_test_topics(&[topic]).await;
+        let mut wrong = kafka.clone();
+        over_sasl(&mut wrong, listener, "not-the-password");
+        let errors = refusal(&wrong).await;
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.contains("SASL authentication error")),
+            "{listener:?}: the client says why: {errors:?}"
+        );
+        delete_test_topics(&[topic]).await;
+    }
 }
