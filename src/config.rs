@@ -132,6 +132,16 @@ pub struct DatabaseConfig {
     /// connects with it. That role needs no DDL rights (`ductor migrate`
     /// grants it what it does need). The password is redacted wherever the
     /// configuration is printed.
+    ///
+    /// TLS is set in the query, with libpq's names and meanings:
+    /// `?sslmode=verify-full&sslrootcert=/etc/ductor/db-ca.pem` encrypts
+    /// and checks that the server's certificate chains to that CA and
+    /// names the host dialled; `verify-ca` skips the name, `require`
+    /// encrypts without checking anything, and the default, `prefer`,
+    /// encrypts when the server offers TLS, unchecked, and falls back to
+    /// plain text when not. Unlike libpq, the system's trusted roots count
+    /// besides `sslrootcert` (sqlx with rustls). A client certificate:
+    /// `sslcert` and `sslkey`.
     pub url: DatabaseUrl,
     /// Postgres connection URL of the migrator: a role that owns the schema
     /// and every object the migrations create. `ductor migrate` (and
@@ -257,8 +267,14 @@ pub struct KafkaConfig {
     /// Timeout of admin and metadata requests.
     pub admin_timeout_ms: u64,
     /// librdkafka properties applied to every client after Ductor's own
-    /// settings, e.g. `"security.protocol" = "SASL_SSL"`. Values of keys that
-    /// look secret are redacted in logs.
+    /// settings: how Ductor authenticates to the brokers and encrypts, e.g.
+    /// `"security.protocol" = "SASL_SSL"`, `"sasl.mechanism" =
+    /// "SCRAM-SHA-512"`, `"sasl.username"`, `"sasl.password"`,
+    /// `"ssl.ca.location" = "/etc/ductor/kafka-ca.pem"`. Set them in the
+    /// file: an environment variable cannot name them (its `__` become the
+    /// dots between sections, so a dotted key would be read as a nested
+    /// section and refused). Values of keys that look secret are redacted
+    /// in logs and in `ductor config`.
     pub properties: KafkaProperties,
     /// librdkafka properties for consumers only.
     pub consumer_properties: KafkaProperties,
@@ -1154,17 +1170,31 @@ impl DatabaseUrl {
         Some(options.get_username().to_owned())
     }
 
-    /// The URL with the password replaced, safe to log.
+    /// The URL with the password replaced, safe to log: the one after
+    /// the user name, and a `password` query parameter (which sqlx
+    /// accepts too).
     pub fn redacted(&self) -> String {
-        match url::Url::parse(&self.0) {
-            Ok(mut u) => {
-                if u.password().is_some() {
-                    let _ = u.set_password(Some("[redacted]"));
-                }
-                u.to_string()
-            }
-            Err(_) => "[unparseable url redacted]".to_string(),
+        let Ok(mut u) = url::Url::parse(&self.0) else {
+            return "[unparseable url redacted]".to_string();
+        };
+        if u.password().is_some() {
+            let _ = u.set_password(Some("[redacted]"));
         }
+        if u.query_pairs().any(|(key, _)| key == "password") {
+            let pairs: Vec<(String, String)> = u
+                .query_pairs()
+                .map(|(key, value)| {
+                    let value = if key == "password" {
+                        "[redacted]".into()
+                    } else {
+                        value.into_owned()
+                    };
+                    (key.into_owned(), value)
+                })
+                .collect();
+            u.query_pairs_mut().clear().extend_pairs(pairs);
+        }
+        u.to_string()
     }
 }
 

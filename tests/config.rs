@@ -441,3 +441,23 @@ fn a_listener_has_a_certificate_and_its_key_or_neither() {
             .contains("server.header_read_timeout_ms")
     );
 }
+
+#[test]
+fn a_password_in_the_database_url_query_is_redacted_and_tls_settings_stay_visible() {
+    let config = Config::load_from(
+        None,
+        env(&[(
+            "DATABASE_URL",
+            "postgres://ductor@db:5432/ductor?password=pg-hunter2&sslmode=verify-full&sslrootcert=/etc/ductor/ca.pem",
+        )]),
+    )
+    .unwrap();
+    let shown = format!("{config:#?} {}", config.database.url);
+    assert!(!shown.contains("pg-hunter2"), "{shown}");
+    assert!(shown.contains("sslmode=verify-full"), "{shown}");
+    assert!(
+        shown.contains("sslrootcert=%2Fetc%2Fductor%2Fca.pem"),
+        "{shown}"
+    );
+    assert!(config.database.url.expose().contains("pg-hunter2"));
+}
