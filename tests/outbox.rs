@@ -1165,3 +1165,148 @@ async fn a_result_sent_in_time_holds_the_timeout_while_no_serve_reads_it() {
     env.serve_until_it_succeeds_on_time(&run_id).await;
     env.db.drop_db().await;
 }
+
+/// Reads `consumer` until a message keyed by `run_id` arrives; `None` after
+/// `timeout`.
+async fn effect_for(
+    consumer: &rdkafka::consumer::StreamConsumer,
+    run_id: &str,
+    timeout: Duration,
+) -> Option<OwnedMessage> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let message = tokio::time::timeout_at(deadline, consumer.recv())
+            .await
+            .ok()?;
+        let message = message.expect("reading the steps topic").detach();
+        if message.key() == Some(run_id.as_bytes()) {
+            return Some(message);
+        }
+    }
+}
+
+/// Starts a run of "flow" the way `ductor submit` does, in a writer with no
+/// drainer of its own; returns its run id.
+async fn submit_run(config: &Config) -> String {
+    let args = ductor::cli::commands::SubmitArgs {
+        workflow: "flow".into(),
+        input: "{}".into(),
+        tenant: "acme".into(),
+        pool: "default".into(),
+        workflow_version: None,
+        idempotency_key: None,
+    };
+    let decision = ductor::cli::commands::submit(args, config)
+        .await
+        .expect("submitting a run");
+    decision["run_id"].as_str().expect("a run id").to_string()
+}
+
+#[tokio::test]
+async fn writers_without_a_drainer_wake_the_drainer_by_notify() {
+    // With a ten-minute poll, only the commit's NOTIFY can explain a
+    // publish within the test's time.
+    const NOTIFIED: Duration = Duration::from_secs(30);
+    let env = Env::new("max_attempts = 1", 60_000, |c| {
+        c.drainer.poll_interval_ms = 600_000
+    })
+    .await;
+    let steps = env.config.steps_topic("p");
+    let consumer = reader(&[&steps]);
+    // A run committed before the drainer starts: its dispatch tells that
+    // the drainer's first rounds have run and found everything there was.
+    let before = submit_run(&env.config).await;
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(ductor::outbox::run(
+        env.drainer(),
+        Wakeup::default(),
+        shutdown.clone(),
+    ));
+    let drainer = Task { shutdown, task };
+    eventually("the drainer listens", WAIT, || async {
+        let listening: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND query ILIKE 'LISTEN%'",
+        )
+        .fetch_one(&env.db.pool)
+        .await
+        .unwrap();
+        (listening > 0).then_some(())
+    })
+    .await;
+    assert!(
+        effect_for(&consumer, &before, WAIT).await.is_some(),
+        "the drainer's first round publishes what was there"
+    );
+
+    // `ductor submit` commits the run and its first dispatch itself.
+    let submitted = submit_run(&env.config).await;
+    assert!(
+        effect_for(&consumer, &submitted, NOTIFIED).await.is_some(),
+        "a run submitted by `ductor submit` was not published within {NOTIFIED:?}"
+    );
+
+    // `ductor outbox redrive` puts a parked dispatch back from outside
+    // every drainer: park the one just published, as a permanent publish
+    // failure would have, and redrive it.
+    let parked = sqlx::query(
+        "UPDATE eec_effect_intent SET status = 'parked', parked_at = now(), \
+             completed_at = NULL, claimed_by = NULL, claim_expires_at = NULL \
+         WHERE run_id = $1 AND topic = $2",
+    )
+    .bind(&submitted)
+    .bind(&steps)
+    .execute(&env.db.pool)
+    .await
+    .unwrap()
+    .rows_affected();
+    assert_eq!(parked, 1);
+    let redriven = ductor::cli::commands::redrive(&env.config, Some(&submitted), None)
+        .await
+        .expect("redriving");
+    assert_eq!(redriven, 1);
+    assert!(
+        effect_for(&consumer, &submitted, NOTIFIED).await.is_some(),
+        "a dispatch redriven by `ductor outbox redrive` was not published again within {NOTIFIED:?}"
+    );
+
+    // The HTTP API of a `serve` without a drainer commits its starts itself.
+    let mut config = env.config.clone();
+    config.drainer.enabled = false;
+    let listeners = ductor::cli::serve::Listeners::bind(&config.server)
+        .await
+        .unwrap();
+    let addr = listeners.public.local_addr().unwrap();
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(ductor::cli::serve::run_on(
+        config,
+        listeners,
+        shutdown.clone(),
+    ));
+    let serve = Task { shutdown, task };
+    let token = api_key(&env.db, "acme", &[ductor::auth::Scope::RunsWrite]).await;
+    let auth = bearer(&token);
+    let (status, body) = eventually("serve answers a start", WAIT, || async {
+        if tokio::net::TcpStream::connect(addr).await.is_err() {
+            return None;
+        }
+        let headers = [
+            (auth.0, auth.1.as_str()),
+            ("Content-Type", "application/json"),
+        ];
+        let body = json!({"workflow": "flow", "input": {}}).to_string();
+        Some(http(addr, "POST", "/v1/runs", &headers, body.as_bytes()).await)
+    })
+    .await;
+    assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
+    let answer: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let started = answer["run_id"].as_str().expect("a run id");
+    assert!(
+        effect_for(&consumer, started, NOTIFIED).await.is_some(),
+        "a run started through the API of a serve without a drainer was not published within {NOTIFIED:?}"
+    );
+
+    serve.stop().await;
+    drainer.stop().await;
+    env.db.drop_db().await;
+}

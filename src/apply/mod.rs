@@ -191,9 +191,11 @@ pub struct Applier {
     /// How long a routing decision stays valid.
     pub completed_ttl: Duration,
     /// Send `NOTIFY ductor_effect_intent` with every commit that wrote
-    /// intents. Needed when no drainer runs in this process; a process with
-    /// its own drainer wakes it in-process instead, and leaves the NOTIFY
-    /// out because it serialises commits.
+    /// intents. Needed by every writer in a process without a drainer (a
+    /// `serve` with `drainer.enabled = false`, whose ingress and API both
+    /// write, and `ductor submit`); a process with its own drainer wakes it
+    /// in-process instead, and leaves the NOTIFY out because it serialises
+    /// commits.
     pub notify_commits: bool,
     /// The fast lane of the drainer running in this process, if any: due
     /// intents that wait behind nothing are inserted already claimed by it

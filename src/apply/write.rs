@@ -75,7 +75,8 @@ pub(super) async fn write_all(
     if notify && !writes.intents.is_empty() {
         // Wakes drainers in other processes at the commit (which, without a
         // transaction around the batch, has just happened).
-        sqlx::query("SELECT pg_notify('ductor_effect_intent', '')")
+        sqlx::query("SELECT pg_notify($1, '')")
+            .bind(crate::outbox::NOTIFY_CHANNEL)
             .execute(&mut *conn)
             .await?;
     }

@@ -89,7 +89,11 @@ pub async fn submit(args: SubmitArgs, config: &Config) -> anyhow::Result<serde_j
     let workflows = crate::infra::workflows::load_dir(&config.coordinator.workflows_dir)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let pool = crate::infra::db::connect(&config.database).await?;
-    let applier = crate::apply::Applier::new(config, pool, workflows);
+    let mut applier = crate::apply::Applier::new(config, pool, workflows);
+    // No drainer runs in this process: the drainers of the `serve`
+    // processes learn of the run's first effects by the commit's NOTIFY,
+    // not by their poll.
+    applier.notify_commits = true;
     let submitted = crate::routing::http::submit(&applier, &config.routing, request)
         .await
         .map_err(|e| anyhow::anyhow!("{}: {}", e.code, e.message))?;

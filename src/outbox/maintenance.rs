@@ -236,6 +236,12 @@ impl Drainer {
         .rows_affected();
         if redriven > 0 {
             tracing::info!(redriven, "parked intents redriven");
+            // The command runs outside every drainer: wake them now.
+            sqlx::query("SELECT pg_notify($1, '')")
+                .bind(super::NOTIFY_CHANNEL)
+                .execute(pool)
+                .await
+                .context("notifying the drainers of the redriven intents")?;
         }
         Ok(redriven)
     }
