@@ -254,7 +254,10 @@ fn simulate_capped(
             tenant: tenant.to_owned(),
             signal_id: format!("sig-{id}"),
             name: "poke".to_owned(),
-            payload: json!(ms),
+            // A signal id means one payload: reusing it with another is
+            // refused, which `a_reused_key_with_another_meaning_changes_nothing`
+            // covers.
+            payload: json!({"sig": id}),
         });
         push(&mut queue, ms, signal);
     }
@@ -378,6 +381,42 @@ proptest! {
         prop_assert_eq!(&decisions, &once.decisions);
         prop_assert_eq!(transitions(&decisions), once.transitions());
         prop_assert_eq!(state, once.state);
+    }
+
+    /// At every point of a run, a client-chosen start with another request, and a
+    /// signal under a recorded id with another payload, are refused as
+    /// `idempotency_mismatch` (a rejection writes nothing), while the same
+    /// start and signal again stay no-ops.
+    #[test]
+    fn a_reused_key_with_another_meaning_changes_nothing(scn in scenario()) {
+        let (wf, once) = solo(&scn);
+        let start = once.applied[0].input.clone();
+        let mut other_start = start.clone();
+        if let Input::Start(s) = &mut other_start {
+            s.input = json!({"order": "another"});
+        }
+        let mut state: Option<RunState> = None;
+        for (delivery, decision) in once.applied.iter().zip(&once.decisions) {
+            if let Decision::Transition(tr) = decision {
+                state = Some(tr.state.clone());
+            }
+            let Some(s) = state.as_ref() else { continue };
+            let d = deliver(Some(s), &other_start, &wf, delivery.now);
+            prop_assert!(matches!(&d, Decision::Rejection(r) if r.class == RejectionClass::IdempotencyMismatch), "another start gave {:?}", d);
+            let d = deliver(Some(s), &start, &wf, delivery.now);
+            prop_assert!(matches!(d, Decision::NoOp(NoOpReason::DuplicateStart)), "the same start gave {:?}", d);
+            for recorded in &s.signals {
+                let other_signal = Input::Signal(SignalWakeup {
+                    run_id: s.run_id.clone(),
+                    tenant: s.tenant.clone(),
+                    signal_id: recorded.signal_id.clone(),
+                    name: recorded.name.clone(),
+                    payload: json!("another payload"),
+                });
+                let d = deliver(Some(s), &other_signal, &wf, delivery.now);
+                prop_assert!(matches!(&d, Decision::Rejection(r) if r.class == RejectionClass::IdempotencyMismatch), "another signal gave {:?}", d);
+            }
+        }
     }
 
     /// A result for an attempt abandoned by its timeout, delivered at any later point,

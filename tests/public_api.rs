@@ -26,6 +26,7 @@ struct Env {
     db: TestDb,
     config: Config,
     addr: SocketAddr,
+    admin: SocketAddr,
     shutdown: CancellationToken,
     task: JoinHandle<anyhow::Result<()>>,
 }
@@ -45,6 +46,7 @@ impl Env {
             .await
             .unwrap();
         let addr = listeners.public.local_addr().unwrap();
+        let admin = listeners.admin.local_addr().unwrap();
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(ductor::cli::serve::run_on(
             config.clone(),
@@ -60,6 +62,7 @@ impl Env {
             db,
             config,
             addr,
+            admin,
             shutdown,
             task,
         }
@@ -664,4 +667,122 @@ fn ductor_cli_lines(env: &Env, args: &[&str]) -> Vec<Value> {
         .lines()
         .map(|l| serde_json::from_str(l).expect("a JSON line"))
         .collect()
+}
+
+/// The value of the counter `name` with `label` in the admin listener's
+/// metrics, 0 when it has not been counted.
+async fn counter(admin: SocketAddr, name: &str, label: &str) -> f64 {
+    let (status, body) = http(admin, "GET", "/metrics", &[], b"").await;
+    assert_eq!(status, 200);
+    String::from_utf8(body)
+        .unwrap()
+        .lines()
+        .find(|l| l.starts_with(name) && l.contains(label))
+        .and_then(|l| l.rsplit(' ').next())
+        .map_or(0.0, |v| v.parse().unwrap())
+}
+
+#[tokio::test]
+async fn a_signal_id_or_run_id_reused_with_another_meaning_is_refused_on_every_path() {
+    const MISMATCHES: &str = "ductor_routing_idempotency_mismatches_total";
+    let env = Env::start(|_| {}).await;
+    let acme = api_key(&env.db, "acme", &BOTH).await;
+    let dlq = reader(&[&env.config.dlq_topic()]);
+    let producer = producer();
+    let before_signal = counter(env.admin, MISMATCHES, "path=\"signal\"").await;
+    let before_start = counter(env.admin, MISMATCHES, "path=\"client_start\"").await;
+
+    // Over HTTP: a new signal_id is accepted, the same signal again is a
+    // duplicate, another name or payload under it is refused.
+    let run = env.start_run(&acme).await;
+    let signals = format!("/v1/runs/{run}/signals");
+    let poke = json!({"name": "poke", "payload": {"n": 1}, "signal_id": "s-1"});
+    let (status, answer) = env
+        .call(Some(&acme), "POST", &signals, &[], poke.clone())
+        .await;
+    assert_eq!(
+        (status, answer["status"].as_str()),
+        (202, Some("accepted")),
+        "{answer}"
+    );
+    eventually("the run records s-1", WAIT, || async {
+        let recorded: bool = sqlx::query_scalar(
+            "SELECT state->'signals' @> '[{\"signal_id\": \"s-1\"}]' FROM runs WHERE run_id = $1",
+        )
+        .bind(&run)
+        .fetch_one(&env.db.pool)
+        .await
+        .unwrap();
+        recorded.then_some(())
+    })
+    .await;
+    let (status, answer) = env.call(Some(&acme), "POST", &signals, &[], poke).await;
+    assert_eq!(
+        (status, answer["status"].as_str()),
+        (200, Some("duplicate")),
+        "{answer}"
+    );
+    for other in [
+        json!({"name": "poke", "payload": {"n": 2}, "signal_id": "s-1"}),
+        json!({"name": "prod", "payload": {"n": 1}, "signal_id": "s-1"}),
+    ] {
+        let (status, answer) = env.call(Some(&acme), "POST", &signals, &[], other).await;
+        assert_eq!(
+            (status, code(&answer)),
+            (422, "idempotency_mismatch"),
+            "{answer}"
+        );
+    }
+
+    // Over Kafka: the same refusals go to the dead-letter topic.
+    let other_signal = json!({"type": "wakeup.signal", "schema_version": 1, "run_id": run,
+        "tenant": "acme", "signal_id": "s-1", "name": "poke", "payload": {"n": 3}});
+    let wakeups = env.config.wakeups_topic();
+    produce(
+        &producer,
+        &wakeups,
+        &run,
+        other_signal.to_string().as_bytes(),
+        &[],
+    )
+    .await;
+    let start = |n: u32| {
+        json!({"type": "run.start", "schema_version": 1, "run_id": "client-1",
+               "tenant": "acme", "workflow": "example", "input": {"n": n}})
+        .to_string()
+    };
+    let requests = env.config.requests_topic();
+    produce(&producer, &requests, "client-1", start(1).as_bytes(), &[]).await;
+    // The same start again is a duplicate, ahead of the other one in the
+    // partition: were it dead-lettered, it would come first.
+    produce(&producer, &requests, "client-1", start(1).as_bytes(), &[]).await;
+    produce(&producer, &requests, "client-1", start(2).as_bytes(), &[]).await;
+    let dead = read_n(&dlq, 2, WAIT).await;
+    let mut refused: Vec<(String, String)> = dead
+        .iter()
+        .map(|m| {
+            let value: Value =
+                serde_json::from_slice(rdkafka::Message::payload(m).unwrap()).unwrap();
+            (value["run_id"].as_str().unwrap().to_string(), dlq_class(m))
+        })
+        .collect();
+    refused.sort();
+    let mut expected = vec![
+        ("client-1".to_string(), "idempotency_mismatch".to_string()),
+        (run.clone(), "idempotency_mismatch".to_string()),
+    ];
+    expected.sort();
+    assert_eq!(refused, expected);
+    let input: Value =
+        sqlx::query_scalar("SELECT state->'input' FROM runs WHERE run_id = 'client-1'")
+            .fetch_one(&env.db.pool)
+            .await
+            .unwrap();
+    assert_eq!(input, json!({"n": 1}), "the first start is the run");
+
+    // The HTTP refusals and the Kafka one count as signals, the start as
+    // a client-chosen start.
+    assert!(counter(env.admin, MISMATCHES, "path=\"signal\"").await >= before_signal + 3.0);
+    assert!(counter(env.admin, MISMATCHES, "path=\"client_start\"").await >= before_start + 1.0);
+    env.stop().await;
 }

@@ -59,7 +59,7 @@ use super::topics::Msg;
 use super::violations::Violations;
 use ductor::contract::TopicNames;
 use ductor::contract::TransitionKind;
-use ductor::contract::{Input, InputTopic, RunStart};
+use ductor::contract::{Input, InputTopic, RunStart, fingerprint};
 use ductor::coordinator::{Decision, Entropy, RunState, STATE_TOO_LARGE, Workflows, fold};
 
 /// What the replay needs besides the run's own rows.
@@ -453,18 +453,24 @@ fn rebuild_input(ctx: &Context<'_>, run: &RunRow, t: &TransitionRow) -> Rebuild 
             return Rebuild::Missing(format!("seq {} records no source", t.seq));
         }
         // Decided over HTTP: the request is not in Kafka; the state keeps
-        // everything the start carried.
+        // everything the start carried, and its fingerprint tells whether
+        // it asked for the version it runs or for the newest one.
         let s = &run.state;
         let text = |k: &str| s.get(k).and_then(Value::as_str).map(String::from);
-        return Rebuild::Input(Input::Start(RunStart {
+        let mut start = RunStart {
             run_id: run.run_id.clone(),
             tenant: run.tenant.clone(),
             workflow: run.workflow.clone(),
-            workflow_version: u32::try_from(run.workflow_version).ok(),
+            workflow_version: None,
             pool: run.pool.clone(),
             input: s.get("input").cloned().unwrap_or(Value::Null),
             correlation_id: text("correlation_id"),
-        }));
+        };
+        let stored = s.get("start_fingerprint").and_then(Value::as_str);
+        if stored != Some(fingerprint::start(&start).as_str()) {
+            start.workflow_version = u32::try_from(run.workflow_version).ok();
+        }
+        return Rebuild::Input(Input::Start(start));
     };
     let Some(msg) = ctx.inputs.get(&(topic.clone(), *partition, *offset)) else {
         return Rebuild::Missing(format!(

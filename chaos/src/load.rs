@@ -105,7 +105,8 @@ pub struct LoadSummary {
 struct RunSeen {
     tenant: String,
     terminal: bool,
-    signals: Vec<String>,
+    /// Acknowledged signals: id and the `n` of their payload.
+    signals: Vec<(String, u64)>,
 }
 
 #[derive(Clone)]
@@ -702,23 +703,38 @@ impl Driver {
         }
     }
 
-    /// The same client-chosen start again: a no-op for the coordinator.
+    /// The same client-chosen start again: a no-op for the coordinator; or
+    /// now and then its run id with another input, which the coordinator
+    /// dead-letters as `idempotency_mismatch`.
     async fn duplicate_start(&self) {
         let Some((run_id, tenant, bytes)) = self.with_book(|b| pick(&b.starts).cloned()) else {
             return self.client_start().await;
         };
+        let (bytes, good) = if chance(0.3) {
+            (self.with_other_input(&bytes), false)
+        } else {
+            (bytes, true)
+        };
         let rec = Record {
             kind: Some(log::KIND_START.into()),
-            good: true,
+            good,
             run_id: Some(run_id.clone()),
             tenant: Some(tenant),
             pool: Some(POOL.into()),
-            input_ref: Some("start".into()),
-            note: Some("dup".into()),
+            input_ref: good.then(|| "start".into()),
+            note: Some(if good { "dup" } else { "mismatch" }.into()),
+            bad: (!good).then(|| "idempotency_mismatch".into()),
             ..Record::default()
         };
         self.send(rec, &self.requests, run_id.as_bytes(), &bytes)
             .await;
+    }
+
+    /// A start request with its input replaced.
+    fn with_other_input(&self, bytes: &[u8]) -> Vec<u8> {
+        let mut request: Value = serde_json::from_slice(bytes).unwrap_or_default();
+        request["input"] = json!({"other": self.next_n()});
+        serde_json::to_vec(&request).unwrap_or_default()
     }
 
     fn routed_payload(
@@ -987,32 +1003,32 @@ impl Driver {
         self.signal_to(run_id, tenant, None).await;
     }
 
-    /// A signal to `run_id`: a fresh id, or now and then one already sent.
+    /// A signal to `run_id`: a fresh id, or now and then one already
+    /// acknowledged, sent again with its payload (a duplicate) or with
+    /// another (a mismatch, dead-lettered if the first copy was recorded).
     async fn signal_to(&self, run_id: String, tenant: String, note: Option<&'static str>) {
-        let (signal_id, note) = self
-            .with_book(|b| {
-                let r = b.runs.entry(run_id.clone()).or_insert_with(|| RunSeen {
-                    tenant: tenant.clone(),
-                    terminal: false,
-                    signals: Vec::new(),
-                });
-                if r.signals.len() >= MAX_SIGNALS_PER_RUN {
-                    return None;
-                }
-                if !r.signals.is_empty() && chance(0.25) {
-                    return pick(&r.signals).map(|s| (s.clone(), Some("dup")));
-                }
-                let id = format!("s-{}", short_id());
-                r.signals.push(id.clone());
-                Some((id, note))
-            })
-            .unwrap_or_default();
-        if signal_id.is_empty() {
+        let Some((signal_id, n, note)) = self.with_book(|b| {
+            let r = b.runs.entry(run_id.clone()).or_insert_with(|| RunSeen {
+                tenant: tenant.clone(),
+                terminal: false,
+                signals: Vec::new(),
+            });
+            if r.signals.len() >= MAX_SIGNALS_PER_RUN {
+                return None;
+            }
+            match (pick(&r.signals), rand::random_range(0..100u32)) {
+                (Some((id, n)), 0..20) => Some((id.clone(), Some(*n), Some("dup"))),
+                (Some((id, _)), 20..25) => Some((id.clone(), None, Some("mismatch"))),
+                _ => Some((format!("s-{}", short_id()), None, note)),
+            }
+        }) else {
             return;
-        }
+        };
+        let fresh = note != Some("dup") && note != Some("mismatch");
+        let n = n.unwrap_or_else(|| self.next_n());
         let payload = json!({
             "type": "wakeup.signal", "schema_version": 1, "run_id": run_id, "tenant": tenant,
-            "signal_id": signal_id, "name": "poke", "payload": {"n": self.next_n()},
+            "signal_id": signal_id, "name": "poke", "payload": {"n": n},
         });
         let rec = Record {
             kind: Some(log::KIND_SIGNAL.into()),
@@ -1024,8 +1040,19 @@ impl Driver {
             ..Record::default()
         };
         let bytes = serde_json::to_vec(&payload).unwrap_or_default();
-        self.send(rec, &self.wakeups, run_id.as_bytes(), &bytes)
-            .await;
+        let acked = self
+            .send(rec, &self.wakeups, run_id.as_bytes(), &bytes)
+            .await
+            .is_some();
+        // Only an acknowledged signal is reused: a copy sent after the
+        // acknowledgement lands after it in the run's partition.
+        if acked && fresh {
+            self.with_book(|b| {
+                if let Some(r) = b.runs.get_mut(&run_id) {
+                    r.signals.push((signal_id, n));
+                }
+            });
+        }
     }
 
     async fn cancel(&self) {

@@ -13,6 +13,7 @@
 //! - [`names`]: topic names and the keys derived for effects.
 
 pub mod effects;
+pub mod fingerprint;
 pub mod headers;
 pub mod input;
 pub mod names;

@@ -19,7 +19,9 @@ use crate::contract::input::{
     AttemptOutcome, AttemptResult, CancelWakeup, Input, RunStart, SCHEMA_VERSION, SignalWakeup,
     TimerKind, TimerWakeup, encoded_len, truncate,
 };
-use crate::contract::{Effect, EffectKind, EffectTarget, StepDispatch, TransitionKind};
+use crate::contract::{
+    Effect, EffectKind, EffectTarget, StepDispatch, TransitionKind, fingerprint,
+};
 
 /// Longest error text copied into a transition's `detail`.
 pub const MAX_DETAIL_ERROR_LEN: usize = 256;
@@ -97,6 +99,9 @@ pub enum RejectionClass {
     TooManySignals,
     /// A start whose run's state would be over `coordinator.max_state_bytes`.
     StateTooLarge,
+    /// A client-chosen start of an existing run, or a signal under a
+    /// recorded `signal_id`, that means something else than the first one.
+    IdempotencyMismatch,
 }
 
 impl RejectionClass {
@@ -108,6 +113,7 @@ impl RejectionClass {
             RejectionClass::UnknownWorkflow => "unknown_workflow",
             RejectionClass::TooManySignals => "too_many_signals",
             RejectionClass::StateTooLarge => STATE_TOO_LARGE,
+            RejectionClass::IdempotencyMismatch => "idempotency_mismatch",
         }
     }
 }
@@ -203,7 +209,7 @@ fn decide(
         entropy,
     };
     match input {
-        Input::Start(_) => Decision::NoOp(NoOpReason::DuplicateStart),
+        Input::Start(start) => on_duplicate_start(state, start),
         Input::Result(result) => ctx.on_result(result),
         Input::Timer(timer) => ctx.on_timer(timer),
         Input::Signal(signal) => ctx.on_signal(signal),
@@ -319,6 +325,7 @@ fn on_start(
         attempts: Vec::new(),
         signals: Vec::new(),
         correlation_id: start.correlation_id.clone(),
+        start_fingerprint: Some(fingerprint::start(start)),
         error: None,
         record_version: 0,
         last_transition_seq: 0,
@@ -333,6 +340,18 @@ fn on_start(
     b.detail("workflow_version", def.version.into());
     b.detail("stamp", stamp.to_string().into());
     b.finish(TransitionKind::RunStarted, "start".to_owned())
+}
+
+/// A start of a run that exists: the same request again is a duplicate, a
+/// different one under the same run id is refused.
+fn on_duplicate_start(state: &RunState, start: &RunStart) -> Decision {
+    match &state.start_fingerprint {
+        Some(stored) if *stored != fingerprint::start(start) => reject(
+            RejectionClass::IdempotencyMismatch,
+            "run.start: the run exists, started by a different request",
+        ),
+        _ => Decision::NoOp(NoOpReason::DuplicateStart),
+    }
 }
 
 /// The borrowed arguments of one fold over an existing run.
@@ -524,10 +543,20 @@ impl Ctx<'_> {
 
     fn on_signal(&self, signal: &SignalWakeup) -> Decision {
         let s = self.state;
+        let fingerprint = fingerprint::signal(&signal.name, &signal.payload);
+        let recorded = s.signals.iter().find(|r| r.signal_id == signal.signal_id);
+        if let Some(stored) = recorded.and_then(|r| r.fingerprint.as_ref())
+            && *stored != fingerprint
+        {
+            return reject(
+                RejectionClass::IdempotencyMismatch,
+                "wakeup.signal: signal_id already recorded with another name or payload",
+            );
+        }
         if s.status.is_terminal() {
             return Decision::NoOp(NoOpReason::RunTerminal);
         }
-        if s.signals.iter().any(|r| r.signal_id == signal.signal_id) {
+        if recorded.is_some() {
             return Decision::NoOp(NoOpReason::DuplicateSignal);
         }
         if s.signals.len() >= MAX_SIGNALS_PER_RUN {
@@ -541,6 +570,7 @@ impl Ctx<'_> {
             signal_id: signal.signal_id.clone(),
             name: signal.name.clone(),
             received_at: self.now,
+            fingerprint: Some(fingerprint),
         });
         b.detail("signal_id", signal.signal_id.clone().into());
         b.detail("name", signal.name.clone().into());

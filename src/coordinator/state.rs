@@ -95,6 +95,11 @@ pub struct SignalRecord {
     pub signal_id: String,
     pub name: String,
     pub received_at: DateTime<Utc>,
+    /// [`crate::contract::fingerprint::signal`] of its name and payload: a
+    /// later signal under the same id must match it. Absent in signals
+    /// recorded before fingerprints were kept; those match anything.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fingerprint: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -121,6 +126,11 @@ pub struct RunState {
     pub attempts: Vec<AttemptRecord>,
     pub signals: Vec<SignalRecord>,
     pub correlation_id: Option<String>,
+    /// [`crate::contract::fingerprint::start`] of the start that created
+    /// the run: a later client-chosen start of the same run id must match
+    /// it. Absent in runs started before fingerprints were kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_fingerprint: Option<String>,
     /// Why the run failed or was cancelled.
     pub error: Option<String>,
     /// Optimistic lock: the fold never changes it, the store bumps it on each UPDATE.

@@ -532,16 +532,84 @@ fn start_of_unknown_workflow_or_version_is_rejected() {
 }
 
 #[test]
-fn second_start_is_duplicate_even_if_different() {
+fn a_second_start_is_a_duplicate_only_if_it_is_the_same_request() {
     let wf = registry(1, 1);
     let s = started(&wf);
+    let mut resent = start_input();
+    if let Input::Start(x) = &mut resent {
+        x.correlation_id = Some("another envelope".into());
+    }
+    assert_eq!(
+        fold(Some(&s), &resent, &wf, STATE_CAP, t(5), &entropy(2)),
+        Decision::NoOp(NoOpReason::DuplicateStart)
+    );
     let mut other = start_input();
     if let Input::Start(x) = &mut other {
         x.input = json!("different");
     }
     assert_eq!(
-        fold(Some(&s), &other, &wf, STATE_CAP, t(5), &entropy(2)),
+        rejection_class(fold(Some(&s), &other, &wf, STATE_CAP, t(5), &entropy(2))),
+        RejectionClass::IdempotencyMismatch
+    );
+    // A run started before fingerprints were kept takes any start as a
+    // duplicate, as it did.
+    let mut legacy = s.clone();
+    legacy.start_fingerprint = None;
+    assert_eq!(
+        fold(Some(&legacy), &other, &wf, STATE_CAP, t(5), &entropy(2)),
         Decision::NoOp(NoOpReason::DuplicateStart)
+    );
+}
+
+#[test]
+fn a_signal_id_reused_with_another_payload_is_refused_even_after_the_run_ended() {
+    let wf = registry(1, 1);
+    let s = apply(&started(&wf), &signal("a"), &wf, 5, 2).state;
+    let mut other = signal("a");
+    if let Input::Signal(x) = &mut other {
+        x.payload = json!(2);
+    }
+    assert_eq!(
+        rejection_class(fold(Some(&s), &other, &wf, STATE_CAP, t(6), &entropy(3))),
+        RejectionClass::IdempotencyMismatch
+    );
+    let mut renamed = signal("a");
+    if let Input::Signal(x) = &mut renamed {
+        x.name = "prod".into();
+    }
+    assert_eq!(
+        rejection_class(fold(Some(&s), &renamed, &wf, STATE_CAP, t(6), &entropy(3))),
+        RejectionClass::IdempotencyMismatch
+    );
+    let ended = apply(&s, &cancel(), &wf, 7, 4).state;
+    assert!(ended.status.is_terminal());
+    assert_eq!(
+        rejection_class(fold(
+            Some(&ended),
+            &other,
+            &wf,
+            STATE_CAP,
+            t(8),
+            &entropy(5)
+        )),
+        RejectionClass::IdempotencyMismatch
+    );
+    assert_eq!(
+        fold(
+            Some(&ended),
+            &signal("a"),
+            &wf,
+            STATE_CAP,
+            t(8),
+            &entropy(5)
+        ),
+        Decision::NoOp(NoOpReason::RunTerminal)
+    );
+    let mut legacy = s.clone();
+    legacy.signals[0].fingerprint = None;
+    assert_eq!(
+        fold(Some(&legacy), &other, &wf, STATE_CAP, t(6), &entropy(3)),
+        Decision::NoOp(NoOpReason::DuplicateSignal)
     );
 }
 

@@ -34,13 +34,14 @@ use tokio_util::sync::CancellationToken;
 
 use crate::apply::{Applier, InputOutcome, IsolatedBatch, PendingInput, RetryPolicy};
 use crate::config::Config;
-use crate::contract::Source;
+use crate::contract::{Input, Source};
 use crate::contract::{InputLimits, InputTopic};
+use crate::coordinator::fold::RejectionClass;
 use crate::coordinator::{NoOpReason, Workflows};
 use crate::infra::health::LaneWatch;
 use crate::ingress::classify::{Classified, check_signature, classify};
 use crate::ingress::dead_letter::{DeadLetter, DeadLetterPublisher, Stage};
-use crate::routing::{self, RouteOutcome};
+use crate::routing::{self, MismatchPath, RouteOutcome};
 
 /// The ingress consumer's context: logs rebalances (and is where a chaos
 /// run can crash mid-rebalance).
@@ -758,12 +759,20 @@ fn settle_inputs<'m>(report: &IsolatedBatch, sorted: &mut Sorted<'m>, step: &mut
         metrics::counter!("ductor_inputs_total", "topic" => msg.topic().to_string(), "outcome" => label)
             .increment(1);
         match outcome {
-            InputOutcome::Rejected(rejection) => sorted.dead.push(DeadLetter {
-                message: msg,
-                stage: Stage::Validate,
-                class: rejection.class.as_str().to_string(),
-                error: rejection.message.clone(),
-            }),
+            InputOutcome::Rejected(rejection) => {
+                if rejection.class == RejectionClass::IdempotencyMismatch {
+                    routing::count_mismatch(match input.input {
+                        Input::Start(_) => MismatchPath::ClientStart,
+                        _ => MismatchPath::Signal,
+                    });
+                }
+                sorted.dead.push(DeadLetter {
+                    message: msg,
+                    stage: Stage::Validate,
+                    class: rejection.class.as_str().to_string(),
+                    error: rejection.message.clone(),
+                });
+            }
             InputOutcome::NoOp(reason) => {
                 tracing::debug!(
                     run_id = input.input.run_id(),

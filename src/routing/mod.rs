@@ -36,7 +36,6 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
-use sha2::{Digest, Sha256};
 use sqlx::{PgPool, Postgres, Row, Transaction as PgTx};
 
 use self::sql::{
@@ -124,52 +123,10 @@ impl ReserveKind {
     }
 }
 
-/// The canonical fingerprint of a start request: SHA-256 over its meaning
-/// (tenant, pool, workflow, requested version, input), with object keys
-/// sorted, so that envelope fields (correlation ids, timestamps) and key order
-/// do not matter.
+/// The canonical fingerprint of a start request (see
+/// [`crate::contract::fingerprint`]).
 pub fn fingerprint(start: &RunStart) -> String {
-    let mut canonical = String::new();
-    let meaning = serde_json::json!({
-        "tenant": start.tenant,
-        "pool": start.pool,
-        "workflow": start.workflow,
-        "workflow_version": start.workflow_version,
-        "input": start.input,
-    });
-    write_canonical(&meaning, &mut canonical);
-    let digest = Sha256::digest(canonical.as_bytes());
-    digest.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn write_canonical(value: &Value, out: &mut String) {
-    match value {
-        Value::Object(map) => {
-            let mut keys: Vec<&String> = map.keys().collect();
-            keys.sort();
-            out.push('{');
-            for (i, k) in keys.iter().enumerate() {
-                if i > 0 {
-                    out.push(',');
-                }
-                out.push_str(&Value::String((*k).clone()).to_string());
-                out.push(':');
-                write_canonical(&map[k.as_str()], out);
-            }
-            out.push('}');
-        }
-        Value::Array(items) => {
-            out.push('[');
-            for (i, v) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push(',');
-                }
-                write_canonical(v, out);
-            }
-            out.push(']');
-        }
-        other => out.push_str(&other.to_string()),
-    }
+    crate::contract::fingerprint::start(start)
 }
 
 /// Reads a start request that asks for a server-chosen decision: a
@@ -516,8 +473,40 @@ pub fn policy_for(config: &RoutingConfig, pool: &str) -> (DuplicatePolicy, Durat
     (policy, Duration::from_millis(wait))
 }
 
+/// Counts a routed start by its outcome; a `mismatch` is also counted as
+/// the routed path's idempotency mismatch.
 pub fn count(outcome: &'static str) {
     metrics::counter!("ductor_routing_requests_total", "outcome" => outcome).increment(1);
+    if outcome == "mismatch" {
+        count_mismatch(MismatchPath::RoutedStart);
+    }
+}
+
+/// The dedup path on which a request reused a key with another meaning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MismatchPath {
+    /// A server-chosen start whose idempotency key holds another request.
+    RoutedStart,
+    /// A client-chosen start of an existing run, with another request.
+    ClientStart,
+    /// A signal under a recorded `signal_id`, with another name or payload.
+    Signal,
+}
+
+impl MismatchPath {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MismatchPath::RoutedStart => "routed_start",
+            MismatchPath::ClientStart => "client_start",
+            MismatchPath::Signal => "signal",
+        }
+    }
+}
+
+/// Counts one request refused as `idempotency_mismatch`, by its path.
+pub fn count_mismatch(path: MismatchPath) {
+    metrics::counter!("ductor_routing_idempotency_mismatches_total", "path" => path.as_str())
+        .increment(1);
 }
 
 #[cfg(test)]

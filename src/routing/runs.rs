@@ -19,7 +19,7 @@ use sqlx::Row;
 
 use super::http::{ApiError, ApiState, authenticate, body_error, database, read_body, tenant};
 use crate::auth::Scope;
-use crate::contract::{InputTopic, decode_value, parse_value};
+use crate::contract::{Input, InputTopic, SignalWakeup, decode_value, parse_value};
 
 /// Where the API puts the inputs it accepts for the coordinator.
 #[derive(Clone)]
@@ -55,26 +55,88 @@ pub(crate) async fn get_run(
 }
 
 /// `POST /v1/runs/{id}/signals` with `{"name": ..., "payload": ...,
-/// "signal_id": ...}`; without a `signal_id` the server chooses one, and a
-/// retry then signals twice.
+/// "signal_id": ...}`. A `signal_id` the run has recorded is answered here:
+/// 200 for the same name and payload, 422 `idempotency_mismatch` for
+/// others; a new one goes to the coordinator, 202. Without a `signal_id`
+/// the server chooses one, and a retry then signals twice.
 pub(crate) async fn signal_run(
     State(state): State<ApiState>,
     Path(run_id): Path<String>,
     request: Request<Body>,
 ) -> Response {
     let answer = async {
-        let (tenant, fields) = accept(&state, request, false).await?;
+        let (tenant, mut fields) = accept(&state, request, false).await?;
         let signal_id = match fields.get("signal_id") {
             Some(id) => id.clone(),
             None => json!(uuid::Uuid::new_v4().to_string()),
         };
-        let mut input = fields;
-        input.insert("signal_id".into(), signal_id.clone());
-        input.entry("payload").or_insert(Value::Null);
-        send(&state, &tenant, &run_id, "wakeup.signal", input).await?;
-        Ok(json!({"run_id": run_id, "signal_id": signal_id, "status": "accepted"}))
+        fields.insert("signal_id".into(), signal_id.clone());
+        fields.entry("payload").or_insert(Value::Null);
+        let (input, signal) = wakeup_input(&tenant, &run_id, "wakeup.signal", fields)?;
+        let Input::Signal(signal) = signal else {
+            return Err(invalid("the body does not make a signal"));
+        };
+        let recorded = recorded_signal(state.decider.pool(), &run_id, &tenant, &signal.signal_id)
+            .await
+            .map_err(database)?
+            .ok_or_else(not_found)?;
+        let body = json!({"run_id": run_id, "signal_id": signal_id});
+        if let Some(record) = recorded {
+            return already_signalled(&signal, &record, body);
+        }
+        produce(&state, &tenant, &run_id, &input).await?;
+        Ok((StatusCode::ACCEPTED, with_status(body, "accepted")))
     };
-    accepted(answer.await)
+    match answer.await {
+        Ok(answer) => (answer.0, axum::Json(answer.1)).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The answer to a signal whose id the run has recorded: the same one again
+/// (or one recorded before fingerprints were kept) is a duplicate.
+fn already_signalled(
+    signal: &SignalWakeup,
+    record: &Value,
+    body: Value,
+) -> Result<(StatusCode, Value), ApiError> {
+    let ours = crate::contract::fingerprint::signal(&signal.name, &signal.payload);
+    match record.get("fingerprint").and_then(Value::as_str) {
+        Some(stored) if stored != ours => {
+            super::count_mismatch(super::MismatchPath::Signal);
+            Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "idempotency_mismatch",
+                "this signal_id was already used with another name or payload",
+            ))
+        }
+        _ => Ok((StatusCode::OK, with_status(body, "duplicate"))),
+    }
+}
+
+fn with_status(mut body: Value, status: &str) -> Value {
+    body["status"] = status.into();
+    body
+}
+
+/// The run's record of `signal_id`: `None` when the run is not the
+/// tenant's, `Some(None)` when it has no such signal.
+async fn recorded_signal(
+    pool: &sqlx::PgPool,
+    run_id: &str,
+    tenant: &str,
+    signal_id: &str,
+) -> sqlx::Result<Option<Option<Value>>> {
+    sqlx::query_scalar(
+        "SELECT (SELECT s FROM jsonb_array_elements(state->'signals') s \
+                 WHERE s->>'signal_id' = $3 LIMIT 1) \
+         FROM runs WHERE run_id = $1 AND tenant_scope = $2",
+    )
+    .bind(run_id)
+    .bind(tenant)
+    .bind(signal_id)
+    .fetch_optional(pool)
+    .await
 }
 
 /// `POST /v1/runs/{id}/cancel` with an optional `{"reason": ...}`.
@@ -150,8 +212,26 @@ async fn send(
     tenant: &str,
     run_id: &str,
     kind: &str,
-    mut input: Map<String, Value>,
+    input: Map<String, Value>,
 ) -> Result<(), ApiError> {
+    let (input, _) = wakeup_input(tenant, run_id, kind, input)?;
+    if !run_exists(state.decider.pool(), run_id, tenant)
+        .await
+        .map_err(database)?
+    {
+        return Err(not_found());
+    }
+    produce(state, tenant, run_id, &input).await
+}
+
+/// The wakeup input of `kind` for the run, from the body's `fields`, as
+/// JSON and decoded: refused as the ingress would refuse it.
+fn wakeup_input(
+    tenant: &str,
+    run_id: &str,
+    kind: &str,
+    mut input: Map<String, Value>,
+) -> Result<(Value, Input), ApiError> {
     input.insert("type".into(), json!(kind));
     input.insert(
         "schema_version".into(),
@@ -160,15 +240,20 @@ async fn send(
     input.insert("run_id".into(), json!(run_id));
     input.insert("tenant".into(), json!(tenant));
     let input = Value::Object(input);
-    decode_value(InputTopic::Wakeups, &input)
+    let decoded = decode_value(InputTopic::Wakeups, &input)
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.class.as_str(), e.message))?;
-    if !run_exists(state.decider.pool(), run_id, tenant)
-        .await
-        .map_err(database)?
-    {
-        return Err(not_found());
-    }
-    let bytes = serde_json::to_vec(&input).expect("a JSON value serializes");
+    Ok((input, decoded))
+}
+
+/// Puts `input` on the wakeups topic, keyed by the run, signed when the
+/// tenant has a key; returns once the broker has it.
+async fn produce(
+    state: &ApiState,
+    tenant: &str,
+    run_id: &str,
+    input: &Value,
+) -> Result<(), ApiError> {
+    let bytes = serde_json::to_vec(input).expect("a JSON value serializes");
     let sink = &state.inputs;
     let signature = sink
         .signatures
