@@ -29,6 +29,14 @@
 //! the coordinator's step timeout retries it with a fresh stamp. Handlers
 //! must therefore tolerate running twice for the same stamp; the coordinator
 //! keeps only the first result per stamp.
+//!
+//! A step that calls another system must make that call idempotent across
+//! attempts, not only across deliveries: a timed-out attempt may have
+//! charged the card before its worker died. [`StepDispatch::step_key`] is
+//! the same for every attempt of a step of a run; pass it as the call's
+//! `Idempotency-Key` (the `examples/worker.rs` charge step does) and the
+//! retried attempt gets the first attempt's answer instead of a second
+//! charge.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::panic::AssertUnwindSafe;
@@ -735,6 +743,7 @@ mod tests {
                 step: "reserve".into(),
                 step_index: 0,
                 attempt: 1,
+                step_key: "run-1/step/0".into(),
                 stamp: Uuid::from_u128(42),
                 deadline: now() + chrono::TimeDelta::milliseconds(5_000),
                 input: json!({"order": 7}),

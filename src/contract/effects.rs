@@ -14,6 +14,10 @@ use super::names::MAX_NAME_LEN;
 /// Longest [`DecodeError::message`].
 pub const MAX_DECODE_ERROR_LEN: usize = 512;
 
+/// Longest `step_key` a worker accepts: a run id, `/step/` and an index
+/// are far shorter; the bound keeps the key usable as a header value.
+pub const MAX_STEP_KEY_LEN: usize = 256;
+
 /// Every kind of record the outbox publishes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum EffectKind {
@@ -249,6 +253,11 @@ pub struct StepDispatch {
     pub step_index: u32,
     /// 1 for the first attempt of the step.
     pub attempt: u32,
+    /// The same for every attempt of this step of this run
+    /// ([`super::names::step_key`]): pass it as the idempotency key of the
+    /// external call the step makes. The message's `idempotency-key`
+    /// header differs from one attempt to the next.
+    pub step_key: String,
     /// The attempt's fencing token; the result must carry it.
     pub stamp: Uuid,
     /// After this instant the coordinator times the attempt out and ignores
@@ -301,15 +310,24 @@ impl StepDispatch {
         let deadline = DateTime::parse_from_rfc3339(f.str("deadline")?)
             .map_err(|_| DecodeError::new("deadline: must be an RFC 3339 timestamp"))?
             .with_timezone(&Utc);
+        let run_id = f.id("run_id")?;
+        let step_index = f.u32("step_index")?;
+        // Dispatches committed before steps had keys carry none: the key
+        // is derived, so theirs is the one they would have carried.
+        let step_key = match obj.get("step_key") {
+            None => super::names::step_key(&run_id, step_index),
+            Some(_) => f.step_key("step_key")?,
+        };
         Ok(StepDispatch {
             schema_version: SCHEMA_VERSION,
-            run_id: f.id("run_id")?,
             tenant: f.id("tenant")?,
             workflow: f.name("workflow")?,
             workflow_version: f.u32("workflow_version")?,
             step: f.name("step")?,
-            step_index: f.u32("step_index")?,
+            step_index,
             attempt: f.u32("attempt")?,
+            step_key,
+            run_id,
             stamp: Uuid::parse_str(f.str("stamp")?)
                 .map_err(|_| DecodeError::new("stamp: must be a UUID"))?,
             deadline,
@@ -360,6 +378,18 @@ impl Fields<'_> {
         }
     }
 
+    /// Visible ASCII, so that it can be sent as an HTTP header value as is.
+    fn step_key(&self, name: &str) -> Result<String, DecodeError> {
+        let s = self.str(name)?;
+        if !s.is_empty() && s.len() <= MAX_STEP_KEY_LEN && s.bytes().all(|b| b.is_ascii_graphic()) {
+            Ok(s.to_owned())
+        } else {
+            Err(DecodeError::new(format!(
+                "{name}: must be 1 to {MAX_STEP_KEY_LEN} visible ASCII characters"
+            )))
+        }
+    }
+
     fn name(&self, name: &str) -> Result<String, DecodeError> {
         let s = self.str(name)?;
         if !s.is_empty() && s.len() <= MAX_NAME_LEN {
@@ -384,6 +414,7 @@ mod tests {
             step: "charge".into(),
             step_index: 1,
             attempt: 2,
+            step_key: "run-1/step/1".into(),
             stamp: Uuid::from_u128(7),
             deadline: DateTime::parse_from_rfc3339("2026-01-01T00:00:05.250Z")
                 .unwrap()
@@ -396,6 +427,31 @@ mod tests {
     fn a_dispatch_decodes_to_what_was_encoded() {
         let encoded = to_value(&dispatch()).to_string();
         assert_eq!(StepDispatch::decode(encoded.as_bytes()), Ok(dispatch()));
+    }
+
+    #[test]
+    fn a_dispatch_without_a_step_key_gets_the_one_its_step_has() {
+        let mut value = to_value(&dispatch());
+        value.as_object_mut().unwrap().remove("step_key");
+        let decoded = StepDispatch::decode(value.to_string().as_bytes()).unwrap();
+        assert_eq!(decoded.step_key, super::super::names::step_key("run-1", 1));
+        assert_eq!(decoded, dispatch());
+    }
+
+    #[test]
+    fn a_step_key_that_is_no_header_value_is_refused() {
+        for bad in [
+            serde_json::json!(""),
+            serde_json::json!("a key"),
+            serde_json::json!("k\u{7f}"),
+            serde_json::json!("x".repeat(MAX_STEP_KEY_LEN + 1)),
+            serde_json::json!(7),
+        ] {
+            let mut value = to_value(&dispatch());
+            value["step_key"] = bad.clone();
+            let err = StepDispatch::decode(value.to_string().as_bytes()).unwrap_err();
+            assert!(err.message.starts_with("step_key:"), "{bad}: {err}");
+        }
     }
 
     #[test]
@@ -419,6 +475,7 @@ mod tests {
                 "step",
                 "step_index",
                 "attempt",
+                "step_key",
                 "stamp",
                 "deadline",
                 "input"

@@ -77,6 +77,15 @@ pub fn idempotency_key(run_id: &str, seq: i64, effect_index: usize) -> String {
     format!("{run_id}/{seq}/{effect_index}")
 }
 
+/// The key of one step of one run, the same for every attempt of it: what a
+/// worker passes as the `Idempotency-Key` of the external call the step
+/// makes, so that a retried attempt (after a timeout, a crash or a failure)
+/// does not repeat the call's effect. Run ids and tenants have no `/`, so
+/// it is never an effect's idempotency key.
+pub fn step_key(run_id: &str, step_index: u32) -> String {
+    format!("{run_id}/step/{step_index}")
+}
+
 /// The idempotency key of the `run.effect_parked` notice of the effect whose
 /// key is `effect_key`: one notice per parked effect.
 pub fn parked_notice_key(effect_key: &str) -> String {

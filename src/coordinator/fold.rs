@@ -20,7 +20,7 @@ use crate::contract::input::{
     TimerKind, TimerWakeup, encoded_len, truncate,
 };
 use crate::contract::{
-    Effect, EffectKind, EffectTarget, StepDispatch, TransitionKind, fingerprint,
+    Effect, EffectKind, EffectTarget, StepDispatch, TransitionKind, fingerprint, names,
 };
 
 /// Longest error text copied into a transition's `detail`.
@@ -698,6 +698,7 @@ impl<'a> Builder<'a> {
             step: step.name.clone(),
             step_index,
             attempt,
+            step_key: names::step_key(&s.run_id, step_index),
             stamp,
             deadline,
             input: step_input,

@@ -444,6 +444,24 @@ pub fn ductor_bin() -> std::path::PathBuf {
     bin
 }
 
+/// An example of this package, built beside the test executables
+/// (`<target>/<profile>/examples/`) by `cargo test --all-targets`.
+pub fn example_bin(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test executable's path");
+    let bin = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("the test executable is in <target>/<profile>/deps")
+        .join("examples")
+        .join(name);
+    assert!(
+        bin.is_file(),
+        "{} is missing: build it with `cargo build --example {name}` (`cargo test --all-targets`, which scripts/test runs, does)",
+        bin.display()
+    );
+    bin
+}
+
 /// The workspace's root (where `config/` is), from any of its packages.
 pub fn workspace_dir() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
