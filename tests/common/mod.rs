@@ -445,7 +445,8 @@ pub fn ductor_bin() -> std::path::PathBuf {
 }
 
 /// An example of this package, built beside the test executables
-/// (`<target>/<profile>/examples/`) by `cargo test --all-targets`.
+/// (`<target>/<profile>/examples/`) by `cargo build --examples`, which
+/// scripts/test runs.
 pub fn example_bin(name: &str) -> std::path::PathBuf {
     let exe = std::env::current_exe().expect("the test executable's path");
     let bin = exe
@@ -456,7 +457,7 @@ pub fn example_bin(name: &str) -> std::path::PathBuf {
         .join(name);
     assert!(
         bin.is_file(),
-        "{} is missing: build it with `cargo build --example {name}` (`cargo test --all-targets`, which scripts/test runs, does)",
+        "{} is missing: build it with `cargo build --example {name}` (scripts/test does)",
         bin.display()
     );
     bin
