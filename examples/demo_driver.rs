@@ -1,8 +1,11 @@
 //! Drives the demo: submits N runs of a workflow as `run.start` requests on
-//! Kafka, shows their progress from Postgres, and ends with one JSON line
+//! Kafka, sends each run the signal its `await_signal` step waits for as
+//! soon as the run exists (so it comes before the step waits, or while it
+//! does), shows their progress from Postgres, and ends with one JSON line
 //! `{"runs":N,"succeeded":..,"failed":..,"cancelled":..,"seconds":..}`.
 //! Exits 0 when every run reached a terminal state before the deadline.
 
+use std::collections::HashSet;
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -25,8 +28,12 @@ struct Args {
     #[arg(long, default_value_t = 300)]
     runs: usize,
     /// Workflow to run.
-    #[arg(long, default_value = "example")]
+    #[arg(long, default_value = "order")]
     workflow: String,
+    /// The signal each run gets once it exists (`wakeup.signal` on Kafka);
+    /// empty for none.
+    #[arg(long, default_value = "payment_confirmed")]
+    signal: String,
     /// Tenant owning the runs.
     #[arg(long, default_value = "demo")]
     tenant: String,
@@ -72,7 +79,14 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         started,
         deadline: started + Duration::from_secs(args.timeout_s),
     };
-    let counts = follow(&pool, &batch).await?;
+    let signals = Signals {
+        producer: &producer,
+        topic: config.wakeups_topic(),
+        timeout: Duration::from_millis(config.kafka.delivery_timeout_ms),
+        name: args.signal.clone(),
+        sent: HashSet::new(),
+    };
+    let counts = follow(&pool, &batch, signals).await?;
     let seconds = started.elapsed().as_secs_f64();
     let retries = count_retries(&pool, &batch.prefix).await?;
     // Keys in a fixed order, for people reading the line.
@@ -133,8 +147,13 @@ fn start_request(args: &Args, run_id: &str) -> String {
 
 /// Shows the batch's progress twice a second until all its runs are
 /// terminal or the deadline passes; returns the last counts.
-async fn follow(pool: &sqlx::PgPool, batch: &Batch) -> anyhow::Result<Counts> {
+async fn follow(
+    pool: &sqlx::PgPool,
+    batch: &Batch,
+    mut signals: Signals<'_>,
+) -> anyhow::Result<Counts> {
     loop {
+        signals.send_to_new_runs(pool, &batch.prefix).await?;
         let counts = status_counts(pool, &batch.prefix).await?;
         let terminal = counts.terminal();
         eprint!(
@@ -151,6 +170,56 @@ async fn follow(pool: &sqlx::PgPool, batch: &Batch) -> anyhow::Result<Counts> {
             return Ok(counts);
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// The signal every run of the batch gets once, as soon as it exists: a
+/// signal for a run that does not exist yet would be refused.
+struct Signals<'a> {
+    producer: &'a FutureProducer,
+    topic: String,
+    timeout: Duration,
+    name: String,
+    sent: HashSet<String>,
+}
+
+impl Signals<'_> {
+    async fn send_to_new_runs(&mut self, pool: &sqlx::PgPool, prefix: &str) -> anyhow::Result<()> {
+        if self.name.is_empty() {
+            return Ok(());
+        }
+        let runs: Vec<(String, String)> =
+            sqlx::query_as("SELECT run_id, tenant_scope FROM runs WHERE run_id LIKE $1")
+                .bind(prefix)
+                .fetch_all(pool)
+                .await
+                .context("listing the batch's runs")?;
+        let new: Vec<(String, String)> = runs
+            .into_iter()
+            .filter(|(run_id, _)| !self.sent.contains(run_id))
+            .collect();
+        let this = &*self;
+        let sent: Vec<anyhow::Result<()>> = stream::iter(new.iter())
+            .map(|(run_id, tenant)| async move {
+                let value = json!({
+                    "type": "wakeup.signal", "schema_version": 1, "run_id": run_id,
+                    "tenant": tenant, "signal_id": format!("{}-{run_id}", this.name),
+                    "name": this.name, "payload": {"confirmed_by": "demo"},
+                })
+                .to_string();
+                let record = FutureRecord::to(&this.topic).key(run_id).payload(&value);
+                this.producer
+                    .send(record, this.timeout)
+                    .await
+                    .map(|_| ())
+                    .map_err(|(e, _)| anyhow::anyhow!("signalling {run_id}: {e}"))
+            })
+            .buffer_unordered(256)
+            .collect()
+            .await;
+        sent.into_iter().collect::<anyhow::Result<Vec<()>>>()?;
+        self.sent.extend(new.into_iter().map(|(run_id, _)| run_id));
+        Ok(())
     }
 }
 

@@ -38,10 +38,29 @@ enum Behaviour {
     LateFail,
 }
 
+/// One step of a simulated workflow.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum StepSpec {
+    /// A task: (timeout_ms, max_attempts).
+    Task(u64, u32),
+    /// A sleep of this many ms.
+    Sleep(u64),
+    /// A wait for the signal `poke` of at most this many ms, failing the
+    /// run when it times out unless `true` (go on).
+    Await(u64, bool),
+}
+
+fn step_spec() -> impl Strategy<Value = StepSpec> {
+    prop_oneof![
+        4 => (1_000u64..5_000, 1u32..=4).prop_map(|(t, a)| StepSpec::Task(t, a)),
+        1 => (1u64..8_000).prop_map(StepSpec::Sleep),
+        2 => (1_000u64..20_000, any::<bool>()).prop_map(|(t, c)| StepSpec::Await(t, c)),
+    ]
+}
+
 #[derive(Debug, Clone)]
 struct Scenario {
-    /// (timeout_ms, max_attempts) per step.
-    steps: Vec<(u64, u32)>,
+    steps: Vec<StepSpec>,
     output_topic: bool,
     /// Behaviour of the n-th dispatched attempt; attempts past the end succeed.
     script: Vec<Behaviour>,
@@ -63,7 +82,7 @@ fn behaviour() -> impl Strategy<Value = Behaviour> {
 
 fn scenario() -> impl Strategy<Value = Scenario> {
     (
-        prop::collection::vec((1_000u64..5_000, 1u32..=4), 1..=4),
+        prop::collection::vec(step_spec(), 1..=4),
         any::<bool>(),
         prop::collection::vec(behaviour(), 0..12),
         prop::collection::vec((0u8..4, 0i64..30_000), 0..6),
@@ -88,17 +107,29 @@ fn definition(name: &str, scn: &Scenario) -> WorkflowDefinition {
             .steps
             .iter()
             .enumerate()
-            .map(|(i, &(timeout_ms, max_attempts))| StepDefinition {
-                name: format!("step{i}"),
-                pool: format!("pool{}", i % 2),
-                timeout_ms,
-                retry: RetryPolicy {
-                    max_attempts,
-                    initial_backoff_ms: 100,
-                    max_backoff_ms: 1_000,
-                    multiplier: 2.0,
-                    jitter: 0.2,
-                },
+            .map(|(i, spec)| {
+                let name = format!("step{i}");
+                match *spec {
+                    StepSpec::Task(timeout_ms, max_attempts) => StepDefinition {
+                        retry: RetryPolicy {
+                            max_attempts,
+                            initial_backoff_ms: 100,
+                            max_backoff_ms: 1_000,
+                            multiplier: 2.0,
+                            jitter: 0.2,
+                        },
+                        ..StepDefinition::task(&name, &format!("pool{}", i % 2), timeout_ms)
+                    },
+                    StepSpec::Sleep(ms) => StepDefinition::sleep(&name, ms),
+                    StepSpec::Await(timeout_ms, go_on) => {
+                        let on_timeout = if go_on {
+                            OnTimeout::Continue
+                        } else {
+                            OnTimeout::Fail
+                        };
+                        StepDefinition::await_signal(&name, "poke", timeout_ms, on_timeout)
+                    }
+                }
             })
             .collect(),
         output_topic: scn.output_topic.then(|| "out.topic".to_owned()),
@@ -483,7 +514,7 @@ proptest! {
         let last = once.state.clone().unwrap();
         prop_assert_eq!(last.last_transition_seq, trs.len() as i64);
         prop_assert!(last.status.is_terminal(), "run did not finish: {:?}", last.status);
-        prop_assert!(last.outstanding.is_none() && last.pending_retry.is_none());
+        prop_assert!(last.outstanding.is_none() && last.pending_retry.is_none() && last.waiting.is_none());
         let def = wf.get("wf", 1).unwrap();
         for (i, step) in def.steps.iter().enumerate() {
             let attempts: Vec<u32> = last.attempts.iter().filter(|a| a.step_index as usize == i).map(|a| a.attempt).collect();
@@ -501,32 +532,51 @@ proptest! {
         }
     }
 
-    /// The state keeps only the newest output and no signal payload; the history
-    /// keeps every step's output, in step order, and every signal's payload.
+    /// The state keeps only the newest output, and a signal's payload only
+    /// while a later step may consume it; the history keeps every step's
+    /// output, in step order, and every signal's payload. A waiting step's
+    /// output is its input with a member named after it: the time a sleep
+    /// ended, the signal an await got, or that it timed out.
     #[test]
     fn outputs_and_payloads_are_kept_in_the_history(scn in scenario()) {
         let (wf, once) = solo(&scn);
         let trs = once.transitions();
-        let successes: Vec<&Transition> = trs
-            .iter()
-            .filter(|t| {
-                matches!(
-                    t.record.kind,
-                    TransitionKind::StepSucceeded | TransitionKind::RunSucceeded
-                )
-            })
-            .collect();
-        for (i, t) in successes.iter().enumerate() {
+        let def = wf.get("wf", 1).unwrap();
+        let mut completed: Vec<(u64, Value)> = Vec::new();
+        for t in &trs {
             let d = &t.record.detail;
-            prop_assert_eq!(d["completed_step"].as_u64(), Some(i as u64));
-            prop_assert_eq!(&d["output"]["step"], &d["completed_step"]);
-            prop_assert_eq!(&t.state.output, &d["output"]);
+            let before = completed.len();
+            if let Some(i) = d["completed_step"].as_u64() {
+                completed.push((i, d["output"].clone()));
+            }
+            for passed in d["passed_steps"].as_array().into_iter().flatten() {
+                completed.push((passed["step_index"].as_u64().unwrap(), passed["output"].clone()));
+            }
+            if let Some((_, newest)) = completed.get(before..).and_then(<[_]>::last) {
+                prop_assert_eq!(&t.state.output, newest);
+            }
+        }
+        for (n, (i, output)) in completed.iter().enumerate() {
+            prop_assert_eq!(*i, n as u64, "steps completed out of order");
+            let member = &output[format!("step{i}")];
+            match scn.steps[n] {
+                StepSpec::Task(..) => prop_assert_eq!(&output["step"], &json!(i)),
+                StepSpec::Sleep(_) => prop_assert!(member["until"].is_string(), "sleep output {}", output),
+                StepSpec::Await(_, go_on) => {
+                    if let Some(id) = member["signal_id"].as_str() {
+                        let k: u8 = id.trim_start_matches("sig-").parse().unwrap();
+                        prop_assert_eq!(&member["payload"], &json!({"sig": k}));
+                    } else {
+                        prop_assert!(go_on && member == &json!({"timed_out": true}), "await output {}", output);
+                    }
+                }
+            }
         }
         let last = once.state.clone().unwrap();
-        let newest = successes.last().map_or(Value::Null, |t| t.record.detail["output"].clone());
+        let newest = completed.last().map_or(Value::Null, |(_, o)| o.clone());
         prop_assert_eq!(&last.output, &newest);
         if last.status == RunStatus::Succeeded {
-            prop_assert_eq!(successes.len(), wf.get("wf", 1).unwrap().steps.len());
+            prop_assert_eq!(completed.len(), def.steps.len());
         }
         for (delivery, decision) in once.applied.iter().zip(&once.decisions) {
             let (Input::Signal(sig), Decision::Transition(t)) = (&delivery.input, decision) else { continue };
@@ -535,7 +585,10 @@ proptest! {
         }
         let encoded = serde_json::to_value(&last).unwrap();
         prop_assert!(encoded.get("outputs").is_none());
-        prop_assert!(encoded["signals"].as_array().unwrap().iter().all(|s| s.get("payload").is_none()));
+        let awaits_left = def.steps.iter().skip(last.step_index as usize + 1).filter(|s| s.kind == StepKind::AwaitSignal).count();
+        let kept = last.signals.iter().filter(|s| s.kept).count();
+        prop_assert!(kept <= awaits_left, "{} signals kept for {} awaits", kept, awaits_left);
+        prop_assert!(encoded["signals"].as_array().unwrap().iter().all(|s| s.get("payload").is_none() || s["kept"] == json!(true)));
     }
 
     /// Under any state cap a run goes exactly as it goes uncapped until the first
@@ -619,7 +672,8 @@ proptest! {
         let mut rng = StdRng::seed_from_u64(seed);
         let mut states: Vec<Option<RunState>> = vec![None];
         states.extend(transitions(&once.decisions).into_iter().map(|t| Some(t.state)));
-        let known: Vec<Uuid> = once.state.as_ref().map(|s| s.attempts.iter().map(|a| a.stamp).collect()).unwrap_or_default();
+        let mut known: Vec<Uuid> = once.state.as_ref().map(|s| s.attempts.iter().map(|a| a.stamp).collect()).unwrap_or_default();
+        known.extend(states.iter().flatten().filter_map(|s| s.waiting.as_ref().map(|w| w.stamp)));
         let empty = Workflows::default();
         for _ in 0..40 {
             let state = states[rng.random_range(0..states.len())].clone();
@@ -734,11 +788,7 @@ fn nonsense(rng: &mut StdRng, known: &[Uuid]) -> Input {
         3 => Input::Timer(TimerWakeup {
             run_id,
             tenant,
-            timer: if rng.random() {
-                TimerKind::Retry
-            } else {
-                TimerKind::Timeout
-            },
+            timer: [TimerKind::Retry, TimerKind::Timeout, TimerKind::Wake][rng.random_range(0..3)],
             stamp,
         }),
         4 => Input::Signal(SignalWakeup {
@@ -852,12 +902,12 @@ fn valid_input() -> impl Strategy<Value = Input> {
                 outcome,
             })
         });
-    let timer = (id(), id(), any::<bool>(), uuid()).prop_map(|(run_id, tenant, retry, stamp)| {
-        let timer = if retry {
-            TimerKind::Retry
-        } else {
-            TimerKind::Timeout
-        };
+    let kind = prop_oneof![
+        Just(TimerKind::Retry),
+        Just(TimerKind::Timeout),
+        Just(TimerKind::Wake)
+    ];
+    let timer = (id(), id(), kind, uuid()).prop_map(|(run_id, tenant, timer, stamp)| {
         Input::Timer(TimerWakeup {
             run_id,
             tenant,

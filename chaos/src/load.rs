@@ -325,7 +325,11 @@ fn workflows_and_pools(config: &Config) -> anyhow::Result<(Vec<String>, Vec<Stri
     anyhow::ensure!(!names.is_empty(), "no workflow definitions loaded");
     let mut pools: Vec<String> = workflows
         .iter()
-        .flat_map(|w| w.steps.iter().map(|s| s.pool.clone()))
+        .flat_map(|w| {
+            w.steps
+                .iter()
+                .filter_map(|s| s.task_pool().map(String::from))
+        })
         .collect();
     pools.sort();
     pools.dedup();

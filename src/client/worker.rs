@@ -677,17 +677,12 @@ mod tests {
     use super::*;
     use crate::contract::{EffectTarget, InputLimits, InputTopic, RunStart, decode_input};
     use crate::coordinator::{
-        Decision, Entropy, RetryPolicy, StepDefinition, WorkflowDefinition, Workflows, fold,
+        Decision, Entropy, StepDefinition, WorkflowDefinition, Workflows, fold,
     };
     use serde_json::json;
 
     fn workflows() -> Workflows {
-        let step = |name: &str| StepDefinition {
-            name: name.into(),
-            pool: "default".into(),
-            timeout_ms: 5_000,
-            retry: RetryPolicy::default(),
-        };
+        let step = |name: &str| StepDefinition::task(name, "default", 5_000);
         Workflows::new(vec![WorkflowDefinition {
             name: "wf".into(),
             version: 3,

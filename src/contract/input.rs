@@ -115,6 +115,8 @@ pub struct TimerWakeup {
 pub enum TimerKind {
     Retry,
     Timeout,
+    /// The end of a `sleep` step, or the timeout of an `await_signal` one.
+    Wake,
 }
 
 impl TimerKind {
@@ -122,6 +124,7 @@ impl TimerKind {
         match self {
             TimerKind::Retry => "retry",
             TimerKind::Timeout => "timeout",
+            TimerKind::Wake => "wake",
         }
     }
 }
@@ -461,9 +464,10 @@ fn decode_fields(kind: &str, f: &Fields<'_>) -> Result<Input, InputError> {
             timer: match f.str("timer")? {
                 "retry" => TimerKind::Retry,
                 "timeout" => TimerKind::Timeout,
+                "wake" => TimerKind::Wake,
                 _ => {
                     return Err(InputError::invalid(
-                        "timer: must be \"retry\" or \"timeout\"",
+                        "timer: must be \"retry\", \"timeout\" or \"wake\"",
                     ));
                 }
             },

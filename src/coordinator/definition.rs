@@ -10,8 +10,10 @@ use crate::contract::names::{MAX_NAME_LEN, is_name, is_topic};
 
 /// Most steps one workflow may declare.
 pub const MAX_STEPS: usize = 64;
-/// Longest step timeout (one day).
+/// Longest step timeout, and longest wait for a signal (one day).
 pub const MAX_TIMEOUT_MS: u64 = 86_400_000;
+/// Longest `duration_ms` of a sleep step (a year).
+pub const MAX_SLEEP_MS: u64 = 366 * 86_400_000;
 /// Most attempts one step may be given.
 pub const MAX_ATTEMPTS_LIMIT: u32 = 100;
 /// Longest retry backoff (one day).
@@ -38,13 +40,58 @@ pub struct WorkflowDefinition {
 pub struct StepDefinition {
     /// Step name, unique within the workflow.
     pub name: String,
-    /// Worker pool; attempts are published to `ductor.steps.<pool>`.
+    /// What the step does: a worker's task (the default), or a wait.
+    #[serde(default)]
+    pub kind: StepKind,
+    /// Worker pool of a task; attempts are published to
+    /// `ductor.steps.<pool>`. Waits have none.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub pool: String,
-    /// How long one attempt may take before it is abandoned (timed out).
+    /// A task: how long one attempt may take before it is abandoned (timed
+    /// out). An `await_signal`: how long the step waits for its signal.
+    #[serde(default)]
     pub timeout_ms: u64,
-    /// Retry policy for failed and timed-out attempts.
+    /// Retry policy for failed and timed-out attempts of a task.
     #[serde(default)]
     pub retry: RetryPolicy,
+    /// An `await_signal`: the `name` of the signal it waits for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<String>,
+    /// An `await_signal`: what its timeout does.
+    #[serde(default)]
+    pub on_timeout: OnTimeout,
+    /// A `sleep` for this long from when the step starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
+    /// A `sleep` until the time (RFC 3339) at this JSON pointer in the
+    /// step's input (`/ship_at`); a time already past ends it at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub until: Option<String>,
+}
+
+/// The kinds of step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StepKind {
+    /// A worker of `pool` runs it, with attempts, a timeout and retries.
+    #[default]
+    Task,
+    /// The run waits for a `wakeup.signal` of the step's `signal` name (one
+    /// that came before the step started counts), at most `timeout_ms`.
+    AwaitSignal,
+    /// The run waits for `duration_ms`, or until the time named by `until`.
+    Sleep,
+}
+
+/// What the timeout of an `await_signal` step does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnTimeout {
+    /// The run fails.
+    #[default]
+    Fail,
+    /// The step succeeds without a signal, and the run goes on.
+    Continue,
 }
 
 /// Retry policy of one step: bounded attempts, exponential backoff with jitter.
@@ -159,6 +206,42 @@ impl WorkflowDefinition {
 }
 
 impl StepDefinition {
+    /// A task of `pool`, with the default retry policy.
+    pub fn task(name: &str, pool: &str, timeout_ms: u64) -> Self {
+        Self {
+            name: name.to_owned(),
+            kind: StepKind::Task,
+            pool: pool.to_owned(),
+            timeout_ms,
+            retry: RetryPolicy::default(),
+            signal: None,
+            on_timeout: OnTimeout::default(),
+            duration_ms: None,
+            until: None,
+        }
+    }
+
+    /// A sleep of `duration_ms`.
+    pub fn sleep(name: &str, duration_ms: u64) -> Self {
+        Self {
+            kind: StepKind::Sleep,
+            pool: String::new(),
+            timeout_ms: 0,
+            duration_ms: Some(duration_ms),
+            ..Self::task(name, "", 0)
+        }
+    }
+
+    /// A wait of at most `timeout_ms` for the signal `signal`.
+    pub fn await_signal(name: &str, signal: &str, timeout_ms: u64, on_timeout: OnTimeout) -> Self {
+        Self {
+            kind: StepKind::AwaitSignal,
+            signal: Some(signal.to_owned()),
+            on_timeout,
+            ..Self::task(name, "", timeout_ms)
+        }
+    }
+
     fn validate(&self, at: &str) -> Result<(), DefinitionError> {
         if !is_name(&self.name, MAX_NAME_LEN) {
             return Err(DefinitionError::new(
@@ -166,19 +249,113 @@ impl StepDefinition {
                 "must be 1 to 100 characters of [A-Za-z0-9_.-]",
             ));
         }
+        self.validate_fields_of_kind(at)?;
+        match self.kind {
+            StepKind::Task => self.validate_task(at),
+            StepKind::AwaitSignal => self.validate_await(at),
+            StepKind::Sleep => self.validate_sleep(at),
+        }
+    }
+
+    /// A field of another kind of step is a mistake, not something to ignore.
+    fn validate_fields_of_kind(&self, at: &str) -> Result<(), DefinitionError> {
+        use StepKind::{AwaitSignal, Sleep, Task};
+        let given: [(&str, bool, &[StepKind]); 7] = [
+            ("pool", !self.pool.is_empty(), &[Task]),
+            ("retry", self.retry != RetryPolicy::default(), &[Task]),
+            ("timeout_ms", self.timeout_ms != 0, &[Task, AwaitSignal]),
+            ("signal", self.signal.is_some(), &[AwaitSignal]),
+            (
+                "on_timeout",
+                self.on_timeout != OnTimeout::default(),
+                &[AwaitSignal],
+            ),
+            ("duration_ms", self.duration_ms.is_some(), &[Sleep]),
+            ("until", self.until.is_some(), &[Sleep]),
+        ];
+        match given
+            .iter()
+            .find(|(_, present, kinds)| *present && !kinds.contains(&self.kind))
+        {
+            Some((field, _, _)) => Err(DefinitionError::new(
+                format!("{at}.{field}"),
+                format!("is not a field of a {} step", self.kind.as_str()),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    fn validate_await(&self, at: &str) -> Result<(), DefinitionError> {
+        match &self.signal {
+            Some(name) if !name.is_empty() && name.len() <= MAX_NAME_LEN => {}
+            _ => {
+                return Err(DefinitionError::new(
+                    format!("{at}.signal"),
+                    format!(
+                        "an await_signal step needs the signal's name, 1 to {MAX_NAME_LEN} bytes"
+                    ),
+                ));
+            }
+        }
+        validate_timeout(at, self.timeout_ms)
+    }
+
+    fn validate_sleep(&self, at: &str) -> Result<(), DefinitionError> {
+        match (self.duration_ms, &self.until) {
+            (Some(ms), None) if (1..=MAX_SLEEP_MS).contains(&ms) => Ok(()),
+            (Some(_), None) => Err(DefinitionError::new(
+                format!("{at}.duration_ms"),
+                format!("must be in 1..={MAX_SLEEP_MS}"),
+            )),
+            (None, Some(pointer)) if pointer.starts_with('/') && pointer.len() <= MAX_NAME_LEN => {
+                Ok(())
+            }
+            (None, Some(_)) => Err(DefinitionError::new(
+                format!("{at}.until"),
+                format!("must be a JSON pointer (\"/ship_at\"), at most {MAX_NAME_LEN} bytes"),
+            )),
+            _ => Err(DefinitionError::new(
+                format!("{at}.duration_ms"),
+                "a sleep step needs exactly one of duration_ms and until",
+            )),
+        }
+    }
+
+    fn validate_task(&self, at: &str) -> Result<(), DefinitionError> {
         if !is_name(&self.pool, MAX_NAME_LEN) {
             return Err(DefinitionError::new(
                 format!("{at}.pool"),
                 "must be 1 to 100 characters of [A-Za-z0-9._-]",
             ));
         }
-        if !(1..=MAX_TIMEOUT_MS).contains(&self.timeout_ms) {
-            return Err(DefinitionError::new(
-                format!("{at}.timeout_ms"),
-                format!("must be in 1..={MAX_TIMEOUT_MS}"),
-            ));
-        }
+        validate_timeout(at, self.timeout_ms)?;
         self.retry.validate(&format!("{at}.retry"))
+    }
+
+    /// The pool whose workers run it: a task's, none for a wait.
+    pub fn task_pool(&self) -> Option<&str> {
+        (self.kind == StepKind::Task).then_some(self.pool.as_str())
+    }
+}
+
+fn validate_timeout(at: &str, timeout_ms: u64) -> Result<(), DefinitionError> {
+    if (1..=MAX_TIMEOUT_MS).contains(&timeout_ms) {
+        Ok(())
+    } else {
+        Err(DefinitionError::new(
+            format!("{at}.timeout_ms"),
+            format!("must be in 1..={MAX_TIMEOUT_MS}"),
+        ))
+    }
+}
+
+impl StepKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StepKind::Task => "task",
+            StepKind::AwaitSignal => "await_signal",
+            StepKind::Sleep => "sleep",
+        }
     }
 }
 

@@ -6,10 +6,10 @@
 //! state plus the rows and effects the store commits with it in one transaction.
 
 use chrono::{DateTime, TimeDelta, Utc};
-use serde_json::{Map, Value};
+use serde_json::{Map, Value, json};
 use uuid::Uuid;
 
-use super::definition::{StepDefinition, WorkflowDefinition, Workflows};
+use super::definition::{OnTimeout, StepDefinition, StepKind, WorkflowDefinition, Workflows};
 use super::state::{
     AttemptRecord, AttemptStatus, MAX_SIGNALS_PER_RUN, Outstanding, PendingRetry, RunState,
     RunStatus, SignalRecord,
@@ -22,6 +22,9 @@ use crate::contract::input::{
 use crate::contract::{
     Effect, EffectKind, EffectTarget, StepDispatch, TransitionKind, fingerprint, names,
 };
+
+mod waits;
+use waits::{Entered, keeps_signal};
 
 /// Longest error text copied into a transition's `detail`.
 pub const MAX_DETAIL_ERROR_LEN: usize = 256;
@@ -270,6 +273,7 @@ fn fail_too_large(
         b.finish_attempt(outstanding.stamp, status, Some(error.clone()));
     }
     b.state.pending_retry = None;
+    b.state.waiting = None;
     b.state.status = RunStatus::Failed;
     b.detail("cause", STATE_TOO_LARGE.into());
     b.detail(
@@ -322,6 +326,7 @@ fn on_start(
         output: Value::Null,
         outstanding: None,
         pending_retry: None,
+        waiting: None,
         attempts: Vec::new(),
         signals: Vec::new(),
         correlation_id: start.correlation_id.clone(),
@@ -333,12 +338,15 @@ fn on_start(
         updated_at: now,
     };
     let mut b = Builder::new(state, None, now, entropy);
-    let Some(stamp) = b.dispatch(def, 0, 1) else {
-        return reject(RejectionClass::UnknownWorkflow, "workflow has no steps");
-    };
     b.detail("workflow", def.name.clone().into());
     b.detail("workflow_version", def.version.into());
-    b.detail("stamp", stamp.to_string().into());
+    // A run whose first steps end at once (a sleep until a time past) may
+    // be done, or failed, by the end of its first transition.
+    match b.enter(def, 0) {
+        Ok(Entered::Started(stamp)) => b.detail("stamp", stamp.to_string().into()),
+        Ok(Entered::Succeeded | Entered::Failed) => {}
+        Err(rejection) => return rejection,
+    }
     b.finish(TransitionKind::RunStarted, "start".to_owned())
 }
 
@@ -457,37 +465,16 @@ impl Ctx<'_> {
         b.detail("stamp", attempt.stamp.to_string().into());
         b.detail("completed_step", attempt.step_index.into());
         b.detail("output", output.clone());
-        let next = attempt.step_index.saturating_add(1);
-        if (next as usize) < def.steps.len() {
-            let Some(stamp) = b.dispatch(def, next, 1) else {
-                return reject(
-                    RejectionClass::UnknownWorkflow,
-                    "workflow has fewer steps than the run",
-                );
-            };
-            b.detail("next_stamp", stamp.to_string().into());
-            return b.finish(TransitionKind::StepSucceeded, self.input.dedup_ref());
+        match b.after_step(def, attempt.step_index.saturating_add(1)) {
+            Ok(kind) => b.finish(kind, self.input.dedup_ref()),
+            Err(rejection) => rejection,
         }
-        b.state.status = RunStatus::Succeeded;
-        if let Some(topic) = &def.output_topic {
-            let s = &b.state;
-            let output = RunOutput {
-                schema_version: SCHEMA_VERSION,
-                run_id: &s.run_id,
-                tenant: &s.tenant,
-                workflow: &s.workflow,
-                output,
-            };
-            let target = EffectTarget::Output {
-                topic: topic.clone(),
-            };
-            let effect = Effect::now(target, EffectKind::RunOutput, &output);
-            b.effects.push(effect);
-        }
-        b.finish(TransitionKind::RunSucceeded, self.input.dedup_ref())
     }
 
     fn on_timer(&self, timer: &TimerWakeup) -> Decision {
+        if timer.timer == TimerKind::Wake {
+            return self.on_wake(timer);
+        }
         let Some(attempt) = self.state.attempt_by_stamp(timer.stamp) else {
             return reject(
                 RejectionClass::UnknownStamp,
@@ -498,6 +485,7 @@ impl Ctx<'_> {
             TimerKind::Timeout => {
                 self.is_outstanding(timer.stamp) && attempt.status == AttemptStatus::Dispatched
             }
+            TimerKind::Wake => false,
             TimerKind::Retry => {
                 !self.state.status.is_terminal()
                     && self
@@ -526,6 +514,7 @@ impl Ctx<'_> {
                 let kind = b.after_failure(def, attempt, error, true, TransitionKind::StepTimedOut);
                 b.finish(kind, self.input.dedup_ref())
             }
+            TimerKind::Wake => Decision::NoOp(NoOpReason::DuplicateTimer),
             TimerKind::Retry => {
                 let next_attempt = self.state.attempt.saturating_add(1);
                 let Some(stamp) = b.dispatch(def, self.state.step_index, next_attempt) else {
@@ -566,16 +555,87 @@ impl Ctx<'_> {
             );
         }
         let mut b = self.builder();
-        b.state.signals.push(SignalRecord {
+        let mut record = SignalRecord {
             signal_id: signal.signal_id.clone(),
             name: signal.name.clone(),
             received_at: self.now,
+            payload: None,
+            kept: false,
+            consumed_by: None,
             fingerprint: Some(fingerprint),
-        });
+        };
         b.detail("signal_id", signal.signal_id.clone().into());
         b.detail("name", signal.name.clone().into());
         b.detail("payload", signal.payload.clone());
+        let def = self.definition().ok();
+        let awaited = s
+            .waiting
+            .as_ref()
+            .filter(|w| w.signal.as_deref() == Some(signal.name.as_str()));
+        if let (Some(def), Some(waiting)) = (def, awaited) {
+            // The step waits for this signal: it is consumed, the run moves on.
+            record.consumed_by = Some(waiting.step_index);
+            b.state.signals.push(record);
+            let member = json!({"signal_id": signal.signal_id, "payload": signal.payload});
+            return match b.complete_wait(def, member) {
+                Ok(kind) => b.finish(kind, self.input.dedup_ref()),
+                Err(rejection) => rejection,
+            };
+        }
+        if def.is_some_and(|def| keeps_signal(def, s.step_index, &s.signals, &signal.name)) {
+            record.kept = true;
+            record.payload = Some(signal.payload.clone());
+        }
+        b.state.signals.push(record);
         b.finish(TransitionKind::RunSignalled, self.input.dedup_ref())
+    }
+
+    /// The timer of the step the run waits in: a sleep ends, a wait for a
+    /// signal times out. Any other wake (of a wait that ended otherwise, a
+    /// duplicate) changes nothing.
+    fn on_wake(&self, timer: &TimerWakeup) -> Decision {
+        let s = self.state;
+        let Some(waiting) = s
+            .waiting
+            .as_ref()
+            .filter(|w| w.stamp == timer.stamp && !s.status.is_terminal())
+        else {
+            return Decision::NoOp(NoOpReason::DuplicateTimer);
+        };
+        let def = match self.definition() {
+            Ok(def) => def,
+            Err(rejection) => return rejection,
+        };
+        let Some(step) = step(def, waiting.step_index) else {
+            return reject(
+                RejectionClass::UnknownWorkflow,
+                "workflow has fewer steps than the run",
+            );
+        };
+        let mut b = self.builder();
+        let outcome = match (step.kind, step.on_timeout) {
+            (StepKind::AwaitSignal, OnTimeout::Fail) => {
+                let error = format!(
+                    "step {} ({}) waited {} ms for the signal {:?}, which did not come",
+                    waiting.step_index,
+                    step.name,
+                    step.timeout_ms,
+                    waiting.signal.as_deref().unwrap_or_default()
+                );
+                b.detail("wait_stamp", waiting.stamp.to_string().into());
+                b.detail("cause", "signal_timeout".into());
+                b.fail_run(waiting.step_index, error);
+                Ok(TransitionKind::RunFailed)
+            }
+            (StepKind::AwaitSignal, OnTimeout::Continue) => {
+                b.complete_wait(def, json!({"timed_out": true}))
+            }
+            _ => b.complete_wait(def, json!({"until": rfc3339(waiting.until)})),
+        };
+        match outcome {
+            Ok(kind) => b.finish(kind, self.input.dedup_ref()),
+            Err(rejection) => rejection,
+        }
     }
 
     fn on_cancel(&self, cancel: &CancelWakeup) -> Decision {
@@ -596,6 +656,7 @@ impl Ctx<'_> {
             );
         }
         b.state.pending_retry = None;
+        b.state.waiting = None;
         b.state.status = RunStatus::Cancelled;
         b.detail(
             "reason",
@@ -726,6 +787,27 @@ impl<'a> Builder<'a> {
             payload: wakeup.to_json(),
             not_before: Some(due),
         });
+    }
+
+    /// Every step is done: the run succeeded with the last one's output,
+    /// published to the workflow's output topic if it has one.
+    fn succeed_run(&mut self, def: &WorkflowDefinition) {
+        self.state.status = RunStatus::Succeeded;
+        if let Some(topic) = &def.output_topic {
+            let s = &self.state;
+            let output = RunOutput {
+                schema_version: SCHEMA_VERSION,
+                run_id: &s.run_id,
+                tenant: &s.tenant,
+                workflow: &s.workflow,
+                output: &s.output,
+            };
+            let target = EffectTarget::Output {
+                topic: topic.clone(),
+            };
+            let effect = Effect::now(target, EffectKind::RunOutput, &output);
+            self.effects.push(effect);
+        }
     }
 
     /// Closes the outstanding attempt `stamp` with a final status.

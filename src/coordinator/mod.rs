@@ -37,11 +37,13 @@ pub use fold::{AttemptWrite, Decision, Entropy, LATE_DISPATCH_MS, NoOpReason, Re
 pub use state::{AttemptRecord, AttemptStatus, RunState, RunStatus};
 // The rest of the fold's vocabulary, for the harnesses and the tests.
 #[cfg(any(test, feature = "internals"))]
-pub use definition::{DefinitionError, RetryPolicy, StepDefinition, WorkflowDefinition};
+pub use definition::{
+    DefinitionError, OnTimeout, RetryPolicy, StepDefinition, StepKind, WorkflowDefinition,
+};
 #[cfg(any(test, feature = "internals"))]
 pub use fold::{RejectionClass, STATE_TOO_LARGE, Transition, TransitionRecord};
 #[cfg(any(test, feature = "internals"))]
-pub use state::{MAX_SIGNALS_PER_RUN, Outstanding, PendingRetry, SignalRecord};
+pub use state::{MAX_SIGNALS_PER_RUN, Outstanding, PendingRetry, SignalRecord, Waiting};
 
 #[cfg(test)]
 mod tests;

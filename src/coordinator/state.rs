@@ -67,6 +67,20 @@ pub struct Outstanding {
     pub deadline: DateTime<Utc>,
 }
 
+/// A step that waits (`sleep` or `await_signal`) and the timer that ends
+/// the wait: its `wakeup.timer` (`"wake"`) names `stamp`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Waiting {
+    pub stamp: Uuid,
+    pub step_index: u32,
+    pub since: DateTime<Utc>,
+    /// When the sleep ends, or the wait for a signal times out.
+    pub until: DateTime<Utc>,
+    /// The signal name an `await_signal` step waits for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<String>,
+}
+
 /// A retry waiting for its timer; the timer names the failed attempt's stamp.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PendingRetry {
@@ -88,13 +102,24 @@ pub struct AttemptRecord {
 }
 
 /// A signal the run received, kept to deduplicate by `signal_id`. Its
-/// payload is in the detail of the `run.signalled` transition, not here,
-/// so that the state does not grow with what signals carry.
+/// payload is in the detail of the transition that recorded it; the state
+/// keeps it only while a later `await_signal` step of the run may still
+/// consume it, so that the state does not grow with what signals carry.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SignalRecord {
     pub signal_id: String,
     pub name: String,
     pub received_at: DateTime<Utc>,
+    /// The payload of a signal kept for a step that has not started yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload: Option<Value>,
+    /// Whether a step will consume it when it starts (the payload is then
+    /// set; `null` is a payload too).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub kept: bool,
+    /// The `await_signal` step that consumed it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consumed_by: Option<u32>,
     /// [`crate::contract::fingerprint::signal`] of its name and payload: a
     /// later signal under the same id must match it. Absent in signals
     /// recorded before fingerprints were kept; those match anything.
@@ -123,6 +148,9 @@ pub struct RunState {
     pub output: Value,
     pub outstanding: Option<Outstanding>,
     pub pending_retry: Option<PendingRetry>,
+    /// The step the run waits in, if it waits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<Waiting>,
     pub attempts: Vec<AttemptRecord>,
     pub signals: Vec<SignalRecord>,
     pub correlation_id: Option<String>,

@@ -47,10 +47,8 @@ fn def(steps: usize, max_attempts: u32) -> WorkflowDefinition {
         version: 1,
         steps: (0..steps)
             .map(|i| StepDefinition {
-                name: format!("s{i}"),
-                pool: format!("pool{i}"),
-                timeout_ms: 1000,
                 retry: retry(max_attempts),
+                ..StepDefinition::task(&format!("s{i}"), &format!("pool{i}"), 1000)
             })
             .collect(),
         output_topic: Some("out.topic".into()),
@@ -1284,4 +1282,354 @@ fn a_start_over_the_state_cap_is_refused() {
         fold(None, &start_input(), &wf, len, t(0), &entropy(1)),
         Decision::Transition(_)
     ));
+}
+
+// Steps that wait: sleep and await_signal.
+
+/// `task a` (pool0), the given waiting step, `task b` (pool1).
+fn waits(middle: StepDefinition) -> Workflows {
+    let mut d = def(2, 3);
+    d.steps.insert(1, middle);
+    Workflows::new(vec![d]).unwrap()
+}
+
+fn named_signal(id: &str, name: &str, payload: Value) -> Input {
+    Input::Signal(SignalWakeup {
+        run_id: "r1".into(),
+        tenant: "t1".into(),
+        signal_id: id.into(),
+        name: name.into(),
+        payload,
+    })
+}
+
+fn dispatch_of(tr: &Transition) -> Option<&Value> {
+    tr.effects
+        .iter()
+        .find(|e| matches!(e.target, EffectTarget::StepQueue { .. }))
+        .map(|e| &e.payload)
+}
+
+#[test]
+fn a_sleep_step_waits_for_its_wake_timer_then_the_run_moves_on() {
+    let wf = waits(StepDefinition::sleep("nap", 500));
+    let s = started(&wf);
+    let tr = apply(&s, &result_ok(stamp(1), json!({"a": 1})), &wf, 100, 2);
+    assert_eq!(tr.record.kind, TransitionKind::StepSucceeded);
+    assert_eq!(tr.record.detail["next_stamp"], stamp(2).to_string());
+    let w = tr.state.waiting.clone().expect("the run sleeps");
+    assert_eq!((w.stamp, w.step_index, w.until), (stamp(2), 1, t(600)));
+    assert_eq!(tr.state.outstanding, None);
+    assert!(dispatch_of(&tr).is_none(), "a sleep dispatches nothing");
+    let wake = timer(TimerKind::Wake, stamp(2));
+    assert_eq!(tr.effects.len(), 2);
+    assert_eq!(tr.effects[1].payload, wake.to_json());
+    assert_eq!(tr.effects[1].not_before, Some(t(600)));
+
+    let other = fold(
+        Some(&tr.state),
+        &timer(TimerKind::Wake, stamp(9)),
+        &wf,
+        STATE_CAP,
+        t(600),
+        &entropy(3),
+    );
+    assert_eq!(other, Decision::NoOp(NoOpReason::DuplicateTimer));
+    let woke = apply(&tr.state, &wake, &wf, 601, 3);
+    assert_eq!(woke.record.kind, TransitionKind::StepSucceeded);
+    assert_eq!(woke.record.input_ref, format!("timer:wake:{}", stamp(2)));
+    assert_eq!(woke.state.waiting, None);
+    let expected = json!({"a": 1, "nap": {"until": "2023-11-14T22:13:20.600Z"}});
+    assert_eq!(woke.record.detail["output"], expected);
+    let d = dispatch_of(&woke).expect("the step after the sleep is dispatched");
+    assert_eq!(
+        (d["step"].clone(), d["input"].clone()),
+        (json!("s1"), expected)
+    );
+    assert_eq!(
+        fold(
+            Some(&woke.state),
+            &wake,
+            &wf,
+            STATE_CAP,
+            t(700),
+            &entropy(4)
+        ),
+        Decision::NoOp(NoOpReason::DuplicateTimer)
+    );
+}
+
+#[test]
+fn an_await_signal_step_is_ended_by_its_signal_or_by_its_timeout() {
+    for on_timeout in [OnTimeout::Fail, OnTimeout::Continue] {
+        let wf = waits(StepDefinition::await_signal(
+            "approve", "ok", 1000, on_timeout,
+        ));
+        let s = started(&wf);
+        let waiting = apply(&s, &result_ok(stamp(1), json!({"a": 1})), &wf, 100, 2).state;
+        assert_eq!(
+            waiting.waiting.as_ref().unwrap().signal.as_deref(),
+            Some("ok")
+        );
+        assert_eq!(waiting.waiting.as_ref().unwrap().until, t(1100));
+
+        // Another name is only recorded; the awaited one ends the step.
+        let other = apply(&waiting, &named_signal("x", "nope", json!(0)), &wf, 200, 3);
+        assert_eq!(other.record.kind, TransitionKind::RunSignalled);
+        assert!(other.state.waiting.is_some());
+        let got = apply(
+            &other.state,
+            &named_signal("g", "ok", json!({"by": "ann"})),
+            &wf,
+            300,
+            4,
+        );
+        assert_eq!(got.record.kind, TransitionKind::StepSucceeded);
+        assert_eq!(got.record.detail["signal_id"], "g");
+        let expected = json!({"a": 1, "approve": {"signal_id": "g", "payload": {"by": "ann"}}});
+        assert_eq!(dispatch_of(&got).unwrap()["input"], expected);
+        let record = got
+            .state
+            .signals
+            .iter()
+            .find(|r| r.signal_id == "g")
+            .unwrap();
+        assert_eq!((record.consumed_by, record.kept), (Some(1), false));
+        let late_wake = timer(TimerKind::Wake, stamp(2));
+        assert_eq!(
+            fold(
+                Some(&got.state),
+                &late_wake,
+                &wf,
+                STATE_CAP,
+                t(1100),
+                &entropy(5)
+            ),
+            Decision::NoOp(NoOpReason::DuplicateTimer)
+        );
+
+        // No signal: the timeout fails the run or goes on without one.
+        let timed_out = apply(&waiting, &late_wake, &wf, 1100, 5);
+        match on_timeout {
+            OnTimeout::Fail => {
+                assert_eq!(timed_out.record.kind, TransitionKind::RunFailed);
+                assert_eq!(timed_out.state.status, RunStatus::Failed);
+                assert_eq!(timed_out.record.detail["cause"], "signal_timeout");
+                let error = timed_out.state.error.clone().unwrap();
+                assert!(error.contains("\"ok\""), "{error}");
+            }
+            OnTimeout::Continue => {
+                assert_eq!(timed_out.record.kind, TransitionKind::StepSucceeded);
+                let input = &dispatch_of(&timed_out).unwrap()["input"];
+                assert_eq!(input["approve"], json!({"timed_out": true}));
+            }
+        }
+        assert_eq!(timed_out.state.waiting, None);
+    }
+}
+
+#[test]
+fn a_signal_that_came_before_its_step_started_is_kept_and_consumed_by_it() {
+    let wf = waits(StepDefinition::await_signal(
+        "approve",
+        "ok",
+        1000,
+        OnTimeout::Fail,
+    ));
+    let s = started(&wf);
+    let early = apply(&s, &named_signal("e", "ok", json!(null)), &wf, 10, 2);
+    let second = apply(&early.state, &named_signal("f", "ok", json!(2)), &wf, 11, 2);
+    let unawaited = apply(
+        &second.state,
+        &named_signal("u", "nope", json!(3)),
+        &wf,
+        12,
+        2,
+    );
+    let kept: Vec<(&str, bool, Option<&Value>)> = unawaited
+        .state
+        .signals
+        .iter()
+        .map(|r| (r.signal_id.as_str(), r.kept, r.payload.as_ref()))
+        .collect();
+    // One await of "ok" remains: one signal of it is kept, with its
+    // payload (a null one too); the others only deduplicate.
+    assert_eq!(
+        kept,
+        [
+            ("e", true, Some(&Value::Null)),
+            ("f", false, None),
+            ("u", false, None)
+        ]
+    );
+
+    let tr = apply(
+        &unawaited.state,
+        &result_ok(stamp(1), json!({"a": 1})),
+        &wf,
+        100,
+        3,
+    );
+    assert_eq!(tr.record.kind, TransitionKind::StepSucceeded);
+    assert_eq!(
+        tr.state.waiting, None,
+        "the kept signal ended the wait at once"
+    );
+    assert_eq!(tr.record.detail["passed_steps"][0]["step_index"], 1);
+    let expected = json!({"a": 1, "approve": {"signal_id": "e", "payload": null}});
+    let d = dispatch_of(&tr).unwrap();
+    assert_eq!(
+        (d["step_index"].clone(), d["input"].clone()),
+        (json!(2), expected)
+    );
+    assert_eq!(tr.record.detail["next_stamp"], stamp(3).to_string());
+    let e = &tr.state.signals[0];
+    assert_eq!(
+        (e.kept, e.consumed_by, e.payload.clone()),
+        (false, Some(1), None)
+    );
+}
+
+#[test]
+fn a_sleep_until_a_time_of_the_input_ends_at_once_if_past_and_fails_if_absent() {
+    let sleep = |pointer: &str| StepDefinition {
+        duration_ms: None,
+        until: Some(pointer.into()),
+        ..StepDefinition::sleep("until", 1)
+    };
+    let one = |step: StepDefinition| {
+        let mut d = def(1, 1);
+        d.steps = vec![step];
+        Workflows::new(vec![d]).unwrap()
+    };
+    let start_with = |input: Value| {
+        Input::Start(RunStart {
+            input,
+            ..match start_input() {
+                Input::Start(s) => s,
+                _ => unreachable!(),
+            }
+        })
+    };
+    let wf = one(sleep("/at"));
+    let past = start_with(json!({"at": "2020-01-01T00:00:00Z"}));
+    let tr = transition(fold(None, &past, &wf, STATE_CAP, t(0), &entropy(1)));
+    assert_eq!(tr.record.kind, TransitionKind::RunStarted);
+    assert_eq!(tr.state.status, RunStatus::Succeeded);
+    assert_eq!(
+        tr.state.output["until"]["until"],
+        "2020-01-01T00:00:00.000Z"
+    );
+    assert!(tr.effects.iter().any(|e| e.kind == EffectKind::RunOutput));
+
+    let future = start_with(json!({"at": "2023-11-14T22:13:25Z"}));
+    let tr = transition(fold(None, &future, &wf, STATE_CAP, t(0), &entropy(1)));
+    assert_eq!(tr.state.waiting.as_ref().unwrap().until, t(5000));
+    assert_eq!(tr.record.detail["stamp"], stamp(1).to_string());
+
+    for bad in [json!({}), json!({"at": 5}), json!({"at": "tomorrow"})] {
+        let tr = transition(fold(
+            None,
+            &start_with(bad.clone()),
+            &wf,
+            STATE_CAP,
+            t(0),
+            &entropy(1),
+        ));
+        assert_eq!(tr.state.status, RunStatus::Failed, "{bad}");
+        assert!(tr.state.error.clone().unwrap().contains("/at"), "{bad}");
+    }
+}
+
+#[test]
+fn a_cancel_ends_a_wait_and_its_wake_changes_nothing() {
+    let wf = waits(StepDefinition::sleep("nap", 500));
+    let s = started(&wf);
+    let waiting = apply(&s, &result_ok(stamp(1), json!({})), &wf, 100, 2).state;
+    let cancelled = apply(&waiting, &cancel(), &wf, 200, 3);
+    assert_eq!(cancelled.state.status, RunStatus::Cancelled);
+    assert_eq!(cancelled.state.waiting, None);
+    assert_eq!(
+        fold(
+            Some(&cancelled.state),
+            &timer(TimerKind::Wake, stamp(2)),
+            &wf,
+            STATE_CAP,
+            t(600),
+            &entropy(4)
+        ),
+        Decision::NoOp(NoOpReason::DuplicateTimer)
+    );
+}
+
+#[test]
+fn waiting_steps_are_checked_by_kind() {
+    let cases: Vec<(StepDefinition, &str)> = vec![
+        (
+            StepDefinition {
+                pool: "p".into(),
+                ..StepDefinition::sleep("s", 5)
+            },
+            "steps[1].pool",
+        ),
+        (
+            StepDefinition {
+                signal: Some("x".into()),
+                ..StepDefinition::sleep("s", 5)
+            },
+            "steps[1].signal",
+        ),
+        (
+            StepDefinition {
+                until: Some("/at".into()),
+                ..StepDefinition::sleep("s", 5)
+            },
+            "steps[1].duration_ms",
+        ),
+        (StepDefinition::sleep("s", 0), "steps[1].duration_ms"),
+        (
+            StepDefinition {
+                duration_ms: None,
+                until: Some("at".into()),
+                ..StepDefinition::sleep("s", 5)
+            },
+            "steps[1].until",
+        ),
+        (
+            StepDefinition::await_signal("w", "", 10, OnTimeout::Fail),
+            "steps[1].signal",
+        ),
+        (
+            StepDefinition::await_signal("w", "ok", 0, OnTimeout::Fail),
+            "steps[1].timeout_ms",
+        ),
+        (
+            StepDefinition {
+                retry: retry(5),
+                ..StepDefinition::await_signal("w", "ok", 10, OnTimeout::Fail)
+            },
+            "steps[1].retry",
+        ),
+        (
+            StepDefinition {
+                on_timeout: OnTimeout::Continue,
+                ..StepDefinition::task("t", "p", 10)
+            },
+            "steps[1].on_timeout",
+        ),
+    ];
+    for (step, field) in cases {
+        let mut d = def(2, 1);
+        d.steps[1] = step.clone();
+        let err = d.validate().unwrap_err();
+        assert_eq!(err.field, field, "{step:?}: {err}");
+    }
+    let toml = "name = \"w\"\nversion = 1\n\n[[steps]]\nname = \"nap\"\nkind = \"sleep\"\nduration_ms = 5\n\n\
+                [[steps]]\nname = \"ok\"\nkind = \"await_signal\"\nsignal = \"go\"\ntimeout_ms = 9\non_timeout = \"continue\"\n";
+    let parsed = crate::infra::workflows::parse_str("w.toml", toml).unwrap();
+    assert_eq!(parsed.steps[0], StepDefinition::sleep("nap", 5));
+    assert_eq!(
+        parsed.steps[1],
+        StepDefinition::await_signal("ok", "go", 9, OnTimeout::Continue)
+    );
 }

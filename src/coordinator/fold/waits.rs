@@ -1,0 +1,236 @@
+//! Steps that wait: `sleep` and `await_signal`.
+//!
+//! Entering a step dispatches a task, or makes the run wait with one
+//! durable `wakeup.timer` (`"wake"`, named by the wait's stamp) that ends
+//! the sleep or times out the wait for a signal. A wait that can end at
+//! once (a sleep until a time already past, a signal kept for the step
+//! because it came while an earlier step ran) ends in the same transition,
+//! and the next step is entered in turn; so one transition introduces at
+//! most one stamp. A waiting step's output is its input with one member
+//! named after the step: `{"until": time}` for a sleep, `{"signal_id",
+//! "payload"}` for the signal an await got, `{"timed_out": true}` for an
+//! await whose timeout goes on.
+
+use chrono::{DateTime, Utc};
+use serde_json::{Map, Value, json};
+use uuid::Uuid;
+
+use super::{Builder, Decision, RejectionClass, reject, step};
+use crate::contract::effects::rfc3339;
+use crate::contract::{TimerKind, TransitionKind};
+use crate::coordinator::definition::{StepDefinition, StepKind, WorkflowDefinition};
+use crate::coordinator::state::{RunStatus, Waiting};
+
+/// Where entering a step left the run.
+pub(super) enum Entered {
+    /// A task was dispatched or a wait began, under this stamp.
+    Started(Uuid),
+    /// Every step is done.
+    Succeeded,
+    /// A step could not start (a sleep whose time is not in its input).
+    Failed,
+}
+
+impl Builder<'_> {
+    /// Enters step `index`, and the steps after it while they end at once.
+    pub(super) fn enter(
+        &mut self,
+        def: &WorkflowDefinition,
+        mut index: u32,
+    ) -> Result<Entered, Decision> {
+        loop {
+            if index as usize == def.steps.len() {
+                self.succeed_run(def);
+                return Ok(Entered::Succeeded);
+            }
+            let Some(step) = step(def, index) else {
+                return Err(fewer_steps());
+            };
+            let member = match step.kind {
+                StepKind::Task => {
+                    let stamp = self.dispatch(def, index, 1).ok_or_else(fewer_steps)?;
+                    return Ok(Entered::Started(stamp));
+                }
+                StepKind::Sleep => match self.sleep_until(index, step) {
+                    Ok(until) if until > self.now => {
+                        return Ok(Entered::Started(self.wait(index, until, None)));
+                    }
+                    Ok(until) => json!({ "until": rfc3339(until) }),
+                    Err(error) => {
+                        self.fail_run(index, error);
+                        return Ok(Entered::Failed);
+                    }
+                },
+                StepKind::AwaitSignal => {
+                    let name = step.signal.clone().unwrap_or_default();
+                    match self.take_kept_signal(&name, index) {
+                        Some(got) => got,
+                        None => {
+                            let until = super::add_ms(self.now, step.timeout_ms);
+                            return Ok(Entered::Started(self.wait(index, until, Some(name))));
+                        }
+                    }
+                }
+            };
+            let output = self.step_output(index, step, member);
+            self.state.step_index = index;
+            let passed = json!({ "step_index": index, "output": output });
+            match self.detail.get_mut("passed_steps") {
+                Some(Value::Array(steps)) => steps.push(passed),
+                _ => self.detail("passed_steps", json!([passed])),
+            }
+            index = index.saturating_add(1);
+        }
+    }
+
+    /// The step the run waits in is done (its signal came, its time came,
+    /// or its wait timed out and the run goes on); the run moves on.
+    pub(super) fn complete_wait(
+        &mut self,
+        def: &WorkflowDefinition,
+        member: Value,
+    ) -> Result<TransitionKind, Decision> {
+        let waiting = self.state.waiting.take().ok_or_else(fewer_steps)?;
+        let step = step(def, waiting.step_index).ok_or_else(fewer_steps)?;
+        let output = self.step_output(waiting.step_index, step, member);
+        self.detail("wait_stamp", waiting.stamp.to_string().into());
+        self.detail("completed_step", waiting.step_index.into());
+        self.detail("output", output);
+        self.after_step(def, waiting.step_index.saturating_add(1))
+    }
+
+    /// After step `next - 1` succeeded: the kind of the transition.
+    pub(super) fn after_step(
+        &mut self,
+        def: &WorkflowDefinition,
+        next: u32,
+    ) -> Result<TransitionKind, Decision> {
+        Ok(match self.enter(def, next)? {
+            Entered::Started(stamp) => {
+                self.detail("next_stamp", stamp.to_string().into());
+                TransitionKind::StepSucceeded
+            }
+            Entered::Succeeded => TransitionKind::RunSucceeded,
+            Entered::Failed => TransitionKind::RunFailed,
+        })
+    }
+
+    /// The run fails in step `index` (a wait that timed out, a sleep that
+    /// cannot tell until when).
+    pub(super) fn fail_run(&mut self, index: u32, error: String) {
+        self.state.step_index = index;
+        self.state.waiting = None;
+        self.state.status = RunStatus::Failed;
+        self.detail(
+            "error",
+            crate::contract::input::truncate(error.clone(), super::MAX_DETAIL_ERROR_LEN).into(),
+        );
+        self.state.error = Some(error);
+    }
+
+    /// The run waits in step `index` until `until`, or for `signal`.
+    fn wait(&mut self, index: u32, until: DateTime<Utc>, signal: Option<String>) -> Uuid {
+        let stamp = self.entropy.stamp;
+        let s = &mut self.state;
+        s.step_index = index;
+        s.attempt = 1;
+        s.outstanding = None;
+        s.pending_retry = None;
+        s.waiting = Some(Waiting {
+            stamp,
+            step_index: index,
+            since: self.now,
+            until,
+            signal,
+        });
+        self.timer(TimerKind::Wake, stamp, until);
+        stamp
+    }
+
+    /// When a sleep step entered now ends.
+    fn sleep_until(&self, index: u32, step: &StepDefinition) -> Result<DateTime<Utc>, String> {
+        if let Some(ms) = step.duration_ms {
+            return Ok(super::add_ms(self.now, ms));
+        }
+        let pointer = step.until.as_deref().unwrap_or_default();
+        let input = self.step_input(index);
+        let text = input.pointer(pointer).and_then(Value::as_str).ok_or_else(|| {
+            format!(
+                "step {index} ({}) sleeps until the time at {pointer}, and its input has no string there",
+                step.name
+            )
+        })?;
+        DateTime::parse_from_rfc3339(text)
+            .map(|t| t.with_timezone(&Utc))
+            .map_err(|_| {
+                format!(
+                    "step {index} ({}) sleeps until the time at {pointer}, which is not an RFC 3339 time",
+                    step.name
+                )
+            })
+    }
+
+    /// The oldest signal of this name kept for a step, consumed by `index`.
+    fn take_kept_signal(&mut self, name: &str, index: u32) -> Option<Value> {
+        let record = self
+            .state
+            .signals
+            .iter_mut()
+            .find(|r| r.kept && r.name == name)?;
+        record.kept = false;
+        record.consumed_by = Some(index);
+        let payload = record.payload.take().unwrap_or(Value::Null);
+        Some(json!({ "signal_id": record.signal_id, "payload": payload }))
+    }
+
+    /// The input of step `index`: the run's for the first, the previous
+    /// step's output after.
+    pub(super) fn step_input(&self, index: u32) -> Value {
+        if index == 0 {
+            self.state.input.clone()
+        } else {
+            self.state.output.clone()
+        }
+    }
+
+    /// A waiting step's output: its input with `member` under its name (an
+    /// input that is no object is kept as `"input"`). Also the run's output.
+    fn step_output(&mut self, index: u32, step: &StepDefinition, member: Value) -> Value {
+        let mut output = match self.step_input(index) {
+            Value::Object(map) => map,
+            Value::Null => Map::new(),
+            other => Map::from_iter([("input".to_owned(), other)]),
+        };
+        output.insert(step.name.clone(), member);
+        let output = Value::Object(output);
+        self.state.output = output.clone();
+        output
+    }
+}
+
+/// Whether a signal of `name` that arrives now is kept for a step: a later
+/// `await_signal` step of the run waits for that name, and fewer signals of
+/// it are kept than such steps remain. The rest are recorded without their
+/// payload, so what the state keeps is bounded by the definition.
+pub(super) fn keeps_signal(
+    def: &WorkflowDefinition,
+    current: u32,
+    kept: &[crate::coordinator::state::SignalRecord],
+    name: &str,
+) -> bool {
+    let awaiting = def
+        .steps
+        .iter()
+        .skip(current as usize + 1)
+        .filter(|s| s.kind == StepKind::AwaitSignal && s.signal.as_deref() == Some(name))
+        .count();
+    let already = kept.iter().filter(|r| r.kept && r.name == name).count();
+    already < awaiting
+}
+
+fn fewer_steps() -> Decision {
+    reject(
+        RejectionClass::UnknownWorkflow,
+        "workflow has fewer steps than the run",
+    )
+}
