@@ -200,8 +200,8 @@ fn all_topics(config: &Config, workflows: &Workflows) -> Vec<String> {
         set.insert(t.clone());
     }
     for w in workflows.iter() {
-        for s in &w.steps {
-            set.insert(config.steps_topic(&s.pool));
+        for pool in w.steps.iter().filter_map(|s| s.task_pool()) {
+            set.insert(config.steps_topic(pool));
         }
         if let Some(t) = &w.output_topic {
             set.insert(t.clone());

@@ -26,7 +26,8 @@
 //!    transition, or the `run.failed` one of a state too large, names it;
 //!    still dispatched: it is the outstanding attempt of a running run); the
 //!    signals in `state` are, in order, the ids of the `signal:<id>`
-//!    transitions that recorded them (`run.signalled`); every intent belongs
+//!    transitions that recorded them (`run.signalled`, or the end of an
+//!    `await_signal` step's wait); every intent belongs
 //!    to a transition.
 //! 4. **At most once** (`input_applied_twice`): no two transitions share an
 //!    `input_ref`.
@@ -398,11 +399,14 @@ fn attempts_explained(
     }
 }
 
-/// The signals in the state are, in order, those the history recorded.
+/// The signals in the state are, in order, those the history recorded:
+/// every transition a signal made (`run.signalled`, or the end of the wait
+/// of an `await_signal` step) but one that failed the run because its state
+/// would have been too large.
 fn signals_agree(state: &RunState, ts: &[TransitionRow], shape: &mut Vec<String>) {
     let signal_ids: Vec<&str> = ts
         .iter()
-        .filter(|t| t.kind == TransitionKind::RunSignalled.as_str())
+        .filter(|t| t.detail.get("cause").and_then(Value::as_str) != Some(STATE_TOO_LARGE))
         .filter_map(|t| t.input_ref.strip_prefix("signal:"))
         .collect();
     let state_signals: Vec<&str> = state.signals.iter().map(|s| s.signal_id.as_str()).collect();
