@@ -67,6 +67,9 @@ pub struct Config {
     pub coordinator: CoordinatorConfig,
     pub drainer: DrainerConfig,
     pub routing: RoutingConfig,
+    /// Retention of finished runs.
+    #[serde(default)]
+    pub runs: RunsConfig,
     /// Off unless configured: inputs signed per tenant.
     #[serde(default)]
     pub signatures: SignaturesConfig,
@@ -589,6 +592,38 @@ pub struct RoutingConfig {
     pub pools: BTreeMap<String, PoolRouting>,
 }
 
+/// Retention of finished runs: a run that ended longer than `retention_ms`
+/// ago is deleted with its transitions and attempts, and leaves a tombstone
+/// for `tombstone_retention_ms`, so that a late input for it (a start
+/// replayed from Kafka) does not start it again.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunsConfig {
+    /// How long a finished run is kept; 0 keeps every run for ever.
+    pub retention_ms: u64,
+    /// How long a deleted run's tombstone is kept. Make it outlast the
+    /// retention of the input topics.
+    pub tombstone_retention_ms: u64,
+    /// How often retention runs.
+    pub purge_interval_ms: u64,
+    /// Runs (and tombstones) deleted per statement.
+    pub purge_batch: usize,
+    /// Statements per retention run.
+    pub purge_max_rounds: u32,
+}
+
+impl Default for RunsConfig {
+    fn default() -> Self {
+        RunsConfig {
+            retention_ms: 7 * 86_400_000,
+            tombstone_retention_ms: 30 * 86_400_000,
+            purge_interval_ms: 60_000,
+            purge_batch: 500,
+            purge_max_rounds: 10,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PoolRouting {
@@ -660,7 +695,8 @@ impl Config {
         self.validate_state_bound()?;
         self.validate_inputs()?;
         self.validate_drainer()?;
-        self.validate_routing()
+        self.validate_routing()?;
+        self.validate_runs()
     }
 
     /// The two listeners are apart: on one address the admin endpoints
@@ -965,6 +1001,27 @@ impl Config {
     }
 
     /// The routing plane: its TTLs, intervals, batches and body bound.
+    fn validate_runs(&self) -> Result<(), ConfigError> {
+        let r = &self.runs;
+        for (key, value) in [
+            ("runs.tombstone_retention_ms", r.tombstone_retention_ms),
+            ("runs.purge_interval_ms", r.purge_interval_ms),
+            ("runs.purge_max_rounds", u64::from(r.purge_max_rounds)),
+            ("runs.purge_batch", r.purge_batch as u64),
+        ] {
+            if value == 0 {
+                return Err(invalid(key, "must be at least 1"));
+            }
+        }
+        if r.retention_ms > 0 && r.tombstone_retention_ms < r.retention_ms {
+            return Err(invalid(
+                "runs.tombstone_retention_ms",
+                "must be at least runs.retention_ms: a tombstone outlives its run",
+            ));
+        }
+        Ok(())
+    }
+
     fn validate_routing(&self) -> Result<(), ConfigError> {
         let r = &self.routing;
         for (key, value) in [

@@ -120,6 +120,35 @@ fn a_bad_value_is_an_error_that_names_the_key() {
     assert!(err.contains("database.migrate_url"), "{err}");
 }
 
+/// Finished runs are kept 7 days and their tombstones 30 by default; a
+/// tombstone may not expire before its run would, and 0 keeps every run.
+#[test]
+fn run_retention_has_defaults_and_a_tombstone_outlives_its_run() {
+    let config = Config::load_from(None, env(&[])).unwrap();
+    assert_eq!(config.runs.retention_ms, 7 * 86_400_000);
+    assert_eq!(config.runs.tombstone_retention_ms, 30 * 86_400_000);
+    let err = Config::load_from(
+        None,
+        env(&[("DUCTOR__RUNS__TOMBSTONE_RETENTION_MS", "86400000")]),
+    )
+    .expect_err("a tombstone shorter than the run's retention is refused")
+    .to_string();
+    assert!(err.contains("runs.tombstone_retention_ms"), "{err}");
+    let err = Config::load_from(None, env(&[("DUCTOR__RUNS__PURGE_BATCH", "0")]))
+        .expect_err("a zero purge batch is refused")
+        .to_string();
+    assert!(err.contains("runs.purge_batch"), "{err}");
+    let keep_all = Config::load_from(
+        None,
+        env(&[
+            ("DUCTOR__RUNS__RETENTION_MS", "0"),
+            ("DUCTOR__RUNS__TOMBSTONE_RETENTION_MS", "1000"),
+        ]),
+    )
+    .expect("0 keeps every run");
+    assert_eq!(keep_all.runs.retention_ms, 0);
+}
+
 /// `ductor migrate` connects as the migrator when one is configured, and
 /// grants serve's rights to the user of `database.url` unless told another
 /// role; serve does not migrate unless told.

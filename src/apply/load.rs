@@ -9,7 +9,7 @@ use sqlx::{PgConnection, Row};
 
 use super::{ApplyError, Loaded, PendingInput};
 use crate::contract::Input;
-use crate::coordinator::RunState;
+use crate::coordinator::{Purged, RunState};
 
 /// Run states as this applier last committed them, so that the next batch
 /// of a run need not load it. An entry is only a guess: the runs UPDATE is
@@ -161,6 +161,7 @@ pub(super) async fn load_runs(
                 cached: state.is_some() || guessed,
                 state,
                 changed: false,
+                purged: None,
             },
         );
     }
@@ -182,5 +183,35 @@ pub(super) async fn load_runs(
             slot.loaded_version = Some(version);
         }
     }
+    missing.retain(|id| runs.get(id).is_some_and(|l| l.state.is_none()));
+    if !missing.is_empty() {
+        load_tombstones(conn, &missing, &mut runs).await?;
+    }
     Ok(runs)
+}
+
+/// The tombstones of `ids`, runs that do not exist: finished runs that
+/// retention deleted, whose late inputs must not start them again.
+async fn load_tombstones(
+    conn: &mut PgConnection,
+    ids: &[String],
+    runs: &mut HashMap<String, Loaded>,
+) -> Result<(), ApplyError> {
+    let rows = sqlx::query(
+        "SELECT run_id, tenant_scope, start_fingerprint FROM run_tombstones \
+         WHERE run_id = ANY($1)",
+    )
+    .bind(ids)
+    .fetch_all(&mut *conn)
+    .await?;
+    for row in rows {
+        let run_id: String = row.try_get("run_id")?;
+        if let Some(slot) = runs.get_mut(&run_id) {
+            slot.purged = Some(Purged {
+                tenant: row.try_get("tenant_scope")?,
+                start_fingerprint: row.try_get("start_fingerprint")?,
+            });
+        }
+    }
+    Ok(())
 }

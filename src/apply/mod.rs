@@ -23,6 +23,7 @@ pub mod batch;
 mod decide;
 mod load;
 mod plan;
+pub mod retention;
 mod write;
 
 pub use load::RunCache;
@@ -46,8 +47,8 @@ use crate::contract::{
     Effect, EffectKind, EffectTarget, Input, TopicNames, idempotency_key, timeout_cancel_key,
 };
 use crate::coordinator::{
-    AttemptRecord, AttemptStatus, AttemptWrite, Decision, Entropy, NoOpReason, Rejection, RunState,
-    RunStatus, Workflows, fold,
+    AttemptRecord, AttemptStatus, AttemptWrite, Decision, Entropy, NoOpReason, Purged, Rejection,
+    RunState, RunStatus, Workflows, fold, fold_purged,
 };
 use crate::routing::{self, Reservation, ReserveKind, RouteOutcome, RouteRequest};
 
@@ -249,6 +250,8 @@ struct Loaded {
     /// The state was not read from the database: it came from the cache,
     /// or the run was taken to be new (see [`load_runs`]).
     cached: bool,
+    /// The run finished and retention deleted it: its tombstone.
+    purged: Option<Purged>,
 }
 
 /// Everything one attempt at committing a batch will write.
@@ -805,6 +808,7 @@ impl Applier {
             loaded_version: None,
             changed: false,
             cached: false,
+            purged: None,
         });
         let input = Input::Start(start.clone());
         let (outcome, effects) =
@@ -853,14 +857,18 @@ impl Applier {
             .get_mut(input.run_id())
             .expect("every input's run was looked up");
         let entropy = fresh_entropy();
-        let transition = match fold(
-            loaded.state.as_ref(),
-            input,
-            &self.workflows,
-            self.max_state_bytes,
-            now,
-            &entropy,
-        ) {
+        let decision = match (&loaded.state, &loaded.purged) {
+            (None, Some(purged)) => fold_purged(purged, input),
+            (state, _) => fold(
+                state.as_ref(),
+                input,
+                &self.workflows,
+                self.max_state_bytes,
+                now,
+                &entropy,
+            ),
+        };
+        let transition = match decision {
             Decision::NoOp(reason) => return Ok((InputOutcome::NoOp(reason), 0)),
             Decision::Rejection(rejection) => return Ok((InputOutcome::Rejected(rejection), 0)),
             Decision::Transition(transition) => *transition,

@@ -231,6 +231,7 @@ mod tests {
             loaded_version: version,
             changed,
             cached: false,
+            purged: None,
         }
     }
 

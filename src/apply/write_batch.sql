@@ -1,5 +1,6 @@
--- A whole batch in one statement: the runs (new ones inserted, changed ones
--- updated only where record_version is still the one loaded), the history
+-- A whole batch in one statement: the runs (new ones inserted unless a
+-- tombstone says retention deleted them, changed ones updated only where
+-- record_version is still the one loaded), the history
 -- and the effects (transitions, attempts inserted and finished, the cancel
 -- of finished attempts' pending timeout timers, the effect intents), then
 -- ductor_write_guard over what each conditional write matched against what
@@ -35,6 +36,7 @@ WITH ins AS (
         $7::int8[], $8::text[], $9::timestamptz[], $10::timestamptz[], $11::timestamptz[])
         AS u(run_id, tenant, pool, workflow, version, status, seq, state, created_at,
              updated_at, finished_at)
+    WHERE NOT EXISTS (SELECT 1 FROM run_tombstones p WHERE p.run_id = u.run_id)
     ON CONFLICT (run_id) DO NOTHING
     RETURNING 1
 ), upd AS (

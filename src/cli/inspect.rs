@@ -1,13 +1,15 @@
-//! `ductor inspect run`: a run's state, attempts and transition history.
+//! `ductor inspect run`: a run's state, attempts and transition history,
+//! or, for a finished run that retention deleted, its tombstone.
 
 use serde_json::{Value, json};
 use sqlx::postgres::PgRow;
 use sqlx::{PgPool, Row};
 
-/// The run as JSON, or `None` when no such run exists.
+/// The run as JSON, or `None` when no such run exists (or its tombstone
+/// expired too).
 pub async fn run(pool: &PgPool, run_id: &str) -> anyhow::Result<Option<Value>> {
     let Some(row) = run_row(pool, run_id).await? else {
-        return Ok(None);
+        return tombstone(pool, run_id).await;
     };
     let history = History {
         attempts: attempts(pool, run_id).await?,
@@ -22,6 +24,38 @@ struct History {
     attempts: Vec<Value>,
     transitions: Vec<Value>,
     parked_effects: Vec<Value>,
+}
+
+/// What retention left of the run, if it deleted it: `"purged": true`,
+/// what the run was and when it was deleted.
+async fn tombstone(pool: &PgPool, run_id: &str) -> anyhow::Result<Option<Value>> {
+    let row = sqlx::query(
+        "SELECT run_id, tenant_scope, workflow_name, workflow_version, status, \
+             last_transition_seq, created_at, finished_at, purged_at \
+         FROM run_tombstones WHERE run_id = $1",
+    )
+    .bind(run_id)
+    .fetch_optional(pool)
+    .await?;
+    let Some(r) = row else { return Ok(None) };
+    let at = |name: &str| -> anyhow::Result<String> {
+        let t: chrono::DateTime<chrono::Utc> = r.try_get(name)?;
+        Ok(crate::contract::effects::rfc3339(t))
+    };
+    Ok(Some(json!({
+        "run_id": r.try_get::<String, _>("run_id")?,
+        "purged": true,
+        "note": "the run finished and retention (runs.retention_ms) deleted it with its \
+                 transitions and attempts; late inputs for it change nothing",
+        "tenant": r.try_get::<String, _>("tenant_scope")?,
+        "workflow": r.try_get::<String, _>("workflow_name")?,
+        "workflow_version": r.try_get::<i32, _>("workflow_version")?,
+        "status": r.try_get::<String, _>("status")?,
+        "last_transition_seq": r.try_get::<i64, _>("last_transition_seq")?,
+        "created_at": at("created_at")?,
+        "finished_at": at("finished_at")?,
+        "purged_at": at("purged_at")?,
+    })))
 }
 
 /// The run's own record, if there is such a run.

@@ -111,6 +111,9 @@ pub async fn run_on(
     };
     spawn_http(&tasks, &config.server, listeners, tls, routers)?;
     spawn_routing_maintenance(&tasks, &pool, &config);
+    let (retention, shutdown) = (config.runs.clone(), tasks.shutdown.clone());
+    let run_retention = crate::apply::retention::run(pool.clone(), retention, shutdown);
+    tasks.tracker.spawn(run_retention);
     if let Some(local) = drainer {
         spawn_drainer(&tasks, local, &wakeup);
     }

@@ -11,7 +11,7 @@ use uuid::Uuid;
 
 use super::definition::{OnTimeout, StepDefinition, StepKind, WorkflowDefinition, Workflows};
 use super::state::{
-    AttemptRecord, AttemptStatus, MAX_SIGNALS_PER_RUN, Outstanding, PendingRetry, RunState,
+    AttemptRecord, AttemptStatus, MAX_SIGNALS_PER_RUN, Outstanding, PendingRetry, Purged, RunState,
     RunStatus, SignalRecord,
 };
 use crate::contract::effects::{RunEvent, RunOutput, rfc3339};
@@ -71,6 +71,9 @@ pub enum NoOpReason {
     DuplicateSignal,
     /// Any non-duplicate input to a finished run, including a second cancel.
     RunTerminal,
+    /// Any input to a finished run that retention deleted (but a start
+    /// with another request than the run's): it stays deleted.
+    RunPurged,
 }
 
 impl NoOpReason {
@@ -82,6 +85,7 @@ impl NoOpReason {
             NoOpReason::DuplicateTimer => "duplicate_timer",
             NoOpReason::DuplicateSignal => "duplicate_signal",
             NoOpReason::RunTerminal => "run_terminal",
+            NoOpReason::RunPurged => "run_purged",
         }
     }
 }
@@ -348,6 +352,25 @@ fn on_start(
         Err(rejection) => return rejection,
     }
     b.finish(TransitionKind::RunStarted, "start".to_owned())
+}
+
+/// What `input` does to a finished run that retention deleted: nothing, as
+/// it did to the run before it was deleted. A start of it with another
+/// request, and an input of another tenant, are refused as they were then.
+pub fn fold_purged(purged: &Purged, input: &Input) -> Decision {
+    if purged.tenant != input.tenant() {
+        return reject(
+            RejectionClass::TenantMismatch,
+            "tenant does not match the run's tenant",
+        );
+    }
+    match (input, &purged.start_fingerprint) {
+        (Input::Start(start), Some(stored)) if *stored != fingerprint::start(start) => reject(
+            RejectionClass::IdempotencyMismatch,
+            "run.start: the run existed (it finished and was purged), started by a different request",
+        ),
+        _ => Decision::NoOp(NoOpReason::RunPurged),
+    }
 }
 
 /// A start of a run that exists: the same request again is a duplicate, a

@@ -33,8 +33,10 @@ pub mod fold;
 pub mod state;
 
 pub use definition::Workflows;
-pub use fold::{AttemptWrite, Decision, Entropy, LATE_DISPATCH_MS, NoOpReason, Rejection, fold};
-pub use state::{AttemptRecord, AttemptStatus, RunState, RunStatus};
+pub use fold::{
+    AttemptWrite, Decision, Entropy, LATE_DISPATCH_MS, NoOpReason, Rejection, fold, fold_purged,
+};
+pub use state::{AttemptRecord, AttemptStatus, Purged, RunState, RunStatus};
 // The rest of the fold's vocabulary, for the harnesses and the tests.
 #[cfg(any(test, feature = "internals"))]
 pub use definition::{

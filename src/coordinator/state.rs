@@ -127,6 +127,14 @@ pub struct SignalRecord {
     pub fingerprint: Option<String>,
 }
 
+/// What retention left of a finished run it deleted: its tombstone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Purged {
+    pub tenant: String,
+    /// The fingerprint of the request that started it, if it was kept.
+    pub start_fingerprint: Option<String>,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunState {
     pub run_id: String,

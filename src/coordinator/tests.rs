@@ -1633,3 +1633,54 @@ fn waiting_steps_are_checked_by_kind() {
         StepDefinition::await_signal("ok", "go", 9, OnTimeout::Continue)
     );
 }
+
+#[test]
+fn a_purged_run_stays_purged_and_still_refuses_another_start() {
+    let wf = registry(2, 3);
+    let state = started(&wf);
+    let tomb = Purged {
+        tenant: state.tenant.clone(),
+        start_fingerprint: state.start_fingerprint.clone(),
+    };
+    let s = stamp(1);
+    for input in [
+        start_input(),
+        result_ok(s, json!("late")),
+        timer(TimerKind::Timeout, s),
+        timer(TimerKind::Wake, s),
+        signal("late"),
+        cancel(),
+    ] {
+        assert_eq!(
+            fold_purged(&tomb, &input),
+            Decision::NoOp(NoOpReason::RunPurged),
+            "{input:?}"
+        );
+    }
+    let Input::Start(mut other) = start_input() else {
+        unreachable!()
+    };
+    other.input = json!({"x": 2});
+    let other = Input::Start(other);
+    assert_eq!(
+        rejection_class(fold_purged(&tomb, &other)),
+        RejectionClass::IdempotencyMismatch
+    );
+    // A run purged before fingerprints were kept: any start is a duplicate.
+    let old = Purged {
+        start_fingerprint: None,
+        ..tomb.clone()
+    };
+    assert_eq!(
+        fold_purged(&old, &other),
+        Decision::NoOp(NoOpReason::RunPurged)
+    );
+    let foreign = Purged {
+        tenant: "t2".into(),
+        ..tomb
+    };
+    assert_eq!(
+        rejection_class(fold_purged(&foreign, &cancel())),
+        RejectionClass::TenantMismatch
+    );
+}

@@ -43,10 +43,19 @@ pub(crate) async fn get_run(
     let answer = async {
         let identity = authenticate(&state, &headers, Scope::RunsRead).await?;
         let tenant = tenant(&identity, named_tenant(&headers), None)?;
-        run_summary(state.decider.pool(), &run_id, &tenant)
+        let pool = state.decider.pool();
+        if let Some(run) = run_summary(pool, &run_id, &tenant)
             .await
             .map_err(database)?
-            .ok_or_else(not_found)
+        {
+            return Ok(run);
+        }
+        Err(
+            match purged_at(pool, &run_id, &tenant).await.map_err(database)? {
+                Some(at) => purged(at),
+                None => not_found(),
+            },
+        )
     };
     match answer.await {
         Ok(body) => (StatusCode::OK, axum::Json(body)).into_response(),
@@ -292,6 +301,28 @@ async fn run_exists(pool: &sqlx::PgPool, run_id: &str, tenant: &str) -> sqlx::Re
 
 fn invalid(message: impl Into<String>) -> ApiError {
     ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message)
+}
+
+/// When retention deleted the tenant's run `run_id`, if it did.
+async fn purged_at(
+    pool: &sqlx::PgPool,
+    run_id: &str,
+    tenant: &str,
+) -> sqlx::Result<Option<chrono::DateTime<chrono::Utc>>> {
+    sqlx::query_scalar(
+        "SELECT purged_at FROM run_tombstones WHERE run_id = $1 AND tenant_scope = $2",
+    )
+    .bind(run_id)
+    .bind(tenant)
+    .fetch_optional(pool)
+    .await
+}
+
+/// `410 run_purged`: the run finished and retention deleted it.
+fn purged(at: chrono::DateTime<chrono::Utc>) -> ApiError {
+    let at = crate::contract::effects::rfc3339(at);
+    let message = format!("the run finished and was deleted by retention at {at}");
+    ApiError::new(StatusCode::GONE, "run_purged", message)
 }
 
 fn not_found() -> ApiError {

@@ -1,0 +1,118 @@
+//! Retention of finished runs: the maintenance loop deletes the runs that
+//! ended longer than `runs.retention_ms` ago, with their transitions and
+//! attempts (`ON DELETE CASCADE`), and leaves a tombstone for each.
+//!
+//! In: [`RunsConfig`]. Out: fewer `runs` rows, as many new
+//! `run_tombstones` rows, tombstones older than
+//! `runs.tombstone_retention_ms` deleted; `ductor_runs_purged_total` and
+//! `ductor_run_tombstones_purged_total`.
+//!
+//! Guarantees: one statement writes a run's tombstone and deletes the run,
+//! so a run is always either in `runs` or in `run_tombstones` (until its
+//! tombstone expires). Only a finished run is deleted, and nothing writes a
+//! finished run, so deleting one races with no writer: an applier that
+//! loaded it before finds the row gone when it writes, loses its race and
+//! reloads, and then meets the tombstone. Rows are deleted at most
+//! `purge_batch` per statement (`SKIP LOCKED`, so several `serve`s share
+//! the work), at most `purge_max_rounds` statements per round.
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::RunsConfig;
+
+/// Deletes up to `$2` runs finished more than `$1` seconds ago, writing the
+/// tombstone of each in the same statement.
+const PURGE_RUNS_SQL: &str = "WITH doomed AS ( \
+     SELECT run_id FROM runs \
+     WHERE finished_at < now() - make_interval(secs => $1) \
+     ORDER BY finished_at LIMIT $2 FOR UPDATE SKIP LOCKED \
+ ), tomb AS ( \
+     INSERT INTO run_tombstones (run_id, tenant_scope, workflow_name, workflow_version, \
+         status, start_fingerprint, last_transition_seq, created_at, finished_at) \
+     SELECT r.run_id, r.tenant_scope, r.workflow_name, r.workflow_version, r.status, \
+         r.state->>'start_fingerprint', r.last_transition_seq, r.created_at, r.finished_at \
+     FROM runs r JOIN doomed USING (run_id) \
+     ON CONFLICT (run_id) DO NOTHING \
+ ) \
+ DELETE FROM runs r USING doomed d WHERE r.run_id = d.run_id";
+
+/// Deletes up to `$2` tombstones older than `$1` seconds.
+const PURGE_TOMBSTONES_SQL: &str = "DELETE FROM run_tombstones WHERE run_id IN ( \
+     SELECT run_id FROM run_tombstones \
+     WHERE purged_at < now() - make_interval(secs => $1) \
+     ORDER BY purged_at LIMIT $2 FOR UPDATE SKIP LOCKED)";
+
+/// What one round of retention deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Purged {
+    pub runs: u64,
+    pub tombstones: u64,
+}
+
+/// One round: finished runs past the retention, then expired tombstones.
+/// A `retention_ms` of 0 keeps every run (tombstones still expire).
+pub async fn purge(pool: &PgPool, config: &RunsConfig) -> Result<Purged, sqlx::Error> {
+    let mut purged = Purged::default();
+    if config.retention_ms > 0 {
+        purged.runs = rounds(pool, PURGE_RUNS_SQL, config.retention_ms, config).await?;
+    }
+    purged.tombstones = rounds(
+        pool,
+        PURGE_TOMBSTONES_SQL,
+        config.tombstone_retention_ms,
+        config,
+    )
+    .await?;
+    if purged.runs > 0 {
+        tracing::info!(runs = purged.runs, "purged finished runs");
+        metrics::counter!("ductor_runs_purged_total").increment(purged.runs);
+    }
+    if purged.tombstones > 0 {
+        tracing::info!(tombstones = purged.tombstones, "purged expired tombstones");
+        metrics::counter!("ductor_run_tombstones_purged_total").increment(purged.tombstones);
+    }
+    Ok(purged)
+}
+
+/// Runs `sql` (`$1` an age in seconds, `$2` a batch) until a statement
+/// deletes less than a batch, at most `purge_max_rounds` times.
+async fn rounds(
+    pool: &PgPool,
+    sql: &str,
+    age_ms: u64,
+    config: &RunsConfig,
+) -> Result<u64, sqlx::Error> {
+    let mut total = 0;
+    for _ in 0..config.purge_max_rounds {
+        let deleted = sqlx::query(sql)
+            .bind(age_ms as f64 / 1000.0)
+            .bind(config.purge_batch as i64)
+            .execute(pool)
+            .await?
+            .rows_affected();
+        total += deleted;
+        if deleted < config.purge_batch as u64 {
+            break;
+        }
+    }
+    Ok(total)
+}
+
+/// Runs retention every `purge_interval_ms` until shutdown.
+pub async fn run(pool: PgPool, config: RunsConfig, shutdown: CancellationToken) {
+    let mut tick = tokio::time::interval(Duration::from_millis(config.purge_interval_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            _ = tick.tick() => {
+                if let Err(e) = purge(&pool, &config).await {
+                    tracing::warn!(error = %e, "run retention failed");
+                }
+            }
+        }
+    }
+}
