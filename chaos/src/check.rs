@@ -98,6 +98,10 @@ pub struct Report {
     pub runs: u64,
     /// Deliveries beyond the first, over all effects.
     pub duplicate_deliveries: u64,
+    /// With `--afterlife`: what retention purged and what was delivered
+    /// again (see [`super::afterlife`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub afterlife: Option<super::afterlife::Afterlife>,
     pub violations: BTreeMap<String, u64>,
     pub examples: BTreeMap<String, Vec<String>>,
 }
@@ -149,6 +153,22 @@ pub async fn run(args: &CheckArgs, config: &Config) -> anyhow::Result<Report> {
         &mut v,
     );
     report.faults = faults;
+    if args.afterlife && !report.violations.contains_key("not_settled") {
+        let pool = connect(config).await?;
+        let timeout = Duration::from_secs(args.settle_timeout_s);
+        let settled = || async {
+            match settle(&pool, config, timeout).await? {
+                Ok(_) => Ok(()),
+                Err((why, _)) => Err(anyhow::anyhow!("not settled after the redelivery: {why}")),
+            }
+        };
+        let afterlife =
+            super::afterlife::run(&pool, config, &records, &msgs, settled, &mut v).await?;
+        pool.close().await;
+        report.afterlife = Some(afterlife);
+        report.violations = v.counts.clone();
+        report.examples = v.examples.clone();
+    }
     Ok(report)
 }
 
@@ -315,6 +335,7 @@ pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
         inputs: logged + answered,
         runs: db.runs.len() as u64,
         duplicate_deliveries: duplicate_deliveries(&deliveries),
+        afterlife: None,
         violations: v.counts.clone(),
         examples: v.examples.clone(),
     }

@@ -33,6 +33,7 @@
 //! See [`check`] for the list of violation kinds and [`history`] for what
 //! "the stored state agrees with its history" means precisely.
 
+pub mod afterlife;
 pub mod check;
 pub mod fuzz;
 pub mod history;
@@ -93,4 +94,9 @@ pub struct CheckArgs {
     /// coordinator's consumer lag zero, every run terminal).
     #[arg(long, default_value_t = 180)]
     pub settle_timeout_s: u64,
+    /// Once settled and checked: purge every finished run, deliver the
+    /// load's good inputs that name a run again, and check that none comes
+    /// back (`purge_incomplete`, `purged_run_resurrected`).
+    #[arg(long)]
+    pub afterlife: bool,
 }

@@ -1,6 +1,7 @@
 //! The chaos checker against the real stack: a tiny load through an
 //! in-process `serve` must check clean, and the same data with one run's
-//! history and another's state corrupted must not.
+//! history and another's state corrupted must not. Then every run is
+//! purged, the load's inputs are delivered again, and none comes back.
 
 #![allow(
     clippy::too_many_lines,
@@ -124,6 +125,7 @@ async fn checker_passes_a_clean_run_and_flags_corrupted_ones() {
         log,
         faults: None,
         settle_timeout_s: 60,
+        afterlife: false,
     };
     let report = check::run(&args, &config).await.expect("check runs");
     assert!(
@@ -132,6 +134,7 @@ async fn checker_passes_a_clean_run_and_flags_corrupted_ones() {
         serde_json::to_string(&report).unwrap()
     );
     assert!(report.runs > 5 && report.inputs > 20, "{report:?}");
+    let runs = report.runs;
 
     // Corrupt two finished runs: a hole in one history, a changed output in
     // another's state.
@@ -159,7 +162,7 @@ async fn checker_passes_a_clean_run_and_flags_corrupted_ones() {
     let report = check::run(
         &CheckArgs {
             settle_timeout_s: 10,
-            ..args
+            ..args.clone()
         },
         &config,
     )
@@ -175,6 +178,25 @@ async fn checker_passes_a_clean_run_and_flags_corrupted_ones() {
     let examples = serde_json::to_string(&report.examples).unwrap();
     assert!(examples.contains(&finished[0].0), "{examples}");
     assert!(examples.contains(&finished[1].0), "{examples}");
+
+    // Every run is purged, and the load's inputs delivered again bring
+    // none back.
+    let report = check::run(
+        &CheckArgs {
+            settle_timeout_s: 10,
+            afterlife: true,
+            ..args
+        },
+        &config,
+    )
+    .await
+    .expect("check runs");
+    let afterlife = report.afterlife.clone().expect("the afterlife ran");
+    assert_eq!(afterlife.purged, runs, "{report:?}");
+    assert!(afterlife.redelivered > 20, "{report:?}");
+    for kind in ["purge_incomplete", "purged_run_resurrected"] {
+        assert!(!report.violations.contains_key(kind), "{report:?}");
+    }
 
     shutdown.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(30), serve).await;
