@@ -1126,6 +1126,15 @@ impl Config {
     }
 
     /// Every topic `ductor topics create` makes.
+    /// The topics the coordinator consumes, which must be co-partitioned.
+    pub fn input_topics(&self) -> Vec<String> {
+        vec![
+            self.requests_topic(),
+            self.wakeups_topic(),
+            self.attempt_results_topic(),
+        ]
+    }
+
     pub fn all_topics(&self) -> Vec<String> {
         let mut topics = vec![
             self.requests_topic(),

@@ -16,7 +16,7 @@ const WRITE_BATCH_TEXT: &str = include_str!("write_batch.sql");
 /// How many placeholders [`WRITE_BATCH_SQL`] has, and so how many
 /// parameters [`BatchWrite::bind`] binds.
 #[cfg(test)]
-pub const WRITE_BATCH_PARAMS: usize = 60;
+pub const WRITE_BATCH_PARAMS: usize = 61;
 
 /// Raised by `ductor_write_guard` when a conditional write of the batch
 /// statement fell short.
@@ -159,6 +159,8 @@ pub struct BatchWrite<'a> {
     /// inserted, runs updated, transitions, attempts inserted, attempts
     /// finished; `None` checks nothing (`$60`).
     pub expected: Option<Vec<i64>>,
+    /// Who writes the batch, in every transition (`$61`).
+    pub writer: Option<&'a str>,
 }
 
 impl<'a> BatchWrite<'a> {
@@ -263,12 +265,12 @@ impl<'a> BatchWrite<'a> {
         self.bind(sqlx::query(&WRITE_BATCH_SQL))
     }
 
-    /// Binds `$1`..`$60`, in order.
+    /// Binds `$1`..`$61`, in order.
     pub fn bind(&'a self, query: BatchQuery<'a>) -> BatchQuery<'a> {
         let query = self.bind_runs(query);
         let query = self.bind_history(query);
         let query = self.bind_intents(query);
-        query.bind(&self.expected)
+        query.bind(&self.expected).bind(self.writer)
     }
 
     fn bind_runs(&'a self, query: BatchQuery<'a>) -> BatchQuery<'a> {

@@ -204,6 +204,8 @@ pub struct Applier {
     pub handoff: Option<crate::outbox::Handoff>,
     /// The states this applier committed last, by run.
     pub cache: RunCache,
+    /// Who this applier is, in the transitions it writes.
+    pub writer: std::sync::Arc<Writer>,
     /// Canary: publishes effects before the commit that decides them.
     #[cfg(feature = "canary-dispatch-before-commit")]
     pub canary_producer: Option<rdkafka::producer::FutureProducer>,
@@ -228,9 +230,43 @@ impl Applier {
                 config.coordinator.run_cache_size,
                 config.coordinator.run_cache_max_bytes,
             ),
+            writer: std::sync::Arc::new(Writer::new("direct")),
             #[cfg(feature = "canary-dispatch-before-commit")]
             canary_producer: crate::infra::kafka::producer(&config.kafka, "canary").ok(),
         }
+    }
+}
+
+/// Who writes a batch, as `run_transitions.writer` records it:
+/// `<host>:<pid>/<role>#<epoch>`. The ingress's epoch moves on at every
+/// assignment of its partitions, so that two writers of one run at once
+/// (which co-partitioning rules out) would show in the history as two
+/// writers interleaved.
+#[derive(Debug)]
+pub struct Writer {
+    name: String,
+    epoch: std::sync::atomic::AtomicU64,
+}
+
+impl Writer {
+    /// This process in `role` (`ingress`, `api`, `submit`, ...).
+    pub fn new(role: &str) -> Writer {
+        let host = crate::outbox::hostname();
+        Writer {
+            name: format!("{host}:{}/{role}", std::process::id()),
+            epoch: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// A new assignment: the epoch moves on.
+    pub fn reassigned(&self) {
+        self.epoch
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn label(&self) -> String {
+        let epoch = self.epoch.load(std::sync::atomic::Ordering::Relaxed);
+        format!("{}#{epoch}", self.name)
     }
 }
 
@@ -263,6 +299,8 @@ struct Writes {
     intents: Vec<IntentRow>,
     /// A routing row could not be completed: another caller took the key.
     routing_lost: bool,
+    /// Who writes the batch, recorded in each transition ([`Writer`]).
+    writer: String,
 }
 
 impl Writes {
@@ -640,7 +678,10 @@ impl Applier {
         record_phase("load", loading);
         let folding = Instant::now();
         let now = Utc::now();
-        let mut writes = Writes::default();
+        let mut writes = Writes {
+            writer: self.writer.label(),
+            ..Writes::default()
+        };
 
         let Some(routed_outcomes) = self
             .route_all(session, routed, &mut runs, &mut writes, now)

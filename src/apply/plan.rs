@@ -55,6 +55,7 @@ pub(crate) fn plan<'a>(
     plan_history(writes, &mut write);
     let intents = plan_intents(writes, &mut write)?;
     write.claimer = claim.map(|c| c.drainer_id);
+    write.writer = Some(writes.writer.as_str()).filter(|w| !w.is_empty());
     write.lease_s = claim.map_or(0.0, |c| c.lease_s);
     write.expected = (!CANARY_IGNORES_CONFLICTS).then(|| write.guarded_counts());
     // UNNEST pads a shorter array with NULLs: a column left behind would

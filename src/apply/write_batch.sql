@@ -4,7 +4,7 @@
 -- and the effects (transitions, attempts inserted and finished, the cancel
 -- of finished attempts' pending timeout timers, the effect intents), then
 -- ductor_write_guard over what each conditional write matched against what
--- was sent ($60; NULL: no check). A shortfall is a lost race: the guard
+-- was sent ($60; NULL: no check). $61 names the writer in each transition. A shortfall is a lost race: the guard
 -- raises DU409 and nothing of the statement is kept. Without a transaction
 -- around it, the statement is the batch's commit.
 --
@@ -51,9 +51,9 @@ WITH ins AS (
     RETURNING 1
 ), t AS (
     INSERT INTO run_transitions (run_id, seq, input_ref, kind, from_status, to_status,
-        step_index, detail, source_topic, source_partition, source_offset, created_at)
+        step_index, detail, source_topic, source_partition, source_offset, created_at, writer)
     SELECT u.run_id, u.seq, u.input_ref, u.kind, u.from_status, u.to_status, u.step_index,
-        u.detail::jsonb, u.source_topic, u.source_partition, u.source_offset, u.at
+        u.detail::jsonb, u.source_topic, u.source_partition, u.source_offset, u.at, $61::text
     FROM UNNEST($19::text[], $20::int8[], $21::text[], $22::text[], $23::text[], $24::text[],
         $25::int4[], $26::text[], $27::text[], $28::int4[], $29::int8[], $30::timestamptz[])
         AS u(run_id, seq, input_ref, kind, from_status, to_status, step_index, detail,

@@ -24,6 +24,13 @@ pub async fn create_topics(config: &Config) -> anyhow::Result<Vec<String>> {
             format!("{verb} {}", o.topic)
         })
         .collect();
+    let (kafka, inputs) = (config.kafka.clone(), config.input_topics());
+    let counts =
+        tokio::task::spawn_blocking(move || crate::infra::kafka::partition_counts(&kafka, &inputs))
+            .await??;
+    if let Some(why) = crate::infra::kafka::copartition_error(&counts) {
+        anyhow::bail!(why);
+    }
     let small =
         crate::infra::kafka::topics_below_limit(&config.kafka, &config.all_topics()).await?;
     if !small.is_empty() {
@@ -90,6 +97,7 @@ pub async fn submit(args: SubmitArgs, config: &Config) -> anyhow::Result<serde_j
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let pool = crate::infra::db::connect(&config.database).await?;
     let mut applier = crate::apply::Applier::new(config, pool, workflows);
+    applier.writer = std::sync::Arc::new(crate::apply::Writer::new("submit"));
     // No drainer runs in this process: the drainers of the `serve`
     // processes learn of the run's first effects by the commit's NOTIFY,
     // not by their poll.

@@ -57,17 +57,29 @@ impl Listeners {
 }
 
 /// Refuses to start when a topic takes smaller records than Ductor may
-/// send. A broker that does not answer in time is no reason to stay down
+/// send, or when the input topics' partition counts differ (no single
+/// writer per run). A broker that does not answer in time is no reason to stay down
 /// (the ingress waits for it like any client): the check is then skipped,
 /// with a warning.
 async fn check_topic_limits(config: &Config) -> anyhow::Result<()> {
     let mut kafka = config.kafka.clone();
     kafka.admin_timeout_ms = kafka.admin_timeout_ms.min(TOPIC_CHECK_TIMEOUT_MS);
     match crate::infra::kafka::topics_below_limit(&kafka, &config.all_topics()).await {
-        Ok(small) if small.is_empty() => Ok(()),
-        Ok(small) => Err(crate::infra::kafka::limits_error(&config.kafka, &small)),
+        Ok(small) if small.is_empty() => {}
+        Ok(small) => return Err(crate::infra::kafka::limits_error(&config.kafka, &small)),
+        Err(e) => tracing::warn!(error = format!("{e:#}"), "topic limits not checked"),
+    }
+    let inputs = config.input_topics();
+    let counts =
+        tokio::task::spawn_blocking(move || crate::infra::kafka::partition_counts(&kafka, &inputs))
+            .await?;
+    match counts {
+        Ok(counts) => match crate::infra::kafka::copartition_error(&counts) {
+            Some(why) => Err(anyhow::anyhow!(why)),
+            None => Ok(()),
+        },
         Err(e) => {
-            tracing::warn!(error = format!("{e:#}"), "topic limits not checked");
+            tracing::warn!(error = format!("{e:#}"), "partition counts not checked");
             Ok(())
         }
     }
@@ -290,6 +302,7 @@ async fn api_state(
     let pool = crate::infra::db::connect_api(&config.database).await?;
     let mut api_applier = crate::apply::Applier::new(config, pool.clone(), workflows.clone());
     api_applier.handoff = handoff.clone();
+    api_applier.writer = Arc::new(crate::apply::Writer::new("api"));
     if config.server.auth == AuthMode::Disabled {
         tracing::warn!(
             "server.auth = \"disabled\": the public API takes every request's word for its \

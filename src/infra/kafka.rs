@@ -62,7 +62,14 @@ pub fn consumer_config(kafka: &KafkaConfig, group_id: &str, role: &str) -> Clien
         .set("auto.offset.reset", "earliest")
         .set("enable.partition.eof", "false")
         .set("isolation.level", "read_committed")
-        .set("partition.assignment.strategy", "cooperative-sticky")
+        // Co-partitioning: partition p of every input topic goes to one
+        // member, so all of a run's inputs reach one process and one apply
+        // lane (p % apply_lanes). The range assignor gives this for topics
+        // of equal partition counts, which `serve` and `topics create`
+        // check (see `copartition_error`); its rebalances are eager (every
+        // member gives back all its partitions), which the ingress survives
+        // because offsets are stored only after the commit.
+        .set("partition.assignment.strategy", "range")
         .set("session.timeout.ms", kafka.session_timeout_ms.to_string())
         .set(
             "max.poll.interval.ms",
@@ -232,6 +239,54 @@ pub async fn topics_below_limit(
     Ok(small)
 }
 
+/// The partition count of each of `topics` that exists.
+pub fn partition_counts(
+    kafka: &KafkaConfig,
+    topics: &[String],
+) -> anyhow::Result<Vec<(String, i32)>> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let consumer: BaseConsumer = base_config(kafka, "metadata")
+        .create()
+        .context("creating kafka metadata client")?;
+    let timeout = Duration::from_millis(kafka.admin_timeout_ms);
+    let mut counts = Vec::with_capacity(topics.len());
+    for topic in topics {
+        let md = consumer
+            .fetch_metadata(Some(topic), timeout)
+            .with_context(|| format!("fetching the metadata of {topic}"))?;
+        if let Some(t) = md
+            .topics()
+            .iter()
+            .find(|t| t.name() == topic && t.error().is_none())
+        {
+            counts.push((topic.clone(), t.partitions().len() as i32));
+        }
+    }
+    Ok(counts)
+}
+
+/// Why the input topics cannot be co-partitioned, if they cannot: their
+/// partition counts differ, so partition p of one topic and of another
+/// would not carry the same runs and could go to different processes,
+/// two writers of one run.
+pub fn copartition_error(counts: &[(String, i32)]) -> Option<String> {
+    let first = counts.first()?;
+    if counts.iter().all(|(_, n)| *n == first.1) {
+        return None;
+    }
+    let list: Vec<String> = counts
+        .iter()
+        .map(|(topic, n)| format!("{topic} has {n}"))
+        .collect();
+    Some(format!(
+        "the input topics must have one partition count, so that partition p of each carries \
+         the same runs and goes to one process (a single writer per run), but {}: add \
+         partitions to the smaller ones (kafka-topics.sh --alter --partitions N) before \
+         starting serve",
+        list.join(", ")
+    ))
+}
+
 /// The reason to refuse a configuration whose topics are `small`.
 pub fn limits_error(kafka: &KafkaConfig, small: &[(String, u64)]) -> anyhow::Error {
     let list: Vec<String> = small
@@ -249,4 +304,26 @@ pub fn limits_error(kafka: &KafkaConfig, small: &[(String, u64)]) -> anyhow::Err
 /// Creates every topic the configuration names.
 pub async fn create_configured_topics(config: &Config) -> anyhow::Result<Vec<TopicOutcome>> {
     ensure_topics(&config.kafka, &config.all_topics(), config.kafka.partitions).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::copartition_error;
+
+    #[test]
+    fn input_topics_of_one_partition_count_are_co_partitioned() {
+        let counts = |ns: &[i32]| -> Vec<(String, i32)> {
+            ns.iter()
+                .enumerate()
+                .map(|(i, n)| (format!("t{i}"), *n))
+                .collect()
+        };
+        assert_eq!(copartition_error(&counts(&[6, 6, 6])), None);
+        assert_eq!(copartition_error(&[]), None);
+        let why = copartition_error(&counts(&[6, 3, 6])).expect("refused");
+        assert!(
+            why.contains("t1 has 3") && why.contains("t0 has 6"),
+            "{why}"
+        );
+    }
 }

@@ -43,9 +43,12 @@ use crate::ingress::classify::{Classified, check_signature, classify};
 use crate::ingress::dead_letter::{DeadLetter, DeadLetterPublisher, Stage};
 use crate::routing::{self, MismatchPath, RouteOutcome};
 
-/// The ingress consumer's context: logs rebalances (and is where a chaos
-/// run can crash mid-rebalance).
-pub struct IngressConsumerContext;
+/// The ingress consumer's context: logs rebalances, moves the writer's
+/// epoch on at each assignment (and is where a chaos run can crash
+/// mid-rebalance).
+pub struct IngressConsumerContext {
+    writer: std::sync::Arc<crate::apply::Writer>,
+}
 
 impl rdkafka::ClientContext for IngressConsumerContext {}
 
@@ -57,7 +60,8 @@ impl rdkafka::consumer::ConsumerContext for IngressConsumerContext {
     ) {
         match rebalance {
             rdkafka::consumer::Rebalance::Assign(tpl) => {
-                tracing::info!(partitions = tpl.count(), "partitions assigned")
+                self.writer.reassigned();
+                tracing::info!(partitions = tpl.count(), writer = %self.writer.label(), "partitions assigned")
             }
             rdkafka::consumer::Rebalance::Revoke(tpl) => {
                 tracing::info!(partitions = tpl.count(), "partitions revoked")
@@ -262,12 +266,18 @@ impl IngressContext {
         if let Some(instance) = &config.kafka.group_instance_id {
             consumer_config.set("group.instance.id", instance);
         }
+        let writer = std::sync::Arc::new(crate::apply::Writer::new("ingress"));
+        let context = IngressConsumerContext {
+            writer: writer.clone(),
+        };
         let consumer: StreamConsumer<IngressConsumerContext> = consumer_config
-            .create_with_context(IngressConsumerContext)
+            .create_with_context(context)
             .context("creating ingress consumer")?;
         let producer: FutureProducer = crate::infra::kafka::producer(&config.kafka, "dlq")?;
+        let mut applier = Applier::new(config, pool, workflows);
+        applier.writer = writer;
         Ok(Self {
-            applier: Applier::new(config, pool, workflows),
+            applier,
             consumer,
             dead_letters: DeadLetterPublisher {
                 producer,

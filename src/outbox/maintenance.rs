@@ -353,7 +353,7 @@ pub(super) async fn maintenance(drainer: &Drainer, shutdown: CancellationToken) 
     }
 }
 
-pub(super) fn hostname() -> String {
+pub(crate) fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_string())
         .ok()

@@ -54,7 +54,8 @@ use tokio_util::sync::CancellationToken;
 
 use self::claim::Released;
 use self::frontier::Frontier;
-use self::maintenance::{hostname, maintenance};
+pub(crate) use self::maintenance::hostname;
+use self::maintenance::maintenance;
 use crate::config::DrainerConfig;
 
 #[cfg(any(test, feature = "internals"))]
