@@ -231,6 +231,13 @@ pub struct KafkaConfig {
     /// default: dynamic membership.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub group_instance_id: Option<String>,
+    /// Refuse input topics of different partition counts (`serve` and
+    /// `topics create`): only co-partitioned topics give each run one
+    /// writer. `false` only warns, and leaves the optimistic lock alone to
+    /// keep concurrent writers of a run apart (the chaos harness tests it
+    /// so).
+    #[serde(default = "yes")]
+    pub require_copartitioned: bool,
     /// Partition count used by `ductor topics create`. It is the most
     /// consumers of a topic that can work at once: the coordinator's apply
     /// lanes over all `serve` processes, and the worker processes of each
@@ -610,6 +617,10 @@ pub struct RunsConfig {
     pub purge_batch: usize,
     /// Statements per retention run.
     pub purge_max_rounds: u32,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl Default for RunsConfig {

@@ -28,7 +28,9 @@ pub async fn create_topics(config: &Config) -> anyhow::Result<Vec<String>> {
     let counts =
         tokio::task::spawn_blocking(move || crate::infra::kafka::partition_counts(&kafka, &inputs))
             .await??;
-    if let Some(why) = crate::infra::kafka::copartition_error(&counts) {
+    if let Some(why) = crate::infra::kafka::copartition_error(&counts)
+        && config.kafka.require_copartitioned
+    {
         anyhow::bail!(why);
     }
     let small =

@@ -75,7 +75,14 @@ async fn check_topic_limits(config: &Config) -> anyhow::Result<()> {
             .await?;
     match counts {
         Ok(counts) => match crate::infra::kafka::copartition_error(&counts) {
-            Some(why) => Err(anyhow::anyhow!(why)),
+            Some(why) if config.kafka.require_copartitioned => Err(anyhow::anyhow!(why)),
+            Some(why) => {
+                tracing::warn!(
+                    reason = why,
+                    "kafka.require_copartitioned = false: runs may have two writers"
+                );
+                Ok(())
+            }
             None => Ok(()),
         },
         Err(e) => {

@@ -207,6 +207,7 @@ impl WorkflowDefinition {
 
 impl StepDefinition {
     /// A task of `pool`, with the default retry policy.
+    #[cfg(any(test, feature = "internals"))]
     pub fn task(name: &str, pool: &str, timeout_ms: u64) -> Self {
         Self {
             name: name.to_owned(),
@@ -222,6 +223,7 @@ impl StepDefinition {
     }
 
     /// A sleep of `duration_ms`.
+    #[cfg(any(test, feature = "internals"))]
     pub fn sleep(name: &str, duration_ms: u64) -> Self {
         Self {
             kind: StepKind::Sleep,
@@ -233,6 +235,7 @@ impl StepDefinition {
     }
 
     /// A wait of at most `timeout_ms` for the signal `signal`.
+    #[cfg(any(test, feature = "internals"))]
     pub fn await_signal(name: &str, signal: &str, timeout_ms: u64, on_timeout: OnTimeout) -> Self {
         Self {
             kind: StepKind::AwaitSignal,
@@ -333,6 +336,7 @@ impl StepDefinition {
     }
 
     /// The pool whose workers run it: a task's, none for a wait.
+    #[cfg(any(test, feature = "internals"))]
     pub fn task_pool(&self) -> Option<&str> {
         (self.kind == StepKind::Task).then_some(self.pool.as_str())
     }
