@@ -397,7 +397,22 @@ pub struct LogConfig {
 #[serde(deny_unknown_fields)]
 pub struct CoordinatorConfig {
     /// Directory of workflow definitions (`*.toml`, one workflow each).
+    /// A run keeps the version it started with, so a version must stay
+    /// here while running runs need it: `serve` refuses to start when one
+    /// is missing, naming it with its runs (see
+    /// `fail_runs_of_missing_workflows`).
     pub workflows_dir: PathBuf,
+    /// Have `serve`, as it starts and before it consumes anything, fail
+    /// every running run whose workflow version `workflows_dir` no longer
+    /// defines, instead of refusing to start. Each such run goes to
+    /// `failed` with the error `workflow_missing: workflow "<name>" version
+    /// <n> is no longer defined`, by a `run.failed` transition (input
+    /// `maintenance:missing_workflow`) and its `run.event`, like any other
+    /// failure; its outstanding attempt is cancelled, a pending retry
+    /// dropped and a wait ended. Off by default: retiring a version with
+    /// its runs is decided by an operator, once; a value that is not a
+    /// boolean is refused.
+    pub fail_runs_of_missing_workflows: bool,
     /// Most inputs applied in one Postgres transaction. Only a backlog fills
     /// a batch (under open-loop load at 90% of capacity batches averaged 89
     /// inputs), so the bound trades the cost a batch statement has whatever

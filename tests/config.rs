@@ -225,6 +225,38 @@ fn a_state_cap_below_an_input_and_an_output_is_refused() {
     }
 }
 
+/// Failing the runs of a workflow version no longer defined is off unless
+/// asked for, in a file or from the environment; a value that is not a
+/// boolean is refused, naming the key, rather than read as either.
+#[test]
+fn failing_runs_of_missing_workflows_is_off_unless_set() {
+    const KEY: &str = "DUCTOR__COORDINATOR__FAIL_RUNS_OF_MISSING_WORKFLOWS";
+    let config = Config::load_from(None, env(&[])).unwrap();
+    assert!(!config.coordinator.fail_runs_of_missing_workflows);
+    let config = Config::load_from(None, env(&[(KEY, "true")])).unwrap();
+    assert!(config.coordinator.fail_runs_of_missing_workflows);
+    let config = load_toml("[coordinator]\nfail_runs_of_missing_workflows = true\n")
+        .expect("a file sets it");
+    assert!(config.coordinator.fail_runs_of_missing_workflows);
+
+    for bad in ["yes", "1", "on", "\"true\""] {
+        let err = Config::load_from(None, env(&[(KEY, bad)]))
+            .expect_err("only a boolean is taken")
+            .to_string();
+        assert!(
+            err.contains("coordinator.fail_runs_of_missing_workflows"),
+            "{bad}: {err}"
+        );
+    }
+    let err = load_toml("[coordinator]\nfail_runs_of_missing_workflows = \"yes\"\n")
+        .expect_err("a string in a file is refused")
+        .to_string();
+    assert!(
+        err.contains("coordinator.fail_runs_of_missing_workflows"),
+        "{err}"
+    );
+}
+
 #[test]
 fn a_missing_config_file_is_an_error_that_names_it() {
     let err = Config::load_from(

@@ -23,7 +23,8 @@
 //!    the microsecond, error); every attempt's status is explained by the
 //!    history (succeeded/failed: a `result:<stamp>` transition; timed out: a
 //!    `timer:timeout:<stamp>` transition; cancelled: the `run.cancelled`
-//!    transition, or the `run.failed` one of a state too large, names it;
+//!    transition, or the `run.failed` one of a state too large or of a
+//!    workflow version no longer defined, names it;
 //!    still dispatched: it is the outstanding attempt of a running run); the
 //!    signals in `state` are, in order, the ids of the `signal:<id>`
 //!    transitions that recorded them (`run.signalled`, or the end of an
@@ -39,7 +40,11 @@
 //!    HTTP has no source and is rebuilt from the state), and the pure fold
 //!    is run over them in order, each at the transition's recorded time and
 //!    with the stamp the transition introduced (jitter is recovered from the
-//!    recorded backoff). Each fold must yield a transition equal to the
+//!    recorded backoff). The one transition made from no input, `serve`
+//!    failing a run whose workflow version is no longer defined
+//!    (`maintenance:missing_workflow`), has no source either: it must be the
+//!    run's last, and is replayed by the same pure function, for a run whose
+//!    workflow is gone. Each fold must yield a transition equal to the
 //!    stored row (seq, input ref, kind, statuses, step, detail), its effects
 //!    must equal the committed intents of that seq (topic, message key,
 //!    payload as a JSON value, type, due time; plus the routing plane's
@@ -60,8 +65,11 @@ use super::topics::Msg;
 use super::violations::Violations;
 use ductor::contract::TopicNames;
 use ductor::contract::TransitionKind;
-use ductor::contract::{Input, InputTopic, RunStart, fingerprint};
-use ductor::coordinator::{Decision, Entropy, RunState, STATE_TOO_LARGE, Workflows, fold};
+use ductor::contract::{Input, InputTopic, MISSING_WORKFLOW_REF, RunStart, fingerprint};
+use ductor::coordinator::{
+    Decision, Entropy, RunState, STATE_TOO_LARGE, Transition, WORKFLOW_MISSING, Workflows,
+    fail_missing_workflow, fold,
+};
 
 /// What the replay needs besides the run's own rows.
 pub struct Context<'a> {
@@ -100,12 +108,14 @@ pub struct RunRows<'a> {
 }
 
 /// A transition that ends its run's outstanding attempt as cancelled: a
-/// cancel, or the failure of a run whose state would have grown too large
-/// on an input that was not that attempt's result.
+/// cancel, the failure of a run whose state would have grown too large on
+/// an input that was not that attempt's result, or the failure of a run
+/// whose workflow version is no longer defined.
 fn abandons_attempts(t: &TransitionRow) -> bool {
+    let cause = t.detail.get("cause").and_then(Value::as_str);
     t.kind == TransitionKind::RunCancelled.as_str()
         || (t.kind == TransitionKind::RunFailed.as_str()
-            && t.detail.get("cause").and_then(Value::as_str) == Some(STATE_TOO_LARGE))
+            && matches!(cause, Some(STATE_TOO_LARGE | WORKFLOW_MISSING)))
 }
 
 fn micros(t: DateTime<Utc>) -> DateTime<Utc> {
@@ -542,20 +552,24 @@ fn replay_one(
     t: &TransitionRow,
 ) -> Result<RunState, (&'static str, String)> {
     const MISMATCH: &str = "state_replay_mismatch";
-    let input = match rebuild_input(ctx, rows.run, t) {
-        Rebuild::Input(i) => i,
-        Rebuild::Missing(why) => return Err(("transition_source_missing", why)),
-        Rebuild::Mismatch(why) => return Err((MISMATCH, why)),
-    };
-    let tr = match fold_as_recorded(ctx, state, &input, t) {
-        Decision::Transition(tr) => tr,
-        Decision::NoOp(r) => {
-            let what = format!("a no-op ({})", r.as_str());
-            return Err((MISMATCH, replays_to(t, &what)));
-        }
-        Decision::Rejection(r) => {
-            let what = format!("a rejection ({})", r.class.as_str());
-            return Err((MISMATCH, replays_to(t, &what)));
+    let tr = if t.source.is_none() && t.input_ref == MISSING_WORKFLOW_REF {
+        replay_missing_workflow(rows, state, t)?
+    } else {
+        let input = match rebuild_input(ctx, rows.run, t) {
+            Rebuild::Input(i) => i,
+            Rebuild::Missing(why) => return Err(("transition_source_missing", why)),
+            Rebuild::Mismatch(why) => return Err((MISMATCH, why)),
+        };
+        match fold_as_recorded(ctx, state, &input, t) {
+            Decision::Transition(tr) => *tr,
+            Decision::NoOp(r) => {
+                let what = format!("a no-op ({})", r.as_str());
+                return Err((MISMATCH, replays_to(t, &what)));
+            }
+            Decision::Rejection(r) => {
+                let what = format!("a rejection ({})", r.class.as_str());
+                return Err((MISMATCH, replays_to(t, &what)));
+            }
         }
     };
     let r = &tr.record;
@@ -584,6 +598,37 @@ fn replay_one(
     compare_effects(ctx, rows, t, &tr.effects)
         .map_err(|why| (MISMATCH, format!("seq {}: {why}", t.seq)))?;
     Ok(tr.state)
+}
+
+/// The transition `serve` makes from no input when the run's workflow
+/// version is no longer defined, replayed by the pure function that made
+/// it. The checker cannot know what `serve` had in its workflows
+/// directory then (its own workflows replay the run's earlier
+/// transitions): it checks that the transition is the run's last and is
+/// what the coordinator makes of the state before it once the run's
+/// workflow is gone.
+fn replay_missing_workflow(
+    rows: &RunRows<'_>,
+    state: Option<&RunState>,
+    t: &TransitionRow,
+) -> Result<Transition, (&'static str, String)> {
+    const MISMATCH: &str = "state_replay_mismatch";
+    let last = rows.transitions.last().map(|l| l.seq);
+    if last != Some(t.seq) {
+        return Err((
+            MISMATCH,
+            format!("seq {} ({}) is not the run's last", t.seq, t.input_ref),
+        ));
+    }
+    let Some(state) = state else {
+        return Err((
+            "transition_source_missing",
+            format!("seq {} ({}) has no run to fail", t.seq, t.input_ref),
+        ));
+    };
+    let gone = Workflows::default();
+    fail_missing_workflow(state, &gone, t.created_at)
+        .ok_or_else(|| (MISMATCH, replays_to(t, "nothing (the run is finished)")))
 }
 
 /// Why a transition does not replay: its input folds to something else.
@@ -743,5 +788,196 @@ fn normalize_inner(v: &mut Value) {
         Value::Array(items) => items.iter_mut().for_each(normalize_inner),
         Value::Object(map) => map.iter_mut().for_each(|(_, x)| normalize_inner(x)),
         _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ductor::coordinator::{StepDefinition, Transition, WorkflowDefinition};
+
+    fn at(s: i64) -> DateTime<Utc> {
+        DateTime::from_timestamp(1_800_000_000 + s, 0).unwrap()
+    }
+
+    fn workflows() -> Workflows {
+        Workflows::new(vec![WorkflowDefinition {
+            name: "wf".into(),
+            version: 1,
+            steps: vec![StepDefinition::task("a", "p", 60_000)],
+            output_topic: None,
+        }])
+        .unwrap()
+    }
+
+    fn transition_row(t: &Transition) -> TransitionRow {
+        let r = &t.record;
+        TransitionRow {
+            run_id: t.state.run_id.clone(),
+            seq: r.seq,
+            input_ref: r.input_ref.clone(),
+            kind: r.kind.as_str().into(),
+            from_status: r.from_status.map(|s| s.as_str().into()),
+            to_status: r.to_status.as_str().into(),
+            step_index: r.step_index as i32,
+            detail: r.detail.clone(),
+            source: None,
+            created_at: r.at,
+        }
+    }
+
+    fn intent_rows(topics: &TopicNames, t: &Transition) -> Vec<IntentRow> {
+        let s = &t.state;
+        t.effects
+            .iter()
+            .enumerate()
+            .map(|(index, effect)| IntentRow {
+                run_id: s.run_id.clone(),
+                seq: t.record.seq,
+                effect_index: index as i32,
+                key: ductor::contract::idempotency_key(&s.run_id, t.record.seq, index),
+                tenant: s.tenant.clone(),
+                topic: topics.for_target(&effect.target),
+                message_key: s.run_id.as_bytes().to_vec(),
+                headers: Value::Null,
+                payload: serde_json::to_vec(&effect.payload).unwrap(),
+                ce_type: effect.kind.ce_type().into(),
+                not_before: effect.not_before.unwrap_or(t.record.at),
+                due_at: effect.not_before.unwrap_or(t.record.at),
+                status: "completed".into(),
+            })
+            .collect()
+    }
+
+    /// The rows a run started over HTTP and then failed by `serve` for its
+    /// missing workflow leaves, as the store writes them.
+    struct Stored {
+        run: RunRow,
+        transitions: Vec<TransitionRow>,
+        attempts: Vec<AttemptRow>,
+        intents: Vec<IntentRow>,
+    }
+
+    fn stored(topics: &TopicNames) -> Stored {
+        let start = Input::Start(RunStart {
+            run_id: "r1".into(),
+            tenant: "acme".into(),
+            workflow: "wf".into(),
+            workflow_version: None,
+            pool: "default".into(),
+            input: serde_json::json!({"x": 1}),
+            correlation_id: None,
+        });
+        let entropy = Entropy {
+            stamp: Uuid::from_u128(7),
+            jitter_unit: 0.0,
+        };
+        let Decision::Transition(started) =
+            fold(None, &start, &workflows(), usize::MAX, at(0), &entropy)
+        else {
+            panic!("the start applies")
+        };
+        let failed = fail_missing_workflow(&started.state, &Workflows::default(), at(5))
+            .expect("the run fails");
+        let mut state = failed.state.clone();
+        state.record_version = 2;
+        let attempts = state
+            .attempts
+            .iter()
+            .map(|a| AttemptRow {
+                stamp: a.stamp,
+                run_id: "r1".into(),
+                step_index: a.step_index as i32,
+                attempt: a.attempt as i32,
+                status: a.status.as_str().into(),
+                dispatched_at: a.dispatched_at,
+                deadline: a.deadline,
+                finished_at: a.finished_at,
+                error: a.error.clone(),
+            })
+            .collect();
+        let mut intents = intent_rows(topics, &started);
+        intents.extend(intent_rows(topics, &failed));
+        Stored {
+            run: RunRow {
+                run_id: "r1".into(),
+                tenant: "acme".into(),
+                pool: "default".into(),
+                workflow: "wf".into(),
+                workflow_version: 1,
+                status: "failed".into(),
+                record_version: 2,
+                last_transition_seq: 2,
+                state: serde_json::to_value(&state).unwrap(),
+                finished: true,
+            },
+            transitions: vec![transition_row(&started), transition_row(&failed)],
+            attempts,
+            intents,
+        }
+    }
+
+    fn check(stored: &Stored, topics: &TopicNames) -> Violations {
+        let wf = workflows();
+        let inputs = HashMap::new();
+        let ctx = Context {
+            workflows: &wf,
+            topics,
+            inputs: &inputs,
+            requests_topic: "ductor.requests",
+            wakeups_topic: "ductor.wakeups",
+            results_topic: "ductor.attempt-results",
+            limits: ductor::contract::InputLimits::sized(1 << 20),
+            max_state_bytes: 1 << 22,
+        };
+        let intents: Vec<&IntentRow> = stored.intents.iter().collect();
+        let rows = RunRows {
+            run: &stored.run,
+            transitions: &stored.transitions,
+            attempts: &stored.attempts,
+            intents: &intents,
+        };
+        let mut v = Violations::default();
+        check_run(&ctx, &rows, &mut v);
+        v
+    }
+
+    /// A run failed by `serve` because its workflow version is gone checks
+    /// clean: its last transition has no source and is replayed by the
+    /// coordinator's own function, attempt and event included; the same
+    /// transition tampered with, or not the run's last, does not.
+    #[test]
+    fn a_run_failed_for_its_missing_workflow_replays_and_tampering_is_caught() {
+        let topics = TopicNames {
+            prefix: "ductor.".into(),
+        };
+        let clean = stored(&topics);
+        assert_eq!(clean.transitions[1].input_ref, MISSING_WORKFLOW_REF);
+        assert_eq!(clean.attempts[0].status, "cancelled");
+        let v = check(&clean, &topics);
+        assert_eq!(v.total(), 0, "{v:?}");
+
+        let mut tampered = stored(&topics);
+        tampered.transitions[1].detail["error"] = "something else".into();
+        let v = check(&tampered, &topics);
+        assert_eq!(v.counts.get("state_replay_mismatch"), Some(&1), "{v:?}");
+
+        let mut another_ref = stored(&topics);
+        another_ref.transitions[1].input_ref = "maintenance:other".into();
+        let v = check(&another_ref, &topics);
+        assert_eq!(v.counts.get("transition_source_missing"), Some(&1), "{v:?}");
+
+        let mut not_last = stored(&topics);
+        let mut after = not_last.transitions[1].clone();
+        after.seq = 3;
+        after.input_ref = "cancel".into();
+        not_last.transitions.push(after);
+        not_last.run.last_transition_seq = 3;
+        let v = check(&not_last, &topics);
+        let replay = v.examples.get("state_replay_mismatch").cloned();
+        assert!(
+            replay.is_some_and(|e| e[0].contains("is not the run's last")),
+            "{v:?}"
+        );
     }
 }

@@ -165,11 +165,49 @@ pub(super) async fn load_runs(
             },
         );
     }
-    if missing.is_empty() {
-        return Ok(runs);
+    read_states(conn, &missing, &mut runs).await?;
+    missing.retain(|id| runs.get(id).is_some_and(|l| l.state.is_none()));
+    if !missing.is_empty() {
+        load_tombstones(conn, &missing, &mut runs).await?;
+    }
+    Ok(runs)
+}
+
+/// The runs `ids` names, read from the database; a run that does not
+/// exist is loaded without a state.
+pub(super) async fn load_ids(
+    conn: &mut PgConnection,
+    ids: &[String],
+) -> Result<HashMap<String, Loaded>, ApplyError> {
+    let mut runs: HashMap<String, Loaded> = ids
+        .iter()
+        .map(|id| {
+            let loaded = Loaded {
+                state: None,
+                loaded_version: None,
+                changed: false,
+                cached: false,
+                purged: None,
+            };
+            (id.clone(), loaded)
+        })
+        .collect();
+    read_states(conn, ids, &mut runs).await?;
+    Ok(runs)
+}
+
+/// Reads the states of `ids` into their slots of `runs`, with the
+/// `record_version` each was read at.
+async fn read_states(
+    conn: &mut PgConnection,
+    ids: &[String],
+    runs: &mut HashMap<String, Loaded>,
+) -> Result<(), ApplyError> {
+    if ids.is_empty() {
+        return Ok(());
     }
     let rows = sqlx::query("SELECT run_id, record_version, state FROM runs WHERE run_id = ANY($1)")
-        .bind(&missing)
+        .bind(ids)
         .fetch_all(&mut *conn)
         .await?;
     for row in rows {
@@ -183,11 +221,7 @@ pub(super) async fn load_runs(
             slot.loaded_version = Some(version);
         }
     }
-    missing.retain(|id| runs.get(id).is_some_and(|l| l.state.is_none()));
-    if !missing.is_empty() {
-        load_tombstones(conn, &missing, &mut runs).await?;
-    }
-    Ok(runs)
+    Ok(())
 }
 
 /// The tombstones of `ids`, runs that do not exist: finished runs that

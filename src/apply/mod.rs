@@ -22,6 +22,7 @@
 pub mod batch;
 mod decide;
 mod load;
+pub mod missing;
 mod plan;
 pub mod retention;
 mod write;
@@ -48,7 +49,7 @@ use crate::contract::{
 };
 use crate::coordinator::{
     AttemptRecord, AttemptStatus, AttemptWrite, Decision, Entropy, NoOpReason, Purged, Rejection,
-    RunState, RunStatus, Workflows, fold, fold_purged,
+    RunState, RunStatus, Transition, Workflows, fold, fold_purged,
 };
 use crate::routing::{self, Reservation, ReserveKind, RouteOutcome, RouteRequest};
 
@@ -475,7 +476,8 @@ impl Applier {
             };
             match attempt {
                 Attempt::Committed(mut report, handed) => {
-                    self.commit(session, handed, leased_at, inputs).await?;
+                    self.commit(session, handed, leased_at, batch_runs())
+                        .await?;
                     metrics::histogram!("ductor_apply_seconds")
                         .record(started.elapsed().as_secs_f64());
                     metrics::histogram!("ductor_apply_batch_size")
@@ -621,12 +623,12 @@ impl Applier {
     /// Commits a batch's session, then tells the cache and the fast lane
     /// what became of it: the states and claims of a commit that surely
     /// happened are kept, those of one that may not have are let go.
-    async fn commit(
+    async fn commit<'a>(
         &self,
         session: Session,
         handed: Handed,
         leased_at: Instant,
-        inputs: &[PendingInput],
+        batch_runs: impl Iterator<Item = &'a str>,
     ) -> Result<(), ApplyError> {
         let committing = Instant::now();
         let in_transaction = matches!(session, Session::Transaction(_));
@@ -639,7 +641,7 @@ impl Applier {
         if kept {
             self.cache.put_many(handed.states);
         } else {
-            self.cache.forget(inputs.iter().map(|p| p.input.run_id()));
+            self.cache.forget(batch_runs);
         }
         if let Some(handoff) = &self.handoff {
             if kept {
@@ -914,6 +916,19 @@ impl Applier {
             Decision::Rejection(rejection) => return Ok((InputOutcome::Rejected(rejection), 0)),
             Decision::Transition(transition) => *transition,
         };
+        let (seq, effects) = self.record(transition, source, loaded, writes)?;
+        Ok((InputOutcome::Applied { seq }, effects))
+    }
+
+    /// Collects the writes of one transition of `loaded`'s run and makes
+    /// its state the run's. Returns its seq and how many effects it made.
+    fn record(
+        &self,
+        transition: Transition,
+        source: Option<&Source>,
+        loaded: &mut Loaded,
+        writes: &mut Writes,
+    ) -> Result<(i64, usize), ApplyError> {
         let state = transition.state;
         let record = transition.record;
         let seq = record.seq;
@@ -940,7 +955,7 @@ impl Applier {
         }
         loaded.state = Some(state);
         loaded.changed = true;
-        Ok((InputOutcome::Applied { seq }, effects))
+        Ok((seq, effects))
     }
 
     fn intent_row(

@@ -1,11 +1,13 @@
 //! The `ductor` binary's entry points: [`serve`] composes every stage into
-//! one process; [`inspect`] reads durable state for an operator;
-//! [`commands`] are the operator's one-shot commands.
+//! one process (once `versions` has checked that the workflow versions the
+//! running runs need are defined); [`inspect`] reads durable state for an
+//! operator; [`commands`] are the operator's one-shot commands.
 
 pub mod commands;
 pub mod inspect;
 pub mod keys;
 pub mod serve;
+mod versions;
 
 use std::future::Future;
 use std::path::Path;

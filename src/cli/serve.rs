@@ -107,6 +107,10 @@ pub async fn run_on(
     check_topic_limits(&config).await?;
     let pool = open_database(&config).await?;
     crate::infra::telemetry::metrics_handle();
+    if !crate::cli::versions::settle(&config, &pool, &workflows, &shutdown).await? {
+        pool.close().await;
+        return Ok(());
+    }
 
     let tasks = Tasks::new(shutdown);
     let progress = Arc::new(crate::ingress::Progress::new(

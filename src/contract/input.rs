@@ -219,6 +219,12 @@ pub struct Source {
     pub offset: i64,
 }
 
+/// The `input_ref` of the transition that fails a run whose workflow
+/// version is no longer defined (`coordinator.fail_runs_of_missing_workflows`).
+/// `serve` makes it at start, from no message: of a run's transitions after
+/// its start, it is the only one that records no source.
+pub const MISSING_WORKFLOW_REF: &str = "maintenance:missing_workflow";
+
 const TYPE_RUN_START: &str = "run.start";
 const TYPE_ATTEMPT_RESULT: &str = "attempt.result";
 const TYPE_WAKEUP_TIMER: &str = "wakeup.timer";
@@ -657,7 +663,8 @@ impl Input {
     }
 
     /// Names the input within its run, for the transition record:
-    /// `start`, `result:<stamp>`, `timer:<retry|timeout>:<stamp>`, `signal:<signal_id>`, `cancel`.
+    /// `start`, `result:<stamp>`, `timer:<retry|timeout>:<stamp>`, `signal:<signal_id>`, `cancel`
+    /// (and, from no input, [`MISSING_WORKFLOW_REF`]).
     pub fn dedup_ref(&self) -> String {
         match self {
             Input::Start(_) => "start".to_owned(),

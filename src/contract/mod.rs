@@ -23,8 +23,8 @@ pub mod signature;
 pub use effects::{DecodeError, Effect, EffectKind, EffectTarget, StepDispatch, TransitionKind};
 pub use input::{
     AttemptOutcome, AttemptResult, CancelWakeup, Input, InputError, InputErrorClass, InputLimits,
-    InputTopic, RunStart, SignalWakeup, Source, TimerKind, TimerWakeup, bound_payload, bound_start,
-    decode_input, decode_value, parse_value,
+    InputTopic, MISSING_WORKFLOW_REF, RunStart, SignalWakeup, Source, TimerKind, TimerWakeup,
+    bound_payload, bound_start, decode_input, decode_value, parse_value,
 };
 pub use names::{TopicNames, idempotency_key, timeout_cancel_key};
 pub use screen::{ShapeLimits, Violation};

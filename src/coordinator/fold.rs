@@ -16,8 +16,8 @@ use super::state::{
 };
 use crate::contract::effects::{RunEvent, RunOutput, rfc3339};
 use crate::contract::input::{
-    AttemptOutcome, AttemptResult, CancelWakeup, Input, RunStart, SCHEMA_VERSION, SignalWakeup,
-    TimerKind, TimerWakeup, encoded_len, truncate,
+    AttemptOutcome, AttemptResult, CancelWakeup, Input, MISSING_WORKFLOW_REF, RunStart,
+    SCHEMA_VERSION, SignalWakeup, TimerKind, TimerWakeup, encoded_len, truncate,
 };
 use crate::contract::{
     Effect, EffectKind, EffectTarget, StepDispatch, TransitionKind, fingerprint, names,
@@ -33,6 +33,10 @@ pub const MAX_DETAIL_ERROR_LEN: usize = 256;
 /// `run.failed` transition, the start of its error, and the class of a
 /// start refused for it.
 pub const STATE_TOO_LARGE: &str = "state_too_large";
+/// The class of a run failed because the workflow version it runs is no
+/// longer defined: the `cause` in the detail of its `run.failed`
+/// transition ([`fail_missing_workflow`]) and the start of its error.
+pub const WORKFLOW_MISSING: &str = "workflow_missing";
 
 /// A step's clock starts when its dispatch is published. A dispatch
 /// published more than this after the transition that made it (its
@@ -265,10 +269,81 @@ fn fail_too_large(
     now: DateTime<Utc>,
     entropy: &Entropy,
 ) -> Decision {
+    let own = |stamp: Uuid| matches!(input, Input::Result(r) if r.stamp == stamp);
+    let failure = Failure {
+        cause: STATE_TOO_LARGE,
+        error,
+        input_ref: input.dedup_ref(),
+    };
+    fail_run(state, failure, own, now, entropy)
+}
+
+/// Fails a run whose workflow version `workflows` no longer defines, so
+/// that no input of it can apply any more: its outstanding attempt is
+/// abandoned (cancelled, so a late result changes nothing), a pending
+/// retry is dropped, a wait is ended (its wake timer then finds the run
+/// finished), and the `run.failed` transition, from no input, has
+/// [`MISSING_WORKFLOW_REF`] for its input and [`WORKFLOW_MISSING`] for its
+/// cause. `None` when there is nothing to fail: the run is finished, or
+/// its version is defined. Like the failure of a state too large, it is
+/// taken whatever its size.
+pub fn fail_missing_workflow(
+    state: &RunState,
+    workflows: &Workflows,
+    now: DateTime<Utc>,
+) -> Option<Transition> {
+    if state.status.is_terminal()
+        || workflows
+            .get(&state.workflow, state.workflow_version)
+            .is_some()
+    {
+        return None;
+    }
+    let failure = Failure {
+        cause: WORKFLOW_MISSING,
+        error: format!(
+            "{WORKFLOW_MISSING}: workflow {:?} version {} is no longer defined",
+            state.workflow, state.workflow_version
+        ),
+        input_ref: MISSING_WORKFLOW_REF.to_owned(),
+    };
+    // Nothing is dispatched and nothing is jittered.
+    let entropy = Entropy {
+        stamp: Uuid::nil(),
+        jitter_unit: 0.0,
+    };
+    match fail_run(state, failure, |_| false, now, &entropy) {
+        Decision::Transition(transition) => Some(*transition),
+        Decision::NoOp(_) | Decision::Rejection(_) => None,
+    }
+}
+
+/// Why a run is failed from outside its steps.
+struct Failure {
+    /// The class, in the detail's `cause` and at the start of `error`.
+    cause: &'static str,
+    error: String,
+    input_ref: String,
+}
+
+/// Fails the run for good. Its outstanding attempt, if any, ends: failed
+/// when `own(stamp)` says the input is that attempt's own result,
+/// cancelled otherwise.
+fn fail_run(
+    state: &RunState,
+    failure: Failure,
+    own: impl Fn(Uuid) -> bool,
+    now: DateTime<Utc>,
+    entropy: &Entropy,
+) -> Decision {
+    let Failure {
+        cause,
+        error,
+        input_ref,
+    } = failure;
     let mut b = Builder::new(state.clone(), Some(state.status), now, entropy);
     if let Some(outstanding) = state.outstanding.as_ref() {
-        let own = matches!(input, Input::Result(r) if r.stamp == outstanding.stamp);
-        let status = if own {
+        let status = if own(outstanding.stamp) {
             AttemptStatus::Failed
         } else {
             AttemptStatus::Cancelled
@@ -279,13 +354,13 @@ fn fail_too_large(
     b.state.pending_retry = None;
     b.state.waiting = None;
     b.state.status = RunStatus::Failed;
-    b.detail("cause", STATE_TOO_LARGE.into());
+    b.detail("cause", cause.into());
     b.detail(
         "error",
         truncate(error.clone(), MAX_DETAIL_ERROR_LEN).into(),
     );
     b.state.error = Some(error);
-    b.finish(TransitionKind::RunFailed, input.dedup_ref())
+    b.finish(TransitionKind::RunFailed, input_ref)
 }
 
 fn reject(class: RejectionClass, message: impl Into<String>) -> Decision {

@@ -25,16 +25,22 @@
 //! a transition that would leave it over `max_state_bytes` fails the run instead
 //! ([`STATE_TOO_LARGE`]).
 //!
+//! A run whose workflow version is no longer defined can apply no input;
+//! [`fail_missing_workflow`] fails it from no input at all, which `serve`
+//! does at start when told to (see [`versions`]).
+//!
 //! Effect order within a transition is part of the contract: the `ductor.events`
 //! lifecycle event comes first, then step dispatches, timers and the run output.
 
 pub mod definition;
 pub mod fold;
 pub mod state;
+pub mod versions;
 
 pub use definition::Workflows;
 pub use fold::{
-    AttemptWrite, Decision, Entropy, LATE_DISPATCH_MS, NoOpReason, Rejection, fold, fold_purged,
+    AttemptWrite, Decision, Entropy, LATE_DISPATCH_MS, NoOpReason, Rejection, Transition,
+    fail_missing_workflow, fold, fold_purged,
 };
 pub use state::{AttemptRecord, AttemptStatus, Purged, RunState, RunStatus};
 // The rest of the fold's vocabulary, for the harnesses and the tests.
@@ -43,7 +49,7 @@ pub use definition::{
     DefinitionError, OnTimeout, RetryPolicy, StepDefinition, StepKind, WorkflowDefinition,
 };
 #[cfg(any(test, feature = "internals"))]
-pub use fold::{RejectionClass, STATE_TOO_LARGE, Transition, TransitionRecord};
+pub use fold::{RejectionClass, STATE_TOO_LARGE, TransitionRecord, WORKFLOW_MISSING};
 #[cfg(any(test, feature = "internals"))]
 pub use state::{MAX_SIGNALS_PER_RUN, Outstanding, PendingRetry, SignalRecord, Waiting};
 

@@ -1684,3 +1684,146 @@ fn a_purged_run_stays_purged_and_still_refuses_another_start() {
         RejectionClass::TenantMismatch
     );
 }
+
+#[test]
+fn a_run_whose_workflow_is_gone_fails_and_abandons_its_attempt() {
+    let wf = registry(2, 3);
+    let s = started(&wf);
+    assert_eq!(fail_missing_workflow(&s, &wf, t(5)), None, "still defined");
+    let gone = Workflows::default();
+    let tr = fail_missing_workflow(&s, &gone, t(5)).expect("the run fails");
+    assert_eq!(tr.record.seq, 2);
+    assert_eq!(tr.record.input_ref, MISSING_WORKFLOW_REF);
+    assert_eq!(tr.record.input_ref, "maintenance:missing_workflow");
+    assert_eq!(tr.record.kind, TransitionKind::RunFailed);
+    assert_eq!(tr.record.from_status, Some(RunStatus::Running));
+    assert_eq!(tr.record.to_status, RunStatus::Failed);
+    assert_eq!(tr.record.at, t(5));
+    let error = "workflow_missing: workflow \"wf\" version 1 is no longer defined";
+    assert_eq!(
+        tr.record.detail,
+        json!({"stamp": stamp(1).to_string(), "cause": WORKFLOW_MISSING, "error": error})
+    );
+    assert_eq!(tr.state.status, RunStatus::Failed);
+    assert_eq!(tr.state.error.as_deref(), Some(error));
+    assert_eq!(tr.state.last_transition_seq, 2);
+    assert!(tr.state.outstanding.is_none());
+    assert_eq!(tr.state.attempts[0].status, AttemptStatus::Cancelled);
+    assert_eq!(
+        tr.attempt_writes,
+        [AttemptWrite::Finish {
+            stamp: stamp(1),
+            status: AttemptStatus::Cancelled,
+            finished_at: t(5),
+            error: Some(error.into()),
+        }]
+    );
+    // The lifecycle event alone: nothing is dispatched, no timer set.
+    assert_eq!(tr.effects.len(), 1);
+    assert_eq!(tr.effects[0].target, EffectTarget::Events);
+    assert_eq!(tr.effects[0].payload["kind"], "run.failed");
+    assert_eq!(tr.effects[0].payload["status"], "failed");
+    assert_eq!(tr.effects[0].payload["seq"], 2);
+    // A late result of the abandoned attempt changes nothing, and a run
+    // already failed is not failed again.
+    assert_eq!(
+        fold(
+            Some(&tr.state),
+            &result_ok(stamp(1), json!(1)),
+            &wf,
+            STATE_CAP,
+            t(6),
+            &entropy(3)
+        ),
+        Decision::NoOp(NoOpReason::StaleResult)
+    );
+    assert_eq!(fail_missing_workflow(&tr.state, &gone, t(7)), None);
+}
+
+#[test]
+fn a_run_whose_workflow_is_gone_while_a_retry_is_pending_drops_the_retry() {
+    let wf = registry(1, 3);
+    let waiting = apply(&started(&wf), &result_err(stamp(1), true), &wf, 5, 2);
+    assert!(waiting.state.pending_retry.is_some());
+    let other_version = Workflows::new(vec![WorkflowDefinition {
+        version: 2,
+        ..def(1, 3)
+    }])
+    .unwrap();
+    let tr = fail_missing_workflow(&waiting.state, &other_version, t(6))
+        .expect("version 1 is gone although version 2 is defined");
+    assert_eq!(tr.record.seq, 3);
+    assert!(tr.state.pending_retry.is_none());
+    assert!(tr.attempt_writes.is_empty(), "no attempt was outstanding");
+    assert!(tr.record.detail.get("stamp").is_none());
+    assert_eq!(tr.record.detail["cause"], WORKFLOW_MISSING);
+    assert_eq!(
+        fold(
+            Some(&tr.state),
+            &timer(TimerKind::Retry, stamp(1)),
+            &wf,
+            STATE_CAP,
+            t(300),
+            &entropy(3)
+        ),
+        Decision::NoOp(NoOpReason::DuplicateTimer)
+    );
+}
+
+#[test]
+fn a_run_whose_workflow_is_gone_while_it_waits_ends_its_wait() {
+    for middle in [
+        StepDefinition::sleep("nap", 500),
+        StepDefinition::await_signal("approve", "ok", 1000, OnTimeout::Continue),
+    ] {
+        let wf = waits(middle);
+        let waiting = apply(&started(&wf), &result_ok(stamp(1), json!({})), &wf, 100, 2);
+        assert!(waiting.state.waiting.is_some() && waiting.state.outstanding.is_none());
+        let tr = fail_missing_workflow(&waiting.state, &Workflows::default(), t(200))
+            .expect("the waiting run fails");
+        assert_eq!(tr.record.kind, TransitionKind::RunFailed);
+        assert_eq!(tr.record.seq, 3);
+        assert_eq!(tr.state.status, RunStatus::Failed);
+        assert_eq!(tr.state.waiting, None, "the wait is over");
+        assert!(tr.attempt_writes.is_empty(), "no attempt was outstanding");
+        assert_eq!(tr.effects.len(), 1, "the lifecycle event alone");
+        // The wait's wake timer and its signal, when they come, change nothing.
+        let fold_at =
+            |input: &Input| fold(Some(&tr.state), input, &wf, STATE_CAP, t(1100), &entropy(4));
+        assert_eq!(
+            fold_at(&timer(TimerKind::Wake, stamp(2))),
+            Decision::NoOp(NoOpReason::DuplicateTimer)
+        );
+        assert_eq!(
+            fold_at(&named_signal("s", "ok", json!(1))),
+            Decision::NoOp(NoOpReason::RunTerminal)
+        );
+    }
+}
+
+#[test]
+fn the_versions_missing_are_those_running_runs_need_and_none_defines() {
+    use super::versions::{VersionInUse, missing};
+    let wf = Workflows::new(vec![
+        def(1, 1),
+        WorkflowDefinition {
+            version: 3,
+            ..def(1, 1)
+        },
+    ])
+    .unwrap();
+    let v = |workflow: &str, version, running| VersionInUse {
+        workflow: workflow.into(),
+        version,
+        running,
+    };
+    let in_use = [
+        v("other", 1, 4),
+        v("wf", 1, 2),
+        v("wf", 2, 7),
+        v("wf", 3, 1),
+        v("wf", 4, 0),
+    ];
+    assert_eq!(missing(&in_use, &wf), [&in_use[0], &in_use[2]]);
+    assert!(missing(&in_use[1..2], &wf).is_empty());
+}
