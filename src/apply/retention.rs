@@ -77,28 +77,15 @@ pub async fn purge(pool: &PgPool, config: &RunsConfig) -> Result<Purged, sqlx::E
     Ok(purged)
 }
 
-/// Runs `sql` (`$1` an age in seconds, `$2` a batch) until a statement
-/// deletes less than a batch, at most `purge_max_rounds` times.
 async fn rounds(
     pool: &PgPool,
     sql: &str,
     age_ms: u64,
     config: &RunsConfig,
 ) -> Result<u64, sqlx::Error> {
-    let mut total = 0;
-    for _ in 0..config.purge_max_rounds {
-        let deleted = sqlx::query(sql)
-            .bind(age_ms as f64 / 1000.0)
-            .bind(config.purge_batch as i64)
-            .execute(pool)
-            .await?
-            .rows_affected();
-        total += deleted;
-        if deleted < config.purge_batch as u64 {
-            break;
-        }
-    }
-    Ok(total)
+    let age = Duration::from_millis(age_ms);
+    crate::infra::db::delete_in_rounds(pool, sql, age, config.purge_batch, config.purge_max_rounds)
+        .await
 }
 
 /// Runs retention every `purge_interval_ms` until shutdown.

@@ -65,6 +65,33 @@ pub fn session_options(options: PgConnectOptions, config: &DatabaseConfig) -> Pg
 /// sessions to leave. Tried three times, for a session that connected
 /// meanwhile.
 #[cfg(any(test, feature = "internals"))]
+/// Retention's one loop: runs `sql`, a delete of at most `$2` rows older
+/// than `$1` seconds, until a statement deletes less than a batch or
+/// `max_rounds` statements ran; returns how many rows went. Each statement
+/// stays short, so that retention never holds locks or a snapshot long.
+pub async fn delete_in_rounds(
+    pool: &PgPool,
+    sql: &str,
+    age: std::time::Duration,
+    batch: usize,
+    max_rounds: u32,
+) -> Result<u64, sqlx::Error> {
+    let mut total = 0;
+    for _ in 0..max_rounds {
+        let deleted = sqlx::query(sql)
+            .bind(age.as_secs_f64())
+            .bind(batch as i64)
+            .execute(pool)
+            .await?
+            .rows_affected();
+        total += deleted;
+        if deleted < batch as u64 {
+            break;
+        }
+    }
+    Ok(total)
+}
+
 pub async fn drop_database(admin: &PgPool, name: &str) -> Result<(), sqlx::Error> {
     let mut result = Ok(());
     for _ in 0..3 {

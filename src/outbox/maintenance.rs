@@ -47,6 +47,12 @@ const NOTICE_SQL: &str = "INSERT INTO eec_effect_intent (run_id, seq, effect_ind
 /// shifted by this, so that it has a position of its own.
 const NOTICE_INDEX_OFFSET: i32 = 1 << 20;
 
+/// Deletes up to `$2` intents completed more than `$1` seconds ago.
+const PURGE_SQL: &str = "DELETE FROM eec_effect_intent WHERE intent_id IN ( \
+     SELECT intent_id FROM eec_effect_intent \
+     WHERE status = 'completed' AND completed_at < now() - make_interval(secs => $1) \
+     ORDER BY completed_at LIMIT $2)";
+
 /// Longest error text a notice carries.
 const MAX_NOTICE_ERROR_LEN: usize = 512;
 
@@ -249,26 +255,15 @@ impl Drainer {
     /// Deletes completed intents older than the retention, at most
     /// `purge_batch` rows per statement, until none are left or `max_rounds`.
     pub async fn purge(&self) -> anyhow::Result<u64> {
-        let mut total = 0;
-        for _ in 0..self.config.purge_max_rounds {
-            let deleted = sqlx::query(
-                "DELETE FROM eec_effect_intent WHERE intent_id IN ( \
-                     SELECT intent_id FROM eec_effect_intent \
-                     WHERE status = 'completed' \
-                       AND completed_at < now() - make_interval(secs => $1) \
-                     ORDER BY completed_at LIMIT $2)",
-            )
-            .bind(self.config.retention_ms as f64 / 1000.0)
-            .bind(self.config.purge_batch as i64)
-            .execute(&self.pool)
-            .await
-            .context("purging drained intents")?
-            .rows_affected();
-            total += deleted;
-            if deleted < self.config.purge_batch as u64 {
-                break;
-            }
-        }
+        let total = crate::infra::db::delete_in_rounds(
+            &self.pool,
+            PURGE_SQL,
+            Duration::from_millis(self.config.retention_ms),
+            self.config.purge_batch,
+            self.config.purge_max_rounds,
+        )
+        .await
+        .context("purging drained intents")?;
         if total > 0 {
             tracing::debug!(purged = total, "purged drained intents");
         }

@@ -442,19 +442,8 @@ pub async fn purge(
     batch: usize,
     max_rounds: u32,
 ) -> Result<u64, sqlx::Error> {
-    let mut total = 0;
-    for _ in 0..max_rounds {
-        let deleted = sqlx::query(PURGE_SQL)
-            .bind(retention.as_secs_f64())
-            .bind(batch as i64)
-            .execute(pool)
-            .await?
-            .rows_affected();
-        total += deleted;
-        if deleted < batch as u64 {
-            break;
-        }
-    }
+    let total =
+        crate::infra::db::delete_in_rounds(pool, PURGE_SQL, retention, batch, max_rounds).await?;
     if total > 0 {
         tracing::info!(purged = total, "purged long-dead idempotency rows");
     }
