@@ -17,10 +17,10 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use axum::{Json, Router};
-use common::{TestDb, eventually, example_bin, produce, producer, test_config, workspace_dir};
+use common::{TestDb, eventually, example_worker, produce, producer, test_config};
 use ductor::config::Config;
 use serde_json::{Value, json};
-use tokio::process::{Child, Command};
+use tokio::process::Child;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -129,21 +129,14 @@ fn workflow_toml() -> String {
 
 /// An example worker process of pool `p` charging through `payments`.
 fn spawn_worker(config: &Config, payments: SocketAddr) -> Child {
-    Command::new(example_bin("worker"))
+    example_worker(config)
         .args(["--pool", "p", "--fail-rate", "0", "--work-ms", "0"])
         .arg("--payments-url")
         .arg(format!("http://{payments}"))
-        .current_dir(workspace_dir())
-        .env("DATABASE_URL", config.database.url.expose())
-        .env("KAFKA_BOOTSTRAP_SERVERS", &config.kafka.bootstrap_servers)
-        .env("DUCTOR__KAFKA__TOPIC_PREFIX", &config.kafka.topic_prefix)
-        .env("DUCTOR__KAFKA__GROUP_ID", &config.kafka.group_id)
         .env(
             "DUCTOR__KAFKA__SESSION_TIMEOUT_MS",
             config.kafka.session_timeout_ms.to_string(),
         )
-        .env("RUST_LOG", "warn")
-        .kill_on_drop(true)
         .spawn()
         .expect("starting the example worker")
 }

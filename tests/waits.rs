@@ -11,12 +11,12 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use chrono::{TimeDelta, Utc};
-use common::{TestDb, eventually, example_bin, produce, producer, test_config, workspace_dir};
+use common::{TestDb, eventually, example_worker, produce, producer, test_config};
 use ductor::config::Config;
 use ductor::contract::effects::rfc3339;
 use rdkafka::producer::FutureProducer;
 use serde_json::{Value, json};
-use tokio::process::{Child, Command};
+use tokio::process::Child;
 use tokio_util::sync::CancellationToken;
 
 const DONE: Duration = Duration::from_secs(120);
@@ -50,15 +50,8 @@ fn workflows(dir: &std::path::Path) {
 }
 
 fn spawn_worker(config: &Config) -> Child {
-    Command::new(example_bin("worker"))
+    example_worker(config)
         .args(["--pool", "p", "--fail-rate", "0", "--work-ms", "0"])
-        .current_dir(workspace_dir())
-        .env("DATABASE_URL", config.database.url.expose())
-        .env("KAFKA_BOOTSTRAP_SERVERS", &config.kafka.bootstrap_servers)
-        .env("DUCTOR__KAFKA__TOPIC_PREFIX", &config.kafka.topic_prefix)
-        .env("DUCTOR__KAFKA__GROUP_ID", &config.kafka.group_id)
-        .env("RUST_LOG", "warn")
-        .kill_on_drop(true)
         .spawn()
         .expect("starting the example worker")
 }

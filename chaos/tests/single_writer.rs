@@ -17,21 +17,14 @@ use ductor::config::Config;
 use ductor_chaos::serve_process::ServeProcess;
 use rdkafka::producer::FutureProducer;
 use serde_json::json;
-use tokio::process::{Child, Command};
+use tokio::process::Child;
 
 const DONE: Duration = Duration::from_secs(180);
 const RUNS_PER_WAVE: usize = 24;
 
 fn spawn_worker(config: &Config) -> Child {
-    Command::new(example_bin("worker"))
+    example_worker(config)
         .args(["--fail-rate", "0", "--work-ms", "0"])
-        .current_dir(workspace_dir())
-        .env("DATABASE_URL", config.database.url.expose())
-        .env("KAFKA_BOOTSTRAP_SERVERS", &config.kafka.bootstrap_servers)
-        .env("DUCTOR__KAFKA__TOPIC_PREFIX", &config.kafka.topic_prefix)
-        .env("DUCTOR__KAFKA__GROUP_ID", &config.kafka.group_id)
-        .env("RUST_LOG", "warn")
-        .kill_on_drop(true)
         .spawn()
         .expect("starting the example worker")
 }

@@ -463,6 +463,22 @@ pub fn example_bin(name: &str) -> std::path::PathBuf {
     bin
 }
 
+/// The example worker as a process on `config`'s database, broker, topics
+/// and group, killed when dropped; the caller adds its arguments and
+/// spawns it.
+pub fn example_worker(config: &Config) -> tokio::process::Command {
+    let mut worker = tokio::process::Command::new(example_bin("worker"));
+    worker
+        .current_dir(workspace_dir())
+        .env("DATABASE_URL", config.database.url.expose())
+        .env("KAFKA_BOOTSTRAP_SERVERS", &config.kafka.bootstrap_servers)
+        .env("DUCTOR__KAFKA__TOPIC_PREFIX", &config.kafka.topic_prefix)
+        .env("DUCTOR__KAFKA__GROUP_ID", &config.kafka.group_id)
+        .env("RUST_LOG", "warn")
+        .kill_on_drop(true);
+    worker
+}
+
 /// The workspace's root (where `config/` is), from any of its packages.
 pub fn workspace_dir() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
