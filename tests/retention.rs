@@ -233,6 +233,11 @@ async fn finished_runs_are_purged_in_batches_and_stay_purged() {
     )
     .await;
     assert_eq!(status, 404);
+    // Another tenant learns nothing of it, not even that it was purged.
+    let other = api_key(&db, "globex", &[Scope::RunsRead]).await;
+    let other = bearer(&other);
+    let (status, body) = http(addr, "GET", &path, &[(other.0, &other.1)], b"").await;
+    assert_eq!(status, 404, "{}", String::from_utf8_lossy(&body));
 
     // Tombstones expire after their own retention.
     sqlx::query(
