@@ -55,16 +55,6 @@ pub fn session_options(options: PgConnectOptions, config: &DatabaseConfig) -> Pg
     options.options([("statement_timeout", config.statement_timeout_ms.to_string())])
 }
 
-/// Drops database `name` (a trusted identifier) if it exists.
-///
-/// `WITH (FORCE)` would refuse when an autovacuum worker is busy in the
-/// database (a process of another role), so instead: end the sessions of
-/// our own role, and of the roles it is a member of (the application
-/// role, in the local stack), still connected to it, then a plain DROP,
-/// which stops autovacuum workers by itself and waits up to 5 s for other
-/// sessions to leave. Tried three times, for a session that connected
-/// meanwhile.
-#[cfg(any(test, feature = "internals"))]
 /// Retention's one loop: runs `sql`, a delete of at most `$2` rows older
 /// than `$1` seconds, until a statement deletes less than a batch or
 /// `max_rounds` statements ran; returns how many rows went. Each statement
@@ -92,6 +82,16 @@ pub async fn delete_in_rounds(
     Ok(total)
 }
 
+/// Drops database `name` (a trusted identifier) if it exists.
+///
+/// `WITH (FORCE)` would refuse when an autovacuum worker is busy in the
+/// database (a process of another role), so instead: end the sessions of
+/// our own role, and of the roles it is a member of (the application
+/// role, in the local stack), still connected to it, then a plain DROP,
+/// which stops autovacuum workers by itself and waits up to 5 s for other
+/// sessions to leave. Tried three times, for a session that connected
+/// meanwhile.
+#[cfg(any(test, feature = "internals"))]
 pub async fn drop_database(admin: &PgPool, name: &str) -> Result<(), sqlx::Error> {
     let mut result = Ok(());
     for _ in 0..3 {
