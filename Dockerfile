@@ -35,12 +35,14 @@ COPY --from=builder /out/ductor /usr/local/bin/ductor
 WORKDIR /app
 COPY --from=builder /src/config ./config
 USER ductor
-# Inside a container neither HTTP listener may be loopback-only: the
-# container's loopback is its own, and nothing outside it (a port mapping, a
-# scraper in the same network) would reach it. The admin port (/metrics, the
-# detailed /readyz) is then reachable by whatever shares the container's
-# network; publish it on the host's loopback only, as docker-compose.yml does.
+# Inside a container the public listener may not be loopback-only: the
+# container's loopback is its own, and nothing outside it (a port mapping)
+# would reach it. The admin listener (/metrics, the detailed /readyz, the
+# operator's endpoints) stays on the container's loopback: serve refuses a
+# non-loopback one unless it takes admin keys over TLS. To scrape it from
+# outside, set DUCTOR__SERVER__ADMIN_LISTEN=0.0.0.0:9464,
+# DUCTOR__SERVER__ADMIN_AUTH=key and the admin_tls_* files, and give the
+# scraper a key made with `ductor keys create --scopes admin`.
 ENV DUCTOR__SERVER__LISTEN=0.0.0.0:8080
-ENV DUCTOR__SERVER__ADMIN_LISTEN=0.0.0.0:9464
 EXPOSE 8080 9464
 CMD ["ductor", "serve"]

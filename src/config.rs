@@ -45,6 +45,23 @@ pub const PRODUCER_GUARANTEES: [(&str, &str); 3] = [
     ("max.in.flight.requests.per.connection", "1"),
 ];
 
+/// The consumer settings the single writer and exactly-once rest on, with
+/// the value Ductor gives each; the ingress's consumer sets them and
+/// [`Config::validate`] refuses pass-through properties that change them:
+/// - the range assignor over the classic group protocol gives partition p
+///   of every input topic to one member (one writer per run); another
+///   assignor, or the consumer protocol with its broker-side assignors,
+///   may split a run's inputs between two processes;
+/// - offsets are stored only after the transaction that applied them
+///   committed; an automatic store would commit inputs never applied;
+/// - inputs of aborted producer transactions are never applied.
+pub const CONSUMER_GUARANTEES: [(&str, &str); 4] = [
+    ("partition.assignment.strategy", "range"),
+    ("group.protocol", "classic"),
+    ("enable.auto.offset.store", "false"),
+    ("isolation.level", "read_committed"),
+];
+
 /// Every error loading or validating the configuration. The message names the
 /// offending key.
 #[derive(Debug, thiserror::Error)]
@@ -313,8 +330,29 @@ pub struct ServerConfig {
     /// After SIGINT/SIGTERM, how long in-flight work may take to finish
     /// before the process exits anyway.
     pub shutdown_grace_ms: u64,
-    /// Bound on each dependency check of `/readyz` (on either listener).
+    /// Bound on each dependency check of readiness.
     pub readiness_timeout_ms: u64,
+    /// How often one background task checks readiness (Postgres on a
+    /// connection of its own, Kafka's metadata, the ingress). `/readyz`,
+    /// on either listener, answers the latest verdict and costs nothing
+    /// else, so a flood of it takes nothing from the ingress; the verdict
+    /// is at most this (plus `readiness_timeout_ms`) old.
+    pub readiness_interval_ms: u64,
+    /// Connections each listener keeps open at once. One more is closed as
+    /// soon as it is accepted (counted in
+    /// `ductor_http_connections_refused_total`), so that clients that open
+    /// connections and send nothing, however many, cannot use up the
+    /// process's file descriptors; an idle one is closed anyway after
+    /// `header_read_timeout_ms`.
+    pub max_connections: usize,
+    /// Who may use the admin listener: `loopback` (the default) trusts
+    /// whoever reaches it, and so requires `admin_listen` to be a loopback
+    /// address; `key` requires, on every admin route but `/healthz`, an API
+    /// key with the `admin` scope (`Authorization: Bearer <key>`, made with
+    /// `ductor keys create --scopes admin`), and is what a non-loopback
+    /// `admin_listen` needs (with `admin_tls_cert_file`, so that the key
+    /// does not cross the network in clear).
+    pub admin_auth: AdminAuth,
     /// Bound on the whole of one API request, from its headers to its
     /// answer: past it, 503 `timeout` (a decision cut short rolls back, and a
     /// retry with the same idempotency key gets the one decision).
@@ -332,6 +370,18 @@ pub struct ServerConfig {
     pub requests_per_second: u32,
     /// Requests a key may make at once above its rate (its bucket's size).
     pub request_burst: u32,
+    /// Failed authentications per second a client address may make, on
+    /// either listener, once its `auth_failure_burst` is spent; past it,
+    /// 429 `rate_limited` with `Retry-After`, before its key is looked up.
+    /// A client whose key is valid never fails, so this holds back only
+    /// those that guess.
+    pub auth_failures_per_second: u32,
+    /// Failed authentications a client address may make at once.
+    pub auth_failure_burst: u32,
+    /// How long a key id found in no row is remembered as unknown: a
+    /// request with it is refused (401) without a query. Key ids are
+    /// random, so a key made meanwhile is never among them.
+    pub unknown_key_cache_ms: u64,
     /// Bound on reading a request's head (its request line and headers)
     /// on either listener, counted from the connection's opening or the
     /// previous answer; with TLS, the handshake is held to it too. Past it
@@ -366,6 +416,14 @@ pub struct ServerConfig {
     /// or `disabled`, for local development only, where every request names
     /// its own tenant and `serve` warns at start-up.
     pub auth: AuthMode,
+}
+
+/// See [`ServerConfig::admin_auth`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AdminAuth {
+    Loopback,
+    Key,
 }
 
 /// See [`ServerConfig::auth`].
@@ -749,7 +807,62 @@ impl Config {
         both_or_neither(
             ("server.admin_tls_cert_file", &server.admin_tls_cert_file),
             ("server.admin_tls_key_file", &server.admin_tls_key_file),
-        )
+        )?;
+        self.validate_admin_auth()
+    }
+
+    /// The admin listener trusts whoever reaches it only on loopback;
+    /// anywhere else it takes an admin key, over TLS, with the API's keys
+    /// to check it against.
+    fn validate_admin_auth(&self) -> Result<(), ConfigError> {
+        let server = &self.server;
+        match server.admin_auth {
+            AdminAuth::Loopback if !server.admin_listen.ip().is_loopback() => Err(invalid(
+                "server.admin_listen",
+                format!(
+                    "{} is not a loopback address, and server.admin_auth = \"loopback\" lets \
+                     whoever reaches the admin listener read its metrics and readiness and use \
+                     the operator's endpoints: set server.admin_auth = \"key\" (an API key with \
+                     the admin scope on every admin request, with server.admin_tls_cert_file), or \
+                     listen on loopback",
+                    server.admin_listen
+                ),
+            )),
+            AdminAuth::Key if server.auth == AuthMode::Disabled => Err(invalid(
+                "server.admin_auth",
+                "\"key\" checks API keys, which server.auth = \"disabled\" turns off",
+            )),
+            AdminAuth::Key
+                if server.admin_tls_cert_file.is_none()
+                    && !server.admin_listen.ip().is_loopback() =>
+            {
+                Err(invalid(
+                    "server.admin_tls_cert_file",
+                    format!(
+                        "must be set when the admin listener ({}) is not on loopback: an admin \
+                         key would cross the network in clear",
+                        server.admin_listen
+                    ),
+                ))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// What this configuration leaves open that an operator should know
+    /// of, each said at start-up and on the admin `/readyz`.
+    pub fn security_warnings(&self) -> Vec<String> {
+        let mut warnings = Vec::new();
+        if self.server.auth == AuthMode::Required && !self.signatures.all_inputs {
+            warnings.push(
+                "inputs on Kafka are not signed (signatures.all_inputs = false): any writer of \
+                 the input topics can act as any tenant, whatever the API's keys say. Safe only \
+                 with topic ACLs that let each producer write its own tenant's inputs alone; \
+                 otherwise set signatures.all_inputs = true with a signing key per tenant"
+                    .to_owned(),
+            );
+        }
+        warnings
     }
 
     /// The bounds of the public API and the signing keys.
@@ -783,6 +896,14 @@ impl Config {
                 u64::from(self.server.requests_per_second),
             ),
             ("server.request_burst", u64::from(self.server.request_burst)),
+            (
+                "server.auth_failures_per_second",
+                u64::from(self.server.auth_failures_per_second),
+            ),
+            (
+                "server.auth_failure_burst",
+                u64::from(self.server.auth_failure_burst),
+            ),
             ("server.request_timeout_ms", self.server.request_timeout_ms),
             (
                 "server.body_read_timeout_ms",
@@ -796,6 +917,15 @@ impl Config {
                 "server.tls_check_interval_ms",
                 self.server.tls_check_interval_ms,
             ),
+            (
+                "server.readiness_interval_ms",
+                self.server.readiness_interval_ms,
+            ),
+            (
+                "server.readiness_timeout_ms",
+                self.server.readiness_timeout_ms,
+            ),
+            ("server.max_connections", self.server.max_connections as u64),
         ] {
             if value == 0 {
                 return Err(invalid(key, "must be at least 1"));
@@ -888,6 +1018,14 @@ impl Config {
             ("kafka.producer_properties", &self.kafka.producer_properties),
         ] {
             if let Some(message) = props.weakened_producer_guarantee() {
+                return Err(invalid(key, message));
+            }
+        }
+        for (key, props) in [
+            ("kafka.properties", &self.kafka.properties),
+            ("kafka.consumer_properties", &self.kafka.consumer_properties),
+        ] {
+            if let Some(message) = props.weakened_consumer_guarantee() {
                 return Err(invalid(key, message));
             }
         }
@@ -1353,6 +1491,54 @@ impl KafkaProperties {
                 )
             })
         })
+    }
+}
+
+impl KafkaProperties {
+    /// Why these properties would change a consumer setting that the
+    /// single writer or exactly-once rests on ([`CONSUMER_GUARANTEES`]), if
+    /// they do. Stating Ductor's own value is allowed; `group.remote.assignor`
+    /// is refused whatever its value, since it only means something under
+    /// the consumer protocol.
+    pub fn weakened_consumer_guarantee(&self) -> Option<String> {
+        self.0.iter().find_map(|(key, value)| {
+            let name = key.trim();
+            if name == "group.remote.assignor" {
+                return Some(format!(
+                    "sets {key:?}: the ingress's group uses the classic protocol with the range \
+                     assignor, which gives partition p of every input topic to one process, so \
+                     that each run has one writer; a broker-side assignor would not"
+                ));
+            }
+            let (name, required) = CONSUMER_GUARANTEES
+                .into_iter()
+                .find(|(guarded, _)| *guarded == name)?;
+            let same = value.trim().eq_ignore_ascii_case(required);
+            (!same).then(|| {
+                format!(
+                    "sets {key:?} = {value:?}, but the ingress needs {name} = {required}: {}",
+                    consumer_guarantee_reason(name)
+                )
+            })
+        })
+    }
+}
+
+/// What breaks when the consumer setting `name` changes.
+fn consumer_guarantee_reason(name: &str) -> &'static str {
+    match name {
+        "enable.auto.offset.store" => {
+            "an offset is stored only after the transaction that applied its input has \
+             committed; stored automatically, a crash would skip inputs never applied"
+        }
+        "isolation.level" => {
+            "inputs written in a producer transaction that was aborted must never be applied"
+        }
+        _ => {
+            "partition p of every input topic goes to one process (the range assignor over \
+             the classic group protocol), so that each run has one writer; another assignor \
+             may give a run's inputs to two processes"
+        }
     }
 }
 

@@ -349,6 +349,43 @@ fn properties_may_not_weaken_what_a_delivery_report_promises() {
     assert_eq!(producer.get("linger.ms"), Some("7"));
 }
 
+/// The ingress's assignor, group protocol, offset store and isolation are
+/// what give a run one writer and apply each input once: a pass-through
+/// property that changes one is refused, naming the section and the key.
+#[test]
+fn properties_may_not_undo_the_single_writer_or_the_offset_store() {
+    for (section, key, value) in [
+        (
+            "consumer_properties",
+            "partition.assignment.strategy",
+            "cooperative-sticky",
+        ),
+        ("properties", "partition.assignment.strategy", "roundrobin"),
+        ("consumer_properties", "group.protocol", "consumer"),
+        ("consumer_properties", "group.remote.assignor", "range"),
+        ("consumer_properties", "enable.auto.offset.store", "true"),
+        ("properties", "isolation.level", "read_uncommitted"),
+    ] {
+        let err = load_toml(&format!("[kafka.{section}]\n{key:?} = {value:?}\n"))
+            .expect_err("a consumer setting that undoes a guarantee is rejected")
+            .to_string();
+        assert!(err.contains(&format!("kafka.{section}")), "{err}");
+        assert!(err.contains(key), "{err}");
+    }
+
+    let config = load_toml(
+        "[kafka.consumer_properties]\n\
+         \"partition.assignment.strategy\" = \"range\"\n\
+         \"fetch.max.bytes\" = \"1048576\"\n",
+    )
+    .expect("Ductor's own values and unrelated keys are accepted");
+    let consumer = ductor::infra::kafka::consumer_config(&config.kafka, "g", "test");
+    for (key, value) in ductor::config::CONSUMER_GUARANTEES {
+        assert_eq!(consumer.get(key), Some(value), "{key}");
+    }
+    assert_eq!(consumer.get("fetch.max.bytes"), Some("1048576"));
+}
+
 /// `ductor submit` applies the input budget and screen of every other
 /// entry point before it touches the database.
 #[test]
@@ -418,6 +455,49 @@ fn the_admin_listener_is_loopback_by_default_and_apart_from_the_public_one() {
         )
         .expect("listeners apart");
     }
+}
+
+/// The admin listener trusts whoever reaches it only on loopback:
+/// elsewhere it takes admin keys, over TLS.
+#[test]
+fn a_non_loopback_admin_listener_needs_admin_keys_over_tls() {
+    let load = |pairs: &[(&str, &str)]| Config::load_from(None, env(pairs));
+    let refused = load(&[("DUCTOR__SERVER__ADMIN_LISTEN", "0.0.0.0:9464")])
+        .expect_err("an open admin listener without authentication")
+        .to_string();
+    assert!(
+        refused.contains("server.admin_listen") && refused.contains("server.admin_auth"),
+        "{refused}"
+    );
+    let refused = load(&[
+        ("DUCTOR__SERVER__ADMIN_LISTEN", "0.0.0.0:9464"),
+        ("DUCTOR__SERVER__ADMIN_AUTH", "key"),
+    ])
+    .expect_err("an admin key in clear over the network")
+    .to_string();
+    assert!(refused.contains("server.admin_tls_cert_file"), "{refused}");
+    let refused = load(&[
+        ("DUCTOR__SERVER__ADMIN_AUTH", "key"),
+        ("DUCTOR__SERVER__AUTH", "disabled"),
+    ])
+    .expect_err("admin keys with keys turned off")
+    .to_string();
+    assert!(refused.contains("server.admin_auth"), "{refused}");
+    let config = load(&[
+        ("DUCTOR__SERVER__ADMIN_LISTEN", "0.0.0.0:9464"),
+        ("DUCTOR__SERVER__ADMIN_AUTH", "key"),
+        (
+            "DUCTOR__SERVER__ADMIN_TLS_CERT_FILE",
+            "/etc/ductor/admin.crt",
+        ),
+        (
+            "DUCTOR__SERVER__ADMIN_TLS_KEY_FILE",
+            "/etc/ductor/admin.key",
+        ),
+    ])
+    .expect("admin keys over TLS");
+    assert_eq!(config.server.admin_auth, ductor::config::AdminAuth::Key);
+    load(&[("DUCTOR__SERVER__ADMIN_AUTH", "key")]).expect("admin keys on loopback");
 }
 
 #[test]

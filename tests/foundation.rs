@@ -600,11 +600,18 @@ async fn public_readiness_tells_no_error_when_the_database_is_unreachable() {
         ductor::infra::kafka::consumer_config(&kafka_config(), &unique("probe-"), "probe")
             .create()
             .unwrap();
-    let state = ductor::infra::health::HttpState {
+    let probes = ductor::infra::health::Probes {
         pool,
         kafka_probe: std::sync::Arc::new(kafka_probe),
-        readiness_timeout: Duration::from_secs(2),
+        timeout: Duration::from_secs(2),
         ingress: None,
+        ingress_hold: Default::default(),
+    };
+    let verdict = ductor::infra::health::Verdict::new();
+    verdict.publish(ductor::infra::health::check_readiness(&probes).await);
+    let state = ductor::infra::health::HttpState {
+        verdict,
+        warnings: std::sync::Arc::new([]),
     };
     let shutdown = CancellationToken::new();
     let public = serve_router(
@@ -612,7 +619,7 @@ async fn public_readiness_tells_no_error_when_the_database_is_unreachable() {
         &shutdown,
     )
     .await;
-    let admin = serve_router(ductor::infra::health::admin_router(state), &shutdown).await;
+    let admin = serve_router(ductor::infra::health::admin_router(state, None), &shutdown).await;
 
     let (status, body) = http(public, "GET", "/readyz", &[], b"").await;
     assert_eq!(status, 503);

@@ -3,8 +3,11 @@
 //! In: the `Authorization: Bearer <key>` header of a request. Out: the
 //! [`Caller`] — the key's tenant and scopes — or a refusal. Guarantees: the
 //! tenant of a request is its key's, never one the request names; a key that
-//! is unknown, wrong, expired or revoked is refused on its next request (the
-//! row is read every time, nothing is cached); the caller is never told
+//! is wrong, expired or revoked is refused on its next request (the row of
+//! a known key id is read every time, nothing of it is cached; an id found
+//! in no row is remembered as unknown for `server.unknown_key_cache_ms`);
+//! a client address that keeps failing is held back before its keys are
+//! looked up ([`rate::FailureGate`]); the caller is never told
 //! which of those it was, the `ductor_api_auth_failures_total` counter is;
 //! keys are never logged, and only a hash of each is stored.
 //!
@@ -15,7 +18,6 @@ pub mod key;
 pub mod rate;
 pub mod store;
 
-use chrono::Utc;
 use sqlx::PgPool;
 
 use crate::config::AuthMode;
@@ -46,11 +48,19 @@ pub enum AuthError {
 pub struct Authenticator {
     mode: AuthMode,
     pool: PgPool,
+    /// Key ids lately found in no row: refused without a query.
+    unknown: std::sync::Arc<rate::UnknownKeys>,
 }
 
 impl Authenticator {
-    pub fn new(mode: AuthMode, pool: PgPool) -> Self {
-        Authenticator { mode, pool }
+    /// Keys of `pool`'s `api_keys`, with ids found in no row remembered
+    /// for `unknown_for` (`server.unknown_key_cache_ms`).
+    pub fn new(mode: AuthMode, pool: PgPool, unknown_for: std::time::Duration) -> Self {
+        Authenticator {
+            mode,
+            pool,
+            unknown: std::sync::Arc::new(rate::UnknownKeys::new(unknown_for)),
+        }
     }
 
     /// Who sent a request with this `Authorization` header, if it may do
@@ -82,15 +92,19 @@ impl Authenticator {
         let presented = key::bearer(header)
             .and_then(key::parse)
             .ok_or(AuthError::Unauthenticated(Refusal::Malformed))?;
+        let now = std::time::Instant::now();
+        if self.unknown.known_unknown(presented.key_id, now) {
+            return Err(AuthError::Unauthenticated(Refusal::Unknown));
+        }
         let stored = store::load(&self.pool, presented.key_id)
             .await
             .map_err(AuthError::Unavailable)?;
-        let caller = key::verify(stored.as_ref(), presented, Utc::now())
-            .map_err(AuthError::Unauthenticated)?;
-        let stale = stored.and_then(|k| k.last_used_at).is_none_or(|at| {
-            Utc::now() - at >= chrono::Duration::seconds(store::LAST_USED_RESOLUTION_S)
-        });
-        if stale && let Err(e) = store::touch(&self.pool, &caller.key_id).await {
+        if stored.is_none() {
+            self.unknown.note(presented.key_id, now);
+        }
+        let caller = key::verify(stored.as_ref(), presented).map_err(AuthError::Unauthenticated)?;
+        let unnoted = stored.is_some_and(|k| k.use_unnoted);
+        if unnoted && let Err(e) = store::touch(&self.pool, &caller.key_id).await {
             // Bookkeeping only: the request goes on.
             tracing::warn!(key_id = %caller.key_id, error = %e, "a key's last use was not noted");
         }

@@ -8,11 +8,13 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// One key's bucket.
+/// One key's bucket, refilled at its own rate.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Bucket {
     tokens: f64,
     at: Instant,
+    /// The rate it was last refilled at: its key's.
+    rate: u32,
 }
 
 impl Bucket {
@@ -21,17 +23,33 @@ impl Bucket {
         Bucket {
             tokens: f64::from(burst),
             at: now,
+            rate: 1,
         }
+    }
+
+    /// Whether it would be full by `now`, at its own rate: dropping it then
+    /// loses nothing, since a dropped bucket comes back full.
+    pub fn full_by(&self, burst: u32, now: Instant) -> bool {
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        self.tokens + elapsed * f64::from(self.rate.max(1)) >= f64::from(burst.max(1))
     }
 
     /// Takes one token if there is one; otherwise how long until there is.
     pub fn take(&mut self, rate: u32, burst: u32, now: Instant) -> Result<(), Duration> {
+        self.ready(rate, burst, now)?;
+        self.tokens -= 1.0;
+        Ok(())
+    }
+
+    /// Whether a token is there by `now` (refilling the bucket at `rate`),
+    /// without taking it; otherwise how long until there is.
+    pub fn ready(&mut self, rate: u32, burst: u32, now: Instant) -> Result<(), Duration> {
+        self.rate = rate.max(1);
         let rate = f64::from(rate.max(1));
         let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
         self.tokens = (self.tokens + elapsed * rate).min(f64::from(burst.max(1)));
         self.at = now;
         if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
             Ok(())
         } else {
             Err(Duration::from_secs_f64((1.0 - self.tokens) / rate))
@@ -39,9 +57,12 @@ impl Bucket {
     }
 }
 
-/// The buckets of every key seen lately. Bounded: past `max_keys`, the
-/// buckets that have been full for a while (idle keys) are dropped, which
-/// loses nothing since a dropped bucket comes back full.
+/// The buckets of every key seen lately. Past `max_keys`, the buckets that
+/// are full again by their own key's rate (idle keys) are dropped, which
+/// loses nothing since a dropped bucket comes back full; a throttled key's
+/// bucket is kept whatever the rate of the key that came in. Only keys that
+/// authenticated reach the limiter, so the map holds at most the keys the
+/// operator issued.
 pub struct RateLimiter {
     default_rate: u32,
     burst: u32,
@@ -59,19 +80,117 @@ impl RateLimiter {
         }
     }
 
+    /// Whether `key_id` authenticated lately (its bucket is kept).
+    pub fn knows(&self, key_id: &str) -> bool {
+        let buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        buckets.contains_key(key_id)
+    }
+
     /// Admits one request of `key_id` (at its own `rate`, if it has one),
     /// or says when to retry.
     pub fn admit(&self, key_id: &str, rate: Option<u32>, now: Instant) -> Result<(), Duration> {
         let rate = rate.unwrap_or(self.default_rate);
         let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
         if buckets.len() >= self.max_keys && !buckets.contains_key(key_id) {
-            let idle = Duration::from_secs_f64(f64::from(self.burst) / f64::from(rate.max(1)));
-            buckets.retain(|_, b| now.saturating_duration_since(b.at) < idle);
+            buckets.retain(|_, b| !b.full_by(self.burst, now));
         }
         buckets
             .entry(key_id.to_owned())
             .or_insert_with(|| Bucket::full(self.burst, now))
             .take(rate, self.burst, now)
+    }
+}
+
+/// Most client addresses whose failures are counted at once; past it, the
+/// addresses whose buckets are full again are dropped.
+const MAX_FAILING_CLIENTS: usize = 100_000;
+
+/// Failed authentications per client address (`server.auth_failures_per_second`,
+/// `server.auth_failure_burst`): each failure takes a token of the
+/// address's bucket, and an address with none left is refused (429) before
+/// its key is looked up, so guessing keys costs the guesser time and the API
+/// pool nothing. A client with a valid key never fails and is never held
+/// back by this. Addresses are counted whole (an IPv6 client with many
+/// addresses of one prefix has a bucket per address).
+pub struct FailureGate {
+    rate: u32,
+    burst: u32,
+    buckets: Mutex<HashMap<std::net::IpAddr, Bucket>>,
+}
+
+impl FailureGate {
+    pub fn new(rate: u32, burst: u32) -> Self {
+        FailureGate {
+            rate,
+            burst,
+            buckets: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Whether `client` may try to authenticate now; otherwise when it may.
+    pub fn check(&self, client: std::net::IpAddr, now: Instant) -> Result<(), Duration> {
+        let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        match buckets.get_mut(&client) {
+            Some(bucket) => bucket.ready(self.rate, self.burst, now),
+            None => Ok(()),
+        }
+    }
+
+    /// Counts a failed authentication of `client`.
+    pub fn failed(&self, client: std::net::IpAddr, now: Instant) {
+        let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        if buckets.len() >= MAX_FAILING_CLIENTS && !buckets.contains_key(&client) {
+            buckets.retain(|_, b| !b.full_by(self.burst, now));
+        }
+        let (rate, burst) = (self.rate, self.burst);
+        let bucket = buckets
+            .entry(client)
+            .or_insert_with(|| Bucket::full(burst, now));
+        // An empty bucket stays empty: the failure is counted all the same.
+        let _ = bucket.take(rate, burst, now);
+    }
+}
+
+/// Most key ids remembered as unknown at once; past it, the expired ones
+/// are dropped, and if none is, all of them.
+const MAX_UNKNOWN_KEYS: usize = 100_000;
+
+/// Key ids lately found in no row, for `server.unknown_key_cache_ms`: a
+/// request with one of them is refused without a query. A key id is not
+/// a secret (`ductor keys list` and the logs show it), and a new key's id
+/// is random, so no key is refused for having been guessed before it was
+/// made.
+pub struct UnknownKeys {
+    ttl: Duration,
+    ids: Mutex<HashMap<String, Instant>>,
+}
+
+impl UnknownKeys {
+    pub fn new(ttl: Duration) -> Self {
+        UnknownKeys {
+            ttl,
+            ids: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Whether `key_id` was found in no row within the time kept.
+    pub fn known_unknown(&self, key_id: &str, now: Instant) -> bool {
+        let ids = self.ids.lock().unwrap_or_else(|p| p.into_inner());
+        ids.get(key_id)
+            .is_some_and(|at| now.saturating_duration_since(*at) < self.ttl)
+    }
+
+    /// Notes that `key_id` is in no row.
+    pub fn note(&self, key_id: &str, now: Instant) {
+        let mut ids = self.ids.lock().unwrap_or_else(|p| p.into_inner());
+        if ids.len() >= MAX_UNKNOWN_KEYS {
+            let ttl = self.ttl;
+            ids.retain(|_, at| now.saturating_duration_since(*at) < ttl);
+            if ids.len() >= MAX_UNKNOWN_KEYS {
+                ids.clear();
+            }
+        }
+        ids.insert(key_id.to_owned(), now);
     }
 }
 
@@ -126,6 +245,64 @@ mod tests {
             assert!(bucket.take(100, 3, later).is_ok());
         }
         assert!(bucket.take(100, 3, later).is_err());
+    }
+
+    /// Past the bound, a key that came in at a fast rate must not push out
+    /// a throttled key of a slow rate: that key would come back with a
+    /// full bucket, and so with its burst again.
+    #[test]
+    fn a_throttled_key_keeps_its_empty_bucket_past_the_bound() {
+        let t0 = Instant::now();
+        let mut limiter = RateLimiter::new(1, 5);
+        limiter.max_keys = 2;
+        for _ in 0..5 {
+            assert!(limiter.admit("slow", None, t0).is_ok());
+        }
+        assert!(limiter.admit("slow", None, t0).is_err(), "throttled");
+        assert!(limiter.admit("fast", Some(1000), t0).is_ok());
+        // 100 ms on: by the fast key's rate every bucket would be full again;
+        // by its own (1 per second) the slow key's is not.
+        let t1 = t0 + Duration::from_millis(100);
+        assert!(limiter.admit("newcomer", Some(1000), t1).is_ok());
+        assert!(
+            limiter.admit("slow", None, t1).is_err(),
+            "the throttled key is still throttled"
+        );
+        assert!(limiter.buckets.lock().unwrap().contains_key("slow"));
+        assert!(!limiter.buckets.lock().unwrap().contains_key("fast"));
+    }
+
+    #[test]
+    fn an_address_that_keeps_failing_is_held_back_and_others_are_not() {
+        let t0 = Instant::now();
+        let gate = FailureGate::new(1, 3);
+        let (guesser, other): (std::net::IpAddr, std::net::IpAddr) =
+            ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
+        assert!(gate.check(guesser, t0).is_ok(), "no failure yet");
+        for _ in 0..3 {
+            assert!(gate.check(guesser, t0).is_ok());
+            gate.failed(guesser, t0);
+        }
+        assert_eq!(gate.check(guesser, t0), Err(Duration::from_secs(1)));
+        assert!(gate.check(other, t0).is_ok(), "another address is free");
+        let t1 = t0 + Duration::from_secs(1);
+        assert!(
+            gate.check(guesser, t1).is_ok(),
+            "one more try a second later"
+        );
+        gate.failed(guesser, t1);
+        assert!(gate.check(guesser, t1).is_err());
+    }
+
+    #[test]
+    fn unknown_key_ids_are_remembered_for_a_while() {
+        let t0 = Instant::now();
+        let unknown = UnknownKeys::new(Duration::from_secs(10));
+        assert!(!unknown.known_unknown("abc", t0));
+        unknown.note("abc", t0);
+        assert!(unknown.known_unknown("abc", t0 + Duration::from_secs(9)));
+        assert!(!unknown.known_unknown("abc", t0 + Duration::from_secs(10)));
+        assert!(!unknown.known_unknown("abd", t0));
     }
 
     #[test]

@@ -72,10 +72,14 @@ pub async fn insert(pool: &PgPool, key: &NewKey, request: &KeyRequest) -> sqlx::
 pub async fn load(pool: &PgPool, key_id: &str) -> sqlx::Result<Option<StoredKey>> {
     let row = sqlx::query(
         "SELECT key_id, tenant_scope, scopes, secret_sha256, requests_per_second, \
-             expires_at, revoked_at, last_used_at \
+             COALESCE(expires_at <= now(), false) AS expired, \
+             revoked_at IS NOT NULL AS revoked, \
+             (last_used_at IS NULL \
+               OR last_used_at < now() - make_interval(secs => $2)) AS use_unnoted \
          FROM api_keys WHERE key_id = $1",
     )
     .bind(key_id)
+    .bind(LAST_USED_RESOLUTION_S as f64)
     .fetch_optional(pool)
     .await?;
     let Some(row) = row else { return Ok(None) };
@@ -88,9 +92,9 @@ pub async fn load(pool: &PgPool, key_id: &str) -> sqlx::Result<Option<StoredKey>
         requests_per_second: row
             .try_get::<Option<i32>, _>("requests_per_second")?
             .map(|n| n.max(1) as u32),
-        expires_at: row.try_get("expires_at")?,
-        revoked_at: row.try_get("revoked_at")?,
-        last_used_at: row.try_get("last_used_at")?,
+        expired: row.try_get("expired")?,
+        revoked: row.try_get("revoked")?,
+        use_unnoted: row.try_get("use_unnoted")?,
     }))
 }
 

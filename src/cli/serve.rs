@@ -58,9 +58,10 @@ impl Listeners {
 
 /// Refuses to start when a topic takes smaller records than Ductor may
 /// send, or when the input topics' partition counts differ (no single
-/// writer per run). A broker that does not answer in time is no reason to stay down
-/// (the ingress waits for it like any client): the check is then skipped,
-/// with a warning.
+/// writer per run). A broker that does not answer in time is no reason to
+/// stay down (the ingress waits for it like any client): the limits are
+/// then not checked, with a warning, and the ingress does not consume
+/// until it has read the partition counts (see [`await_copartitioned`]).
 async fn check_topic_limits(config: &Config) -> anyhow::Result<()> {
     let mut kafka = config.kafka.clone();
     kafka.admin_timeout_ms = kafka.admin_timeout_ms.min(TOPIC_CHECK_TIMEOUT_MS);
@@ -73,22 +74,11 @@ async fn check_topic_limits(config: &Config) -> anyhow::Result<()> {
     let counts =
         tokio::task::spawn_blocking(move || crate::infra::kafka::partition_counts(&kafka, &inputs))
             .await?;
-    match counts {
-        Ok(counts) => match crate::infra::kafka::copartition_error(&counts) {
-            Some(why) if config.kafka.require_copartitioned => Err(anyhow::anyhow!(why)),
-            Some(why) => {
-                tracing::warn!(
-                    reason = why,
-                    "kafka.require_copartitioned = false: runs may have two writers"
-                );
-                Ok(())
-            }
-            None => Ok(()),
-        },
-        Err(e) => {
-            tracing::warn!(error = format!("{e:#}"), "partition counts not checked");
-            Ok(())
-        }
+    match crate::infra::kafka::copartition_verdict(counts, config.kafka.require_copartitioned) {
+        crate::infra::kafka::Copartition::Refused(why) => Err(anyhow::anyhow!(why)),
+        // Passed or waived: the ingress checks again before it consumes,
+        // and says so when it waives. Unknown: it waits for the counts.
+        _ => Ok(()),
     }
 }
 
@@ -117,7 +107,8 @@ pub async fn run_on(
         config.coordinator.apply_lanes,
         Duration::from_millis(config.coordinator.stall_after_ms),
     ));
-    let http_state = health_state(&config, &pool, &progress)?;
+    let ingress_hold = crate::infra::health::Hold::holding("the co-partition check has not run");
+    let http_state = spawn_readiness(&tasks, &config, &progress, &ingress_hold).await?;
     spawn_progress_watch(&tasks, progress.clone());
     let wakeup = Wakeup::default();
     let drainer = if config.drainer.enabled {
@@ -127,10 +118,27 @@ pub async fn run_on(
     };
     let handoff = drainer.as_ref().map(|local| local.handoff.clone());
     let api_state = api_state(&config, &workflows, handoff.clone(), &wakeup).await?;
+    let admin_keys =
+        (config.server.admin_auth == crate::config::AdminAuth::Key).then(|| api_state.auth.clone());
+    let failures = crate::infra::http_server::AuthFailures {
+        gate: Arc::new(crate::auth::rate::FailureGate::new(
+            config.server.auth_failures_per_second,
+            config.server.auth_failure_burst,
+        )),
+        rates: api_state.rates.clone(),
+    };
+    let limit_failures = |router: axum::Router| {
+        router.layer(axum::middleware::from_fn_with_state(
+            failures.clone(),
+            crate::infra::http_server::limit_auth_failures,
+        ))
+    };
     let routers = Routers {
-        public: crate::infra::health::public_router(http_state.clone())
-            .merge(crate::routing::http::router(api_state)),
-        admin: crate::infra::health::admin_router(http_state),
+        public: limit_failures(
+            crate::infra::health::public_router(http_state.clone())
+                .merge(crate::routing::http::router(api_state)),
+        ),
+        admin: limit_failures(crate::infra::health::admin_router(http_state, admin_keys)),
     };
     spawn_http(&tasks, &config.server, listeners, tls, routers)?;
     spawn_routing_maintenance(&tasks, &pool, &config);
@@ -144,6 +152,7 @@ pub async fn run_on(
         wakeup,
         handoff,
         progress,
+        hold: ingress_hold,
     };
     spawn_ingress(&tasks, &config, &pool, workflows, links)?;
     wait_for_shutdown(tasks, &config, pool).await
@@ -215,12 +224,15 @@ impl Tasks {
     }
 }
 
-/// What the health endpoints need: the database, a Kafka client kept only
-/// for metadata requests, and the ingress's lanes for readiness.
-fn health_state(
+/// Starts the task that checks readiness every
+/// `server.readiness_interval_ms` on its own connection and metadata
+/// client, and returns what the health endpoints read: its latest verdict
+/// and the configuration's warnings.
+async fn spawn_readiness(
+    tasks: &Tasks,
     config: &Config,
-    pool: &PgPool,
     progress: &Arc<crate::ingress::Progress>,
+    ingress_hold: &crate::infra::health::Hold,
 ) -> anyhow::Result<HttpState> {
     let kafka_probe: BaseConsumer = crate::infra::kafka::consumer_config(
         &config.kafka,
@@ -229,11 +241,32 @@ fn health_state(
     )
     .create()
     .context("creating kafka probe client")?;
-    Ok(HttpState {
-        pool: pool.clone(),
+    let probes = crate::infra::health::Probes {
+        pool: crate::infra::db::connect_readiness(&config.database).await?,
         kafka_probe: Arc::new(kafka_probe),
-        readiness_timeout: Duration::from_millis(config.server.readiness_timeout_ms),
+        timeout: Duration::from_millis(config.server.readiness_timeout_ms),
         ingress: Some(progress.clone() as Arc<dyn crate::infra::health::LaneWatch>),
+        ingress_hold: ingress_hold.clone(),
+    };
+    let verdict = crate::infra::health::Verdict::new();
+    let interval = Duration::from_millis(config.server.readiness_interval_ms);
+    let watch = crate::infra::health::watch_readiness(
+        probes,
+        verdict.clone(),
+        interval,
+        tasks.shutdown.clone(),
+    );
+    tasks.tracker.spawn(watch);
+    let warnings = config.security_warnings();
+    for warning in &warnings {
+        tracing::warn!(
+            warning = warning.as_str(),
+            "the configuration leaves a door open"
+        );
+    }
+    Ok(HttpState {
+        verdict,
+        warnings: warnings.into(),
     })
 }
 
@@ -326,7 +359,11 @@ async fn api_state(
         routing: config.routing.clone(),
         limits: config.input_limits(),
         wakeup: handoff.is_none().then(|| wakeup.clone()),
-        auth: crate::auth::Authenticator::new(config.server.auth, pool),
+        auth: crate::auth::Authenticator::new(
+            config.server.auth,
+            pool,
+            Duration::from_millis(config.server.unknown_key_cache_ms),
+        ),
         rates: Arc::new(crate::auth::rate::RateLimiter::new(
             config.server.requests_per_second,
             config.server.request_burst,
@@ -380,26 +417,37 @@ fn spawn_http(
     tls: ListenerTls,
     routers: Routers,
 ) -> anyhow::Result<()> {
-    let http = |store| HttpListener {
+    let http = |store, name| HttpListener {
         header_read_timeout: Duration::from_millis(server.header_read_timeout_ms),
         tls_check_interval: Duration::from_millis(server.tls_check_interval_ms),
         tls: store,
+        max_connections: server.max_connections,
+        name,
     };
     let public = (listeners.public, routers.public);
-    serve_http(tasks, "public http server", public, http(tls.public))?;
+    serve_http(
+        tasks,
+        "public http server",
+        public,
+        http(tls.public, "public"),
+    )?;
     serve_http(
         tasks,
         "admin http server",
         (listeners.admin, routers.admin),
-        http(tls.admin),
+        http(tls.admin, "admin"),
     )
 }
 
-/// How one listener serves: its bound on a request's head, and its TLS.
+/// How one listener serves: its bounds on a request's head and on its
+/// open connections, and its TLS.
 struct HttpListener {
     header_read_timeout: Duration,
     tls_check_interval: Duration,
     tls: Option<Arc<CertStore>>,
+    max_connections: usize,
+    /// `public` or `admin`.
+    name: &'static str,
 }
 
 /// Serves `app` on `listener` until shutdown, as a vital task named `what`,
@@ -422,6 +470,8 @@ fn serve_http(
     let options = ServeOptions {
         header_read_timeout: http.header_read_timeout,
         tls,
+        max_connections: http.max_connections,
+        listener: http.name,
     };
     let serve = crate::infra::http_server::serve(listener, app, options, tasks.shutdown.clone());
     tasks.spawn_vital(what, serve);
@@ -464,10 +514,12 @@ struct IngressLinks {
     wakeup: Wakeup,
     handoff: Option<Handoff>,
     progress: Arc<crate::ingress::Progress>,
+    /// Held until the input topics are known to be co-partitioned.
+    hold: crate::infra::health::Hold,
 }
 
 /// Starts the coordinator's ingress: it consumes requests and results and
-/// applies them.
+/// applies them, once the input topics are known to be co-partitioned.
 fn spawn_ingress(
     tasks: &Tasks,
     config: &Config,
@@ -479,10 +531,72 @@ fn spawn_ingress(
     ctx.wakeup = Some(links.wakeup);
     ctx.applier.handoff = links.handoff;
     ctx.progress = links.progress;
-    let run = crate::ingress::run(ctx, tasks.shutdown.clone());
+    let (kafka, inputs) = (config.kafka.clone(), config.input_topics());
+    let shutdown = tasks.shutdown.clone();
+    let hold = links.hold;
+    let run = async move {
+        if !await_copartitioned(&kafka, &inputs, &hold, &shutdown).await? {
+            return Ok(());
+        }
+        hold.release();
+        crate::ingress::run(ctx, shutdown).await
+    };
     tasks.spawn_vital("coordinator ingress", run);
     Ok(())
 }
+
+/// Waits until the partition counts of the input topics have been read
+/// and found equal (or unequal, with `kafka.require_copartitioned =
+/// false`, which warns); until then the ingress does not consume, since
+/// only co-partitioned topics give a run one writer. Counts that cannot
+/// be read are asked for again, after a pause that grows to
+/// [`COPARTITION_RETRY_MAX`]. `Ok(false)` when shutdown came first; an
+/// error when the counts differ and that is refused.
+async fn await_copartitioned(
+    kafka: &crate::config::KafkaConfig,
+    inputs: &[String],
+    hold: &crate::infra::health::Hold,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<bool> {
+    let mut pause = Duration::from_millis(100);
+    loop {
+        let (client, topics) = (kafka.clone(), inputs.to_vec());
+        let counts = tokio::task::spawn_blocking(move || {
+            crate::infra::kafka::partition_counts(&client, &topics)
+        })
+        .await?;
+        match crate::infra::kafka::copartition_verdict(counts, kafka.require_copartitioned) {
+            crate::infra::kafka::Copartition::Passed => return Ok(true),
+            crate::infra::kafka::Copartition::Waived(why) => {
+                tracing::warn!(
+                    reason = why,
+                    "kafka.require_copartitioned = false: runs may have two writers"
+                );
+                return Ok(true);
+            }
+            crate::infra::kafka::Copartition::Refused(why) => anyhow::bail!(why),
+            crate::infra::kafka::Copartition::Unknown(why) => {
+                tracing::warn!(
+                    error = why.as_str(),
+                    retry_ms = pause.as_millis() as u64,
+                    "partition counts of the input topics not read: the ingress waits for them"
+                );
+                hold.hold(format!(
+                    "the partition counts of the input topics were not read ({why})"
+                ));
+            }
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(false),
+            _ = tokio::time::sleep(pause) => {}
+        }
+        pause = (pause * 2).min(COPARTITION_RETRY_MAX);
+    }
+}
+
+/// Longest pause between two reads of the input topics' partition counts
+/// while they cannot be read.
+const COPARTITION_RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// Waits for shutdown, then gives in-flight work `server.shutdown_grace_ms`
 /// to finish. Returns the first vital task's failure, if one stopped the

@@ -22,6 +22,13 @@ pub async fn connect_api(config: &DatabaseConfig) -> anyhow::Result<PgPool> {
     connect_as(config, "ductor-api", config.api_max_connections).await
 }
 
+/// Readiness's own pool of one connection (see `infra::health`), named
+/// `ductor-readiness`: checking Postgres never takes a connection the
+/// ingress or the drainer would wait for.
+pub async fn connect_readiness(config: &DatabaseConfig) -> anyhow::Result<PgPool> {
+    connect_as(config, "ductor-readiness", 1).await
+}
+
 async fn connect_as(config: &DatabaseConfig, name: &str, max: u32) -> anyhow::Result<PgPool> {
     let options: PgConnectOptions = config
         .url

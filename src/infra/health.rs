@@ -1,16 +1,26 @@
-//! The operational HTTP surface, on two listeners.
+//! The operational HTTP surface, on two listeners, and the readiness
+//! verdict they tell.
+//!
+//! In: the checks of [`Probes`] (Postgres on a connection of its own,
+//! Kafka's metadata, the ingress's lanes and whether it consumes yet), run
+//! by one background task ([`watch_readiness`]) every
+//! `server.readiness_interval_ms`. Out: the latest [`Readiness`], which
+//! every `/readyz` request reads. Guarantees: a request to `/readyz` costs
+//! no query, no broker request and no thread, whoever sends it and however
+//! often, so a flood of it cannot take what the ingress and the drainer
+//! need; readiness never uses the process's pool.
 //!
 //! The admin listener (`server.admin_listen`, loopback by default) serves
 //! [`admin_router`]: `/healthz` (the process runs), the detailed `/readyz`
-//! (Postgres and Kafka answer, and no apply lane is stalled, each check
-//! with its error) and `/metrics` (Prometheus text); the operator's
-//! endpoints join it. The public listener (`server.listen`) serves
-//! [`public_router`] beside the routing API: `/healthz` and a `/readyz`
-//! that says ready or not and nothing more, since an error text names
-//! hosts, ports, users and lanes, which is for the operator and not for
-//! every client that can reach the API.
+//! (each check with its error, and the warnings of the configuration) and
+//! `/metrics` (Prometheus text); the operator's endpoints join it. The
+//! public listener (`server.listen`) serves [`public_router`] beside the
+//! routing API: `/healthz` and a `/readyz` that says ready or not and
+//! nothing more, since an error text names hosts, ports, users and lanes,
+//! which is for the operator and not for every client that can reach the
+//! API.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use axum::Router;
@@ -21,15 +31,33 @@ use axum::routing::get;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use serde::Serialize;
 use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
 
+use crate::auth::{AuthError, Authenticator, Scope};
+
+/// What the health endpoints read: the latest verdict, and the warnings
+/// of the configuration the admin `/readyz` repeats.
 #[derive(Clone)]
 pub struct HttpState {
+    pub verdict: Verdict,
+    /// What the configuration leaves open (see
+    /// `Config::security_warnings`), told on the admin `/readyz`.
+    pub warnings: Arc<[String]>,
+}
+
+/// What the readiness task checks.
+pub struct Probes {
+    /// Readiness's own pool of one connection, apart from the process's,
+    /// so that checking never waits behind (or takes from) the ingress.
     pub pool: PgPool,
     /// A long-lived client used only for metadata requests.
     pub kafka_probe: Arc<BaseConsumer>,
-    pub readiness_timeout: Duration,
+    /// Bound on each dependency check.
+    pub timeout: Duration,
     /// The ingress's lanes, when this process runs one.
     pub ingress: Option<Arc<dyn LaneWatch>>,
+    /// Why the ingress does not consume yet, while it waits.
+    pub ingress_hold: Hold,
 }
 
 /// What readiness asks of a stage that works in lanes: which of them hold a
@@ -37,6 +65,92 @@ pub struct HttpState {
 pub trait LaneWatch: Send + Sync {
     /// The lanes stalled now, with how long each has held its batch.
     fn stalled(&self) -> Vec<(usize, Duration)>;
+}
+
+/// Why a stage holds back while it waits for a precondition (the ingress,
+/// for the co-partition check of its topics); nothing once it runs.
+#[derive(Clone, Default)]
+pub struct Hold(Arc<Mutex<Option<String>>>);
+
+impl Hold {
+    /// A stage that holds back for `why` until [`Hold::release`].
+    pub fn holding(why: impl Into<String>) -> Hold {
+        Hold(Arc::new(Mutex::new(Some(why.into()))))
+    }
+
+    /// Holds back for `why` from now on.
+    pub fn hold(&self, why: impl Into<String>) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(why.into());
+    }
+
+    /// The stage runs from now on.
+    pub fn release(&self) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
+    /// Why the stage holds back, if it does.
+    pub fn reason(&self) -> Option<String> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+/// The latest readiness verdict: written by one task, read by every
+/// request.
+#[derive(Clone)]
+pub struct Verdict(Arc<RwLock<Arc<Readiness>>>);
+
+impl Default for Verdict {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Verdict {
+    /// Not ready, until a first check is published.
+    pub fn new() -> Self {
+        let unchecked = || Check::failed("not checked yet");
+        Verdict(Arc::new(RwLock::new(Arc::new(Readiness::new(
+            unchecked(),
+            unchecked(),
+            unchecked(),
+        )))))
+    }
+
+    /// The verdict readers get from now on.
+    pub fn publish(&self, readiness: Readiness) {
+        *self.0.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(readiness);
+    }
+
+    /// The latest verdict.
+    pub fn latest(&self) -> Arc<Readiness> {
+        self.0.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+/// Checks readiness every `interval` until `shutdown`, publishing each
+/// verdict. Each check is bounded by `probes.timeout`, so one round takes
+/// at most that long whatever answers.
+pub async fn watch_readiness(
+    probes: Probes,
+    verdict: Verdict,
+    interval: Duration,
+    shutdown: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tick.tick() => {
+                let readiness = tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    readiness = check_readiness(&probes) => readiness,
+                };
+                verdict.publish(readiness);
+            }
+        }
+    }
+    probes.pool.close().await;
 }
 
 /// The public listener's health routes, merged with the routing API's:
@@ -49,14 +163,68 @@ pub fn public_router(state: HttpState) -> Router {
 }
 
 /// The admin listener's routes: liveness, readiness with each check's
-/// result, and the metrics. Operator endpoints are merged into it, under
-/// `/admin/`.
-pub fn admin_router(state: HttpState) -> Router {
+/// result, and the metrics. With `admin_keys` (`server.admin_auth =
+/// "key"`), every route but `/healthz` takes an API key with the `admin`
+/// scope. Operator endpoints join `guarded` below, so that the key holds
+/// for them too.
+pub fn admin_router(state: HttpState, admin_keys: Option<Authenticator>) -> Router {
+    let guarded = Router::new()
+        .route("/readyz", get(admin_readyz))
+        .route("/metrics", get(metrics));
+    let guarded = match admin_keys {
+        Some(keys) => guarded.route_layer(axum::middleware::from_fn_with_state(keys, admin_key)),
+        None => guarded,
+    };
     Router::new()
         .route("/healthz", get(healthz))
-        .route("/readyz", get(admin_readyz))
-        .route("/metrics", get(metrics))
+        .merge(guarded)
         .with_state(state)
+}
+
+/// The admin listener's middleware under `server.admin_auth = "key"`: a
+/// request goes on only with a valid key of the `admin` scope; 401, 403 or
+/// 503 otherwise, in the API's error shape.
+async fn admin_key(
+    State(keys): State<Authenticator>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let authorization = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .map(|v| v.as_bytes());
+    let refused = |status: StatusCode, code: &str, message: &str| {
+        let body = serde_json::json!({"code": code, "message": message});
+        (status, axum::Json(body)).into_response()
+    };
+    match keys.authenticate(authorization, Scope::Admin).await {
+        Ok(_) => next.run(request).await,
+        Err(AuthError::Unauthenticated(_)) => {
+            let mut response = refused(
+                StatusCode::UNAUTHORIZED,
+                "unauthenticated",
+                "the admin listener takes an API key with the admin scope (Authorization: Bearer <key>)",
+            );
+            response.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                axum::http::HeaderValue::from_static("Bearer"),
+            );
+            response
+        }
+        Err(AuthError::MissingScope(_)) => refused(
+            StatusCode::FORBIDDEN,
+            "missing_scope",
+            "this key lacks the admin scope",
+        ),
+        Err(AuthError::Unavailable(e)) => {
+            tracing::warn!(error = %e, "admin keys could not be read");
+            refused(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "the keys could not be read; retry shortly",
+            )
+        }
+    }
 }
 
 async fn healthz() -> impl IntoResponse {
@@ -83,6 +251,13 @@ struct Check {
 }
 
 impl Check {
+    fn failed(error: &str) -> Self {
+        Check {
+            ok: false,
+            error: Some(error.to_owned()),
+        }
+    }
+
     fn from_result(result: anyhow::Result<()>) -> Self {
         match result {
             Ok(()) => Check {
@@ -140,37 +315,52 @@ pub fn public_readiness(readiness: &Readiness) -> (StatusCode, PublicReadiness) 
 }
 
 async fn public_readyz(State(state): State<HttpState>) -> Response {
-    let (code, body) = public_readiness(&check_readiness(&state).await);
+    let (code, body) = public_readiness(&state.verdict.latest());
     (code, axum::Json(body)).into_response()
 }
 
+/// The admin `/readyz` body: every check, and what the configuration
+/// leaves open.
+#[derive(Serialize)]
+struct AdminReadiness<'a> {
+    #[serde(flatten)]
+    readiness: &'a Readiness,
+    #[serde(skip_serializing_if = "<[String]>::is_empty")]
+    warnings: &'a [String],
+}
+
 async fn admin_readyz(State(state): State<HttpState>) -> Response {
-    let readiness = check_readiness(&state).await;
-    (readiness.status_code(), axum::Json(readiness)).into_response()
+    let readiness = state.verdict.latest();
+    let body = AdminReadiness {
+        readiness: &readiness,
+        warnings: &state.warnings,
+    };
+    (readiness.status_code(), axum::Json(body)).into_response()
 }
 
 /// Runs every readiness check: Postgres and Kafka at once, each within
-/// `readiness_timeout`, and the ingress's lanes.
-pub async fn check_readiness(state: &HttpState) -> Readiness {
-    let (pg, kafka) = tokio::join!(probe_postgres(state), probe_kafka(state));
+/// `probes.timeout`, and the ingress's lanes.
+pub async fn check_readiness(probes: &Probes) -> Readiness {
+    metrics::counter!("ductor_readiness_checks_total").increment(1);
+    let (pg, kafka) = tokio::join!(probe_postgres(probes), probe_kafka(probes));
     Readiness::new(
         Check::from_result(pg),
         Check::from_result(kafka),
-        Check::from_result(check_lanes(state)),
+        Check::from_result(check_ingress(probes)),
     )
 }
 
-async fn probe_postgres(state: &HttpState) -> anyhow::Result<()> {
-    let timeout = state.readiness_timeout;
-    tokio::time::timeout(timeout, sqlx::query("SELECT 1").execute(&state.pool))
+async fn probe_postgres(probes: &Probes) -> anyhow::Result<()> {
+    let timeout = probes.timeout;
+    tokio::time::timeout(timeout, sqlx::query("SELECT 1").execute(&probes.pool))
         .await
         .map_err(|_| anyhow::anyhow!("postgres did not answer within {timeout:?}"))?
         .map_err(|e| anyhow::anyhow!("postgres: {e}"))?;
     Ok(())
 }
 
-async fn probe_kafka(state: &HttpState) -> anyhow::Result<()> {
-    let (probe, timeout) = (state.kafka_probe.clone(), state.readiness_timeout);
+async fn probe_kafka(probes: &Probes) -> anyhow::Result<()> {
+    let (probe, timeout) = (probes.kafka_probe.clone(), probes.timeout);
     tokio::task::spawn_blocking(move || {
         let metadata = probe
             .fetch_metadata(None, timeout)
@@ -184,8 +374,11 @@ async fn probe_kafka(state: &HttpState) -> anyhow::Result<()> {
     .map_err(|e| anyhow::anyhow!("kafka probe task: {e}"))?
 }
 
-fn check_lanes(state: &HttpState) -> anyhow::Result<()> {
-    match state.ingress.as_deref().map(LaneWatch::stalled) {
+fn check_ingress(probes: &Probes) -> anyhow::Result<()> {
+    if let Some(why) = probes.ingress_hold.reason() {
+        anyhow::bail!("the ingress does not consume yet: {why}");
+    }
+    match probes.ingress.as_deref().map(LaneWatch::stalled) {
         Some(stalled) if !stalled.is_empty() => {
             let lanes: Vec<String> = stalled
                 .iter()

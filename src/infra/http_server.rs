@@ -11,13 +11,16 @@
 //! On shutdown the loop stops accepting, idle connections close, and
 //! requests in flight finish (`serve` bounds the wait by its grace).
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
+use axum::extract::ConnectInfo;
+use axum::extract::State;
+use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::service::TowerToHyperService;
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -28,6 +31,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::auth::rate::{FailureGate, RateLimiter};
 use crate::config::ServerConfig;
 
 /// Most bytes of a request's head (request line and headers); past it,
@@ -46,6 +50,11 @@ pub struct ServeOptions {
     pub header_read_timeout: Duration,
     /// The listener's TLS, or none for plain HTTP.
     pub tls: Option<TlsAcceptor>,
+    /// `server.max_connections`: connections open at once; one more is
+    /// closed as soon as it is accepted.
+    pub max_connections: usize,
+    /// `public` or `admin`, for the connection metrics.
+    pub listener: &'static str,
 }
 
 /// Serves `app` on `listener` until `shutdown`, then waits for the
@@ -57,15 +66,34 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let connections = TaskTracker::new();
+    let open = Arc::new(tokio::sync::Semaphore::new(options.max_connections));
+    let gauge = metrics::gauge!("ductor_http_open_connections", "listener" => options.listener);
     loop {
         let accepted = tokio::select! {
             _ = shutdown.cancelled() => break,
             accepted = listener.accept() => accepted,
         };
         match accepted {
-            Ok((stream, _peer)) => {
+            Ok((stream, peer)) => {
+                // Closed at once past the bound: the client sees its
+                // connection end instead of waiting in the backlog.
+                let Ok(permit) = open.clone().try_acquire_owned() else {
+                    metrics::counter!(
+                        "ductor_http_connections_refused_total",
+                        "listener" => options.listener
+                    )
+                    .increment(1);
+                    drop(stream);
+                    continue;
+                };
                 let (app, options, shutdown) = (app.clone(), options.clone(), shutdown.clone());
-                connections.spawn(serve_connection(stream, app, options, shutdown));
+                let gauge = gauge.clone();
+                gauge.increment(1.0);
+                connections.spawn(async move {
+                    serve_connection(stream, peer, app, options, shutdown).await;
+                    gauge.decrement(1.0);
+                    drop(permit);
+                });
             }
             Err(e) => {
                 tracing::warn!(error = %e, "accepting an http connection failed");
@@ -85,12 +113,13 @@ pub async fn serve(
 /// requests.
 async fn serve_connection(
     stream: tokio::net::TcpStream,
+    peer: SocketAddr,
     app: axum::Router,
     options: ServeOptions,
     shutdown: CancellationToken,
 ) {
     let Some(acceptor) = &options.tls else {
-        return drive(TokioIo::new(stream), app, &options, shutdown).await;
+        return drive(TokioIo::new(stream), peer, app, &options, shutdown).await;
     };
     let handshake = tokio::time::timeout(options.header_read_timeout, acceptor.accept(stream));
     let stream = tokio::select! {
@@ -107,13 +136,20 @@ async fn serve_connection(
             }
         },
     };
-    drive(TokioIo::new(stream), app, &options, shutdown).await;
+    drive(TokioIo::new(stream), peer, app, &options, shutdown).await;
 }
 
 /// Serves the requests of one connection until the client closes it, a
 /// bound closes it, or shutdown lets its request in flight finish.
-async fn drive<I>(io: I, app: axum::Router, options: &ServeOptions, shutdown: CancellationToken)
-where
+/// Each request carries its connection's peer as
+/// `ConnectInfo<SocketAddr>`, for what is counted per client address.
+async fn drive<I>(
+    io: I,
+    peer: SocketAddr,
+    app: axum::Router,
+    options: &ServeOptions,
+    shutdown: CancellationToken,
+) where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
     let mut builder = hyper::server::conn::http1::Builder::new();
@@ -121,7 +157,11 @@ where
         .timer(TokioTimer::new())
         .header_read_timeout(options.header_read_timeout)
         .max_header_size(MAX_HEADER_BYTES);
-    let connection = builder.serve_connection(io, TowerToHyperService::new(app));
+    let service = hyper::service::service_fn(move |mut request: hyper::Request<Incoming>| {
+        request.extensions_mut().insert(ConnectInfo(peer));
+        tower_service::Service::call(&mut app.clone(), request)
+    });
+    let connection = builder.serve_connection(io, service);
     tokio::pin!(connection);
     let ended = tokio::select! {
         ended = connection.as_mut() => ended,
@@ -133,6 +173,64 @@ where
     if let Err(e) = ended {
         tracing::debug!(error = %e, "http connection ended with an error");
     }
+}
+
+/// What [`limit_auth_failures`] counts with: each client address's
+/// failures, and the keys that authenticated lately (the request limiter's
+/// buckets).
+#[derive(Clone)]
+pub struct AuthFailures {
+    pub gate: Arc<FailureGate>,
+    pub rates: Arc<RateLimiter>,
+}
+
+/// Middleware of both listeners: counts each 401 against its client
+/// address, and refuses (429 `rate_limited`, before any key is looked up)
+/// a request of an address whose failures are used up, unless its key is
+/// one that authenticated lately. Behind a proxy that is every client's
+/// address, so a guesser there holds back only those without a key that
+/// works.
+pub async fn limit_auth_failures(
+    State(failures): State<AuthFailures>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let Some(ConnectInfo(peer)) = request
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .copied()
+    else {
+        return next.run(request).await;
+    };
+    let now = Instant::now();
+    if let Err(wait) = failures.gate.check(peer.ip(), now) {
+        let known_key = request
+            .headers()
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| crate::auth::key::bearer(v.as_bytes()))
+            .and_then(crate::auth::key::parse)
+            .is_some_and(|presented| failures.rates.knows(presented.key_id));
+        if !known_key {
+            metrics::counter!("ductor_api_refused_total", "reason" => "auth_failures").increment(1);
+            let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+            let body = serde_json::json!({"error": {
+                "code": "rate_limited",
+                "message": "too many failed authentications from this address; retry after the Retry-After seconds",
+            }});
+            return (
+                axum::http::StatusCode::TOO_MANY_REQUESTS,
+                [(axum::http::header::RETRY_AFTER, seconds.max(1).to_string())],
+                axum::Json(body),
+            )
+                .into_response();
+        }
+    }
+    let response = next.run(request).await;
+    if response.status() == axum::http::StatusCode::UNAUTHORIZED {
+        failures.gate.failed(peer.ip(), Instant::now());
+    }
+    response
 }
 
 /// A listener's certificate and key files, with the configuration keys

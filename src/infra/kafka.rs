@@ -13,7 +13,7 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::producer::FutureProducer;
 
-use crate::config::{Config, KafkaConfig, PRODUCER_GUARANTEES};
+use crate::config::{CONSUMER_GUARANTEES, Config, KafkaConfig, PRODUCER_GUARANTEES};
 
 fn base_config(kafka: &KafkaConfig, role: &str) -> ClientConfig {
     let mut cfg = ClientConfig::new();
@@ -58,18 +58,8 @@ pub fn consumer_config(kafka: &KafkaConfig, group_id: &str, role: &str) -> Clien
     cfg.set("group.id", group_id)
         .set("enable.auto.commit", "true")
         .set("auto.commit.interval.ms", "500")
-        .set("enable.auto.offset.store", "false")
         .set("auto.offset.reset", "earliest")
         .set("enable.partition.eof", "false")
-        .set("isolation.level", "read_committed")
-        // Co-partitioning: partition p of every input topic goes to one
-        // member, so all of a run's inputs reach one process and one apply
-        // lane (p % apply_lanes). The range assignor gives this for topics
-        // of equal partition counts, which `serve` and `topics create`
-        // check (see `copartition_error`); its rebalances are eager (every
-        // member gives back all its partitions), which the ingress survives
-        // because offsets are stored only after the commit.
-        .set("partition.assignment.strategy", "range")
         .set("session.timeout.ms", kafka.session_timeout_ms.to_string())
         .set(
             "max.poll.interval.ms",
@@ -78,7 +68,20 @@ pub fn consumer_config(kafka: &KafkaConfig, group_id: &str, role: &str) -> Clien
         .set("fetch.wait.max.ms", kafka.fetch_max_wait_ms.to_string())
         .set("fetch.min.bytes", "1")
         .set("queued.max.messages.kbytes", "65536");
-    with_consumer_properties(cfg, kafka)
+    // Co-partitioning: partition p of every input topic goes to one
+    // member, so all of a run's inputs reach one process and one apply
+    // lane (p % apply_lanes). The range assignor gives this for topics of
+    // equal partition counts, which `serve` and `topics create` check (see
+    // `copartition_error`); its rebalances are eager (every member gives
+    // back all its partitions), which the ingress survives because offsets
+    // are stored only after the commit. These and the other settings of
+    // CONSUMER_GUARANTEES come last, and `Config::validate` refuses
+    // properties that would change them.
+    let mut cfg = with_consumer_properties(cfg, kafka);
+    for (key, value) in CONSUMER_GUARANTEES {
+        cfg.set(key, value);
+    }
+    cfg
 }
 
 /// An idempotent producer: `enable.idempotence=true`, `acks=all`, and one
@@ -287,6 +290,36 @@ pub fn copartition_error(counts: &[(String, i32)]) -> Option<String> {
     ))
 }
 
+/// What the partition counts of the input topics say of a single writer
+/// per run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Copartition {
+    /// One partition count: the ingress may consume.
+    Passed,
+    /// The counts differ and `kafka.require_copartitioned` refuses it.
+    Refused(String),
+    /// The counts differ, and `kafka.require_copartitioned = false` lets
+    /// the ingress consume anyway (with a warning).
+    Waived(String),
+    /// The counts could not be read: the ingress must not consume yet.
+    Unknown(String),
+}
+
+/// The verdict on the input topics' partition `counts` as read (or not).
+pub fn copartition_verdict(
+    counts: anyhow::Result<Vec<(String, i32)>>,
+    require_copartitioned: bool,
+) -> Copartition {
+    match counts {
+        Err(e) => Copartition::Unknown(format!("{e:#}")),
+        Ok(counts) => match copartition_error(&counts) {
+            None => Copartition::Passed,
+            Some(why) if require_copartitioned => Copartition::Refused(why),
+            Some(why) => Copartition::Waived(why),
+        },
+    }
+}
+
 /// The reason to refuse a configuration whose topics are `small`.
 pub fn limits_error(kafka: &KafkaConfig, small: &[(String, u64)]) -> anyhow::Error {
     let list: Vec<String> = small
@@ -308,7 +341,31 @@ pub async fn create_configured_topics(config: &Config) -> anyhow::Result<Vec<Top
 
 #[cfg(test)]
 mod tests {
-    use super::copartition_error;
+    use super::{Copartition, copartition_error, copartition_verdict};
+
+    #[test]
+    fn counts_that_cannot_be_read_keep_the_ingress_from_consuming() {
+        let unread = copartition_verdict(Err(anyhow::anyhow!("broker down")), true);
+        assert!(
+            matches!(&unread, Copartition::Unknown(why) if why.contains("broker down")),
+            "{unread:?}"
+        );
+        assert!(matches!(
+            copartition_verdict(Err(anyhow::anyhow!("timed out")), false),
+            Copartition::Unknown(_)
+        ));
+        let equal = vec![("a".to_owned(), 3), ("b".to_owned(), 3)];
+        assert_eq!(copartition_verdict(Ok(equal), true), Copartition::Passed);
+        let unequal = vec![("a".to_owned(), 3), ("b".to_owned(), 2)];
+        assert!(matches!(
+            copartition_verdict(Ok(unequal.clone()), true),
+            Copartition::Refused(_)
+        ));
+        assert!(matches!(
+            copartition_verdict(Ok(unequal), false),
+            Copartition::Waived(_)
+        ));
+    }
 
     #[test]
     fn input_topics_of_one_partition_count_are_co_partitioned() {
