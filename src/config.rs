@@ -92,10 +92,11 @@ pub struct Config {
     pub signatures: SignaturesConfig,
 }
 
-/// Signed inputs (`ductor-signature`, HMAC-SHA256 of the record's value
-/// with the tenant's key; see [`crate::contract::signature`]). Where they
-/// are required, an unsigned or mis-signed input is dead-lettered with
-/// class `unauthenticated`. Kafka ACLs decide who may write a topic at all;
+/// Signed inputs (`ductor-signature`, HMAC-SHA256 of the time of signing
+/// and the record's value with the tenant's key; see
+/// [`crate::contract::signature`]). Where they are required, an unsigned,
+/// mis-signed or stale input is dead-lettered with class
+/// `unauthenticated`. Kafka ACLs decide who may write a topic at all;
 /// signatures decide which tenant a writer may speak for.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -105,10 +106,32 @@ pub struct SignaturesConfig {
     pub pools: Vec<String>,
     /// Every input from outside Ductor must be signed: starts of any pool,
     /// attempt results, signals and cancels (a result or a signal names no
-    /// pool, so only this covers them). Ductor's own timers are not signed;
-    /// Kafka ACLs keep others from writing them.
+    /// pool, so only this covers them). Requires `timer_key`, so that
+    /// Ductor's own timers, which share the wakeups topic with signals and
+    /// cancels, cannot be forged by a writer of signals either.
     #[serde(default)]
     pub all_inputs: bool,
+    /// How far the time a signature names may lie from when its input
+    /// reached Kafka (the record's `LogAppendTime`, which `ductor topics
+    /// create` gives the input topics, else when the ingress reads it),
+    /// before or after: a copy replayed later is refused. Within it a
+    /// replay is deduplicated, which is why a signed start must carry an
+    /// idempotency key or a run id, and why this must stay below
+    /// `routing.completed_ttl_ms`. On a topic without `LogAppendTime`, an
+    /// ingress that falls this far behind refuses the signed inputs it
+    /// reads late.
+    #[serde(default = "default_signature_max_age_ms")]
+    pub max_age_ms: u64,
+    /// The key `serve` signs its own timers with (`wakeup.timer`: timeouts,
+    /// retries, wakes), set through `DUCTOR__SIGNATURES__TIMER_KEY`. Set,
+    /// every timer the ingress reads must carry its signature, so that a
+    /// writer of the wakeups topic who knows an attempt's stamp (every
+    /// worker of the pool sees it) cannot time an attempt out or end a
+    /// wait. Only serve holds it; at least 16 bytes. Timers already on the
+    /// topic when it is first set are refused, so set it on a quiet
+    /// system or before the first run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timer_key: Option<SigningKey>,
     /// Each tenant's signing key. Set them through the environment
     /// (`DUCTOR__SIGNATURES__TENANT_KEYS__ACME=...`) rather than a file;
     /// they are redacted wherever the configuration is printed. The HTTP
@@ -128,6 +151,15 @@ impl SignaturesConfig {
     pub fn key(&self, tenant: &str) -> Option<&[u8]> {
         self.tenant_keys.get(tenant).map(|k| k.0.as_bytes())
     }
+
+    /// Serve's timer key, if set.
+    pub fn timer_key(&self) -> Option<&[u8]> {
+        self.timer_key.as_ref().map(|k| k.0.as_bytes())
+    }
+}
+
+fn default_signature_max_age_ms() -> u64 {
+    300_000
 }
 
 /// Shortest signing key accepted: a key guessed is a tenant impersonated.
@@ -774,6 +806,7 @@ impl Config {
         self.validate_server()?;
         self.validate_database()?;
         self.validate_limits()?;
+        self.validate_signatures()?;
         self.validate_kafka()?;
         self.validate_batches()?;
         self.validate_state_bound()?;
@@ -863,6 +896,39 @@ impl Config {
             );
         }
         warnings
+    }
+
+    /// The signatures' window, and the timer key that `all_inputs` needs.
+    fn validate_signatures(&self) -> Result<(), ConfigError> {
+        let signatures = &self.signatures;
+        if signatures
+            .timer_key
+            .as_ref()
+            .is_some_and(|key| key.0.len() < MIN_SIGNING_KEY_BYTES)
+        {
+            return Err(invalid(
+                "signatures.timer_key",
+                format!("is shorter than {MIN_SIGNING_KEY_BYTES} bytes"),
+            ));
+        }
+        if signatures.all_inputs && signatures.timer_key.is_none() {
+            return Err(invalid(
+                "signatures.timer_key",
+                "must be set with signatures.all_inputs: timers share the wakeups topic with \
+                 signals and cancels, so unsigned ones could be forged by any writer of signals",
+            ));
+        }
+        if signatures.max_age_ms < 1_000 || signatures.max_age_ms >= self.routing.completed_ttl_ms {
+            return Err(invalid(
+                "signatures.max_age_ms",
+                format!(
+                    "must be at least 1000 and below routing.completed_ttl_ms ({}): a signed \
+                     start replayed within the window must still find its decision",
+                    self.routing.completed_ttl_ms
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// The bounds of the public API and the signing keys.

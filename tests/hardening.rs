@@ -371,6 +371,125 @@ async fn the_admin_readiness_warns_that_unsigned_inputs_trust_every_kafka_writer
     env.stop().await;
 }
 
+/// With `signatures.timer_key`, serve signs the timers it publishes and
+/// the ingress takes no other: a writer of the wakeups topic (who may
+/// hold a tenant's key, and may know a stamp) cannot fire one, and the
+/// dead letter of its attempt carries no signature to replay.
+#[tokio::test]
+async fn only_serve_can_write_a_timer_once_it_has_a_timer_key() {
+    const TENANT_KEY: &str = "acme-signing-key-0123456789";
+    const TIMER_KEY: &str = "serve-timer-key-0123456789";
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("nap.toml"),
+        "name = \"nap\"\nversion = 1\n\n\
+         [[steps]]\nname = \"nap\"\nkind = \"sleep\"\nduration_ms = 200\n\n\
+         [[steps]]\nname = \"approved\"\nkind = \"await_signal\"\nsignal = \"approval\"\n\
+         timeout_ms = 600000\non_timeout = \"fail\"\n",
+    )
+    .unwrap();
+    let workflows = dir.path().to_path_buf();
+    let env = Env::start(move |c| {
+        c.drainer.enabled = true;
+        c.coordinator.workflows_dir = workflows;
+        c.signatures.all_inputs = true;
+        c.signatures.timer_key = Some(ductor::config::SigningKey(TIMER_KEY.into()));
+        c.signatures
+            .tenant_keys
+            .insert("acme".into(), ductor::config::SigningKey(TENANT_KEY.into()));
+    })
+    .await;
+    let wakeups = reader(&[&env.config.wakeups_topic()]);
+    let dlq = reader(&[&env.config.dlq_topic()]);
+    let producer = producer();
+    let header = ductor::contract::signature::SIGNATURE;
+    let start = json!({"type": "run.start", "schema_version": 1, "run_id": "nap-1",
+        "tenant": "acme", "workflow": "nap"})
+    .to_string();
+    let signature = ductor::contract::signature::sign(
+        TENANT_KEY.as_bytes(),
+        start.as_bytes(),
+        chrono::Utc::now().timestamp_millis(),
+    );
+    produce(
+        &producer,
+        &env.config.requests_topic(),
+        "nap-1",
+        start.as_bytes(),
+        &[(header, &signature)],
+    )
+    .await;
+
+    // The sleep's wake timer, as serve published it: signed with its key,
+    // and taken by the ingress (the run goes on to wait for approval).
+    let fired = read_n(&wakeups, 1, WAIT).await;
+    let timer = rdkafka::Message::payload(&fired[0]).unwrap().to_vec();
+    let timer_signature = {
+        use rdkafka::message::{Headers, Message};
+        fired[0]
+            .headers()
+            .and_then(|hs| hs.iter().find(|h| h.key == header))
+            .and_then(|h| h.value)
+            .map(<[u8]>::to_vec)
+            .expect("serve signs its timers")
+    };
+    assert!(ductor::contract::signature::verify_timer(
+        TIMER_KEY.as_bytes(),
+        &timer,
+        &timer_signature
+    ));
+    eventually(
+        "the run waits for approval after its sleep",
+        WAIT,
+        || async {
+            let transitions: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM run_transitions WHERE run_id = 'nap-1'")
+                    .fetch_one(&env.db.pool)
+                    .await
+                    .unwrap();
+            // Nothing but the wake timer can make a second transition here.
+            let refused = tokio::time::timeout(Duration::from_millis(1), dlq.recv()).await;
+            assert!(
+                !matches!(refused, Ok(Ok(_))),
+                "serve's own timer was dead-lettered"
+            );
+            (transitions >= 2).then_some(())
+        },
+    )
+    .await;
+
+    // The same timer from anyone else: unsigned, or signed with a tenant's
+    // key. Both are refused.
+    let tenant_signed = ductor::contract::signature::sign(
+        TENANT_KEY.as_bytes(),
+        &timer,
+        chrono::Utc::now().timestamp_millis(),
+    );
+    let topic = env.config.wakeups_topic();
+    produce(&producer, &topic, "nap-1", &timer, &[]).await;
+    produce(
+        &producer,
+        &topic,
+        "nap-1",
+        &timer,
+        &[(header, &tenant_signed)],
+    )
+    .await;
+    let dead = read_n(&dlq, 2, WAIT).await;
+    for letter in &dead {
+        use rdkafka::message::{Headers, Message};
+        let headers = letter.headers().unwrap();
+        let class = headers
+            .iter()
+            .find(|h| h.key == "ductor-dlq-error-class")
+            .and_then(|h| h.value)
+            .unwrap();
+        assert_eq!(class, b"unauthenticated");
+        assert!(headers.iter().all(|h| h.key != header), "no signature kept");
+    }
+    env.stop().await;
+}
+
 fn as_header<'a>(pair: &'a (&'static str, String)) -> (&'static str, &'a str) {
     (pair.0, pair.1.as_str())
 }

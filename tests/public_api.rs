@@ -476,6 +476,9 @@ async fn where_signatures_are_required_unsigned_or_mis_signed_inputs_are_dead_le
     const KEY: &str = "acme-signing-key-0123456789";
     let env = Env::start(|c| {
         c.signatures.all_inputs = true;
+        c.signatures.timer_key = Some(ductor::config::SigningKey(
+            "serve-timer-key-0123456789".into(),
+        ));
         c.signatures
             .tenant_keys
             .insert("acme".into(), ductor::config::SigningKey(KEY.into()));
@@ -489,9 +492,13 @@ async fn where_signatures_are_required_unsigned_or_mis_signed_inputs_are_dead_le
                "tenant": "acme", "workflow": "example"})
         .to_string()
     };
-    let signed = start("signed-1");
-    let signature = ductor::contract::signature::sign(KEY.as_bytes(), signed.as_bytes());
+    let now_ms = || chrono::Utc::now().timestamp_millis();
+    let sign = |payload: &str, at_ms: i64| {
+        ductor::contract::signature::sign(KEY.as_bytes(), payload.as_bytes(), at_ms)
+    };
     let header = ductor::contract::signature::SIGNATURE;
+    let signed = start("signed-1");
+    let signature = sign(&signed, now_ms());
     produce(
         &producer,
         &requests,
@@ -503,7 +510,11 @@ async fn where_signatures_are_required_unsigned_or_mis_signed_inputs_are_dead_le
     let unsigned = start("unsigned-1");
     produce(&producer, &requests, "unsigned-1", unsigned.as_bytes(), &[]).await;
     let forged = start("forged-1");
-    let wrong = ductor::contract::signature::sign(b"not-acme-s-key-0123456789", forged.as_bytes());
+    let wrong = ductor::contract::signature::sign(
+        b"not-acme-s-key-0123456789",
+        forged.as_bytes(),
+        now_ms(),
+    );
     produce(
         &producer,
         &requests,
@@ -522,20 +533,65 @@ async fn where_signatures_are_required_unsigned_or_mis_signed_inputs_are_dead_le
         &[(header, &signature)],
     )
     .await;
+    // Signed ten minutes ago: outside signatures.max_age_ms (5 minutes), so
+    // a copy kept from then cannot be replayed now.
+    let stale = start("stale-1");
+    let old = sign(&stale, now_ms() - 600_000);
+    produce(
+        &producer,
+        &requests,
+        "stale-1",
+        stale.as_bytes(),
+        &[(header, &old)],
+    )
+    .await;
+    // A signed start that names neither its run nor a key would be keyed
+    // by its offset: each copy of it another run.
+    let unkeyed = json!({"type": "run.start", "schema_version": 1, "tenant": "acme",
+        "workflow": "example", "correlation_id": "unkeyed-1"})
+    .to_string();
+    let unkeyed_signature = sign(&unkeyed, now_ms());
+    produce(
+        &producer,
+        &requests,
+        "unkeyed-1",
+        unkeyed.as_bytes(),
+        &[(header, &unkeyed_signature)],
+    )
+    .await;
 
-    let dead = read_n(&dlq, 3, WAIT).await;
+    let dead = read_n(&dlq, 5, WAIT).await;
     let mut refused: Vec<(String, String)> = dead
         .iter()
         .map(|m| {
             let value = String::from_utf8_lossy(rdkafka::Message::payload(m).unwrap()).to_string();
-            let run: Value = serde_json::from_str(&value).unwrap();
-            (run["run_id"].as_str().unwrap().to_string(), dlq_class(m))
+            let input: Value = serde_json::from_str(&value).unwrap();
+            let name = input["run_id"]
+                .as_str()
+                .or(input["correlation_id"].as_str())
+                .unwrap()
+                .to_string();
+            (name, dlq_class(m))
         })
         .collect();
     refused.sort();
-    let expected = ["forged-1", "replayed-1", "unsigned-1"]
-        .map(|r| (r.to_string(), "unauthenticated".to_string()));
+    let expected = [
+        "forged-1",
+        "replayed-1",
+        "stale-1",
+        "unkeyed-1",
+        "unsigned-1",
+    ]
+    .map(|r| (r.to_string(), "unauthenticated".to_string()));
     assert_eq!(refused, expected);
+    for letter in &dead {
+        use rdkafka::message::{Headers, Message};
+        let headers = letter.headers().expect("a dead letter has headers");
+        assert!(
+            headers.iter().all(|h| h.key != header),
+            "a dead letter carries no signature to replay"
+        );
+    }
     eventually("the signed start is applied", WAIT, || async {
         (env.db.count("runs").await == 1).then_some(())
     })
@@ -567,6 +623,31 @@ async fn where_signatures_are_required_unsigned_or_mis_signed_inputs_are_dead_le
         (kinds.iter().filter(|k| *k == "run.signalled").count() == 1).then_some(())
     })
     .await;
+
+    // A tenant without a signing key cannot have its inputs signed: the API
+    // says so, instead of answering 202 for an input the ingress refuses.
+    let globex = api_key(&env.db, "globex", &BOTH).await;
+    let theirs = env.start_run(&globex).await;
+    for action in ["signals", "cancel"] {
+        let (status, answer) = env
+            .call(
+                Some(&globex),
+                "POST",
+                &format!("/v1/runs/{theirs}/{action}"),
+                &[],
+                if action == "signals" {
+                    json!({"name": "poke"})
+                } else {
+                    Value::Null
+                },
+            )
+            .await;
+        assert_eq!(
+            (status, code(&answer)),
+            (403, "signing_key_missing"),
+            "{action}: {answer}"
+        );
+    }
     env.stop().await;
 }
 

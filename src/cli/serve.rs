@@ -323,7 +323,8 @@ fn local_drainer(
         wakeup,
         &tasks.shutdown,
     ))
-    .with_parked_notices(config.events_topic());
+    .with_parked_notices(config.events_topic())
+    .with_timer_key(config.signatures.timer_key.clone());
     let (handoff, lane) = drainer.fast_lane(wakeup);
     Ok(LocalDrainer {
         drainer,

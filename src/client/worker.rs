@@ -564,7 +564,10 @@ async fn publish<F>(
         value: Some("application/json"),
     });
     if let Some(key) = shared.signatures.key(tenant) {
-        let signature = crate::contract::signature::sign(key, payload);
+        // Signed once: a retry of the same record carries the same time,
+        // well within the window (retries stop at the publish timeout).
+        let signed_at_ms = chrono::Utc::now().timestamp_millis();
+        let signature = crate::contract::signature::sign(key, payload, signed_at_ms);
         headers = headers.insert(Header {
             key: crate::contract::signature::SIGNATURE,
             value: Some(signature.as_str()),

@@ -144,14 +144,28 @@ pub async fn ensure_topics(
     topics: &[String],
     partitions: i32,
 ) -> anyhow::Result<Vec<TopicOutcome>> {
+    ensure_topics_with(kafka, topics, partitions, &[]).await
+}
+
+/// [`ensure_topics`], the topics it creates given the topic-level
+/// `settings` (one that exists is left as it is).
+pub async fn ensure_topics_with(
+    kafka: &KafkaConfig,
+    topics: &[String],
+    partitions: i32,
+    settings: &[(&str, &str)],
+) -> anyhow::Result<Vec<TopicOutcome>> {
     let admin = admin(kafka)?;
     let new_topics: Vec<NewTopic<'_>> = topics
         .iter()
         .map(|t| {
-            NewTopic::new(
-                t,
-                partitions,
-                TopicReplication::Fixed(kafka.replication_factor),
+            settings.iter().fold(
+                NewTopic::new(
+                    t,
+                    partitions,
+                    TopicReplication::Fixed(kafka.replication_factor),
+                ),
+                |topic, (key, value)| topic.set(key, value),
             )
         })
         .collect();
@@ -334,9 +348,26 @@ pub fn limits_error(kafka: &KafkaConfig, small: &[(String, u64)]) -> anyhow::Err
     )
 }
 
-/// Creates every topic the configuration names.
+/// Topic settings of the input topics `topics create` makes: each record
+/// keeps the time the broker appended it, which a signature's window is
+/// measured from (a copy produced later gets a later time, whatever its
+/// producer claims).
+pub const INPUT_TOPIC_SETTINGS: [(&str, &str); 1] = [("message.timestamp.type", "LogAppendTime")];
+
+/// Creates every topic the configuration names, the input topics with
+/// [`INPUT_TOPIC_SETTINGS`].
 pub async fn create_configured_topics(config: &Config) -> anyhow::Result<Vec<TopicOutcome>> {
-    ensure_topics(&config.kafka, &config.all_topics(), config.kafka.partitions).await
+    let inputs = config.input_topics();
+    let others: Vec<String> = config
+        .all_topics()
+        .into_iter()
+        .filter(|t| !inputs.contains(t))
+        .collect();
+    let partitions = config.kafka.partitions;
+    let mut outcomes =
+        ensure_topics_with(&config.kafka, &inputs, partitions, &INPUT_TOPIC_SETTINGS).await?;
+    outcomes.extend(ensure_topics(&config.kafka, &others, partitions).await?);
+    Ok(outcomes)
 }
 
 #[cfg(test)]

@@ -28,33 +28,52 @@ pub fn classify(
     limits: &InputLimits,
 ) -> Result<Classified, InputError> {
     let value = parse_value(payload, limits)?;
-    if kind == InputTopic::Requests {
-        let default_key = format!(
-            "kafka:{}:{}:{}",
-            source.topic, source.partition, source.offset
-        );
-        if let Some(request) = routing::decode_route_request(&value, Some(default_key))? {
-            bound_start(&request.start, payload.len(), limits)?;
-            return Ok(Classified::Routed(Box::new(request)));
-        }
+    if kind == InputTopic::Requests
+        && let Some(request) = routing::decode_route_request(&value, Some(default_key(source)))?
+    {
+        bound_start(&request.start, payload.len(), limits)?;
+        return Ok(Classified::Routed(Box::new(request)));
     }
     let input = decode_value(kind, &value)?;
     bound_payload(input, payload.len(), limits).map(Classified::Input)
 }
 
+/// Where a message's signature is checked against: when it reached
+/// Kafka (`reference_ms`, Unix ms) and where it was read.
+#[derive(Debug, Clone, Copy)]
+pub struct Received<'a> {
+    pub reference_ms: i64,
+    pub source: &'a Source,
+}
+
 /// Checks the signature of a classified input where `policy` requires one:
 /// a start of a listed pool, or any input from outside Ductor with
-/// `all_inputs`. Ductor's own timers carry none and need none.
+/// `all_inputs`; and, once serve has a timer key, every timer. A signed
+/// start must name its run or carry an idempotency key, so that a replay
+/// within the window finds its decision instead of making another run.
 pub fn check_signature(
     policy: &SignaturesConfig,
     classified: &Classified,
     payload: &[u8],
     header: Option<&[u8]>,
+    received: Received<'_>,
 ) -> Result<(), InputError> {
+    let refuse = |why: &str| Err(InputError::new(InputErrorClass::Unauthenticated, why));
     let (tenant, start_pool) = match classified {
         Classified::Routed(request) => (&request.start.tenant, Some(request.start.pool.as_str())),
         Classified::Input(Input::Start(start)) => (&start.tenant, Some(start.pool.as_str())),
-        Classified::Input(Input::Timer(_)) => return Ok(()),
+        Classified::Input(Input::Timer(_)) => {
+            return match (policy.timer_key(), header) {
+                (None, _) => Ok(()),
+                (Some(key), Some(header)) if signature::verify_timer(key, payload, header) => {
+                    Ok(())
+                }
+                (Some(_), _) => refuse(
+                    "a timer must carry serve's own signature (signatures.timer_key): only serve \
+                     writes timers",
+                ),
+            };
+        }
         Classified::Input(Input::Result(r)) => (&r.tenant, None),
         Classified::Input(Input::Signal(s)) => (&s.tenant, None),
         Classified::Input(Input::Cancel(c)) => (&c.tenant, None),
@@ -62,17 +81,40 @@ pub fn check_signature(
     if !policy.required(start_pool) {
         return Ok(());
     }
-    let refuse = |why: &str| Err(InputError::new(InputErrorClass::Unauthenticated, why));
     let Some(key) = policy.key(tenant) else {
         return refuse("the input's tenant has no signing key");
     };
     let Some(header) = header else {
         return refuse("the input is not signed (ductor-signature)");
     };
-    if !signature::verify(key, payload, header) {
-        return refuse("ductor-signature does not match the input and its tenant's key");
+    signature::verify(
+        key,
+        payload,
+        header,
+        received.reference_ms,
+        policy.max_age_ms,
+    )
+    .map_err(|why| InputError::new(InputErrorClass::Unauthenticated, why.message()))?;
+    if let Classified::Routed(request) = classified
+        && request
+            .key
+            .as_deref()
+            .is_none_or(|key| key == default_key(received.source))
+    {
+        return refuse(
+            "a signed run.start must carry an idempotency_key or a run_id: without one, each \
+             copy of it would start another run",
+        );
     }
     Ok(())
+}
+
+/// The idempotency key of a Kafka start that names none: its position.
+fn default_key(source: &Source) -> String {
+    format!(
+        "kafka:{}:{}:{}",
+        source.topic, source.partition, source.offset
+    )
 }
 
 #[cfg(test)]
@@ -81,111 +123,162 @@ mod tests {
     use crate::config::SigningKey;
 
     const START: &[u8] = br#"{"type":"run.start","schema_version":1,"run_id":"r1","tenant":"acme","workflow":"example","pool":"payments"}"#;
+    const ROUTED: &[u8] = br#"{"type":"run.start","schema_version":1,"tenant":"acme","workflow":"example","pool":"payments"}"#;
+    const KEYED: &[u8] = br#"{"type":"run.start","schema_version":1,"idempotency_key":"order-7","tenant":"acme","workflow":"example","pool":"payments"}"#;
+    const OPTED_OUT: &[u8] = br#"{"type":"run.start","schema_version":1,"idempotency_key":"","tenant":"acme","workflow":"example","pool":"payments"}"#;
     const SIGNAL: &[u8] = br#"{"type":"wakeup.signal","schema_version":1,"run_id":"r1","tenant":"acme","signal_id":"s1","name":"poke","payload":null}"#;
     const TIMER: &[u8] = br#"{"type":"wakeup.timer","schema_version":1,"run_id":"r1","tenant":"acme","timer":"timeout","stamp":"6f1d9a1c-7a43-4c5e-9a55-0d1f1c1b2a3e"}"#;
+    const KEY: &[u8] = b"acme-key-0123456789";
+    const AT: i64 = 1_800_000_000_000;
 
     fn policy(pools: &[&str], all_inputs: bool) -> SignaturesConfig {
         SignaturesConfig {
             pools: pools.iter().map(|p| p.to_string()).collect(),
             all_inputs,
             tenant_keys: [("acme".to_string(), SigningKey("acme-key-0123456789".into()))].into(),
+            max_age_ms: 300_000,
+            timer_key: None,
+        }
+    }
+
+    fn source() -> Source {
+        Source {
+            topic: "t".into(),
+            partition: 0,
+            offset: 0,
         }
     }
 
     fn classified(kind: InputTopic, payload: &[u8]) -> Classified {
-        let source = Source {
-            topic: "t".into(),
-            partition: 0,
-            offset: 0,
-        };
-        classify(kind, payload, &source, &InputLimits::sized(1 << 20)).expect("a valid input")
+        classify(kind, payload, &source(), &InputLimits::sized(1 << 20)).expect("a valid input")
     }
 
-    fn class(result: Result<(), InputError>) -> Option<&'static str> {
-        result.err().map(|e| e.class.as_str())
+    /// The verdict on `payload` with `header`, read at `AT`.
+    fn check(
+        policy: &SignaturesConfig,
+        kind: InputTopic,
+        payload: &[u8],
+        header: Option<&str>,
+    ) -> Option<&'static str> {
+        let source = source();
+        let received = Received {
+            reference_ms: AT,
+            source: &source,
+        };
+        let input = classified(kind, payload);
+        check_signature(policy, &input, payload, header.map(str::as_bytes), received)
+            .err()
+            .map(|e| e.class.as_str())
     }
 
     #[test]
     fn a_start_of_a_listed_pool_needs_its_tenants_signature() {
-        let start = classified(InputTopic::Requests, START);
-        let good = signature::sign(b"acme-key-0123456789", START);
-        let wrong = signature::sign(b"someone-elses-key", START);
+        let good = signature::sign(KEY, START, AT);
+        let wrong = signature::sign(b"someone-elses-key", START, AT);
+        let untimed = signature::sign_timer(KEY, START);
         let payments = policy(&["payments"], false);
-        assert_eq!(
-            class(check_signature(
-                &payments,
-                &start,
-                START,
-                Some(good.as_bytes())
-            )),
-            None
-        );
-        for header in [None, Some(wrong.as_bytes()), Some(&b"v1=00"[..])] {
+        let requests = InputTopic::Requests;
+        assert_eq!(check(&payments, requests, START, Some(&good)), None);
+        for header in [
+            None,
+            Some(wrong.as_str()),
+            Some(untimed.as_str()),
+            Some("v1=00"),
+        ] {
             assert_eq!(
-                class(check_signature(&payments, &start, START, header)),
-                Some("unauthenticated")
+                check(&payments, requests, START, header),
+                Some("unauthenticated"),
+                "{header:?}"
             );
         }
         assert_eq!(
-            class(check_signature(
-                &policy(&["other"], false),
-                &start,
-                START,
-                None
-            )),
+            check(&policy(&["other"], false), requests, START, None),
             None
         );
     }
 
     #[test]
-    fn with_all_inputs_every_input_from_outside_needs_one_and_timers_none() {
+    fn a_signature_older_than_the_window_is_refused() {
+        let payments = policy(&["payments"], false);
+        let fresh = signature::sign(KEY, START, AT - 299_000);
+        let stale = signature::sign(KEY, START, AT - 301_000);
+        let ahead = signature::sign(KEY, START, AT + 301_000);
+        let requests = InputTopic::Requests;
+        assert_eq!(check(&payments, requests, START, Some(&fresh)), None);
+        assert_eq!(
+            check(&payments, requests, START, Some(&stale)),
+            Some("unauthenticated")
+        );
+        assert_eq!(
+            check(&payments, requests, START, Some(&ahead)),
+            Some("unauthenticated")
+        );
+    }
+
+    #[test]
+    fn a_signed_start_must_name_its_run_or_its_idempotency_key() {
+        let payments = policy(&["payments"], false);
+        let requests = InputTopic::Requests;
+        let sign = |payload: &[u8]| signature::sign(KEY, payload, AT);
+        assert_eq!(
+            check(&payments, requests, ROUTED, Some(&sign(ROUTED))),
+            Some("unauthenticated"),
+            "keyed by its offset, each copy would be another run"
+        );
+        assert_eq!(
+            check(&payments, requests, OPTED_OUT, Some(&sign(OPTED_OUT))),
+            Some("unauthenticated"),
+            "an empty key opts out of deduplication"
+        );
+        assert_eq!(check(&payments, requests, KEYED, Some(&sign(KEYED))), None);
+        assert_eq!(check(&payments, requests, START, Some(&sign(START))), None);
+        // Unsigned where no signature is required: today's rules.
+        assert_eq!(check(&policy(&[], false), requests, ROUTED, None), None);
+    }
+
+    #[test]
+    fn with_all_inputs_every_input_from_outside_needs_one() {
         let all = policy(&[], true);
-        let signal = classified(InputTopic::Wakeups, SIGNAL);
-        assert_eq!(
-            class(check_signature(&all, &signal, SIGNAL, None)),
-            Some("unauthenticated")
-        );
-        let good = signature::sign(b"acme-key-0123456789", SIGNAL);
-        assert_eq!(
-            class(check_signature(
-                &all,
-                &signal,
-                SIGNAL,
-                Some(good.as_bytes())
-            )),
-            None
-        );
+        let wakeups = InputTopic::Wakeups;
+        assert_eq!(check(&all, wakeups, SIGNAL, None), Some("unauthenticated"));
+        let good = signature::sign(KEY, SIGNAL, AT);
+        assert_eq!(check(&all, wakeups, SIGNAL, Some(&good)), None);
         // Signed for another payload: the signature covers the value.
+        let other = signature::sign(KEY, START, AT);
         assert_eq!(
-            class(check_signature(
-                &all,
-                &signal,
-                SIGNAL,
-                Some(signature::sign(b"acme-key-0123456789", START).as_bytes())
-            )),
+            check(&all, wakeups, SIGNAL, Some(&other)),
             Some("unauthenticated")
         );
-        let timer = classified(InputTopic::Wakeups, TIMER);
-        assert_eq!(class(check_signature(&all, &timer, TIMER, None)), None);
-        assert_eq!(
-            class(check_signature(&policy(&[], false), &signal, SIGNAL, None)),
-            None
-        );
+        assert_eq!(check(&policy(&[], false), wakeups, SIGNAL, None), None);
+    }
+
+    #[test]
+    fn with_a_timer_key_a_timer_needs_serve_s_signature() {
+        let wakeups = InputTopic::Wakeups;
+        assert_eq!(check(&policy(&[], false), wakeups, TIMER, None), None);
+        let mut serve = policy(&[], true);
+        serve.timer_key = Some(SigningKey("serve-timer-key-0123456789".into()));
+        let signed = signature::sign_timer(b"serve-timer-key-0123456789", TIMER);
+        assert_eq!(check(&serve, wakeups, TIMER, Some(&signed)), None);
+        // A writer of signals holds a tenant's key, not serve's.
+        let forged = signature::sign_timer(KEY, TIMER);
+        let tenant_signed = signature::sign(KEY, TIMER, AT);
+        for header in [None, Some(forged.as_str()), Some(tenant_signed.as_str())] {
+            assert_eq!(
+                check(&serve, wakeups, TIMER, header),
+                Some("unauthenticated"),
+                "{header:?}"
+            );
+        }
     }
 
     #[test]
     fn a_tenant_without_a_key_cannot_sign() {
         let mut all = policy(&[], true);
         all.tenant_keys.clear();
-        let signal = classified(InputTopic::Wakeups, SIGNAL);
-        let signed = signature::sign(b"acme-key-0123456789", SIGNAL);
+        let signed = signature::sign(KEY, SIGNAL, AT);
         assert_eq!(
-            class(check_signature(
-                &all,
-                &signal,
-                SIGNAL,
-                Some(signed.as_bytes())
-            )),
+            check(&all, InputTopic::Wakeups, SIGNAL, Some(&signed)),
             Some("unauthenticated")
         );
     }

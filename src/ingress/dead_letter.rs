@@ -1,5 +1,6 @@
 //! The dead-letter topic. A dead letter keeps the original key, value and
-//! headers, and adds headers that say where it came from and why it failed.
+//! headers (all but its signature), and adds headers that say where it came
+//! from and why it failed.
 //! Publishing is retried until it succeeds or the process shuts down: the
 //! input's offset is stored only after its dead letter is acknowledged.
 
@@ -213,9 +214,16 @@ impl<'a> Parts<'a> {
         max_message_bytes: usize,
     ) -> Self {
         let msg = letter.message;
+        // Without its signature: a dead letter is read by whoever operates
+        // the topic, and a signed copy there would be a message to replay.
         let original: Vec<(&str, Option<&[u8]>)> = msg
             .headers()
-            .map(|hs| hs.iter().map(|h| (h.key, h.value)).collect())
+            .map(|hs| {
+                hs.iter()
+                    .filter(|h| h.key != crate::contract::signature::SIGNATURE)
+                    .map(|h| (h.key, h.value))
+                    .collect()
+            })
             .unwrap_or_default();
         let own = [
             (DLQ_TOPIC, msg.topic()),

@@ -39,7 +39,7 @@ use crate::contract::{InputLimits, InputTopic};
 use crate::coordinator::fold::RejectionClass;
 use crate::coordinator::{NoOpReason, Workflows};
 use crate::infra::health::LaneWatch;
-use crate::ingress::classify::{Classified, check_signature, classify};
+use crate::ingress::classify::{Classified, Received, check_signature, classify};
 use crate::ingress::dead_letter::{DeadLetter, DeadLetterPublisher, Stage};
 use crate::routing::{self, MismatchPath, RouteOutcome};
 
@@ -718,8 +718,18 @@ fn sort<'m>(ctx: &IngressContext, batch: &'m [OwnedMessage]) -> Sorted<'m> {
             offset: msg.offset(),
         };
         let payload = msg.payload().unwrap_or_default();
+        let received = Received {
+            reference_ms: reached_kafka_ms(msg),
+            source: &source,
+        };
         let classified = classify(kind, payload, &source, &ctx.limits).and_then(|c| {
-            check_signature(&ctx.signatures, &c, payload, signature_header(msg))?;
+            check_signature(
+                &ctx.signatures,
+                &c,
+                payload,
+                signature_header(msg),
+                received,
+            )?;
             Ok(c)
         });
         match classified {
@@ -747,6 +757,16 @@ fn sort<'m>(ctx: &IngressContext, batch: &'m [OwnedMessage]) -> Sorted<'m> {
 }
 
 /// The `ductor-signature` header of a message, if it has one.
+/// When `msg` reached Kafka, for its signature's window: the broker's
+/// append time where the topic keeps it (a copy produced later gets a
+/// later one, a backlog keeps its own), else now.
+fn reached_kafka_ms(msg: &OwnedMessage) -> i64 {
+    match msg.timestamp() {
+        rdkafka::Timestamp::LogAppendTime(ms) => ms,
+        _ => chrono::Utc::now().timestamp_millis(),
+    }
+}
+
 fn signature_header(msg: &OwnedMessage) -> Option<&[u8]> {
     use rdkafka::message::Headers;
     let headers = msg.headers()?;

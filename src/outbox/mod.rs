@@ -113,6 +113,9 @@ pub struct Drainer {
     pub(super) frontier: Frontier,
     /// The events topic, when parked effects get a notice there.
     pub(super) parked_notices: Option<String>,
+    /// `signatures.timer_key`: the timers it publishes carry serve's
+    /// signature (see [`Drainer::with_timer_key`]).
+    pub(super) timer_key: Option<crate::config::SigningKey>,
 }
 
 impl Drainer {
@@ -140,7 +143,15 @@ impl Drainer {
             solo: tokio::sync::Mutex::new(None),
             frontier: Frontier::default(),
             parked_notices: None,
+            timer_key: None,
         }
+    }
+
+    /// Signs every timer it publishes with serve's `key`, which the ingress
+    /// then requires of every timer it reads.
+    pub fn with_timer_key(mut self, key: Option<crate::config::SigningKey>) -> Self {
+        self.timer_key = key;
+        self
     }
 
     /// Holds each step's timeout timer until `frontier` has passed its

@@ -39,6 +39,22 @@ pub(crate) fn ordered_headers(headers: &serde_json::Map<String, Value>) -> Vec<(
 }
 
 /// Why a claimed intent was not published.
+impl Drainer {
+    /// Serve's signature of a timer, when it has a timer key: the same for
+    /// every delivery of the intent (it covers the payload alone). Signed
+    /// here rather than when the intent is written, so that timers
+    /// committed before the key was set are signed too.
+    fn timer_signature(&self, intent: &ClaimedIntent) -> Option<String> {
+        let key = self.timer_key.as_ref()?;
+        let timer = crate::contract::EffectKind::WakeupTimer.ce_type();
+        intent
+            .headers
+            .iter()
+            .any(|(k, v)| k == crate::contract::headers::CE_TYPE && v == timer)
+            .then(|| crate::contract::signature::sign_timer(key.0.as_bytes(), &intent.payload))
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Cause {
     /// The broker or the producer failed in a way that may pass (a broker
@@ -100,13 +116,22 @@ fn is_permanent(error: &rdkafka::error::KafkaError) -> bool {
 }
 
 /// The record of an effect: its topic, key, payload and headers, as every
-/// delivery of it carries them.
-fn effect_record(intent: &ClaimedIntent) -> FutureRecord<'_, Vec<u8>, Vec<u8>> {
-    let mut headers = OwnedHeaders::new_with_capacity(intent.headers.len());
+/// delivery of it carries them, and last the `signature` of a timer.
+fn effect_record<'a>(
+    intent: &'a ClaimedIntent,
+    signature: Option<&'a str>,
+) -> FutureRecord<'a, Vec<u8>, Vec<u8>> {
+    let mut headers = OwnedHeaders::new_with_capacity(intent.headers.len() + 1);
     for (k, v) in &intent.headers {
         headers = headers.insert(Header {
             key: k,
             value: Some(v.as_bytes()),
+        });
+    }
+    if let Some(signature) = signature {
+        headers = headers.insert(Header {
+            key: crate::contract::signature::SIGNATURE,
+            value: Some(signature.as_bytes()),
         });
     }
     FutureRecord::to(&intent.topic)
@@ -215,7 +240,8 @@ impl Drainer {
     /// intent that failed before goes through the solo producer. A failure
     /// comes back as the reason it stays undelivered.
     async fn publish_one(&self, intent: &ClaimedIntent) -> Result<(), Unpublished> {
-        let record = effect_record(intent);
+        let signature = self.timer_signature(intent);
+        let record = effect_record(intent, signature.as_deref());
         let started = Instant::now();
         let sent = if intent.publish_failures > 0 {
             // One at a time, so that the batch it goes in is its own.

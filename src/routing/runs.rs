@@ -264,10 +264,21 @@ async fn produce(
 ) -> Result<(), ApiError> {
     let bytes = serde_json::to_vec(input).expect("a JSON value serializes");
     let sink = &state.inputs;
+    let signed_at_ms = chrono::Utc::now().timestamp_millis();
     let signature = sink
         .signatures
         .key(tenant)
-        .map(|key| crate::contract::signature::sign(key, &bytes));
+        .map(|key| crate::contract::signature::sign(key, &bytes, signed_at_ms));
+    if signature.is_none() && sink.signatures.required(None) {
+        // The ingress would refuse it: say so now rather than answer 202
+        // for an input that only the dead-letter topic will see.
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "signing_key_missing",
+            "this deployment requires every input to be signed with its tenant's key, and \
+             this tenant has none (signatures.tenant_keys): ask the operator for one",
+        ));
+    }
     let mut record = FutureRecord::to(&sink.topic).key(run_id).payload(&bytes);
     if let Some(signature) = &signature {
         record = record.headers(rdkafka::message::OwnedHeaders::new().insert(
