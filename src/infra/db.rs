@@ -57,8 +57,10 @@ pub fn session_options(options: PgConnectOptions, config: &DatabaseConfig) -> Pg
 
 /// Retention's one loop: runs `sql`, a delete of at most `$2` rows older
 /// than `$1` seconds, until a statement deletes less than a batch or
-/// `max_rounds` statements ran; returns how many rows went. Each statement
-/// stays short, so that retention never holds locks or a snapshot long.
+/// `max_rounds` statements ran; returns how many rows went. `sql` is a
+/// DELETE, or a SELECT of the rows a purge function deleted (Postgres
+/// reports as affected the rows a SELECT returned). Each statement stays
+/// short, so that retention never holds locks or a snapshot long.
 pub async fn delete_in_rounds(
     pool: &PgPool,
     sql: &str,
