@@ -4,7 +4,8 @@
 //! Environment variables are `DUCTOR__SECTION__KEY` (double underscores
 //! separate the path). `DATABASE_URL` and `KAFKA_BOOTSTRAP_SERVERS` are also
 //! honoured, because the local stack and docker-compose export those names,
-//! and so is `DATABASE_MIGRATE_URL` (`database.migrate_url`, the migrator's);
+//! and so are `DATABASE_MIGRATE_URL` (`database.migrate_url`, the migrator's)
+//! and `DATABASE_KEYS_URL` (`database.keys_url`, the keys role's);
 //! `DUCTOR__DATABASE__URL` and `DUCTOR__KAFKA__BOOTSTRAP_SERVERS` win over them.
 //!
 //! Every struct denies unknown fields, so a misspelt key is an error that names
@@ -203,13 +204,32 @@ pub struct DatabaseConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub migrate_url: Option<DatabaseUrl>,
     /// The role to which `ductor migrate` grants what `serve` needs (and
-    /// nothing else: what it held before is revoked): USAGE on
-    /// the schema, SELECT, INSERT, UPDATE and DELETE on its tables, USAGE
-    /// on its sequences, EXECUTE on its functions, and the same on what
-    /// later migrations create. Unset: the user of `url`. Nothing is
-    /// granted when it is the migrator itself.
+    /// nothing else: what it held before is revoked): CONNECT, USAGE on
+    /// the schema, and table by table the statements serve runs (SELECT
+    /// everywhere, INSERT where it adds rows, UPDATE of the columns it
+    /// changes, DELETE only of outbox, routing and drainer rows; on
+    /// `api_keys` only SELECT and UPDATE of `last_used_at`); EXECUTE on
+    /// the write guard and on retention's purge functions, its only way to
+    /// delete runs and their history. Nothing by default on what later
+    /// migrations create. Unset: the user of `url`. Nothing is granted
+    /// when it is the migrator itself.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub app_role: Option<String>,
+    /// Postgres connection URL of the keys role, for `ductor keys` (and
+    /// nothing else): it may make, list and revoke API keys and touches no
+    /// other table. Unset: `url`, which works only where that role owns
+    /// the schema (one role for everything); with a separate application
+    /// role, `ductor keys` is then refused and says to set this. Redacted
+    /// like `url`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keys_url: Option<DatabaseUrl>,
+    /// The role to which `ductor migrate` grants what `ductor keys` needs:
+    /// SELECT on `api_keys`, INSERT of a new key's own columns, UPDATE of
+    /// `revoked_at`, CONNECT and USAGE on the schema; nothing else. Unset:
+    /// the user of `keys_url`, and no keys role at all when `keys_url` is
+    /// unset too. Must differ from `app_role`, or serve could mint keys.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keys_role: Option<String>,
     /// Upper bound on pooled connections per process, for the ingress,
     /// the drainer and maintenance.
     pub max_connections: u32,
@@ -253,6 +273,19 @@ impl DatabaseConfig {
     /// else the user of `url`.
     pub fn app_role(&self) -> Option<String> {
         self.app_role.clone().or_else(|| self.url.user())
+    }
+
+    /// The URL `ductor keys` connects with: `keys_url`, else `url`.
+    pub fn keys_url(&self) -> &DatabaseUrl {
+        self.keys_url.as_ref().unwrap_or(&self.url)
+    }
+
+    /// The role `ductor migrate` grants the rights of `ductor keys` to:
+    /// `keys_role`, else the user of `keys_url`; none when neither is set.
+    pub fn keys_role(&self) -> Option<String> {
+        self.keys_role
+            .clone()
+            .or_else(|| self.keys_url.as_ref().and_then(DatabaseUrl::user))
     }
 }
 
@@ -780,6 +813,9 @@ impl Config {
         if let Some(url) = plain("DATABASE_MIGRATE_URL") {
             figment = figment.merge(Serialized::default("database.migrate_url", url));
         }
+        if let Some(url) = plain("DATABASE_KEYS_URL") {
+            figment = figment.merge(Serialized::default("database.keys_url", url));
+        }
         if let Some(servers) = plain("KAFKA_BOOTSTRAP_SERVERS") {
             figment = figment.merge(Serialized::default("kafka.bootstrap_servers", servers));
         }
@@ -1012,10 +1048,18 @@ impl Config {
         if !self.database.migrate_url.as_ref().is_none_or(postgres) {
             return Err(invalid("database.migrate_url", "must be a postgres:// URL"));
         }
-        if let Some(role) = &self.database.app_role
-            && (role.is_empty() || role.len() > 63)
-        {
-            return Err(invalid("database.app_role", "must be 1 to 63 bytes"));
+        if !self.database.keys_url.as_ref().is_none_or(postgres) {
+            return Err(invalid("database.keys_url", "must be a postgres:// URL"));
+        }
+        for (key, role) in [
+            ("database.app_role", &self.database.app_role),
+            ("database.keys_role", &self.database.keys_role),
+        ] {
+            if let Some(role) = role
+                && (role.is_empty() || role.len() > 63)
+            {
+                return Err(invalid(key, "must be 1 to 63 bytes"));
+            }
         }
         if self.database.max_connections == 0 {
             return Err(invalid("database.max_connections", "must be at least 1"));

@@ -200,6 +200,56 @@ fn the_migrator_and_the_application_role_come_from_their_urls() {
     );
 }
 
+/// `ductor keys` connects as the keys role when one is configured, and
+/// `ductor migrate` grants its rights to that URL's user (or the role
+/// named); without a keys URL there is no keys role and `ductor keys` uses
+/// `database.url`. The URL is redacted like the others.
+#[test]
+fn the_keys_role_comes_from_its_url() {
+    let config = Config::load_from(
+        None,
+        env(&[("DATABASE_URL", "postgres://app:pw@db:5432/d")]),
+    )
+    .unwrap();
+    assert!(config.database.keys_role().is_none());
+    assert_eq!(
+        config.database.keys_url().expose(),
+        "postgres://app:pw@db:5432/d"
+    );
+
+    let config = Config::load_from(
+        None,
+        env(&[
+            ("DATABASE_URL", "postgres://app:pw@db:5432/d"),
+            (
+                "DATABASE_KEYS_URL",
+                "postgres://key%2Dmaker:s3cret@db:5432/d",
+            ),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(config.database.keys_role().as_deref(), Some("key-maker"));
+    assert_eq!(
+        config.database.keys_url().expose(),
+        "postgres://key%2Dmaker:s3cret@db:5432/d"
+    );
+    assert!(!format!("{config:?}").contains("s3cret"));
+    let config = Config::load_from(
+        None,
+        env(&[
+            ("DATABASE_KEYS_URL", "postgres://k:pw@db:5432/d"),
+            ("DUCTOR__DATABASE__KEYS_ROLE", "keys_group"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(config.database.keys_role().as_deref(), Some("keys_group"));
+
+    let err = Config::load_from(None, env(&[("DATABASE_KEYS_URL", "mysql://x@y/z")]))
+        .expect_err("a non-postgres keys url is rejected")
+        .to_string();
+    assert!(err.contains("database.keys_url"), "{err}");
+}
+
 /// A state cap that could not hold a run's largest input and one output is
 /// refused, whether it is set too low or the message limit raised past it.
 #[test]

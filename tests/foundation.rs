@@ -43,11 +43,12 @@ async fn kafka_round_trip_through_a_random_topic() {
 }
 
 /// The database settings of `ductor migrate` on the test database: the
-/// application role's URL and the migrator's.
+/// application role's URL, the migrator's and the keys role's.
 fn database_config(db: &TestDb) -> ductor::config::DatabaseConfig {
     let env = [
         ("DATABASE_URL", &db.url),
         ("DATABASE_MIGRATE_URL", &db.owner_url),
+        ("DATABASE_KEYS_URL", &db.keys_url),
     ];
     ductor::config::Config::load_from(None, env.map(|(k, v)| (k.to_string(), v.clone())))
         .expect("test configuration is valid")
@@ -70,6 +71,9 @@ async fn migrations_apply_to_a_fresh_database_and_are_idempotent() {
     ductor::infra::db::check_migrated(&db.pool)
         .await
         .expect("the application role sees a current schema");
+    ductor::auth::store::list(&db.keys, None)
+        .await
+        .expect("the keys role, granted by the same command, reads the keys");
     let tables: Vec<String> = sqlx::query_scalar(
         "SELECT table_name::text FROM information_schema.tables \
          WHERE table_schema = 'public' ORDER BY 1",
@@ -240,9 +244,10 @@ async fn the_state_history_migration_moves_outputs_and_payloads_into_the_history
     let none = state("r-none").await.unwrap();
     assert_eq!(none["output"], serde_json::Value::Null);
     assert!(none.get("outputs").is_none(), "{none}");
-    // The history is append-only again.
+    // The history is append-only again: its trigger is back on, and
+    // refuses even the owner (serve's role may not update it at all).
     let err = sqlx::query("UPDATE run_transitions SET kind = 'x' WHERE run_id = 'r-old'")
-        .execute(&db.pool)
+        .execute(&db.owner)
         .await
         .expect_err("transitions cannot be updated");
     assert_eq!(sql_state(&err).as_deref(), Some("23001"), "{err}");
@@ -304,9 +309,10 @@ async fn constraints_reject_a_duplicate_transition_seq() {
         .await
         .expect_err("a duplicate seq is rejected");
     assert_eq!(sql_state(&err).as_deref(), Some("23505"), "{err}");
-    // The history is append-only.
+    // The history is append-only: its trigger refuses an UPDATE even from
+    // the owner (serve's role has no UPDATE on it to begin with).
     let err = sqlx::query("UPDATE run_transitions SET kind = 'x' WHERE run_id = 'r1'")
-        .execute(&db.pool)
+        .execute(&db.owner)
         .await
         .expect_err("transitions cannot be updated");
     assert_eq!(sql_state(&err).as_deref(), Some("23001"), "{err}");
@@ -388,23 +394,21 @@ async fn the_application_role_cannot_change_the_schema() {
         .execute(&db.pool)
         .await
         .expect("the write guard and NOTIFY");
-    sqlx::query("DELETE FROM runs WHERE run_id = 'r1'")
-        .execute(&db.pool)
-        .await
-        .expect("retention deletes rows");
     ductor::infra::db::check_migrated(&db.pool)
         .await
         .expect("the application role reads the applied migrations");
-    // A table a later migration makes is the application role's to use
-    // at once (default privileges), and still not its to change.
+    // A table a later migration makes is not the application role's until
+    // `ductor migrate` grants it (no default privileges; tests/roles.rs
+    // holds the rest of what the role may not do), and never its to change.
     sqlx::raw_sql("CREATE TABLE later_migration (n int)")
         .execute(&db.owner)
         .await
         .unwrap();
-    sqlx::query("INSERT INTO later_migration VALUES (1)")
+    let err = sqlx::query("INSERT INTO later_migration VALUES (1)")
         .execute(&db.pool)
         .await
-        .expect("a later table's rows are granted");
+        .expect_err("a later table gets no rows by default");
+    assert_eq!(sql_state(&err).as_deref(), Some("42501"), "{err}");
     let err = sqlx::raw_sql("DROP TABLE later_migration")
         .execute(&db.pool)
         .await

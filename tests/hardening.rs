@@ -303,9 +303,10 @@ async fn revocation_is_decided_by_the_database_not_by_serve_s_clock() {
     let path = "/v1/runs/none";
     let (status, _) = http(env.addr, "GET", path, &[as_header(&bearer(&key))], b"").await;
     assert_eq!(status, 404);
+    // As the keys role, the one that revokes.
     sqlx::query("UPDATE api_keys SET revoked_at = now() + interval '1 hour' WHERE key_id = $1")
         .bind(&key[3..19])
-        .execute(&env.db.pool)
+        .execute(&env.db.keys)
         .await
         .unwrap();
     let (status, _) = http(env.addr, "GET", path, &[as_header(&bearer(&key))], b"").await;

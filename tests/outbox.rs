@@ -500,7 +500,7 @@ async fn a_drainer_stopped_after_publishing_republishes_with_the_same_key_and_de
     );
 
     // The consumer-side helper applies the effect once. Its tables are the
-    // owner's to create; the application role uses them.
+    // owner's to create and grant; the application role uses them.
     ductor::client::dedup::ensure_schema(&env.db.owner)
         .await
         .unwrap();
@@ -508,6 +508,8 @@ async fn a_drainer_stopped_after_publishing_republishes_with_the_same_key_and_de
         .execute(&env.db.owner)
         .await
         .unwrap();
+    env.db.grant_rows("ductor_dedup_seen").await;
+    env.db.grant_rows("applied").await;
     for m in &copies {
         let mut tx = env.db.pool.begin().await.unwrap();
         if ductor::client::dedup::claim_message(&mut tx, "test-consumer", m)

@@ -268,7 +268,7 @@ async fn a_revoked_key_is_refused_at_once_and_every_refusal_looks_the_same() {
     let expired = api_key(&env.db, "acme", &BOTH).await;
     sqlx::query("UPDATE api_keys SET expires_at = now() - interval '1 second' WHERE key_id = $1")
         .bind(&expired[3..19])
-        .execute(&env.db.pool)
+        .execute(&env.db.owner)
         .await
         .unwrap();
     let refused: [Option<&str>; 5] = [
@@ -424,7 +424,7 @@ async fn requests_past_the_concurrency_bound_are_shed_and_a_key_past_its_rate_wa
         requests_per_second: Some(1),
         expires_at: None,
     };
-    ductor::auth::store::insert(&env.db.pool, &slow_key, &request)
+    ductor::auth::store::insert(&env.db.keys, &slow_key, &request)
         .await
         .unwrap();
     let mut answers = Vec::new();
@@ -736,6 +736,7 @@ fn ductor_cli_lines(env: &Env, args: &[&str]) -> Vec<Value> {
     let out = std::process::Command::new(ductor_bin())
         .args(args)
         .env("DATABASE_URL", env.config.database.url.expose())
+        .env("DATABASE_KEYS_URL", env.config.database.keys_url().expose())
         .output()
         .expect("running ductor");
     assert!(

@@ -630,7 +630,8 @@ async fn a_stalled_apply_lane_makes_readiness_fail_until_its_batch_commits() {
         (ready().await.0 == 200).then_some(())
     })
     .await;
-    let mut lock = env.db.pool.begin().await.unwrap();
+    // As the owner: serve's role may not take such a lock.
+    let mut lock = env.db.owner.begin().await.unwrap();
     sqlx::query("LOCK TABLE runs IN ACCESS EXCLUSIVE MODE")
         .execute(&mut *lock)
         .await

@@ -171,7 +171,7 @@ async fn api_key(db: &TestDb, tenant: &str) -> String {
         requests_per_second: None,
         expires_at: None,
     };
-    ductor::auth::store::insert(&db.pool, &new, &request)
+    ductor::auth::store::insert(&db.keys, &new, &request)
         .await
         .expect("storing an API key");
     new.token

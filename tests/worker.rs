@@ -476,9 +476,9 @@ async fn a_panicking_or_overrunning_handler_reports_a_retryable_failure() {
 // ---------------------------------------------------------------------------
 // dedup
 
-/// A database whose owner made the dedup table; the claims then run as a
-/// role with rights on rows only, granted by default privileges (those
-/// `ductor migrate` sets), as a consumer's own role would be.
+/// A database whose owner made the dedup table and granted its rows (and
+/// nothing more) to the role the claims then run as, as a consumer's own
+/// role would be.
 async fn dedup_db() -> TestDb {
     let db = TestDb::migrated().await;
     dedup::ensure_schema(&db.owner)
@@ -487,6 +487,7 @@ async fn dedup_db() -> TestDb {
     dedup::ensure_schema(&db.owner)
         .await
         .expect("second ensure_schema is a no-op");
+    db.grant_rows("ductor_dedup_seen").await;
     db
 }
 
@@ -595,6 +596,7 @@ async fn dedup_claim_message_applies_an_effect_once_and_needs_the_header() {
         .execute(&db.owner)
         .await
         .unwrap();
+    db.grant_rows("effects").await;
     let keyed = message(Some(OwnedHeaders::new().insert(Header {
         key: "idempotency-key",
         value: Some("run-1/5/1"),

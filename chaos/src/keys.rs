@@ -1,5 +1,6 @@
 //! API keys for the harness's HTTP callers, one per tenant, made in the
-//! database the serves use (as `ductor keys create` makes them).
+//! database the serves use as `ductor keys create` makes them: as the keys
+//! role (`database.keys_url`).
 
 use std::collections::BTreeMap;
 
@@ -13,7 +14,7 @@ pub async fn issue(
     config: &Config,
     tenants: &[String],
 ) -> anyhow::Result<BTreeMap<String, String>> {
-    let pool = ductor::infra::db::connect(&config.database).await?;
+    let pool = ductor::infra::db::connect_keys(&config.database).await?;
     let mut headers = BTreeMap::new();
     for tenant in tenants {
         let new = ductor::auth::key::generate().context("reading the random source")?;

@@ -47,6 +47,7 @@ fn config(db: &TestDb, workflows: &std::path::Path) -> Config {
     let env = [
         ("DATABASE_URL", db.url.clone()),
         ("DATABASE_MIGRATE_URL", db.owner_url.clone()),
+        ("DATABASE_KEYS_URL", db.keys_url.clone()),
         ("KAFKA_BOOTSTRAP_SERVERS", bootstrap_servers()),
         ("DUCTOR__KAFKA__TOPIC_PREFIX", format!("{prefix}.")),
         ("DUCTOR__KAFKA__GROUP_ID", format!("{prefix}-coordinator")),
@@ -146,16 +147,17 @@ async fn checker_passes_a_clean_run_and_flags_corrupted_ones() {
     .await
     .unwrap();
     assert_eq!(finished.len(), 2, "need two finished runs with a history");
+    // As the owner: no role of Ductor's may rewrite a history.
     sqlx::query("DELETE FROM run_transitions WHERE run_id = $1 AND seq = 2")
         .bind(&finished[0].0)
-        .execute(&db.pool)
+        .execute(&db.owner)
         .await
         .unwrap();
     sqlx::query(
         "UPDATE runs SET state = jsonb_set(state, '{input}', '\"tampered\"') WHERE run_id = $1",
     )
     .bind(&finished[1].0)
-    .execute(&db.pool)
+    .execute(&db.owner)
     .await
     .unwrap();
 

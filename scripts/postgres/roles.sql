@@ -1,4 +1,4 @@
--- Ductor's two database roles and its database. Run as a superuser, with
+-- Ductor's three database roles and its database. Run as a superuser, with
 -- psql: by scripts/stack on every `up`, and by the postgres image of
 -- docker-compose.yml when it initialises its data. Safe to run again.
 --
@@ -11,10 +11,15 @@
 --   ductor           the application role, for `serve`, `submit`, `inspect`,
 --                    `outbox redrive`: it owns nothing and may create
 --                    nothing (Postgres 15 gives no one but the owner CREATE
---                    on schema public); `ductor migrate` grants it the rows
---                    of Ductor's tables.
+--                    on schema public); `ductor migrate` grants it, table
+--                    by table, the statements serve runs, and no way to
+--                    mint or alter an API key or to delete history.
+--   ductor_keys      the role of `ductor keys`: `ductor migrate` grants it
+--                    the rows of `api_keys` it needs to make, list and
+--                    revoke keys, and nothing else. The migrator is a member,
+--                    to end its sessions like the application role's.
 --
--- Neither is a superuser. The names and passwords are those of the URLs that
+-- None is a superuser. The names and passwords are those of the URLs that
 -- `scripts/stack env` prints and docker-compose.yml sets.
 
 SELECT 'CREATE ROLE ductor_migrator'
@@ -28,6 +33,13 @@ ALTER ROLE ductor WITH LOGIN NOCREATEDB NOSUPERUSER NOCREATEROLE PASSWORD 'ducto
 
 SELECT 'GRANT ductor TO ductor_migrator'
 WHERE NOT pg_has_role('ductor_migrator', 'ductor', 'MEMBER')\gexec
+
+SELECT 'CREATE ROLE ductor_keys'
+WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'ductor_keys')\gexec
+ALTER ROLE ductor_keys WITH LOGIN NOCREATEDB NOSUPERUSER NOCREATEROLE PASSWORD 'ductor_keys';
+
+SELECT 'GRANT ductor_keys TO ductor_migrator'
+WHERE NOT pg_has_role('ductor_migrator', 'ductor_keys', 'MEMBER')\gexec
 
 SELECT 'CREATE DATABASE ductor OWNER ductor_migrator'
 WHERE NOT EXISTS (SELECT FROM pg_database WHERE datname = 'ductor')\gexec

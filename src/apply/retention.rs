@@ -1,6 +1,8 @@
 //! Retention of finished runs: the maintenance loop deletes the runs that
 //! ended longer than `runs.retention_ms` ago, with their transitions and
-//! attempts (`ON DELETE CASCADE`), and leaves a tombstone for each.
+//! attempts (`ON DELETE CASCADE`), and leaves a tombstone for each, through
+//! purge functions the migrator owns, so that the application role needs
+//! no right to delete history itself.
 //!
 //! In: [`RunsConfig`]. Out: fewer `runs` rows, as many new
 //! `run_tombstones` rows, tombstones older than
@@ -24,26 +26,24 @@ use tokio_util::sync::CancellationToken;
 use crate::config::RunsConfig;
 
 /// Deletes up to `$2` runs finished more than `$1` seconds ago, writing the
-/// tombstone of each in the same statement.
-const PURGE_RUNS_SQL: &str = "WITH doomed AS ( \
-     SELECT run_id FROM runs \
-     WHERE finished_at < now() - make_interval(secs => $1) \
-     ORDER BY finished_at LIMIT $2 FOR UPDATE SKIP LOCKED \
- ), tomb AS ( \
-     INSERT INTO run_tombstones (run_id, tenant_scope, workflow_name, workflow_version, \
-         status, start_fingerprint, last_transition_seq, created_at, finished_at) \
-     SELECT r.run_id, r.tenant_scope, r.workflow_name, r.workflow_version, r.status, \
-         r.state->>'start_fingerprint', r.last_transition_seq, r.created_at, r.finished_at \
-     FROM runs r JOIN doomed USING (run_id) \
-     ON CONFLICT (run_id) DO NOTHING \
- ) \
- DELETE FROM runs r USING doomed d WHERE r.run_id = d.run_id";
+/// tombstone of each in the same statement; one row per run deleted.
+///
+/// Through `ductor_purge_finished_runs` (migration
+/// `20261204000018_retention_functions`), a SECURITY DEFINER function of
+/// the migrator, rather than a DELETE of serve's own: with it, serve's role
+/// needs DELETE on no run, transition, attempt or tombstone, so that it
+/// cannot erase a running run or rewrite what happened to a finished one,
+/// and the function deletes only what retention would. Relying on the cascade
+/// alone (Postgres runs a referential action as the owner of the
+/// referencing table, so DELETE on `runs` would have been enough) still
+/// left serve free to delete any run, running or not, with its history.
+const PURGE_RUNS_SQL: &str =
+    "SELECT run_id FROM ductor_purge_finished_runs($1, $2) AS purged(run_id)";
 
-/// Deletes up to `$2` tombstones older than `$1` seconds.
-const PURGE_TOMBSTONES_SQL: &str = "DELETE FROM run_tombstones WHERE run_id IN ( \
-     SELECT run_id FROM run_tombstones \
-     WHERE purged_at < now() - make_interval(secs => $1) \
-     ORDER BY purged_at LIMIT $2 FOR UPDATE SKIP LOCKED)";
+/// Deletes up to `$2` tombstones older than `$1` seconds (through
+/// `ductor_purge_tombstones`, for the same reason); one row per tombstone.
+const PURGE_TOMBSTONES_SQL: &str =
+    "SELECT run_id FROM ductor_purge_tombstones($1, $2) AS purged(run_id)";
 
 /// What one round of retention deleted.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

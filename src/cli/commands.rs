@@ -7,7 +7,8 @@ use anyhow::Context;
 use crate::config::Config;
 
 /// `ductor migrate`: applies pending database migrations as the migrator
-/// (`database.migrate_url`) and grants the application role its rights.
+/// (`database.migrate_url`) and grants the application role and the keys
+/// role their rights.
 pub async fn migrate(config: &Config) -> anyhow::Result<()> {
     crate::infra::db::migrate_database(&config.database).await
 }

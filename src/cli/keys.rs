@@ -1,8 +1,13 @@
 //! `ductor keys`: the API keys of the public listener. A key is printed
 //! once, when it is made; the database keeps only its hash.
+//!
+//! Every subcommand connects as the keys role (`database.keys_url`), the
+//! only role besides the migrator that may make or revoke a key: `serve`'s
+//! role may only read keys and note their use.
 
 use anyhow::{Context, bail};
 use serde_json::{Value, json};
+use sqlx::PgPool;
 
 use crate::auth::key::{self, parse_expiry, parse_scopes};
 use crate::auth::store::{self, KeyRequest, Revoked};
@@ -21,11 +26,11 @@ pub struct CreateArgs {
 /// itself is shown.
 pub async fn create(config: &Config, args: CreateArgs) -> anyhow::Result<Value> {
     let request = request(args, chrono::Utc::now())?;
-    let pool = crate::infra::db::connect(&config.database).await?;
+    let pool = pool(config).await?;
     let new = key::generate().context("reading the system's random source")?;
     let info = store::insert(&pool, &new, &request)
         .await
-        .context("storing the key")?;
+        .map_err(|e| refused_hint(e, "storing the key"))?;
     let mut out = serde_json::to_value(info)?;
     out["key"] = json!(new.token);
     Ok(out)
@@ -61,8 +66,10 @@ fn request(args: CreateArgs, now: chrono::DateTime<chrono::Utc>) -> anyhow::Resu
 
 /// Every key (or one tenant's), without secrets, a JSON value per key.
 pub async fn list(config: &Config, tenant: Option<&str>) -> anyhow::Result<Vec<Value>> {
-    let pool = crate::infra::db::connect(&config.database).await?;
-    let keys = store::list(&pool, tenant).await.context("listing keys")?;
+    let pool = pool(config).await?;
+    let keys = store::list(&pool, tenant)
+        .await
+        .map_err(|e| refused_hint(e, "listing keys"))?;
     keys.into_iter()
         .map(|k| serde_json::to_value(k).map_err(Into::into))
         .collect()
@@ -70,11 +77,42 @@ pub async fn list(config: &Config, tenant: Option<&str>) -> anyhow::Result<Vec<V
 
 /// Revokes a key by its id; its next request is refused.
 pub async fn revoke(config: &Config, key_id: &str) -> anyhow::Result<Value> {
-    let pool = crate::infra::db::connect(&config.database).await?;
-    match store::revoke(&pool, key_id).await.context("revoking")? {
+    let pool = pool(config).await?;
+    let revoked = store::revoke(&pool, key_id)
+        .await
+        .map_err(|e| refused_hint(e, "revoking"))?;
+    match revoked {
         Revoked::Now => Ok(json!({"key_id": key_id, "revoked": true})),
         Revoked::Already => Ok(json!({"key_id": key_id, "revoked": true, "already": true})),
         Revoked::NoSuchKey => bail!("no key with id {key_id:?}"),
+    }
+}
+
+/// Postgres' `insufficient_privilege`.
+const INSUFFICIENT_PRIVILEGE: &str = "42501";
+
+async fn pool(config: &Config) -> anyhow::Result<PgPool> {
+    crate::infra::db::connect_keys(&config.database).await
+}
+
+/// `error` in the context of `what`, with the fix when Postgres refused
+/// the statement for want of a privilege: `ductor keys` connected as a
+/// role that may not manage keys, most likely `serve`'s because
+/// `database.keys_url` is unset.
+fn refused_hint(error: sqlx::Error, what: &'static str) -> anyhow::Error {
+    let refused = error
+        .as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|code| code == INSUFFICIENT_PRIVILEGE);
+    let error = anyhow::Error::new(error).context(what);
+    if refused {
+        error.context(
+            "the role of database.keys_url (unset: database.url) may not manage API keys: \
+             set database.keys_url (DATABASE_KEYS_URL) to the URL of the keys role, \
+             to which `ductor migrate` grants them (database.keys_role)",
+        )
+    } else {
+        error
     }
 }
 

@@ -64,8 +64,10 @@ pub fn session_options(options: PgConnectOptions, config: &DatabaseConfig) -> Pg
 
 /// Retention's one loop: runs `sql`, a delete of at most `$2` rows older
 /// than `$1` seconds, until a statement deletes less than a batch or
-/// `max_rounds` statements ran; returns how many rows went. Each statement
-/// stays short, so that retention never holds locks or a snapshot long.
+/// `max_rounds` statements ran; returns how many rows went. `sql` is a
+/// DELETE, or a SELECT of the rows a purge function deleted (Postgres
+/// reports as affected the rows a SELECT returned). Each statement stays
+/// short, so that retention never holds locks or a snapshot long.
 pub async fn delete_in_rounds(
     pool: &PgPool,
     sql: &str,
@@ -132,11 +134,19 @@ pub async fn migrate(pool: &PgPool) -> anyhow::Result<()> {
 
 /// `ductor migrate`: connects as the migrator (`database.migrate_url`),
 /// applies the pending migrations, and grants the application role
-/// (`database.app_role`) what `serve` needs.
+/// (`database.app_role`) what `serve` needs and the keys role
+/// (`database.keys_role`), when there is one, what `ductor keys` needs.
 pub async fn migrate_database(config: &DatabaseConfig) -> anyhow::Result<()> {
     let app_role = config
         .app_role()
         .context("database.url names no role: set database.app_role")?;
+    let keys_role = config.keys_role();
+    if keys_role.as_deref() == Some(app_role.as_str()) {
+        anyhow::bail!(
+            "database.keys_role is the application role {app_role:?}: `ductor keys` needs a \
+             role of its own (database.keys_url), or serve could mint keys"
+        );
+    }
     let mut as_migrator = config.clone();
     as_migrator.url = config.migrate_url().clone();
     // One session runs the migrations (holding sqlx's advisory lock), then
@@ -146,12 +156,123 @@ pub async fn migrate_database(config: &DatabaseConfig) -> anyhow::Result<()> {
     let pool = connect(&as_migrator).await?;
     let result = async {
         migrate(&pool).await?;
-        grant_app_role(&pool, &app_role).await
+        grant_app_role(&pool, &app_role).await?;
+        match &keys_role {
+            Some(role) => grant_keys_role(&pool, role).await,
+            None => {
+                tracing::info!(
+                    "database.keys_url names no keys role: nothing granted for `ductor keys`"
+                );
+                Ok(())
+            }
+        }
     }
     .await;
     pool.close().await;
     result
 }
+
+/// `ductor keys`' pool, of one connection: the keys role's
+/// (`database.keys_url`), else the role of `database.url`.
+pub async fn connect_keys(config: &DatabaseConfig) -> anyhow::Result<PgPool> {
+    let mut as_keys = config.clone();
+    as_keys.url = config.keys_url().clone();
+    as_keys.min_connections = 0;
+    connect_as(&as_keys, "ductor-keys", 1).await
+}
+
+/// What one role may do in Ductor's schema. Tables are named as the
+/// migrations name them; privileges in SQL, with a column list where the
+/// role writes only some columns.
+struct Grants {
+    /// The role's part, for messages.
+    name: &'static str,
+    /// Each table and the privileges on it.
+    tables: &'static [(&'static str, &'static str)],
+    /// Functions, with their argument types, that the role calls.
+    functions: &'static [&'static str],
+    /// USAGE and SELECT on the schema's sequences (the intents' identity).
+    sequences: bool,
+}
+
+/// What `serve` (and `submit`, `inspect`, `outbox redrive`) does in SQL,
+/// table by table, and nothing more.
+const SERVE_GRANTS: Grants = Grants {
+    name: "application role",
+    tables: &[
+        // Inserted by the batch statement, whose updates change a run's
+        // state under the optimistic lock. What a run is (its id, tenant,
+        // pool, workflow and creation) never changes, and only retention's
+        // function deletes a run.
+        (
+            "runs",
+            "SELECT, INSERT, UPDATE (status, record_version, last_transition_seq, state, \
+             updated_at, finished_at)",
+        ),
+        // The history is appended to, never changed: no UPDATE (the
+        // trigger refuses one anyway), no DELETE.
+        ("run_transitions", "SELECT, INSERT"),
+        // An attempt is inserted, then finished once.
+        (
+            "run_attempts",
+            "SELECT, INSERT, UPDATE (status, finished_at, error)",
+        ),
+        // Read before a new run is inserted; written and expired only by
+        // retention's functions.
+        ("run_tombstones", "SELECT"),
+        // The outbox, a queue rather than history: intents are inserted,
+        // claimed (`FOR UPDATE SKIP LOCKED`), completed, released, parked
+        // and redriven; pending timers are cancelled and completed intents
+        // purged (DELETE). What an intent carries (its run, position, key,
+        // topic, headers, payload, `not_before`) is fixed at commit.
+        (
+            "eec_effect_intent",
+            "SELECT, INSERT, DELETE, UPDATE (status, attempts, claimed_by, claim_expires_at, \
+             last_error, completed_at, publish_failures, parked_at, deferred_until)",
+        ),
+        // Routing keys: reserved (`ON CONFLICT DO UPDATE`), fenced (`FOR
+        // UPDATE`), completed, swept and purged; a key's own columns never
+        // change.
+        (
+            "eec_routing_idempotency",
+            "SELECT, INSERT, DELETE, UPDATE (status, request_fingerprint, claim_epoch, \
+             decision_id, decision, reserved_at, pending_expires_at, expires_at, completed_at, \
+             updated_at)",
+        ),
+        (
+            "eec_drainer_member",
+            "SELECT, INSERT, DELETE, UPDATE (heartbeat_at)",
+        ),
+        // Serve checks keys and notes their use. Making, moving, widening
+        // and revoking one is `ductor keys`' (the keys role's).
+        ("api_keys", "SELECT, UPDATE (last_used_at)"),
+        // The start-up check that the schema is current.
+        ("_sqlx_migrations", "SELECT"),
+    ],
+    functions: &[
+        // SECURITY INVOKER: runs with serve's own rights.
+        "ductor_write_guard(bigint[], bigint[])",
+        // SECURITY DEFINER: retention's only way to delete history.
+        "ductor_purge_finished_runs(double precision, bigint)",
+        "ductor_purge_tombstones(double precision, bigint)",
+    ],
+    sequences: true,
+};
+
+/// What `ductor keys` does in SQL: make a key (its own columns; the
+/// creation time is the database's, and a key is made neither used nor
+/// revoked), list keys, revoke one. Nothing of runs, the outbox or
+/// routing.
+const KEYS_GRANTS: Grants = Grants {
+    name: "keys role",
+    tables: &[(
+        "api_keys",
+        "SELECT, INSERT (key_id, tenant_scope, scopes, secret_sha256, label, \
+         requests_per_second, expires_at), UPDATE (revoked_at)",
+    )],
+    functions: &[],
+    sequences: false,
+};
 
 /// Grants `role` exactly the rights `serve` (and `submit`, `inspect`,
 /// `outbox redrive`) needs in the migrator's current schema, and no more:
@@ -159,70 +280,104 @@ pub async fn migrate_database(config: &DatabaseConfig) -> anyhow::Result<()> {
 /// outcome does not depend on history. Run as the owner of the schema's
 /// objects, after the migrations; a no-op when `role` is that owner.
 ///
-/// What serve does in SQL, and so what it gets:
-/// - reads and writes rows of Ductor's tables: SELECT, INSERT, UPDATE,
-///   DELETE (`FOR UPDATE SKIP LOCKED` needs UPDATE; retention and the
-///   routing purge delete). No TRUNCATE, REFERENCES or TRIGGER.
+/// What serve does in SQL, and so what it gets (`SERVE_GRANTS`, table by
+/// table, with the reason for each):
+/// - rows: SELECT on every table; INSERT where it adds rows; UPDATE only
+///   of the columns it changes (`FOR UPDATE SKIP LOCKED` needs UPDATE of
+///   one); DELETE only on the outbox, the routing keys and the drainer
+///   members. No DELETE on `runs`, `run_transitions`, `run_attempts` or
+///   `run_tombstones`, no UPDATE of the history: retention deletes
+///   finished runs and expired tombstones through two SECURITY DEFINER
+///   functions of the migrator, which delete nothing else. On `api_keys`,
+///   SELECT and UPDATE of `last_used_at` only: serve cannot make a key,
+///   move one to another tenant, widen it or un-revoke it. No TRUNCATE,
+///   REFERENCES or TRIGGER anywhere.
 /// - the identity sequence of `eec_effect_intent`: USAGE, SELECT.
-/// - `ductor_write_guard` (SECURITY INVOKER, so it runs with serve's own
-///   rights) and the append-only trigger's function: EXECUTE.
-/// - `_sqlx_migrations`: SELECT only, for the start-up check that the
-///   schema is current ([`check_migrated`]).
+/// - EXECUTE on `ductor_write_guard` and on the two purge functions.
 /// - `LISTEN`/`NOTIFY` (`pg_notify`) need no grant.
 /// - CONNECT on the database; no CREATE on it or on the schema, so no DDL.
 ///
-/// Default privileges give the same rights on tables, sequences and
-/// functions the migrator creates later, so a new migration's table is
-/// usable by serve without another grant.
+/// No default privileges: a table, sequence or function a later migration
+/// makes is nobody's but the migrator's until its grants are written here
+/// (the roles test fails on a table serve cannot read). A default of full
+/// rows on every new table would hand serve the rights taken away above
+/// on the next table of history; the defaults earlier versions set are
+/// revoked.
 pub async fn grant_app_role(pool: &PgPool, role: &str) -> anyhow::Result<()> {
+    grant_role(pool, role, &SERVE_GRANTS).await
+}
+
+/// Grants `role` what `ductor keys` needs (`KEYS_GRANTS`): SELECT on
+/// `api_keys`, INSERT of a new key's own columns, UPDATE of `revoked_at`;
+/// CONNECT and USAGE on the schema; nothing else, and no default
+/// privileges. Like [`grant_app_role`], it revokes first and is a no-op
+/// when `role` is the owner.
+pub async fn grant_keys_role(pool: &PgPool, role: &str) -> anyhow::Result<()> {
+    grant_role(pool, role, &KEYS_GRANTS).await
+}
+
+async fn grant_role(pool: &PgPool, role: &str, grants: &Grants) -> anyhow::Result<()> {
     let (me, schema, database): (String, Option<String>, String) = sqlx::query_as(
         "SELECT current_user::text, current_schema()::text, current_database()::text",
     )
     .fetch_one(pool)
     .await
     .context("reading the migrator's role and schema")?;
+    let part = grants.name;
     if me == role {
         tracing::info!(
             role,
-            "the application role is the migrator and owns the schema: nothing to grant"
+            part,
+            "the role is the migrator and owns the schema: nothing to grant"
         );
         return Ok(());
     }
     let schema = schema.context("the migrator's search_path names no schema")?;
     // One simple query of several statements is one transaction.
-    sqlx::raw_sql(&grant_statements(role, &schema, &database).join(";\n"))
+    sqlx::raw_sql(&grant_statements(role, &schema, &database, grants).join(";\n"))
         .execute(pool)
         .await
-        .with_context(|| format!("granting the application role {role:?} its rights"))?;
+        .with_context(|| format!("granting the {part} {role:?} its rights"))?;
     warn_on_ddl_rights(pool, role, &schema).await
 }
 
-/// The statements of [`grant_app_role`], names quoted.
-fn grant_statements(role: &str, schema: &str, database: &str) -> Vec<String> {
+/// The statements of [`grant_role`], names quoted.
+fn grant_statements(role: &str, schema: &str, database: &str, grants: &Grants) -> Vec<String> {
     let (role, schema, database) = (
         quote_ident(role),
         quote_ident(schema),
         quote_ident(database),
     );
-    let rows = "SELECT, INSERT, UPDATE, DELETE";
-    let migrations = format!("{schema}._sqlx_migrations");
-    vec![
+    let mut statements = vec![
         format!("REVOKE ALL ON DATABASE {database} FROM {role}"),
         format!("GRANT CONNECT ON DATABASE {database} TO {role}"),
         format!("REVOKE ALL ON SCHEMA {schema} FROM {role}"),
         format!("GRANT USAGE ON SCHEMA {schema} TO {role}"),
+        // Column privileges go with their table's.
         format!("REVOKE ALL ON ALL TABLES IN SCHEMA {schema} FROM {role}"),
-        format!("GRANT {rows} ON ALL TABLES IN SCHEMA {schema} TO {role}"),
-        format!("REVOKE INSERT, UPDATE, DELETE ON {migrations} FROM {role}"),
         format!("REVOKE ALL ON ALL SEQUENCES IN SCHEMA {schema} FROM {role}"),
-        format!("GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA {schema} TO {role}"),
-        format!("GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA {schema} TO {role}"),
-        format!("ALTER DEFAULT PRIVILEGES IN SCHEMA {schema} GRANT {rows} ON TABLES TO {role}"),
-        format!(
-            "ALTER DEFAULT PRIVILEGES IN SCHEMA {schema} GRANT USAGE, SELECT ON SEQUENCES TO {role}"
-        ),
-        format!("ALTER DEFAULT PRIVILEGES IN SCHEMA {schema} GRANT EXECUTE ON FUNCTIONS TO {role}"),
-    ]
+        format!("REVOKE ALL ON ALL FUNCTIONS IN SCHEMA {schema} FROM {role}"),
+    ];
+    for kind in ["TABLES", "SEQUENCES", "FUNCTIONS"] {
+        statements.push(format!(
+            "ALTER DEFAULT PRIVILEGES IN SCHEMA {schema} REVOKE ALL ON {kind} FROM {role}"
+        ));
+    }
+    for (table, privileges) in grants.tables {
+        let table = quote_ident(table);
+        statements.push(format!("GRANT {privileges} ON {schema}.{table} TO {role}"));
+    }
+    if grants.sequences {
+        statements.push(format!(
+            "GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA {schema} TO {role}"
+        ));
+    }
+    for function in grants.functions {
+        statements.push(format!(
+            "GRANT EXECUTE ON FUNCTION {schema}.{function} TO {role}"
+        ));
+    }
+    statements
 }
 
 /// Warns when `role` can still change the schema after the grants: it is
@@ -243,7 +398,7 @@ async fn warn_on_ddl_rights(pool: &PgPool, role: &str, schema: &str) -> anyhow::
     .bind(schema)
     .fetch_optional(pool)
     .await
-    .context("reading the application role's rights")?;
+    .with_context(|| format!("reading the rights of role {role:?}"))?;
     if let Some((superuser, owns_database, creates_schemas, creates_in_schema, owns_tables)) =
         rights
         && (superuser || owns_database || creates_schemas || creates_in_schema || owns_tables)
@@ -255,7 +410,7 @@ async fn warn_on_ddl_rights(pool: &PgPool, role: &str, schema: &str) -> anyhow::
             creates_schemas,
             creates_in_schema,
             owns_tables,
-            "the application role can still change the schema, which serve never needs"
+            "the role can still change the schema, which no command but migrate needs"
         );
     }
     Ok(())
@@ -299,12 +454,45 @@ mod tests {
     fn names_in_the_grants_are_quoted_identifiers() {
         assert_eq!(quote_ident("ductor"), "\"ductor\"");
         assert_eq!(quote_ident("a\"b; DROP"), "\"a\"\"b; DROP\"");
-        let statements = grant_statements("app\"x", "public", "db");
-        assert!(statements.iter().all(|s| s.contains("\"app\"\"x\"")));
+        for grants in [&SERVE_GRANTS, &KEYS_GRANTS] {
+            let statements = grant_statements("app\"x", "public", "db", grants);
+            assert!(statements.iter().all(|s| s.contains("\"app\"\"x\"")));
+            assert!(
+                statements
+                    .iter()
+                    .all(|s| !s.contains("CREATE") && !s.contains("TRUNCATE"))
+            );
+        }
+    }
+
+    /// What must never be granted, whatever else changes: DELETE on the
+    /// history, anything on `api_keys` to serve but reading and noting use,
+    /// full rows on new tables by default.
+    #[test]
+    fn serve_gets_no_delete_on_history_and_no_key_writes() {
+        let granted = |grants: &Grants, table: &str| {
+            grants
+                .tables
+                .iter()
+                .find(|(t, _)| *t == table)
+                .map(|(_, p)| *p)
+                .unwrap_or_default()
+        };
+        for table in ["runs", "run_transitions", "run_attempts", "run_tombstones"] {
+            assert!(!granted(&SERVE_GRANTS, table).contains("DELETE"), "{table}");
+        }
+        assert!(!granted(&SERVE_GRANTS, "run_transitions").contains("UPDATE"));
+        assert_eq!(
+            granted(&SERVE_GRANTS, "api_keys"),
+            "SELECT, UPDATE (last_used_at)"
+        );
+        assert_eq!(KEYS_GRANTS.tables.len(), 1);
+        let statements = grant_statements("ductor", "public", "ductor", &SERVE_GRANTS);
         assert!(
             statements
                 .iter()
-                .all(|s| !s.contains("CREATE") && !s.contains("TRUNCATE"))
+                .filter(|s| s.starts_with("ALTER DEFAULT PRIVILEGES"))
+                .all(|s| s.contains(" REVOKE ALL "))
         );
     }
 }

@@ -29,6 +29,13 @@ pub fn migrate_url() -> String {
     )
 }
 
+/// The keys role's URL (`ductor keys`'), on the stack's database.
+pub fn keys_url() -> String {
+    std::env::var("DATABASE_KEYS_URL").expect(
+        "DATABASE_KEYS_URL is not set: run the tests through scripts/test (or eval \"$(scripts/stack env)\")",
+    )
+}
+
 /// `url` with its database replaced by `name`.
 fn on_database(url: &str, name: &str) -> String {
     let mut url = url::Url::parse(url).expect("a database URL is a URL");
@@ -49,15 +56,20 @@ pub fn unique(prefix: &str) -> String {
 /// A fresh database on the test server, dropped by [`TestDb::drop_db`]
 /// together with the topics of every [`test_config`] made for it. It
 /// belongs to the migrator; `url` and `pool` are the application role's,
-/// with only the rights `ductor migrate` grants, so every test runs Ductor
-/// under least privilege. What needs the owner's rights (DDL, ANALYZE, a
-/// migration) goes through `owner`.
+/// and `keys_url` and `keys` the keys role's, each with only the rights
+/// `ductor migrate` grants, so every test runs Ductor under least
+/// privilege. What needs the owner's rights (DDL, ANALYZE, a migration,
+/// setting rows up the way no role of Ductor may) goes through `owner`.
 pub struct TestDb {
     pub name: String,
     /// The application role's URL on this database.
     pub url: String,
     /// A pool of the application role.
     pub pool: PgPool,
+    /// The keys role's URL on this database.
+    pub keys_url: String,
+    /// A pool of the keys role, which connects on first use.
+    pub keys: PgPool,
     /// The migrator's URL on this database.
     pub owner_url: String,
     /// A pool of the migrator, the owner of the database and its schema.
@@ -81,6 +93,7 @@ impl TestDb {
         admin.close().await;
         let url = on_database(&database_url(), &name);
         let owner_url = on_database(&migrate_url(), &name);
+        let keys_url = on_database(&keys_url(), &name);
         let connect = |url: String, connections: u32| async move {
             PgPoolOptions::new()
                 .max_connections(connections)
@@ -92,6 +105,12 @@ impl TestDb {
             pool: connect(url.clone(), 8).await,
             // The owner's statements are few: set-up and the odd DDL.
             owner: connect(owner_url.clone(), 2).await,
+            // Few tests make keys: no connection until one does.
+            keys: PgPoolOptions::new()
+                .max_connections(2)
+                .connect_lazy(&keys_url)
+                .expect("the keys role's URL parses"),
+            keys_url,
             name,
             url,
             owner_url,
@@ -109,7 +128,7 @@ impl TestDb {
     }
 
     /// Applies the migrations as the owner and grants the application role
-    /// its rights.
+    /// and the keys role their rights.
     pub async fn migrate(&self) {
         ductor::infra::db::migrate(&self.owner)
             .await
@@ -120,6 +139,28 @@ impl TestDb {
         ductor::infra::db::grant_app_role(&self.owner, &role)
             .await
             .expect("granting the application role its rights");
+        let keys_role = ductor::config::DatabaseUrl::new(keys_url())
+            .user()
+            .expect("DATABASE_KEYS_URL names a role");
+        ductor::infra::db::grant_keys_role(&self.owner, &keys_role)
+            .await
+            .expect("granting the keys role its rights");
+    }
+
+    /// Grants the application role the rows of `table`, one the owner
+    /// made for a test: the way a consumer that shares the database and
+    /// its roles grants its own tables (Ductor's grants cover only
+    /// Ductor's tables, and no table gets anything by default).
+    pub async fn grant_rows(&self, table: &str) {
+        let role = ductor::config::DatabaseUrl::new(database_url())
+            .user()
+            .expect("DATABASE_URL names a role");
+        sqlx::raw_sql(&format!(
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO \"{role}\""
+        ))
+        .execute(&self.owner)
+        .await
+        .expect("granting a test table's rows");
     }
 
     /// Adds `topics` to those [`TestDb::drop_db`] deletes, for a test that
@@ -136,6 +177,7 @@ impl TestDb {
         topics.dedup();
         delete_test_topics(&topics).await;
         self.pool.close().await;
+        self.keys.close().await;
         self.owner.close().await;
         let admin = PgPoolOptions::new()
             .max_connections(1)
@@ -162,6 +204,7 @@ pub fn test_config(db: &TestDb) -> Config {
     let env = vec![
         ("DATABASE_URL".to_string(), db.url.clone()),
         ("DATABASE_MIGRATE_URL".to_string(), db.owner_url.clone()),
+        ("DATABASE_KEYS_URL".to_string(), db.keys_url.clone()),
         ("KAFKA_BOOTSTRAP_SERVERS".to_string(), bootstrap_servers()),
         (
             "DUCTOR__KAFKA__TOPIC_PREFIX".to_string(),
@@ -488,7 +531,8 @@ pub fn workspace_dir() -> std::path::PathBuf {
         .to_path_buf()
 }
 
-/// A fresh API key of `tenant` with `scopes`, stored in `db`; its token.
+/// A fresh API key of `tenant` with `scopes`, stored in `db` as `ductor
+/// keys create` stores it (as the keys role); its token.
 pub async fn api_key(db: &TestDb, tenant: &str, scopes: &[ductor::auth::Scope]) -> String {
     let new = ductor::auth::key::generate().expect("reading the random source");
     let request = ductor::auth::store::KeyRequest {
@@ -498,7 +542,7 @@ pub async fn api_key(db: &TestDb, tenant: &str, scopes: &[ductor::auth::Scope]) 
         requests_per_second: None,
         expires_at: None,
     };
-    ductor::auth::store::insert(&db.pool, &new, &request)
+    ductor::auth::store::insert(&db.keys, &new, &request)
         .await
         .expect("storing an API key");
     new.token
