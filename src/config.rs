@@ -603,6 +603,19 @@ pub struct CoordinatorConfig {
     pub apply_retry_min_ms: u64,
     /// Longest pause between two tries of a transiently failing batch.
     pub apply_retry_max_ms: u64,
+    /// Transient failures that a batch's own inputs may cause (a statement
+    /// cut off by `database.statement_timeout_ms` or a lock wait, a
+    /// serialization failure or deadlock, races lost past
+    /// `conflict_retries`, an idempotency key another caller holds) after
+    /// which the batch is bisected like one that fails permanently, so
+    /// that one such input cannot hold its lane. Each half gets one try
+    /// before it is split again; an input that fails this many times
+    /// alone, while the database answers a trivial query, goes to the
+    /// dead-letter topic with class `transient_exhausted`, unless it waits
+    /// on another caller's idempotency key (that caller or the sweep
+    /// releases it). A database that does not answer is retried, whole,
+    /// for as long as it takes.
+    pub apply_bisect_after_failures: u32,
     /// An apply lane that has held a batch this long without committing it
     /// (the database away, a lock held, a dead letter the broker will not
     /// take) is stalled, with the partitions behind it: `/readyz` answers
@@ -1194,6 +1207,12 @@ impl Config {
         let c = &self.coordinator;
         if c.stall_after_ms == 0 {
             return Err(invalid("coordinator.stall_after_ms", "must be at least 1"));
+        }
+        if c.apply_bisect_after_failures == 0 {
+            return Err(invalid(
+                "coordinator.apply_bisect_after_failures",
+                "must be at least 1",
+            ));
         }
         if c.apply_retry_min_ms == 0 || c.apply_retry_max_ms < c.apply_retry_min_ms {
             return Err(invalid(

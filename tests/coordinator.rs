@@ -1014,6 +1014,7 @@ async fn a_batch_with_an_input_postgres_refuses_commits_the_rest_and_isolates_it
     let retry = ductor::apply::RetryPolicy {
         min: Duration::from_millis(10),
         max: Duration::from_millis(100),
+        bisect_after: 5,
     };
     let report = applier
         .apply_isolating(&inputs, &[], retry, &CancellationToken::new())
@@ -1040,6 +1041,77 @@ async fn a_batch_with_an_input_postgres_refuses_commits_the_rest_and_isolates_it
     assert_eq!(h.run_status(&bad_a).await, None);
     assert_eq!(h.run_status(&bad_b).await, None);
     assert_eq!(h.db.count("runs").await, runs.len() as i64);
+    h.db.drop_db().await;
+}
+
+/// An input whose statement always times out (here its run's row is
+/// locked by another session past `statement_timeout`) would hold its
+/// batch, and so its lane, for as long as the lock lasts: retried as a
+/// transient failure, for ever. After `bisect_after` such failures the
+/// batch is bisected; the others commit, and the input that keeps
+/// failing alone while the database answers is isolated with class
+/// `transient_exhausted`.
+#[tokio::test]
+async fn an_input_whose_statement_always_times_out_is_isolated_and_the_rest_commit() {
+    let h = Harness::new().await;
+    let (setup, _) = h.two_appliers();
+    let runs: Vec<String> = (0..6).map(|k| unique(&format!("slow-{k}-"))).collect();
+    let starts: Vec<PendingInput> = runs
+        .iter()
+        .map(|r| pending(InputTopic::Requests, start_json(r)))
+        .collect();
+    setup.apply_batch(&starts).await.expect("starting the runs");
+    let mut config = h.config.clone();
+    config.database.statement_timeout_ms = 300;
+    let pool = ductor::infra::db::connect(&config.database).await.unwrap();
+    let workflows = ductor::infra::workflows::load_dir(&config.coordinator.workflows_dir).unwrap();
+    let applier = ductor::apply::Applier::new(&config, pool, workflows);
+
+    let locked = runs[2].clone();
+    let mut holder = h.db.owner.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM runs WHERE run_id = $1 FOR UPDATE")
+        .bind(&locked)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let cancels: Vec<PendingInput> = runs
+        .iter()
+        .map(|r| {
+            pending(
+                InputTopic::Wakeups,
+                json!({"type": "wakeup.cancel", "schema_version": 1, "run_id": r, "tenant": "acme"}),
+            )
+        })
+        .collect();
+    let retry = ductor::apply::RetryPolicy {
+        min: Duration::from_millis(10),
+        max: Duration::from_millis(50),
+        bisect_after: 3,
+    };
+    let report = tokio::time::timeout(
+        WAIT,
+        applier.apply_isolating(&cancels, &[], retry, &CancellationToken::new()),
+    )
+    .await
+    .expect("the lane moves on while the lock is held")
+    .expect("an isolating apply ends");
+    for (k, outcome) in report.outcomes.iter().enumerate() {
+        if k == 2 {
+            let failure = outcome.as_ref().unwrap().as_ref().unwrap_err();
+            assert_eq!(failure.class, "transient_exhausted", "{failure:?}");
+            assert!(failure.message.contains("57014"), "{failure:?}");
+        } else {
+            assert!(
+                matches!(outcome, Some(Ok(InputOutcome::Applied { .. }))),
+                "input {k}: {outcome:?}"
+            );
+        }
+    }
+    holder.rollback().await.unwrap();
+    for (k, run) in runs.iter().enumerate() {
+        let want = if k == 2 { "running" } else { "cancelled" };
+        assert_eq!(h.run_status(run).await.as_deref(), Some(want), "{run}");
+    }
     h.db.drop_db().await;
 }
 

@@ -154,11 +154,17 @@ impl ApplyError {
 
 /// How transient apply failures are retried: exponential backoff between
 /// `min` and `max`, for as long as it takes (the database coming back is
-/// the only way on), until shutdown.
+/// the only way on), until shutdown; except that a batch that fails
+/// `bisect_after` times in a way its own inputs may cause
+/// ([`ApplyError::may_be_the_inputs`]) is bisected, as a permanent failure
+/// is, so that one input whose statement always times out cannot hold its
+/// lane.
 #[derive(Debug, Clone, Copy)]
 pub struct RetryPolicy {
     pub min: Duration,
     pub max: Duration,
+    /// `coordinator.apply_bisect_after_failures`.
+    pub bisect_after: u32,
 }
 
 /// A batch applied with its poison isolated: one entry per input and per
@@ -174,10 +180,97 @@ pub struct IsolatedBatch {
     pub statements: u32,
 }
 
+/// The two halves of `range`, first and second.
+fn halves(range: std::ops::Range<usize>) -> [std::ops::Range<usize>; 2] {
+    let mid = range.start + range.len() / 2;
+    [range.start..mid, mid..range.end]
+}
+
+impl IsolatedBatch {
+    /// Nothing applied yet of `routed` requests and `inputs` inputs.
+    fn sized(routed: usize, inputs: usize) -> Self {
+        IsolatedBatch {
+            outcomes: vec![None; inputs],
+            routed: vec![None; routed],
+            ..IsolatedBatch::default()
+        }
+    }
+
+    /// Records what one statement applied: the routed requests of
+    /// `routed_part` and the inputs of `inputs_part`.
+    fn applied(
+        &mut self,
+        routed_part: std::ops::Range<usize>,
+        inputs_part: std::ops::Range<usize>,
+        report: BatchReport,
+    ) {
+        self.conflicts += report.conflicts;
+        self.intents_written += report.intents_written;
+        for (slot, outcome) in self.routed[routed_part].iter_mut().zip(report.routed) {
+            *slot = Some(Ok(outcome));
+        }
+        for (slot, outcome) in self.outcomes[inputs_part].iter_mut().zip(report.outcomes) {
+            *slot = Some(Ok(outcome));
+        }
+    }
+
+    /// Records the failure of the one input at `index` of the index space
+    /// where the `routed` requests come first.
+    fn isolate(&mut self, index: usize, routed: usize, failure: ApplyFailure) {
+        metrics::counter!("ductor_apply_isolated_total", "class" => failure.class).increment(1);
+        if index < routed {
+            self.routed[index] = Some(Err(failure));
+        } else {
+            self.outcomes[index - routed] = Some(Err(failure));
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The suspect failures a half of `len` inputs may have, after a
+    /// suspect split: one (its sibling may hold the cause), or
+    /// `bisect_after` for a single input, so that its failing is surely
+    /// its own.
+    fn tries_after_suspect_split(&self, len: usize) -> u32 {
+        if len == 1 { self.bisect_after } else { 1 }
+    }
+}
+
 /// How [`Applier::apply_retrying`] gave up.
 enum Failed {
     Permanent(ApplyFailure),
+    /// Transient failures that its inputs may cause, as many as it was
+    /// allowed: the last of them.
+    Suspect(ApplyError),
     Stopped(ApplyError),
+}
+
+impl ApplyError {
+    /// Whether this transient failure may be one input's doing, so that
+    /// it repeats for as long as that input is in the batch: a statement
+    /// cut off by `statement_timeout` or a lock wait (a huge state, a row
+    /// locked elsewhere), a serialization failure or deadlock, races lost
+    /// past `coordinator.conflict_retries`, or an idempotency key held by
+    /// another caller. Not a connection lost or a right missing, which no
+    /// input causes and which bisecting would only multiply.
+    pub fn may_be_the_inputs(&self) -> bool {
+        match self {
+            ApplyError::ConflictsExhausted(_) | ApplyError::RoutingInProgress => true,
+            ApplyError::Database(sqlx::Error::Database(db)) => matches!(
+                db.code().as_deref(),
+                Some("57014" | "55P03" | "40001" | "40P01")
+            ),
+            _ => false,
+        }
+    }
+}
+
+/// Whether a transient failure that repeats for one input alone is that
+/// input's own: not when it waits on another caller's idempotency key,
+/// which that caller (or the sweep, after `routing.pending_ttl_ms`)
+/// releases.
+fn isolatable(error: &ApplyError) -> bool {
+    !matches!(error, ApplyError::RoutingInProgress)
 }
 
 /// The apply layer's fixed inputs.
@@ -527,16 +620,13 @@ impl Applier {
         shutdown: &CancellationToken,
     ) -> Result<IsolatedBatch, ApplyError> {
         let r = routed.len();
-        let mut done = IsolatedBatch {
-            outcomes: vec![None; inputs.len()],
-            routed: vec![None; r],
-            ..IsolatedBatch::default()
-        };
+        let mut done = IsolatedBatch::sized(r, inputs.len());
         // Ranges of one index space: routed requests first, then inputs,
-        // the order one apply takes them in.
+        // the order one apply takes them in; each with the suspect failures
+        // it may have before it is split.
         let mut work = std::collections::VecDeque::new();
-        work.push_back(0..r + inputs.len());
-        while let Some(range) = work.pop_front() {
+        work.push_back((0..r + inputs.len(), retry.bisect_after));
+        while let Some((range, tries)) = work.pop_front() {
             let (routed_part, inputs_part) = (
                 range.start.min(r)..range.end.min(r),
                 range.start.max(r) - r..range.end.max(r) - r,
@@ -547,35 +637,19 @@ impl Applier {
                     &inputs[inputs_part.clone()],
                     &routed[routed_part.clone()],
                     retry,
+                    tries,
                     shutdown,
                 )
                 .await;
             match applied {
-                Ok(report) => {
-                    done.conflicts += report.conflicts;
-                    done.intents_written += report.intents_written;
-                    for (slot, outcome) in done.routed[routed_part].iter_mut().zip(report.routed) {
-                        *slot = Some(Ok(outcome));
-                    }
-                    for (slot, outcome) in
-                        done.outcomes[inputs_part].iter_mut().zip(report.outcomes)
-                    {
-                        *slot = Some(Ok(outcome));
-                    }
-                }
+                Ok(report) => done.applied(routed_part, inputs_part, report),
                 Err(Failed::Permanent(failure)) if range.len() == 1 => {
-                    metrics::counter!("ductor_apply_isolated_total", "class" => failure.class)
-                        .increment(1);
                     tracing::warn!(
                         class = failure.class,
                         error = %failure.message,
                         "an input fails on its own, isolated"
                     );
-                    if routed_part.is_empty() {
-                        done.outcomes[inputs_part.start] = Some(Err(failure));
-                    } else {
-                        done.routed[routed_part.start] = Some(Err(failure));
-                    }
+                    done.isolate(range.start, r, failure);
                 }
                 Err(Failed::Permanent(failure)) => {
                     tracing::info!(
@@ -583,25 +657,76 @@ impl Applier {
                         class = failure.class,
                         "a batch fails permanently, bisecting"
                     );
-                    let mid = range.start + range.len() / 2;
-                    work.push_front(mid..range.end);
-                    work.push_front(range.start..mid);
+                    for half in halves(range).into_iter().rev() {
+                        work.push_front((half, retry.bisect_after));
+                    }
                 }
+                Err(Failed::Suspect(error)) if range.len() > 1 => {
+                    tracing::info!(
+                        inputs = range.len(),
+                        error = %error,
+                        "a batch keeps failing in a way one of its inputs may cause, bisecting"
+                    );
+                    metrics::counter!("ductor_apply_suspect_bisections_total").increment(1);
+                    for half in halves(range).into_iter().rev() {
+                        let tries = retry.tries_after_suspect_split(half.len());
+                        work.push_front((half, tries));
+                    }
+                }
+                Err(Failed::Suspect(error)) => match self.isolate_alone(&error).await {
+                    Some(failure) => {
+                        tracing::warn!(
+                            error = %error,
+                            "an input keeps failing on its own while the database answers, isolated"
+                        );
+                        done.isolate(range.start, r, failure);
+                    }
+                    None => work.push_front((range, retry.bisect_after)),
+                },
                 Err(Failed::Stopped(e)) => return Err(e),
             }
         }
         Ok(done)
     }
 
-    /// [`Applier::apply`], retrying what is transient until shutdown.
+    /// The failure of one input that failed `bisect_after` times alone
+    /// with `error`, when it is surely its own: the database answers a
+    /// trivial query within the statement timeout meanwhile, and the input
+    /// waits on no other caller. `None`: keep retrying it.
+    async fn isolate_alone(&self, error: &ApplyError) -> Option<ApplyFailure> {
+        if !isolatable(error) {
+            return None;
+        }
+        let answered = sqlx::query("SELECT 1").execute(&self.pool).await.is_ok();
+        let cause = match error {
+            ApplyError::Database(sqlx::Error::Database(db)) => format!(
+                "postgres {}: {}",
+                db.code().unwrap_or_default(),
+                db.message()
+            ),
+            other => other.to_string(),
+        };
+        answered.then(|| ApplyFailure {
+            class: "transient_exhausted",
+            message: crate::contract::input::truncate(
+                format!("failed alone, again and again, while the database answered: {cause}"),
+                MAX_FAILURE_MESSAGE_LEN,
+            ),
+        })
+    }
+
+    /// [`Applier::apply`], retrying what is transient until shutdown, or
+    /// until `tries` failures that its inputs may cause.
     async fn apply_retrying(
         &self,
         inputs: &[PendingInput],
         routed: &[RouteRequest],
         retry: RetryPolicy,
+        tries: u32,
         shutdown: &CancellationToken,
     ) -> Result<BatchReport, Failed> {
         let mut pause = retry.min;
+        let mut suspect = 0;
         loop {
             let error = match self.apply(inputs, routed).await {
                 Ok(report) => return Ok(report),
@@ -609,6 +734,12 @@ impl Applier {
             };
             if let Some(failure) = error.permanent() {
                 return Err(Failed::Permanent(failure));
+            }
+            if error.may_be_the_inputs() {
+                suspect += 1;
+                if suspect >= tries.max(1) {
+                    return Err(Failed::Suspect(error));
+                }
             }
             tracing::warn!(error = %error, retry_in_ms = pause.as_millis() as u64, "applying batch failed, retrying");
             metrics::counter!("ductor_apply_retries_total").increment(1);

@@ -300,6 +300,7 @@ impl IngressContext {
             retry: RetryPolicy {
                 min: Duration::from_millis(config.coordinator.apply_retry_min_ms),
                 max: Duration::from_millis(config.coordinator.apply_retry_max_ms),
+                bisect_after: config.coordinator.apply_bisect_after_failures,
             },
             hooks: TestHooks::default(),
             wakeup: None,
