@@ -550,6 +550,47 @@ fn a_non_loopback_admin_listener_needs_admin_keys_over_tls() {
     load(&[("DUCTOR__SERVER__ADMIN_AUTH", "key")]).expect("admin keys on loopback");
 }
 
+/// The timer key that every-input signatures need, its length, and a
+/// window that a replayed start's decision outlives.
+#[test]
+fn signatures_need_a_timer_key_and_a_window_below_the_decision_ttl() {
+    let load = |pairs: &[(&str, &str)]| Config::load_from(None, env(pairs));
+    let message = |pairs: &[(&str, &str)]| load(pairs).expect_err("refused").to_string();
+    let refused = message(&[("DUCTOR__SIGNATURES__ALL_INPUTS", "true")]);
+    assert!(refused.contains("signatures.timer_key"), "{refused}");
+    let refused = message(&[
+        ("DUCTOR__SIGNATURES__ALL_INPUTS", "true"),
+        ("DUCTOR__SIGNATURES__TIMER_KEY", "short"),
+    ]);
+    assert!(
+        refused.contains("signatures.timer_key") && refused.contains("16"),
+        "{refused}"
+    );
+    for age in ["0", "999", "86400000", "99999999999"] {
+        let refused = message(&[("DUCTOR__SIGNATURES__MAX_AGE_MS", age)]);
+        assert!(
+            refused.contains("signatures.max_age_ms"),
+            "{age}: {refused}"
+        );
+    }
+    let refused = message(&[("DUCTOR__SIGNATURES__MAX_AGE_MS", "five minutes")]);
+    assert!(refused.contains("max_age_ms"), "{refused}");
+    let config = load(&[
+        ("DUCTOR__SIGNATURES__ALL_INPUTS", "true"),
+        (
+            "DUCTOR__SIGNATURES__TIMER_KEY",
+            "serve-timer-key-0123456789",
+        ),
+    ])
+    .expect("every input signed, timers with serve's key");
+    assert_eq!(config.signatures.max_age_ms, 300_000);
+    let debug = format!("{config:?}");
+    assert!(
+        !debug.contains("serve-timer-key"),
+        "the timer key is redacted"
+    );
+}
+
 #[test]
 fn signing_keys_come_from_the_environment_are_redacted_and_must_be_long() {
     let key = "acme-signing-key-0123456789";

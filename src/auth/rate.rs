@@ -102,7 +102,8 @@ impl RateLimiter {
 }
 
 /// Most client addresses whose failures are counted at once; past it, the
-/// addresses whose buckets are full again are dropped.
+/// addresses whose buckets are full again are dropped, and all of them if
+/// none is.
 const MAX_FAILING_CLIENTS: usize = 100_000;
 
 /// Failed authentications per client address (`server.auth_failures_per_second`,
@@ -115,6 +116,7 @@ const MAX_FAILING_CLIENTS: usize = 100_000;
 pub struct FailureGate {
     rate: u32,
     burst: u32,
+    max_clients: usize,
     buckets: Mutex<HashMap<std::net::IpAddr, Bucket>>,
 }
 
@@ -123,6 +125,7 @@ impl FailureGate {
         FailureGate {
             rate,
             burst,
+            max_clients: MAX_FAILING_CLIENTS,
             buckets: Mutex::new(HashMap::new()),
         }
     }
@@ -139,8 +142,15 @@ impl FailureGate {
     /// Counts a failed authentication of `client`.
     pub fn failed(&self, client: std::net::IpAddr, now: Instant) {
         let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
-        if buckets.len() >= MAX_FAILING_CLIENTS && !buckets.contains_key(&client) {
+        if buckets.len() >= self.max_clients && !buckets.contains_key(&client) {
             buckets.retain(|_, b| !b.full_by(self.burst, now));
+            // Still full: every address is failing now (many addresses of
+            // one guesser, say). Start over rather than sweep the whole map
+            // again for each new address, which would make each failure
+            // cost a scan of it.
+            if buckets.len() >= self.max_clients {
+                buckets.clear();
+            }
         }
         let (rate, burst) = (self.rate, self.burst);
         let bucket = buckets
@@ -292,6 +302,31 @@ mod tests {
         );
         gate.failed(guesser, t1);
         assert!(gate.check(guesser, t1).is_err());
+    }
+
+    #[test]
+    fn failing_addresses_past_the_bound_never_grow_the_map() {
+        let t0 = Instant::now();
+        let mut gate = FailureGate::new(1, 1);
+        gate.max_clients = 4;
+        for i in 0..20u8 {
+            gate.failed(std::net::IpAddr::from([10, 0, 0, i]), t0);
+            assert!(gate.buckets.lock().unwrap().len() <= 4, "after {i}");
+        }
+        // An address whose bucket refilled is the one that goes first.
+        let mut gate = FailureGate::new(1, 1);
+        gate.max_clients = 2;
+        let (old, busy, new) = (
+            std::net::IpAddr::from([10, 0, 1, 1]),
+            std::net::IpAddr::from([10, 0, 1, 2]),
+            std::net::IpAddr::from([10, 0, 1, 3]),
+        );
+        gate.failed(old, t0);
+        let t1 = t0 + Duration::from_secs(5);
+        gate.failed(busy, t1);
+        gate.failed(new, t1);
+        assert!(gate.check(busy, t1).is_err(), "the busy one is kept");
+        assert!(!gate.buckets.lock().unwrap().contains_key(&old));
     }
 
     #[test]

@@ -190,6 +190,37 @@ mod tests {
         }
     }
 
+    /// A header is bytes from whoever wrote the record: none of these
+    /// panics or passes.
+    #[test]
+    fn hostile_headers_are_malformed_not_a_panic() {
+        let signature = sign(b"secret", b"{}", AT);
+        let huge_time = format!(
+            "t={},v2={}",
+            "9".repeat(40),
+            &signature[signature.len() - 64..]
+        );
+        let with_nul = signature.replacen(',', "\0,", 1);
+        let long = "a".repeat(1 << 20);
+        for bad in [
+            &b"\xff\xfe,v2="[..],
+            b"t=\xed\xa0\x80,v2=00",
+            huge_time.as_bytes(),
+            with_nul.as_bytes(),
+            long.as_bytes(),
+            b",",
+            b"t=1,v2=zz",
+        ] {
+            assert_eq!(
+                verify(b"secret", b"{}", bad, AT, WINDOW),
+                Err(Refusal::Malformed),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+            assert!(!verify_timer(b"secret", b"{}", bad));
+        }
+    }
+
     #[test]
     fn a_signature_made_outside_the_window_is_refused() {
         let signature = sign(b"secret", b"{}", AT);
