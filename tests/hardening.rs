@@ -14,72 +14,16 @@ mod common;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use common::Serve as Env;
 use common::*;
 use ductor::auth::Scope;
-use ductor::config::{AdminAuth, Config};
+use ductor::config::AdminAuth;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(60);
 
-struct Env {
-    db: TestDb,
-    config: Config,
-    addr: SocketAddr,
-    admin: SocketAddr,
-    shutdown: CancellationToken,
-    task: JoinHandle<anyhow::Result<()>>,
-}
-
 impl Env {
-    /// A migrated database, its topics, and `serve` over them, without a
-    /// drainer (these tests look at runs and at the listeners).
-    async fn start(tweak: impl FnOnce(&mut Config)) -> Env {
-        let db = TestDb::migrated().await;
-        let mut config = test_config(&db);
-        config.drainer.enabled = false;
-        tweak(&mut config);
-        ductor::infra::kafka::create_configured_topics(&config)
-            .await
-            .expect("creating topics");
-        let listeners = ductor::cli::serve::Listeners::bind(&config.server)
-            .await
-            .unwrap();
-        let addr = listeners.public.local_addr().unwrap();
-        let admin = listeners.admin.local_addr().unwrap();
-        let shutdown = CancellationToken::new();
-        let task = tokio::spawn(ductor::cli::serve::run_on(
-            config.clone(),
-            listeners,
-            shutdown.clone(),
-        ));
-        eventually("serve says it is ready", WAIT, || async {
-            let up = tokio::net::TcpStream::connect(addr).await.is_ok();
-            (up && http(addr, "GET", "/readyz", &[], b"").await.0 == 200).then_some(())
-        })
-        .await;
-        Env {
-            db,
-            config,
-            addr,
-            admin,
-            shutdown,
-            task,
-        }
-    }
-
-    async fn stop(self) {
-        self.shutdown.cancel();
-        self.task
-            .await
-            .expect("serve panicked")
-            .expect("serve failed");
-        delete_test_topics(&self.config.all_topics()).await;
-        self.db.drop_db().await;
-    }
-
     /// Puts `n` starts of the example workflow on the requests topic and
     /// waits until the ingress has made a run of each; how long that took.
     async fn load(&self, n: usize, tag: &str) -> Duration {

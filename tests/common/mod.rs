@@ -552,3 +552,69 @@ pub async fn api_key(db: &TestDb, tenant: &str, scopes: &[ductor::auth::Scope]) 
 pub fn bearer(token: &str) -> (&'static str, String) {
     ("Authorization", format!("Bearer {token}"))
 }
+
+/// `serve` in this process over a migrated database of its own and its
+/// topics, for the tests that talk to its listeners. Without a drainer
+/// unless `tweak` turns it on: most of them look at runs, not at effects.
+pub struct Serve {
+    pub db: TestDb,
+    pub config: Config,
+    /// The public listener.
+    pub addr: std::net::SocketAddr,
+    /// The admin listener.
+    pub admin: std::net::SocketAddr,
+    shutdown: tokio_util::sync::CancellationToken,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Serve {
+    /// Starts it with the test configuration changed by `tweak`; returns
+    /// once its public `/readyz` says ready.
+    pub async fn start(tweak: impl FnOnce(&mut Config)) -> Serve {
+        let db = TestDb::migrated().await;
+        let mut config = test_config(&db);
+        config.drainer.enabled = false;
+        tweak(&mut config);
+        ductor::infra::kafka::create_configured_topics(&config)
+            .await
+            .expect("creating topics");
+        let listeners = ductor::cli::serve::Listeners::bind(&config.server)
+            .await
+            .unwrap();
+        let addr = listeners.public.local_addr().unwrap();
+        let admin = listeners.admin.local_addr().unwrap();
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let task = tokio::spawn(ductor::cli::serve::run_on(
+            config.clone(),
+            listeners,
+            shutdown.clone(),
+        ));
+        eventually(
+            "serve says it is ready",
+            Duration::from_secs(60),
+            || async {
+                let up = tokio::net::TcpStream::connect(addr).await.is_ok();
+                (up && http(addr, "GET", "/readyz", &[], b"").await.0 == 200).then_some(())
+            },
+        )
+        .await;
+        Serve {
+            db,
+            config,
+            addr,
+            admin,
+            shutdown,
+            task,
+        }
+    }
+
+    /// Stops it, expecting a clean stop, and drops its database and topics.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        self.task
+            .await
+            .expect("serve panicked")
+            .expect("serve failed");
+        self.db.drop_db().await;
+    }
+}
