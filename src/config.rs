@@ -616,6 +616,17 @@ pub struct CoordinatorConfig {
     /// releases it). A database that does not answer is retried, whole,
     /// for as long as it takes.
     pub apply_bisect_after_failures: u32,
+    /// Kafka starts that each apply lane may park beside it because an
+    /// HTTP request holds their idempotency key, still deciding: the lane
+    /// applies its other inputs meanwhile, and applies the parked starts
+    /// again after `apply_retry_min_ms`, doubling up to
+    /// `apply_retry_max_ms`, until that request decides or the sweep frees
+    /// the key (`routing.pending_ttl_ms`). A later start with the same key
+    /// is parked behind them. The partition's stored offset stays at the
+    /// oldest parked start, so nothing parked is lost to a crash. Past this
+    /// many a start waits in its lane, and the lane behind it; 0 never
+    /// parks. Each parked start holds up to `max_input_bytes` of memory.
+    pub max_parked_starts: usize,
     /// An apply lane that has held a batch this long without committing it
     /// (the database away, a lock held, a dead letter the broker will not
     /// take) is stalled, with the partitions behind it: `/readyz` answers

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use ductor::apply::{InputOutcome, PendingInput};
+use ductor::apply::{Holds, InputOutcome, PendingInput};
 use ductor::config::Config;
 use ductor::contract::{InputLimits, InputTopic, decode_input};
 use ductor::ingress::{IngressContext, Progress, StepReport, TestHooks};
@@ -1017,7 +1017,13 @@ async fn a_batch_with_an_input_postgres_refuses_commits_the_rest_and_isolates_it
         bisect_after: 5,
     };
     let report = applier
-        .apply_isolating(&inputs, &[], retry, &CancellationToken::new())
+        .apply_isolating(
+            &inputs,
+            &[],
+            retry,
+            &mut Holds::none(),
+            &CancellationToken::new(),
+        )
         .await
         .expect("an isolating apply ends");
     assert_eq!(report.outcomes.len(), inputs.len());
@@ -1090,7 +1096,13 @@ async fn an_input_whose_statement_always_times_out_is_isolated_and_the_rest_comm
     };
     let report = tokio::time::timeout(
         WAIT,
-        applier.apply_isolating(&cancels, &[], retry, &CancellationToken::new()),
+        applier.apply_isolating(
+            &cancels,
+            &[],
+            retry,
+            &mut Holds::none(),
+            &CancellationToken::new(),
+        ),
     )
     .await
     .expect("the lane moves on while the lock is held")

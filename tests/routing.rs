@@ -15,6 +15,7 @@ use common::*;
 use ductor::apply::Applier;
 use ductor::auth::Scope;
 use ductor::config::{Config, DuplicatePolicy, PoolRouting};
+use ductor::contract::headers::{DLQ_CLASS, DLQ_OFFSET};
 use ductor::ingress::{IngressContext, TestHooks};
 use ductor::routing::{Reservation, RouteOutcome};
 use serde_json::{Value, json};
@@ -293,6 +294,128 @@ async fn the_same_keyed_request_through_kafka_redelivered_after_a_crash_makes_on
     assert!(correlations.contains(&"corr-1") && correlations.contains(&"corr-2"));
     shutdown.cancel();
     restarted.await.unwrap().unwrap();
+    env.db.drop_db().await;
+}
+
+#[tokio::test]
+async fn a_kafka_start_whose_key_an_http_caller_holds_is_parked_and_its_lane_goes_on() {
+    let env = Env::new(|_| {}).await;
+    let workflows =
+        ductor::infra::workflows::load_dir(&env.config.coordinator.workflows_dir).unwrap();
+    // An HTTP caller holds the key, still deciding, for longer than the
+    // test waits: a lane that waits behind it never gets to the rest.
+    let body = json!({"workflow": "example", "tenant": "acme", "input": {"n": 1}});
+    let http_caller =
+        ductor::routing::http::route_request_from_body(body, Some("held-key".into())).unwrap();
+    let epoch = ductor::routing::reserve(
+        &env.db.pool,
+        "acme",
+        "default",
+        "held-key",
+        &http_caller.fingerprint,
+        Duration::from_secs(600),
+    )
+    .await
+    .unwrap()
+    .expect("the HTTP caller takes the key");
+    let shutdown = CancellationToken::new();
+    let ctx = IngressContext::new(&env.config, env.db.pool.clone(), workflows.clone()).unwrap();
+    let ingress = tokio::spawn(ductor::ingress::run(ctx, shutdown.clone()));
+    // One Kafka key, so one partition and one lane: the same request with
+    // the held key, twenty other starts, the held key again for another
+    // request.
+    let producer = producer();
+    let requests = env.config.requests_topic();
+    let start = |key: Option<&str>, n: u64| {
+        let mut start = json!({"type": "run.start", "schema_version": 1, "tenant": "acme",
+                               "workflow": "example", "input": {"n": n}});
+        if let Some(key) = key {
+            start["idempotency_key"] = json!(key);
+        }
+        start.to_string().into_bytes()
+    };
+    let (partition, held_at) =
+        produce(&producer, &requests, "k", &start(Some("held-key"), 1), &[]).await;
+    for n in 0..20 {
+        produce(&producer, &requests, "k", &start(None, 100 + n), &[]).await;
+    }
+    let (_, reused_at) = produce(&producer, &requests, "k", &start(Some("held-key"), 2), &[]).await;
+    eventually("the starts behind the held key applied", WAIT, || async {
+        (env.runs().await == 20).then_some(())
+    })
+    .await;
+    let status: String = sqlx::query_scalar(
+        "SELECT status FROM eec_routing_idempotency WHERE idempotency_key = 'held-key'",
+    )
+    .fetch_one(&env.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(status, "pending", "the HTTP caller still holds its key");
+    // Stopping commits what the ingress stored: never past the parked start.
+    shutdown.cancel();
+    ingress.await.unwrap().unwrap();
+    let group = env.config.kafka.group_id.clone();
+    let committed = {
+        let (group, topic) = (group.clone(), requests.clone());
+        tokio::task::spawn_blocking(move || committed_offset(&group, &topic, partition))
+            .await
+            .unwrap()
+    };
+    assert_eq!(
+        committed, held_at,
+        "the parked start is read again after a restart"
+    );
+    // The HTTP caller decides; a restarted ingress reads the parked start
+    // again (and the twenty, which change nothing now).
+    let mut decided = http_caller;
+    decided.reservation = Reservation::Held { epoch };
+    let report = env.applier().apply(&[], &[decided]).await.unwrap();
+    let RouteOutcome::Decided { decision, .. } = &report.routed[0] else {
+        panic!("the HTTP caller decides: {:?}", report.routed);
+    };
+    let shutdown = CancellationToken::new();
+    let ctx = IngressContext::new(&env.config, env.db.pool.clone(), workflows).unwrap();
+    let restarted = tokio::spawn(ductor::ingress::run(ctx, shutdown.clone()));
+    let dlq = reader(&[&env.config.dlq_topic()]);
+    let letters = read_n(&dlq, 1, WAIT).await;
+    let header = |name: &str| {
+        use rdkafka::message::{Headers, Message};
+        let headers = letters[0].headers()?;
+        let value = headers.iter().find(|h| h.key == name)?.value?;
+        Some(String::from_utf8(value.to_vec()).unwrap())
+    };
+    assert_eq!(
+        (header(DLQ_OFFSET), header(DLQ_CLASS)),
+        (
+            Some(reused_at.to_string()),
+            Some("idempotency_mismatch".to_string())
+        ),
+        "the key reused for another request is refused once its holder decides"
+    );
+    eventually("the partition's offset passes every start", WAIT, || {
+        let (group, topic) = (group.clone(), requests.clone());
+        async move {
+            let committed =
+                tokio::task::spawn_blocking(move || committed_offset(&group, &topic, partition))
+                    .await
+                    .unwrap();
+            (committed > reused_at).then_some(())
+        }
+    })
+    .await;
+    shutdown.cancel();
+    restarted.await.unwrap().unwrap();
+    assert_eq!(
+        env.runs().await,
+        21,
+        "the twenty and the HTTP caller's run: the parked start is its duplicate"
+    );
+    let held_runs: i64 = sqlx::query_scalar("SELECT count(*) FROM runs WHERE run_id = $1")
+        .bind(&decision.run_id)
+        .fetch_one(&env.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(held_runs, 1, "the HTTP caller's decision stands");
     env.db.drop_db().await;
 }
 

@@ -768,6 +768,20 @@ impl Driver {
         let Some((request, good, note)) = self.keyed_request(roll, existing) else {
             return;
         };
+        let acked = self.send_keyed(&request, good, note).await;
+        if acked && good && note != Some("dup") {
+            self.with_book(|b| b.kafka_keys.push(request));
+        }
+    }
+
+    /// Sends `request` as a routed start over Kafka, keyed by its
+    /// idempotency key; whether the broker acknowledged it.
+    async fn send_keyed(
+        &self,
+        request: &KeyedRequest,
+        good: bool,
+        note: Option<&'static str>,
+    ) -> bool {
         let corr = format!("corr-{}", short_id());
         let bytes = Self::routed_payload(
             &request.tenant,
@@ -795,13 +809,9 @@ impl Driver {
             note: note.map(Into::into),
             ..Record::default()
         };
-        let acked = self
-            .send(rec, &self.requests, request.key.as_bytes(), &bytes)
+        self.send(rec, &self.requests, request.key.as_bytes(), &bytes)
             .await
-            .is_some();
-        if acked && good && note != Some("dup") {
-            self.with_book(|b| b.kafka_keys.push(request));
-        }
+            .is_some()
     }
 
     /// Which keyed request `roll` sends, whether it must be accepted, and
@@ -883,6 +893,7 @@ impl Driver {
             (24..32, _) => {
                 self.post(self.fresh_http(None, None)).await;
             }
+            (42..50, _) => self.raced_over_both().await,
             (32..42, _) => {
                 // Concurrent duplicates, to different servers when there are several.
                 let key = format!("h-{}", short_id());
@@ -903,6 +914,30 @@ impl Driver {
                 self.post(self.fresh_http(Some(key), None)).await;
             }
         }
+    }
+
+    /// The same keyed request over HTTP and over Kafka at once: one of
+    /// them decides and the other is its duplicate. A Kafka start that
+    /// finds the key held by the HTTP request, still deciding, is parked
+    /// beside its lane until the key is decided or swept.
+    async fn raced_over_both(self: Arc<Self>) {
+        let start = self.fresh_http(Some(format!("hk-{}", short_id())), Some("raced"));
+        let request = KeyedRequest {
+            tenant: start.tenant.clone(),
+            key: start.key.clone().unwrap_or_default(),
+            workflow: start.workflow.clone(),
+            input: start.input.clone(),
+        };
+        self.with_book(|b| {
+            b.keys_taken
+                .insert((request.tenant.clone(), request.key.clone()))
+        });
+        let http = {
+            let d = self.clone();
+            tokio::spawn(async move { d.post(start).await })
+        };
+        self.send_keyed(&request, true, Some("raced")).await;
+        let _ = http.await;
     }
 
     /// A good HTTP start of a random tenant, workflow and input.

@@ -21,12 +21,14 @@
 
 pub mod batch;
 mod decide;
+mod isolate;
 mod load;
 pub mod missing;
 mod plan;
 pub mod retention;
 mod write;
 
+pub use isolate::{Holds, IsolatedBatch, RetryPolicy};
 pub use load::RunCache;
 use load::load_runs;
 use write::{Handed, write_all};
@@ -37,7 +39,6 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::{PgConnection, PgPool, Postgres, Transaction as PgTx};
-use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::contract::Source;
@@ -87,8 +88,11 @@ pub struct BatchReport {
 pub enum ApplyError {
     #[error("the commit's reply was lost (injected fault)")]
     CommitReplyLost,
-    #[error("an idempotency key of the batch is held by a caller still deciding")]
-    RoutingInProgress,
+    /// The routed request at this index of the batch's.
+    #[error(
+        "an idempotency key of the batch (routed request {0}) is held by a caller still deciding"
+    )]
+    RoutingInProgress(usize),
     #[error("batch still conflicting after {0} recomputations")]
     ConflictsExhausted(u32),
     #[error("database error: {0}")]
@@ -150,127 +154,6 @@ impl ApplyError {
             _ => None,
         }
     }
-}
-
-/// How transient apply failures are retried: exponential backoff between
-/// `min` and `max`, for as long as it takes (the database coming back is
-/// the only way on), until shutdown; except that a batch that fails
-/// `bisect_after` times in a way its own inputs may cause
-/// ([`ApplyError::may_be_the_inputs`]) is bisected, as a permanent failure
-/// is, so that one input whose statement always times out cannot hold its
-/// lane.
-#[derive(Debug, Clone, Copy)]
-pub struct RetryPolicy {
-    pub min: Duration,
-    pub max: Duration,
-    /// `coordinator.apply_bisect_after_failures`.
-    pub bisect_after: u32,
-}
-
-/// A batch applied with its poison isolated: one entry per input and per
-/// routed request, in order, each its outcome or why it failed on its own.
-#[derive(Debug, Default)]
-pub struct IsolatedBatch {
-    pub outcomes: Vec<Option<Result<InputOutcome, ApplyFailure>>>,
-    pub routed: Vec<Option<Result<RouteOutcome, ApplyFailure>>>,
-    /// Recomputations after lost races, over every statement.
-    pub conflicts: u32,
-    pub intents_written: usize,
-    /// Statements the batch took (1 without poison).
-    pub statements: u32,
-}
-
-/// The two halves of `range`, first and second.
-fn halves(range: std::ops::Range<usize>) -> [std::ops::Range<usize>; 2] {
-    let mid = range.start + range.len() / 2;
-    [range.start..mid, mid..range.end]
-}
-
-impl IsolatedBatch {
-    /// Nothing applied yet of `routed` requests and `inputs` inputs.
-    fn sized(routed: usize, inputs: usize) -> Self {
-        IsolatedBatch {
-            outcomes: vec![None; inputs],
-            routed: vec![None; routed],
-            ..IsolatedBatch::default()
-        }
-    }
-
-    /// Records what one statement applied: the routed requests of
-    /// `routed_part` and the inputs of `inputs_part`.
-    fn applied(
-        &mut self,
-        routed_part: std::ops::Range<usize>,
-        inputs_part: std::ops::Range<usize>,
-        report: BatchReport,
-    ) {
-        self.conflicts += report.conflicts;
-        self.intents_written += report.intents_written;
-        for (slot, outcome) in self.routed[routed_part].iter_mut().zip(report.routed) {
-            *slot = Some(Ok(outcome));
-        }
-        for (slot, outcome) in self.outcomes[inputs_part].iter_mut().zip(report.outcomes) {
-            *slot = Some(Ok(outcome));
-        }
-    }
-
-    /// Records the failure of the one input at `index` of the index space
-    /// where the `routed` requests come first.
-    fn isolate(&mut self, index: usize, routed: usize, failure: ApplyFailure) {
-        metrics::counter!("ductor_apply_isolated_total", "class" => failure.class).increment(1);
-        if index < routed {
-            self.routed[index] = Some(Err(failure));
-        } else {
-            self.outcomes[index - routed] = Some(Err(failure));
-        }
-    }
-}
-
-impl RetryPolicy {
-    /// The suspect failures a half of `len` inputs may have, after a
-    /// suspect split: one (its sibling may hold the cause), or
-    /// `bisect_after` for a single input, so that its failing is surely
-    /// its own.
-    fn tries_after_suspect_split(&self, len: usize) -> u32 {
-        if len == 1 { self.bisect_after } else { 1 }
-    }
-}
-
-/// How [`Applier::apply_retrying`] gave up.
-enum Failed {
-    Permanent(ApplyFailure),
-    /// Transient failures that its inputs may cause, as many as it was
-    /// allowed: the last of them.
-    Suspect(ApplyError),
-    Stopped(ApplyError),
-}
-
-impl ApplyError {
-    /// Whether this transient failure may be one input's doing, so that
-    /// it repeats for as long as that input is in the batch: a statement
-    /// cut off by `statement_timeout` or a lock wait (a huge state, a row
-    /// locked elsewhere), a serialization failure or deadlock, races lost
-    /// past `coordinator.conflict_retries`, or an idempotency key held by
-    /// another caller. Not a connection lost or a right missing, which no
-    /// input causes and which bisecting would only multiply.
-    pub fn may_be_the_inputs(&self) -> bool {
-        match self {
-            ApplyError::ConflictsExhausted(_) | ApplyError::RoutingInProgress => true,
-            ApplyError::Database(sqlx::Error::Database(db)) => matches!(
-                db.code().as_deref(),
-                Some("57014" | "55P03" | "40001" | "40P01")
-            ),
-            _ => false,
-        }
-    }
-}
-
-/// Whether a transient failure that repeats for one input alone is that
-/// input's own: not when it waits on another caller's idempotency key,
-/// which that caller (or the sweep, after `routing.pending_ttl_ms`)
-/// releases.
-fn isolatable(error: &ApplyError) -> bool {
-    !matches!(error, ApplyError::RoutingInProgress)
 }
 
 /// The apply layer's fixed inputs.
@@ -523,13 +406,33 @@ impl Session {
     }
 }
 
+/// What the routed requests of one attempt came to.
+enum Routed {
+    /// Each request's outcome, in order.
+    All(Vec<RouteOutcome>),
+    /// The key of the request at this index is held by another caller
+    /// still deciding: nothing of the attempt may commit.
+    Held(usize),
+}
+
+/// What taking a routed request's key came to.
+enum Claim {
+    /// This request decides, with this kind of reservation.
+    Decide(ReserveKind),
+    /// The key answers for it: a decision made before, or a reuse refused.
+    Answered(RouteOutcome),
+    /// Another caller holds the key and has not decided yet.
+    Held,
+}
+
 /// How one attempt at a batch ended.
 enum Attempt {
     Committed(BatchReport, Handed),
     /// A conditional write matched fewer rows than expected: recompute.
     Conflict,
-    /// A routed request's key is held by another caller that has not decided.
-    Busy,
+    /// The key of the routed request at this index is held by another
+    /// caller that has not decided.
+    Busy(usize),
     /// An input changed nothing on a state taken from the cache: that
     /// verdict is only trusted on a state read from the database.
     Unsure,
@@ -578,9 +481,9 @@ impl Applier {
                     report.conflicts = conflicts;
                     return Ok(report);
                 }
-                Attempt::Busy => {
+                Attempt::Busy(at) => {
                     session.rollback().await?;
-                    return Err(ApplyError::RoutingInProgress);
+                    return Err(ApplyError::RoutingInProgress(at));
                 }
                 Attempt::Unsure => {
                     // Recompute from the database.
@@ -605,152 +508,6 @@ impl Applier {
         }
     }
 
-    /// Applies a batch whatever it holds. Transient failures are retried
-    /// under `retry`; a permanent one ([`ApplyError::permanent`]) is
-    /// bisected: the first half is applied before the second, each on its
-    /// own, until the inputs that fail alone are found. Those are reported
-    /// as failed and everything else is committed, in order, so a partition
-    /// keeps its order and no good input is refused. Returns `Err` only on
-    /// shutdown, with nothing of the unapplied rest committed.
-    pub async fn apply_isolating(
-        &self,
-        inputs: &[PendingInput],
-        routed: &[RouteRequest],
-        retry: RetryPolicy,
-        shutdown: &CancellationToken,
-    ) -> Result<IsolatedBatch, ApplyError> {
-        let r = routed.len();
-        let mut done = IsolatedBatch::sized(r, inputs.len());
-        // Ranges of one index space: routed requests first, then inputs,
-        // the order one apply takes them in; each with the suspect failures
-        // it may have before it is split.
-        let mut work = std::collections::VecDeque::new();
-        work.push_back((0..r + inputs.len(), retry.bisect_after));
-        while let Some((range, tries)) = work.pop_front() {
-            let (routed_part, inputs_part) = (
-                range.start.min(r)..range.end.min(r),
-                range.start.max(r) - r..range.end.max(r) - r,
-            );
-            done.statements += 1;
-            let applied = self
-                .apply_retrying(
-                    &inputs[inputs_part.clone()],
-                    &routed[routed_part.clone()],
-                    retry,
-                    tries,
-                    shutdown,
-                )
-                .await;
-            match applied {
-                Ok(report) => done.applied(routed_part, inputs_part, report),
-                Err(Failed::Permanent(failure)) if range.len() == 1 => {
-                    tracing::warn!(
-                        class = failure.class,
-                        error = %failure.message,
-                        "an input fails on its own, isolated"
-                    );
-                    done.isolate(range.start, r, failure);
-                }
-                Err(Failed::Permanent(failure)) => {
-                    tracing::info!(
-                        inputs = range.len(),
-                        class = failure.class,
-                        "a batch fails permanently, bisecting"
-                    );
-                    for half in halves(range).into_iter().rev() {
-                        work.push_front((half, retry.bisect_after));
-                    }
-                }
-                Err(Failed::Suspect(error)) if range.len() > 1 => {
-                    tracing::info!(
-                        inputs = range.len(),
-                        error = %error,
-                        "a batch keeps failing in a way one of its inputs may cause, bisecting"
-                    );
-                    metrics::counter!("ductor_apply_suspect_bisections_total").increment(1);
-                    for half in halves(range).into_iter().rev() {
-                        let tries = retry.tries_after_suspect_split(half.len());
-                        work.push_front((half, tries));
-                    }
-                }
-                Err(Failed::Suspect(error)) => match self.isolate_alone(&error).await {
-                    Some(failure) => {
-                        tracing::warn!(
-                            error = %error,
-                            "an input keeps failing on its own while the database answers, isolated"
-                        );
-                        done.isolate(range.start, r, failure);
-                    }
-                    None => work.push_front((range, retry.bisect_after)),
-                },
-                Err(Failed::Stopped(e)) => return Err(e),
-            }
-        }
-        Ok(done)
-    }
-
-    /// The failure of one input that failed `bisect_after` times alone
-    /// with `error`, when it is surely its own: the database answers a
-    /// trivial query within the statement timeout meanwhile, and the input
-    /// waits on no other caller. `None`: keep retrying it.
-    async fn isolate_alone(&self, error: &ApplyError) -> Option<ApplyFailure> {
-        if !isolatable(error) {
-            return None;
-        }
-        let answered = sqlx::query("SELECT 1").execute(&self.pool).await.is_ok();
-        let cause = match error {
-            ApplyError::Database(sqlx::Error::Database(db)) => format!(
-                "postgres {}: {}",
-                db.code().unwrap_or_default(),
-                db.message()
-            ),
-            other => other.to_string(),
-        };
-        answered.then(|| ApplyFailure {
-            class: "transient_exhausted",
-            message: crate::contract::input::truncate(
-                format!("failed alone, again and again, while the database answered: {cause}"),
-                MAX_FAILURE_MESSAGE_LEN,
-            ),
-        })
-    }
-
-    /// [`Applier::apply`], retrying what is transient until shutdown, or
-    /// until `tries` failures that its inputs may cause.
-    async fn apply_retrying(
-        &self,
-        inputs: &[PendingInput],
-        routed: &[RouteRequest],
-        retry: RetryPolicy,
-        tries: u32,
-        shutdown: &CancellationToken,
-    ) -> Result<BatchReport, Failed> {
-        let mut pause = retry.min;
-        let mut suspect = 0;
-        loop {
-            let error = match self.apply(inputs, routed).await {
-                Ok(report) => return Ok(report),
-                Err(e) => e,
-            };
-            if let Some(failure) = error.permanent() {
-                return Err(Failed::Permanent(failure));
-            }
-            if error.may_be_the_inputs() {
-                suspect += 1;
-                if suspect >= tries.max(1) {
-                    return Err(Failed::Suspect(error));
-                }
-            }
-            tracing::warn!(error = %error, retry_in_ms = pause.as_millis() as u64, "applying batch failed, retrying");
-            metrics::counter!("ductor_apply_retries_total").increment(1);
-            tokio::select! {
-                biased;
-                _ = shutdown.cancelled() => return Err(Failed::Stopped(error)),
-                _ = tokio::time::sleep(pause) => {}
-            }
-            pause = (pause * 2).min(retry.max);
-        }
-    }
     /// Commits a batch's session, then tells the cache and the fast lane
     /// what became of it: the states and claims of a commit that surely
     /// happened are kept, those of one that may not have are let go.
@@ -816,11 +573,12 @@ impl Applier {
             ..Writes::default()
         };
 
-        let Some(routed_outcomes) = self
+        let routed_outcomes = match self
             .route_all(session, routed, &mut runs, &mut writes, now)
             .await?
-        else {
-            return Ok(Attempt::Busy);
+        {
+            Routed::All(outcomes) => outcomes,
+            Routed::Held(at) => return Ok(Attempt::Busy(at)),
         };
         let mut outcomes = Vec::with_capacity(inputs.len());
         for pending in inputs {
@@ -869,7 +627,6 @@ impl Applier {
     }
 
     /// Decides every routed request of the batch, in its transaction.
-    /// `None`: a key is held by another caller still deciding.
     async fn route_all(
         &self,
         session: &mut Session,
@@ -877,18 +634,18 @@ impl Applier {
         runs: &mut HashMap<String, Loaded>,
         writes: &mut Writes,
         now: DateTime<Utc>,
-    ) -> Result<Option<Vec<RouteOutcome>>, ApplyError> {
+    ) -> Result<Routed, ApplyError> {
         let mut outcomes = Vec::with_capacity(routed.len());
-        for request in routed {
+        for (at, request) in routed.iter().enumerate() {
             let Session::Transaction(tx) = session else {
                 unreachable!("a batch with routed requests has its own transaction")
             };
             match self.route_one(tx, request, runs, writes, now).await? {
                 Some(outcome) => outcomes.push(outcome),
-                None => return Ok(None),
+                None => return Ok(Routed::Held(at)),
             }
         }
-        Ok(Some(outcomes))
+        Ok(Routed::All(outcomes))
     }
 
     /// Canary: publishes the batch's effects before its transaction commits,
@@ -916,36 +673,34 @@ impl Applier {
         }
     }
 
-    /// Takes a routed request's key in the deciding transaction: the kind of
-    /// reservation when this request decides, else its answer (`None`: the
-    /// key is held by another caller still deciding).
+    /// Takes a routed request's key in the deciding transaction.
     async fn claim_key(
         &self,
         tx: &mut PgTx<'_, Postgres>,
         request: &RouteRequest,
-    ) -> Result<Result<ReserveKind, Option<RouteOutcome>>, ApplyError> {
+    ) -> Result<Claim, ApplyError> {
         let Some(key) = &request.key else {
-            return Ok(Ok(ReserveKind::Unkeyed));
+            return Ok(Claim::Decide(ReserveKind::Unkeyed));
         };
         if let Reservation::Held { epoch } = request.reservation {
             return Ok(
                 if routing::fence_in_tx(tx, &request.start, key, epoch).await? {
-                    Ok(ReserveKind::Fresh)
+                    Claim::Decide(ReserveKind::Fresh)
                 } else {
-                    Err(Some(RouteOutcome::ClaimLost))
+                    Claim::Answered(RouteOutcome::ClaimLost)
                 },
             );
         }
         Ok(
             match routing::reserve_in_tx(tx, request, key, self.pending_ttl).await? {
-                Ok(kind) => Ok(kind),
-                Err(row) if row.status == routing::KeyStatus::Pending => Err(None),
-                Err(row) => Err(Some(match row.decision {
+                Ok(kind) => Claim::Decide(kind),
+                Err(row) if row.status == routing::KeyStatus::Pending => Claim::Held,
+                Err(row) => Claim::Answered(match row.decision {
                     Some(decision) if row.fingerprint == request.fingerprint => {
                         RouteOutcome::Duplicate { decision }
                     }
                     _ => RouteOutcome::Mismatch,
-                })),
+                }),
             },
         )
     }
@@ -974,8 +729,9 @@ impl Applier {
             ))));
         }
         let kind = match self.claim_key(tx, request).await? {
-            Ok(kind) => kind,
-            Err(answer) => return Ok(answer),
+            Claim::Decide(kind) => kind,
+            Claim::Answered(answer) => return Ok(Some(answer)),
+            Claim::Held => return Ok(None),
         };
         runs.entry(start.run_id.clone()).or_insert(Loaded {
             state: None,

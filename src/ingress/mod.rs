@@ -19,6 +19,7 @@
 
 pub mod classify;
 pub mod dead_letter;
+mod parked;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -32,7 +33,7 @@ use sqlx::PgPool;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::apply::{Applier, InputOutcome, IsolatedBatch, PendingInput, RetryPolicy};
+use crate::apply::{Applier, Holds, InputOutcome, IsolatedBatch, PendingInput, RetryPolicy};
 use crate::config::Config;
 use crate::contract::{Input, Source};
 use crate::contract::{InputLimits, InputTopic};
@@ -41,6 +42,7 @@ use crate::coordinator::{NoOpReason, Workflows};
 use crate::infra::health::LaneWatch;
 use crate::ingress::classify::{Classified, Received, check_signature, classify};
 use crate::ingress::dead_letter::{DeadLetter, DeadLetterPublisher, Stage};
+use crate::ingress::parked::{Parked, ParkedStart};
 use crate::routing::{self, MismatchPath, RouteOutcome};
 
 /// The ingress consumer's context: logs rebalances, moves the writer's
@@ -204,6 +206,9 @@ pub struct StepReport {
     pub conflicts: u32,
     /// Effect intents committed.
     pub intents_written: usize,
+    /// Routed starts parked beside the lane because another caller holds
+    /// their key; they are applied again in a later turn.
+    pub parked: usize,
 }
 
 impl StepReport {
@@ -257,6 +262,10 @@ pub struct IngressContext {
     pub wakeup: Option<crate::outbox::Wakeup>,
     /// Each lane's progress, shared with readiness.
     pub progress: std::sync::Arc<Progress>,
+    /// Each lane's parked starts; only that lane takes its lock.
+    parked: Vec<std::sync::Mutex<Parked>>,
+    /// `coordinator.max_parked_starts`, per lane.
+    pub max_parked_starts: usize,
 }
 
 impl IngressContext {
@@ -308,7 +317,20 @@ impl IngressContext {
                 config.coordinator.apply_lanes,
                 Duration::from_millis(config.coordinator.stall_after_ms),
             )),
+            parked: (0..config.coordinator.apply_lanes.max(1))
+                .map(|_| std::sync::Mutex::default())
+                .collect(),
+            max_parked_starts: config.coordinator.max_parked_starts,
         })
+    }
+
+    /// Lane `lane`'s parked starts.
+    fn parked(&self, lane: usize) -> std::sync::MutexGuard<'_, Parked> {
+        // A panic elsewhere cannot leave the list half-changed: every
+        // change is one call on it.
+        self.parked[lane]
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn topic_kind(&self, topic: &str) -> Option<InputTopic> {
@@ -375,8 +397,16 @@ async fn turn(
     first_by: Option<Instant>,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Option<StepReport>> {
-    let Some(batch) = next_batch(ctx, shutdown, first_by).await? else {
-        return Ok(None);
+    let due = ctx.parked(0).due();
+    let until = match (first_by, due) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    let batch = match next_batch(ctx, shutdown, until).await? {
+        Some(batch) => batch,
+        // Nothing came, but the parked starts are due: their turn alone.
+        None if !shutdown.is_cancelled() && due.is_some_and(|d| d <= Instant::now()) => Vec::new(),
+        None => return Ok(None),
     };
     handle_batch(ctx, 0, &batch, shutdown).await
 }
@@ -449,6 +479,7 @@ async fn lane(
 ) -> anyhow::Result<()> {
     loop {
         let mut batch = Gathered::new(ctx);
+        let due = ctx.parked(index).due();
         tokio::select! {
             biased;
             _ = stop.cancelled() => return Ok(()),
@@ -456,6 +487,8 @@ async fn lane(
                 Some(m) => batch.push(m),
                 None => return Ok(()),
             },
+            // The parked starts' turn, with whatever is queued.
+            () = sleep_until(due) => {}
         }
         // What queued up while the previous batch was applied is a batch
         // already: take it without waiting. Only a lone message, one that
@@ -529,6 +562,14 @@ impl Gathered {
     }
 }
 
+/// Sleeps until `deadline`; for ever without one.
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Moves what is already queued in `messages` into `batch`, until it is full.
 fn take_queued(messages: &mut tokio::sync::mpsc::Receiver<OwnedMessage>, batch: &mut Gathered) {
     while !batch.full() {
@@ -548,7 +589,7 @@ async fn handle_batch(
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Option<StepReport>> {
     ctx.progress.began(lane);
-    let handled = handle_batch_in(ctx, batch, shutdown).await;
+    let handled = handle_batch_in(ctx, lane, batch, shutdown).await;
     ctx.progress.finished(lane);
     if let Ok(Some(report)) = &handled {
         ctx.progress.handled(report);
@@ -556,16 +597,30 @@ async fn handle_batch(
     handled
 }
 
+/// Applies `batch` after the lane's parked starts that are due, parks what
+/// waits on a held key, and stores the offsets that passes.
 async fn handle_batch_in(
     ctx: &IngressContext,
+    lane: usize,
     batch: &[OwnedMessage],
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Option<StepReport>> {
     // Canary: storing offsets first loses the batch on a crash.
     #[cfg(feature = "canary-offsets-before-commit")]
-    store_offsets(ctx, batch);
-    let report = match process_batch(ctx, batch, shutdown).await {
-        Ok(report) => report,
+    store_offsets(
+        ctx,
+        &last_offsets(batch.iter())
+            .into_iter()
+            .map(|(at, offset)| (at, offset + 1))
+            .collect(),
+    );
+    // Out of the lock while the batch applies; only this lane takes it.
+    let mut parked = std::mem::take(&mut *ctx.parked(lane));
+    let retried = parked.take_due(Instant::now());
+    let mut holds = parked.holds(ctx.max_parked_starts);
+    let processed = process_batch(ctx, batch, &retried, &mut holds, shutdown).await;
+    let (report, held) = match processed {
+        Ok(processed) => processed,
         Err(e) if shutdown.is_cancelled() => {
             // Interrupted while retrying: nothing of the batch is stored,
             // so it is redelivered after the restart.
@@ -580,10 +635,35 @@ async fn handle_batch_in(
     if ctx.hooks.fail_after_commit {
         anyhow::bail!("test hook: stopped after commit, before storing offsets");
     }
+    let retried_held = held
+        .iter()
+        .filter(|s| retried_included(&retried, s))
+        .count();
+    parked.park(
+        held,
+        retried_held < retried.len(),
+        ctx.retry,
+        Instant::now(),
+    );
+    let next = parked.offsets(&report.last_offsets);
+    metrics::gauge!("ductor_ingress_parked_starts", "lane" => lane.to_string())
+        .set(parked.len() as f64);
+    *ctx.parked(lane) = parked;
     crate::crash_point!("ingress.before_offset_store");
     #[cfg(not(feature = "canary-offsets-before-commit"))]
-    store_offsets(ctx, batch);
+    store_offsets(ctx, &next);
+    #[cfg(feature = "canary-offsets-before-commit")]
+    let _ = next;
     Ok(Some(report))
+}
+
+/// Whether `start` is one of the parked starts the turn applied again.
+fn retried_included(retried: &[ParkedStart], start: &ParkedStart) -> bool {
+    retried.iter().any(|r| {
+        r.message.topic() == start.message.topic()
+            && r.message.partition() == start.message.partition()
+            && r.message.offset() == start.message.offset()
+    })
 }
 
 /// Waits for one message, until `first_by` if given, then gathers more
@@ -640,30 +720,39 @@ async fn next_batch(
     Ok(Some(batch.messages))
 }
 
-/// Decodes, applies and dead-letters one batch. Returns only when every
-/// message of the batch is durably handled, with what became of them, or
-/// on shutdown/fatal error. Offsets are the caller's to store.
-pub async fn process_batch(
+/// Decodes, applies and dead-letters one batch, after the `retried`
+/// parked starts. Returns only when every message of the batch is durably
+/// handled or parked (the starts `holds` left out, returned with their
+/// messages), with what became of them, or on shutdown/fatal error.
+/// Offsets are the caller's to store.
+async fn process_batch(
     ctx: &IngressContext,
     batch: &[OwnedMessage],
+    retried: &[ParkedStart],
+    holds: &mut Holds,
     shutdown: &CancellationToken,
-) -> anyhow::Result<StepReport> {
+) -> anyhow::Result<(StepReport, Vec<ParkedStart>)> {
     for msg in batch {
         record_age("ductor_ingress_apply_age_seconds", msg);
     }
     let mut sorted = sort(ctx, batch);
+    sorted.retry_first(retried);
+    let read = retried.iter().map(|s| &s.message).chain(batch);
     let mut step = StepReport {
-        messages: batch.len(),
-        last_offsets: last_offsets(batch),
+        messages: batch.len() + retried.len(),
+        last_offsets: last_offsets(read),
         undecodable: sorted.dead.len(),
         ..StepReport::default()
     };
+    let mut held = Vec::new();
     if !sorted.pending.is_empty() || !sorted.routed.is_empty() {
         let report = ctx
             .applier
-            .apply_isolating(&sorted.pending, &sorted.routed, ctx.retry, shutdown)
+            .apply_isolating(&sorted.pending, &sorted.routed, ctx.retry, holds, shutdown)
             .await
             .context("applying batch")?;
+        held = sorted.held(&report);
+        step.parked = held.len();
         settle_inputs(&report, &mut sorted, &mut step);
         settle_routed(&report, &mut sorted, &mut step);
         step.conflicts = report.conflicts;
@@ -687,7 +776,7 @@ pub async fn process_batch(
         metrics::counter!("ductor_inputs_total", "topic" => letter.message.topic().to_string(), "outcome" => "dead_lettered")
             .increment(1);
     }
-    Ok(step)
+    Ok((step, held))
 }
 
 /// A batch sorted by what each message is: inputs to apply, starts for the
@@ -698,6 +787,29 @@ struct Sorted<'m> {
     routed: Vec<routing::RouteRequest>,
     routed_msgs: Vec<&'m OwnedMessage>,
     dead: Vec<DeadLetter<'m>>,
+}
+
+impl<'m> Sorted<'m> {
+    /// Puts parked starts applied again ahead of the batch's own: they were
+    /// read first.
+    fn retry_first(&mut self, retried: &'m [ParkedStart]) {
+        self.routed
+            .splice(0..0, retried.iter().map(|s| s.request.clone()));
+        self.routed_msgs
+            .splice(0..0, retried.iter().map(|s| &s.message));
+    }
+
+    /// The routed starts `report` left out, to park, with their messages.
+    fn held(&self, report: &IsolatedBatch) -> Vec<ParkedStart> {
+        report
+            .held
+            .iter()
+            .map(|&at| ParkedStart {
+                message: self.routed_msgs[at].clone(),
+                request: self.routed[at].clone(),
+            })
+            .collect()
+    }
 }
 
 /// Classifies every message of the batch read from one of the input topics.
@@ -829,7 +941,10 @@ fn input_label(outcome: &InputOutcome) -> &'static str {
 /// Counts what each routed start got, and dead-letters a key reused for
 /// another request and a start the routing plane refused.
 fn settle_routed<'m>(report: &IsolatedBatch, sorted: &mut Sorted<'m>, step: &mut StepReport) {
-    for (outcome, &msg) in report.routed.iter().zip(&sorted.routed_msgs) {
+    for (at, (outcome, &msg)) in report.routed.iter().zip(&sorted.routed_msgs).enumerate() {
+        if report.held.binary_search(&at).is_ok() {
+            continue;
+        }
         let Some(outcome) = settled(outcome, msg, &mut sorted.dead) else {
             step.failed += 1;
             continue;
@@ -896,23 +1011,31 @@ fn record_age<M: Message>(name: &'static str, msg: &M) {
     }
 }
 
-/// Stores the next offset of every partition in the batch. A partition that
-/// was revoked meanwhile refuses the store; its new owner re-reads the
+/// Stores `next`, the next offset to read of each partition. A partition
+/// that was revoked meanwhile refuses the store; its new owner re-reads the
 /// messages and they apply as no-ops.
-fn store_offsets(ctx: &IngressContext, batch: &[OwnedMessage]) {
-    if let Err(e) = ctx.consumer.store_offsets(&next_offsets(batch)) {
+fn store_offsets(ctx: &IngressContext, next: &BTreeMap<(String, i32), i64>) {
+    if let Err(e) = ctx.consumer.store_offsets(&offset_list(next)) {
         tracing::info!(error = %e, "offsets not stored (partition revoked?); they will be redelivered as no-ops");
     }
 }
 
 /// The offsets to store once `batch` is applied: for each of its
 /// partitions, one past its last message.
+#[cfg(any(test, feature = "internals"))]
 pub fn next_offsets(batch: &[OwnedMessage]) -> TopicPartitionList {
-    let last = last_offsets(batch);
-    let mut tpl = TopicPartitionList::with_capacity(last.len());
-    for ((topic, partition), offset) in &last {
-        let next = Offset::Offset(offset + 1);
-        if let Err(e) = tpl.add_partition_offset(topic, *partition, next) {
+    let next = last_offsets(batch.iter())
+        .into_iter()
+        .map(|(at, offset)| (at, offset + 1))
+        .collect();
+    offset_list(&next)
+}
+
+/// `next` as the consumer stores it.
+fn offset_list(next: &BTreeMap<(String, i32), i64>) -> TopicPartitionList {
+    let mut tpl = TopicPartitionList::with_capacity(next.len());
+    for ((topic, partition), offset) in next {
+        if let Err(e) = tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset)) {
             tracing::warn!(error = %e, topic, partition, "could not record offset");
         }
     }
@@ -920,7 +1043,7 @@ pub fn next_offsets(batch: &[OwnedMessage]) -> TopicPartitionList {
 }
 
 /// The offset of the last message of `batch` on each of its partitions.
-fn last_offsets(batch: &[OwnedMessage]) -> BTreeMap<(String, i32), i64> {
+fn last_offsets<'m>(batch: impl Iterator<Item = &'m OwnedMessage>) -> BTreeMap<(String, i32), i64> {
     let mut last: BTreeMap<(String, i32), i64> = BTreeMap::new();
     for msg in batch {
         let entry = last
