@@ -88,7 +88,7 @@ impl Template {
             .iter()
             .map(|e| {
                 Ok((
-                    topics.for_target(&e.target),
+                    e.target.topic(&topics),
                     e.kind.ce_type().to_owned(),
                     serde_json::to_vec(&e.payload)?,
                     e.not_before.is_none(),

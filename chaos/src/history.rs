@@ -716,10 +716,7 @@ fn compare_effects(
         let stored: Option<Value> = serde_json::from_slice(&intent.payload).ok();
         let due = micros(effect.not_before.unwrap_or(t.created_at));
         let differs = [
-            (
-                "topic",
-                intent.topic != ctx.topics.for_target(&effect.target),
-            ),
+            ("topic", intent.topic != effect.target.topic(ctx.topics)),
             ("payload", stored.as_ref() != Some(&effect.payload)),
             ("ce_type", intent.ce_type != effect.kind.ce_type()),
             ("not_before", intent.not_before != due),
@@ -837,7 +834,7 @@ mod tests {
                 effect_index: index as i32,
                 key: ductor::contract::idempotency_key(&s.run_id, t.record.seq, index),
                 tenant: s.tenant.clone(),
-                topic: topics.for_target(&effect.target),
+                topic: effect.target.topic(topics),
                 message_key: s.run_id.as_bytes().to_vec(),
                 headers: Value::Null,
                 payload: serde_json::to_vec(&effect.payload).unwrap(),

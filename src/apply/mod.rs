@@ -854,7 +854,7 @@ impl Applier {
         at: DateTime<Utc>,
     ) -> Result<IntentRow, ApplyError> {
         let key = idempotency_key(&state.run_id, seq, index);
-        let topic = self.topics.for_target(&effect.target);
+        let topic = effect.target.topic(&self.topics);
         let origin = EffectOrigin {
             run_id: &state.run_id,
             tenant: &state.tenant,

@@ -197,7 +197,7 @@ pub fn describe_metrics() {
 
 /// How late a dispatch was published: its record's timestamp (set when the
 /// drainer produced it) past its `ce_time` (when the transition committed),
-/// when that is more than [`crate::coordinator::LATE_DISPATCH_MS`]; zero
+/// when that is more than [`crate::contract::LATE_DISPATCH_MS`]; zero
 /// otherwise, or when either is missing.
 fn dispatch_delay(msg: &impl Message) -> chrono::TimeDelta {
     let produced = msg.timestamp().to_millis();
@@ -208,7 +208,7 @@ fn dispatch_delay(msg: &impl Message) -> chrono::TimeDelta {
         .and_then(|v| DateTime::parse_from_rfc3339(v).ok())
         .map(|t| t.timestamp_millis());
     match (produced, committed) {
-        (Some(p), Some(c)) if p - c > crate::coordinator::LATE_DISPATCH_MS => {
+        (Some(p), Some(c)) if p - c > crate::contract::LATE_DISPATCH_MS => {
             chrono::TimeDelta::milliseconds(p - c)
         }
         _ => chrono::TimeDelta::zero(),
@@ -367,7 +367,7 @@ impl Worker {
 
     /// The dispatch to run, or `None` for one to skip (its offset is stored).
     /// Its deadline counts from when it was published, when that was late
-    /// (see [`crate::coordinator::LATE_DISPATCH_MS`]).
+    /// (see [`crate::contract::LATE_DISPATCH_MS`]).
     fn admit(&self, pool: &str, payload: &[u8], msg: &impl Message) -> Option<StepDispatch> {
         let step = match StepDispatch::decode(payload) {
             Ok(step) => step,

@@ -9,7 +9,7 @@ use serde_json::{Map, Value};
 use uuid::Uuid;
 
 use super::input::{SCHEMA_VERSION, is_id, truncate};
-use super::names::MAX_NAME_LEN;
+use super::names::{MAX_NAME_LEN, TopicNames};
 
 /// Longest [`DecodeError::message`].
 pub const MAX_DECODE_ERROR_LEN: usize = 512;
@@ -78,7 +78,7 @@ impl EffectKind {
     }
 }
 
-/// Where an effect goes; [`super::names::TopicNames::for_target`] names the topic.
+/// Where an effect goes; [`EffectTarget::topic`] names the topic.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum EffectTarget {
     /// `ductor.steps.<pool>`.
@@ -90,6 +90,26 @@ pub enum EffectTarget {
     /// A workflow's `output_topic`, used verbatim.
     Output { topic: String },
 }
+
+impl EffectTarget {
+    /// The topic this target names among `names`.
+    pub fn topic(&self, names: &TopicNames) -> String {
+        match self {
+            EffectTarget::StepQueue { pool } => names.steps(pool),
+            EffectTarget::Events => names.events(),
+            EffectTarget::Wakeups => names.wakeups(),
+            EffectTarget::Output { topic } => topic.clone(),
+        }
+    }
+}
+
+/// A step's clock starts when its dispatch is published. A dispatch
+/// published more than this after the transition that made it (its
+/// process died first, and another drainer redrove it) has its timeout
+/// timer pushed back by the delay, and a worker counts its deadline from
+/// the record's timestamp instead of `ce_time`: a crash of Ductor costs
+/// the step no time. Delays up to this are the ordinary outbox hop.
+pub const LATE_DISPATCH_MS: i64 = 1_000;
 
 /// A side effect as data; the apply stage writes it as an outbox intent.
 #[derive(Debug, Clone, PartialEq)]

@@ -20,7 +20,9 @@ pub mod names;
 pub mod screen;
 pub mod signature;
 
-pub use effects::{DecodeError, Effect, EffectKind, EffectTarget, StepDispatch, TransitionKind};
+pub use effects::{
+    DecodeError, Effect, EffectKind, EffectTarget, LATE_DISPATCH_MS, StepDispatch, TransitionKind,
+};
 pub use input::{
     AttemptOutcome, AttemptResult, CancelWakeup, Input, InputError, InputErrorClass, InputLimits,
     InputTopic, MISSING_WORKFLOW_REF, RunStart, SignalWakeup, Source, TimerKind, TimerWakeup,

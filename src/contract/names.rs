@@ -1,8 +1,6 @@
 //! Names on the wire: topics, and the keys Ductor derives for what it
 //! publishes.
 
-use super::effects::EffectTarget;
-
 /// Longest workflow, step or pool name.
 pub const MAX_NAME_LEN: usize = 100;
 /// Longest Kafka topic name the broker accepts.
@@ -57,16 +55,6 @@ impl TopicNames {
     /// `<prefix>dlq`: inputs that cannot apply, with their class.
     pub fn dead_letters(&self) -> String {
         format!("{}dlq", self.prefix)
-    }
-
-    /// Where an effect of the fold goes.
-    pub fn for_target(&self, target: &EffectTarget) -> String {
-        match target {
-            EffectTarget::StepQueue { pool } => self.steps(pool),
-            EffectTarget::Events => self.events(),
-            EffectTarget::Wakeups => self.wakeups(),
-            EffectTarget::Output { topic } => topic.clone(),
-        }
     }
 }
 

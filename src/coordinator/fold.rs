@@ -38,14 +38,6 @@ pub const STATE_TOO_LARGE: &str = "state_too_large";
 /// transition ([`fail_missing_workflow`]) and the start of its error.
 pub const WORKFLOW_MISSING: &str = "workflow_missing";
 
-/// A step's clock starts when its dispatch is published. A dispatch
-/// published more than this after the transition that made it (its
-/// process died first, and another drainer redrove it) has its timeout
-/// timer pushed back by the delay, and a worker counts its deadline from
-/// the record's timestamp instead of `ce_time`: a crash of Ductor costs
-/// the step no time. Delays up to this are the ordinary outbox hop.
-pub const LATE_DISPATCH_MS: i64 = 1_000;
-
 /// Fresh randomness supplied by the caller: at most one stamp and one jitter are used
 /// per transition. `stamp` must be new to the run; `jitter_unit` is in `[0, 1)`.
 #[derive(Debug, Clone, Copy, PartialEq)]

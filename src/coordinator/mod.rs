@@ -39,8 +39,8 @@ pub mod versions;
 
 pub use definition::Workflows;
 pub use fold::{
-    AttemptWrite, Decision, Entropy, LATE_DISPATCH_MS, NoOpReason, Rejection, Transition,
-    fail_missing_workflow, fold, fold_purged,
+    AttemptWrite, Decision, Entropy, NoOpReason, Rejection, Transition, fail_missing_workflow,
+    fold, fold_purged,
 };
 pub use state::{AttemptRecord, AttemptStatus, Purged, RunState, RunStatus};
 // The rest of the fold's vocabulary, for the harnesses and the tests.

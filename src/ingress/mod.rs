@@ -753,6 +753,12 @@ async fn process_batch(
             .context("applying batch")?;
         held = sorted.held(&report);
         step.parked = held.len();
+        if !held.is_empty() {
+            tracing::info!(
+                starts = held.len(),
+                "starts wait on idempotency keys other callers hold; parked beside the lane"
+            );
+        }
         settle_inputs(&report, &mut sorted, &mut step);
         settle_routed(&report, &mut sorted, &mut step);
         step.conflicts = report.conflicts;

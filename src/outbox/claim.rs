@@ -313,7 +313,7 @@ impl Drainer {
     }
 
     /// Pushes back the timeout timers of the transitions whose effects were
-    /// published late (more than [`crate::coordinator::LATE_DISPATCH_MS`]
+    /// published late (more than [`crate::contract::LATE_DISPATCH_MS`]
     /// after they were committed: their first drainer died holding them),
     /// by as long as they were late, so the step keeps its whole timeout
     /// from the moment a worker could see its dispatch.
@@ -323,7 +323,7 @@ impl Drainer {
         delivered: &[i64],
     ) -> anyhow::Result<()> {
         let now = Utc::now();
-        let late_after = chrono::TimeDelta::milliseconds(crate::coordinator::LATE_DISPATCH_MS);
+        let late_after = chrono::TimeDelta::milliseconds(crate::contract::LATE_DISPATCH_MS);
         // Lateness first: it is rare, and cheap to test; the delivered
         // list is searched only for the few that are late.
         let mut late: Vec<(&str, i64)> = claimed
