@@ -70,18 +70,14 @@ async fn counter(admin: SocketAddr, name: &str) -> f64 {
 /// Produces `value` and waits until the coordinator has committed past it.
 async fn applied(p: &FutureProducer, config: &Config, topic: &str, key: &str, value: &[u8]) {
     let (partition, offset) = produce(p, topic, key, value, &[]).await;
-    let group = config.kafka.group_id.clone();
-    let topic = topic.to_owned();
-    eventually("the coordinator passed the input", WAIT, || {
-        let (group, topic) = (group.clone(), topic.clone());
-        async move {
-            let committed =
-                tokio::task::spawn_blocking(move || committed_offset(&group, &topic, partition))
-                    .await
-                    .unwrap();
-            (committed > offset).then_some(())
-        }
-    })
+    let group = &config.kafka.group_id;
+    committed_past(
+        "the coordinator passed the input",
+        group,
+        topic,
+        partition,
+        offset,
+    )
     .await;
 }
 

@@ -248,17 +248,14 @@ async fn the_same_keyed_request_through_kafka_redelivered_after_a_crash_makes_on
     .await;
     // Wait for the restarted ingress to have handled everything, including
     // the redelivered messages.
-    let group = env.config.kafka.group_id.clone();
-    eventually("offsets committed past the requests", WAIT, || {
-        let (group, topic) = (group.clone(), requests.clone());
-        async move {
-            let committed =
-                tokio::task::spawn_blocking(move || committed_offset(&group, &topic, partition))
-                    .await
-                    .unwrap();
-            (committed > last).then_some(())
-        }
-    })
+    let group = &env.config.kafka.group_id;
+    committed_past(
+        "offsets committed past the requests",
+        group,
+        &requests,
+        partition,
+        last,
+    )
     .await;
     assert_eq!(
         env.runs().await,
@@ -354,13 +351,8 @@ async fn a_kafka_start_whose_key_an_http_caller_holds_is_parked_and_its_lane_goe
     // Stopping commits what the ingress stored: never past the parked start.
     shutdown.cancel();
     ingress.await.unwrap().unwrap();
-    let group = env.config.kafka.group_id.clone();
-    let committed = {
-        let (group, topic) = (group.clone(), requests.clone());
-        tokio::task::spawn_blocking(move || committed_offset(&group, &topic, partition))
-            .await
-            .unwrap()
-    };
+    let group = &env.config.kafka.group_id;
+    let committed = committed(group, &requests, partition).await;
     assert_eq!(
         committed, held_at,
         "the parked start is read again after a restart"
@@ -392,17 +384,8 @@ async fn a_kafka_start_whose_key_an_http_caller_holds_is_parked_and_its_lane_goe
         ),
         "the key reused for another request is refused once its holder decides"
     );
-    eventually("the partition's offset passes every start", WAIT, || {
-        let (group, topic) = (group.clone(), requests.clone());
-        async move {
-            let committed =
-                tokio::task::spawn_blocking(move || committed_offset(&group, &topic, partition))
-                    .await
-                    .unwrap();
-            (committed > reused_at).then_some(())
-        }
-    })
-    .await;
+    let passed = "the partition's offset passes every start";
+    committed_past(passed, group, &requests, partition, reused_at).await;
     shutdown.cancel();
     restarted.await.unwrap().unwrap();
     assert_eq!(

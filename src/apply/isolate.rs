@@ -449,25 +449,9 @@ impl Applier {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::contract::RunStart;
-    use crate::routing::Reservation;
 
     fn start(tenant: &str, key: &str) -> RouteRequest {
-        RouteRequest {
-            start: RunStart {
-                run_id: format!("run-{key}"),
-                tenant: tenant.into(),
-                workflow: "example".into(),
-                workflow_version: None,
-                pool: "default".into(),
-                input: serde_json::Value::Null,
-                correlation_id: None,
-            },
-            key: Some(key.into()),
-            fingerprint: String::new(),
-            reservation: Reservation::InTransaction,
-            source: None,
-        }
+        RouteRequest::keyed(tenant, key)
     }
 
     #[test]

@@ -144,8 +144,6 @@ impl Parked {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::contract::RunStart;
-    use crate::routing::Reservation;
     use rdkafka::Timestamp;
 
     const RETRY: RetryPolicy = RetryPolicy {
@@ -165,21 +163,7 @@ mod tests {
                 offset,
                 None,
             ),
-            request: RouteRequest {
-                start: RunStart {
-                    run_id: format!("run-{offset}"),
-                    tenant: "acme".into(),
-                    workflow: "example".into(),
-                    workflow_version: None,
-                    pool: "default".into(),
-                    input: serde_json::Value::Null,
-                    correlation_id: None,
-                },
-                key: Some(key.into()),
-                fingerprint: String::new(),
-                reservation: Reservation::InTransaction,
-                source: None,
-            },
+            request: RouteRequest::keyed("acme", key),
         }
     }
 

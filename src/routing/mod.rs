@@ -75,6 +75,28 @@ pub struct RouteRequest {
     pub source: Option<crate::contract::Source>,
 }
 
+#[cfg(test)]
+impl RouteRequest {
+    /// A Kafka start of the example workflow with idempotency key `key`.
+    pub(crate) fn keyed(tenant: &str, key: &str) -> RouteRequest {
+        RouteRequest {
+            start: RunStart {
+                run_id: format!("run-{key}"),
+                tenant: tenant.into(),
+                workflow: "example".into(),
+                workflow_version: None,
+                pool: "default".into(),
+                input: Value::Null,
+                correlation_id: None,
+            },
+            key: Some(key.into()),
+            fingerprint: String::new(),
+            reservation: Reservation::InTransaction,
+            source: None,
+        }
+    }
+}
+
 /// How a request holds its row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reservation {

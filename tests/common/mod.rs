@@ -435,6 +435,23 @@ pub fn committed_offset(group: &str, topic: &str, partition: i32) -> i64 {
     }
 }
 
+/// [`committed_offset`], off the runtime's threads.
+pub async fn committed(group: &str, topic: &str, partition: i32) -> i64 {
+    let (group, topic) = (group.to_owned(), topic.to_owned());
+    tokio::task::spawn_blocking(move || committed_offset(&group, &topic, partition))
+        .await
+        .expect("the offset probe panicked")
+}
+
+/// Waits until `group` has committed an offset past `offset` of
+/// `topic`/`partition`: every message up to it is handled.
+pub async fn committed_past(what: &str, group: &str, topic: &str, partition: i32, offset: i64) {
+    eventually(what, Duration::from_secs(60), || async {
+        (committed(group, topic, partition).await > offset).then_some(())
+    })
+    .await;
+}
+
 /// Sets a topic's `max.message.bytes` and waits until the broker answers
 /// with the new value (it applies an alteration a moment after accepting it).
 pub async fn set_topic_limit(kafka: &KafkaConfig, topic: &str, bytes: u64) {
