@@ -15,7 +15,8 @@
 //!                │
 //!   dispatches / events / timers (Kafka) ─► [client] workers and consumers
 //!
-//!   HTTP ─► [auth] the caller's key: its tenant and scopes
+//!   HTTP ─► [api] the public endpoints: guard, body, handlers by resource
+//!            ├─► [auth] the caller's key: its tenant and scopes
 //!            └─► [routing] reserve → decide → complete, exactly one decision
 //! ```
 //!
@@ -35,6 +36,10 @@ pub mod config;
 pub mod contract;
 
 // Each stage twice: public with `internals`, crate-private without.
+#[cfg(feature = "internals")]
+pub mod api;
+#[cfg(not(feature = "internals"))]
+pub(crate) mod api;
 #[cfg(feature = "internals")]
 pub mod apply;
 #[cfg(not(feature = "internals"))]

@@ -303,7 +303,7 @@ async fn a_kafka_start_whose_key_an_http_caller_holds_is_parked_and_its_lane_goe
     // test waits: a lane that waits behind it never gets to the rest.
     let body = json!({"workflow": "example", "tenant": "acme", "input": {"n": 1}});
     let http_caller =
-        ductor::routing::http::route_request_from_body(body, Some("held-key".into())).unwrap();
+        ductor::api::start::route_request_from_body(body, Some("held-key".into())).unwrap();
     let epoch = ductor::routing::reserve(
         &env.db.pool,
         "acme",
@@ -406,7 +406,7 @@ async fn a_kafka_start_whose_key_an_http_caller_holds_is_parked_and_its_lane_goe
 async fn killed_after_reserve_the_row_is_swept_and_reclaimed_and_the_late_caller_cannot_complete() {
     let env = Env::new(|c| c.routing.pending_ttl_ms = 200).await;
     let applier = env.applier();
-    let late = ductor::routing::http::route_request_from_body(
+    let late = ductor::api::start::route_request_from_body(
         json!({"workflow": "example", "tenant": "acme", "input": {"x": 1}}),
         Some("swept-key".into()),
     )
@@ -425,19 +425,23 @@ async fn killed_after_reserve_the_row_is_swept_and_reclaimed_and_the_late_caller
     .expect("the first caller wins the key");
     // The sweeper marks the expired reservation failed.
     eventually("the pending row is swept", WAIT, || async {
-        (ductor::routing::sweep(&env.db.pool, 100).await.unwrap() > 0).then_some(())
+        (ductor::routing::retention::sweep(&env.db.pool, 100)
+            .await
+            .unwrap()
+            > 0)
+        .then_some(())
     })
     .await;
     // The next caller reclaims the key and decides.
-    let next = ductor::routing::http::route_request_from_body(
+    let next = ductor::api::start::route_request_from_body(
         json!({"workflow": "example", "tenant": "acme", "input": {"x": 1}}),
         Some("swept-key".into()),
     )
     .unwrap();
-    let submitted = ductor::routing::http::submit(&applier, &env.config.routing, next)
+    let submitted = ductor::api::start::submit(&applier, &env.config.routing, next)
         .await
         .expect("the next caller gets a decision");
-    let ductor::routing::http::Submitted::Created(decision) = submitted else {
+    let ductor::api::start::Submitted::Created(decision) = submitted else {
         panic!("a reclaimed key is a new decision: {submitted:?}");
     };
     let new_epoch: i64 = sqlx::query_scalar(
@@ -506,9 +510,10 @@ async fn ttl_expiry_gives_a_new_decision_and_retention_never_deletes_pending_row
     .execute(&env.db.pool)
     .await
     .unwrap();
-    let purged = ductor::routing::purge(&env.db.pool, Duration::from_secs(86_400), 1, 100)
-        .await
-        .unwrap();
+    let purged =
+        ductor::routing::retention::purge(&env.db.pool, Duration::from_secs(86_400), 1, 100)
+            .await
+            .unwrap();
     assert_eq!(
         purged, 2,
         "the failed row and the long-expired completed row"
@@ -603,7 +608,7 @@ async fn the_reject_policy_answers_in_progress_and_bad_requests_get_json_errors(
     let addr = server.api;
     let request = json!({"workflow": "example", "tenant": "acme", "pool": "strict", "input": 1});
     let fingerprint =
-        ductor::routing::http::route_request_from_body(request.clone(), Some("busy".into()))
+        ductor::api::start::route_request_from_body(request.clone(), Some("busy".into()))
             .unwrap()
             .fingerprint;
     // Another caller holds the key and has not decided.

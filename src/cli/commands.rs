@@ -92,7 +92,7 @@ pub async fn submit(args: SubmitArgs, config: &Config) -> anyhow::Result<serde_j
         body["workflow_version"] = version.into();
     }
     let key = args.idempotency_key.filter(|k| !k.is_empty());
-    let request = crate::routing::http::route_request_from_body(body, key)
+    let request = crate::api::start::route_request_from_body(body, key)
         .map_err(|e| anyhow::anyhow!("{}: {}", e.code, e.message))?;
     crate::contract::bound_start(&request.start, args.input.len(), &limits)
         .map_err(|e| anyhow::anyhow!("--input: {}: {}", e.class.as_str(), e.message))?;
@@ -105,12 +105,12 @@ pub async fn submit(args: SubmitArgs, config: &Config) -> anyhow::Result<serde_j
     // processes learn of the run's first effects by the commit's NOTIFY,
     // not by their poll.
     applier.notify_commits = true;
-    let submitted = crate::routing::http::submit(&applier, &config.routing, request)
+    let submitted = crate::api::start::submit(&applier, &config.routing, request)
         .await
         .map_err(|e| anyhow::anyhow!("{}: {}", e.code, e.message))?;
     let status = match submitted {
-        crate::routing::http::Submitted::Created(_) => "created",
-        crate::routing::http::Submitted::Duplicate(_) => "duplicate",
+        crate::api::start::Submitted::Created(_) => "created",
+        crate::api::start::Submitted::Duplicate(_) => "duplicate",
     };
     let mut out = serde_json::to_value(submitted.decision())?;
     out["outcome"] = status.into();

@@ -136,7 +136,7 @@ pub async fn run_on(
     let routers = Routers {
         public: limit_failures(
             crate::infra::health::public_router(http_state.clone())
-                .merge(crate::routing::http::router(api_state)),
+                .merge(crate::api::router(api_state)),
         ),
         admin: limit_failures(crate::infra::health::admin_router(http_state, admin_keys)),
     };
@@ -343,7 +343,7 @@ async fn api_state(
     workflows: &Workflows,
     handoff: Option<Handoff>,
     wakeup: &Wakeup,
-) -> anyhow::Result<crate::routing::http::ApiState> {
+) -> anyhow::Result<crate::api::ApiState> {
     let pool = crate::infra::db::connect_api(&config.database).await?;
     let mut api_applier = crate::apply::Applier::new(config, pool.clone(), workflows.clone());
     api_applier.handoff = handoff.clone();
@@ -355,7 +355,7 @@ async fn api_state(
             config.server.listen
         );
     }
-    Ok(crate::routing::http::ApiState {
+    Ok(crate::api::ApiState {
         decider: Arc::new(api_applier),
         routing: config.routing.clone(),
         limits: config.input_limits(),
@@ -370,8 +370,8 @@ async fn api_state(
             config.server.request_burst,
         )),
         body_read_timeout: Duration::from_millis(config.server.body_read_timeout_ms),
-        guard: crate::routing::guard::Guard::new(&config.server),
-        inputs: crate::routing::runs::InputSink {
+        guard: crate::api::guard::Guard::new(&config.server),
+        inputs: crate::api::InputSink {
             producer: crate::infra::kafka::producer(&config.kafka, "api")?,
             topic: config.wakeups_topic(),
             timeout: Duration::from_millis(config.kafka.delivery_timeout_ms),
@@ -484,9 +484,8 @@ fn spawn_routing_maintenance(tasks: &Tasks, pool: &PgPool, config: &Config) {
     let pool = pool.clone();
     let routing = config.routing.clone();
     let shutdown = tasks.shutdown.clone();
-    tasks
-        .tracker
-        .spawn(async move { routing_maintenance(pool, routing, shutdown).await });
+    let maintenance = crate::routing::retention::run(pool, routing, shutdown);
+    tasks.tracker.spawn(maintenance);
 }
 
 /// Starts publishing the outbox. The lane ends when the last handoff (the
@@ -623,34 +622,6 @@ async fn wait_for_shutdown(tasks: Tasks, config: &Config, pool: PgPool) -> anyho
         None => {
             tracing::info!("stopped");
             Ok(())
-        }
-    }
-}
-
-/// The routing plane's sweeper and retention, each bounded per round.
-async fn routing_maintenance(
-    pool: sqlx::PgPool,
-    config: crate::config::RoutingConfig,
-    shutdown: CancellationToken,
-) {
-    let mut sweep = tokio::time::interval(Duration::from_millis(config.sweep_interval_ms));
-    let mut purge = tokio::time::interval(Duration::from_millis(config.purge_interval_ms));
-    sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    purge.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = sweep.tick() => {
-                if let Err(e) = crate::routing::sweep(&pool, config.sweep_batch).await {
-                    tracing::warn!(error = %e, "routing sweep failed");
-                }
-            }
-            _ = purge.tick() => {
-                let retention = Duration::from_millis(config.retention_ms);
-                if let Err(e) = crate::routing::purge(&pool, retention, config.purge_batch, config.purge_max_rounds).await {
-                    tracing::warn!(error = %e, "routing retention failed");
-                }
-            }
         }
     }
 }

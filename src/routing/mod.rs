@@ -22,11 +22,15 @@
 //! transaction; HTTP requests reserve first, so that duplicates arriving while
 //! the first caller is in flight see a `pending` row and follow the pool's
 //! duplicate-waiter policy.
+//!
+//! In: start requests, from the ingress (inside its batch's transaction) or
+//! from [`crate::api`] (reserved first). Out: a [`RouteOutcome`] per
+//! request, and the rows of `eec_routing_idempotency`. Guarantees: one
+//! decision per key while the key's decision is valid; the HTTP face, its
+//! errors and its handlers live in [`crate::api`], not here.
 
 mod decide;
-pub mod guard;
-pub mod http;
-pub mod runs;
+pub mod retention;
 mod sql;
 
 pub use decide::{Decide, DecideError};
@@ -36,11 +40,9 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
-use sqlx::{PgPool, Postgres, Row, Transaction as PgTx};
+use sqlx::{Postgres, Row, Transaction as PgTx};
 
-use self::sql::{
-    COMPLETE_SQL, EXISTING_SQL, FENCE_SQL, PURGE_SQL, RESERVE_SQL, STATUS_SQL, SWEEP_SQL,
-};
+use self::sql::{COMPLETE_SQL, EXISTING_SQL, FENCE_SQL, RESERVE_SQL, STATUS_SQL};
 use crate::config::{DuplicatePolicy, RoutingConfig};
 use crate::contract::{Input, InputError, InputErrorClass, InputTopic, RunStart, decode_value};
 
@@ -439,37 +441,6 @@ pub async fn complete_in_tx(
         .await?
         .rows_affected();
     Ok(done == 1)
-}
-
-/// Moves expired `pending` rows to `failed_before_commit`, at most `batch`.
-pub async fn sweep(pool: &PgPool, batch: usize) -> Result<u64, sqlx::Error> {
-    let swept = sqlx::query(SWEEP_SQL)
-        .bind(batch as i64)
-        .execute(pool)
-        .await?
-        .rows_affected();
-    if swept > 0 {
-        tracing::info!(swept, "swept expired pending reservations");
-        metrics::counter!("ductor_routing_swept_total").increment(swept);
-    }
-    Ok(swept)
-}
-
-/// Deletes long-dead rows (failed, or completed past their TTL, for longer
-/// than `retention`) in batches of `batch`, at most `max_rounds` statements.
-/// Never deletes a `pending` row.
-pub async fn purge(
-    pool: &PgPool,
-    retention: Duration,
-    batch: usize,
-    max_rounds: u32,
-) -> Result<u64, sqlx::Error> {
-    let total =
-        crate::infra::db::delete_in_rounds(pool, PURGE_SQL, retention, batch, max_rounds).await?;
-    if total > 0 {
-        tracing::info!(purged = total, "purged long-dead idempotency rows");
-    }
-    Ok(total)
 }
 
 /// The duplicate-waiter policy of a pool.

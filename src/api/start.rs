@@ -1,38 +1,31 @@
-//! The public HTTP API: the ingress of the routing plane, for callers who
-//! want a synchronous answer, and the run endpoints beside it
-//! ([`super::runs`]). Every request carries `Authorization: Bearer <key>`
-//! (see [`crate::auth`]) and acts as its key's tenant:
+//! `POST /v1/runs`: a start request routed to exactly one decision. The
+//! caller's `Idempotency-Key` is reserved first, so that a duplicate
+//! arriving while the first caller is deciding meets a `pending` row and
+//! follows its pool's duplicate-waiter policy (`reject` at once, or `wait`
+//! for the decision within `wait_timeout_ms`).
 //!
-//! - `POST /v1/runs` with an optional `Idempotency-Key` header starts a run:
-//!   201 with the decision when it is new, 200 with the same body for a
-//!   duplicate, 409 while the first caller is still deciding under the
-//!   `reject` policy (or when a `wait` ran out), 422 when the key was used for
-//!   a different request or the workflow is unknown;
-//! - `GET /v1/runs/{id}` returns the run;
-//! - `POST /v1/runs/{id}/signals` and `POST /v1/runs/{id}/cancel` put a
-//!   signal or a cancel for the run on the wakeups topic.
-//!
-//! Errors are JSON, `{"error": {"code": "...", "message": "..."}}`, with a
-//! stable `code`: 401 `unauthenticated` for a missing, unknown, expired or
-//! revoked key (which one is not said), 403 `insufficient_scope` and
-//! `tenant_mismatch`.
+//! In: the request's key header and JSON body, bound to the caller's
+//! tenant. Out: [`Submitted`] (201 with a new decision, 200 with the same
+//! body for a duplicate) or an [`ApiError`]. Guarantees: one decision per
+//! `(tenant, pool, key)`, whoever asks and however often; a caller whose
+//! reservation was swept while it decided never answers over the new
+//! owner's decision. [`submit`] is shared with `ductor submit`.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use axum::Router;
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode, header};
+use axum::http::{HeaderMap, Request, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
-use crate::auth::rate::RateLimiter;
-use crate::auth::{AuthError, Authenticator, Identity, Scope, TenantError};
+use super::ApiState;
+use super::error::{ApiError, body_error, database};
+use super::request::{authenticate, read_body, tenant};
+use crate::auth::{Identity, Scope};
 use crate::config::{DuplicatePolicy, RoutingConfig};
-use crate::contract::{InputError, InputErrorClass, InputLimits, parse_value};
+use crate::contract::parse_value;
 use crate::routing::{
     self, Decide, DecideError, Reservation, ReserveKind, RouteOutcome, RouteRequest,
     RoutingDecision, WaiterStep,
@@ -41,145 +34,6 @@ use crate::routing::{
 /// How often a reservation is re-tried after it was lost to a sweep, before
 /// the caller is told to come back.
 const MAX_RESERVE_ROUNDS: u32 = 8;
-
-#[derive(Clone)]
-pub struct ApiState {
-    /// Decides the runs, in the database the keys are reserved in.
-    pub decider: Arc<dyn Decide>,
-    pub routing: RoutingConfig,
-    /// The bounds a body keeps, as every input does on Kafka.
-    pub limits: InputLimits,
-    /// Pokes the in-process drainer after a decision committed effects.
-    pub wakeup: Option<crate::outbox::Wakeup>,
-    /// Who the requests come from.
-    pub auth: Authenticator,
-    /// Where signals and cancels go.
-    pub inputs: super::runs::InputSink,
-    /// Each key's request rate.
-    pub rates: Arc<RateLimiter>,
-    /// Bound on reading a body once the headers are in.
-    pub body_read_timeout: Duration,
-    /// Concurrency and time bounds of every request.
-    pub guard: super::guard::Guard,
-}
-
-pub fn router(state: ApiState) -> Router {
-    let guard = state.guard.clone();
-    Router::new()
-        .route("/v1/runs", post(create_run))
-        .route("/v1/runs/{run_id}", get(super::runs::get_run))
-        .route("/v1/runs/{run_id}/signals", post(super::runs::signal_run))
-        .route("/v1/runs/{run_id}/cancel", post(super::runs::cancel_run))
-        .with_state(state)
-        .layer(axum::middleware::from_fn_with_state(
-            guard,
-            super::guard::guard,
-        ))
-}
-
-/// An error answer with a stable code.
-#[derive(Debug)]
-pub struct ApiError {
-    pub status: StatusCode,
-    pub code: &'static str,
-    pub message: String,
-    /// Extra response headers (`WWW-Authenticate`, `Retry-After`).
-    pub headers: Vec<(HeaderName, HeaderValue)>,
-}
-
-impl ApiError {
-    pub(crate) fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        ApiError {
-            status,
-            code,
-            message: message.into(),
-            headers: Vec::new(),
-        }
-    }
-
-    pub(crate) fn with_header(mut self, name: HeaderName, value: &'static str) -> Self {
-        self.headers.push((name, HeaderValue::from_static(value)));
-        self
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = json!({"error": {"code": self.code, "message": self.message}});
-        let mut response = (self.status, axum::Json(body)).into_response();
-        response.headers_mut().extend(self.headers);
-        response
-    }
-}
-
-/// Who sent `headers`, if it may do what needs `scope`.
-pub(crate) async fn authenticate(
-    state: &ApiState,
-    headers: &HeaderMap,
-    scope: Scope,
-) -> Result<Identity, ApiError> {
-    let authorization = headers
-        .get(header::AUTHORIZATION)
-        .map(HeaderValue::as_bytes);
-    let identity = state
-        .auth
-        .authenticate(authorization, scope)
-        .await
-        .map_err(|e| match e {
-            AuthError::Unauthenticated(_) => ApiError::new(
-                StatusCode::UNAUTHORIZED,
-                "unauthenticated",
-                "a valid API key is required: Authorization: Bearer <key>",
-            )
-            .with_header(header::WWW_AUTHENTICATE, "Bearer"),
-            AuthError::MissingScope(scope) => ApiError::new(
-                StatusCode::FORBIDDEN,
-                "insufficient_scope",
-                format!("this key does not have the {} scope", scope.as_str()),
-            ),
-            AuthError::Unavailable(e) => database(e),
-        })?;
-    if let Identity::Key(caller) = &identity {
-        let now = std::time::Instant::now();
-        if let Err(wait) = state
-            .rates
-            .admit(&caller.key_id, caller.requests_per_second, now)
-        {
-            super::guard::refused("rate_limited");
-            let mut error = ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "rate_limited",
-                "this key's request rate is used up; retry after the Retry-After seconds",
-            );
-            let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
-            error
-                .headers
-                .push((header::RETRY_AFTER, HeaderValue::from(seconds.max(1))));
-            return Err(error);
-        }
-    }
-    Ok(identity)
-}
-
-/// The tenant a request acts as (see [`crate::auth::tenant_for`]).
-pub(crate) fn tenant(
-    identity: &Identity,
-    named: Option<&str>,
-    default: Option<&str>,
-) -> Result<String, ApiError> {
-    crate::auth::tenant_for(identity, named, default).map_err(|e| match e {
-        TenantError::Mismatch => ApiError::new(
-            StatusCode::FORBIDDEN,
-            "tenant_mismatch",
-            "the request names a tenant other than its API key's",
-        ),
-        TenantError::Missing => ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "missing_tenant",
-            "the X-Ductor-Tenant header is required",
-        ),
-    })
-}
 
 /// Sets a start body's `tenant` to the one the request acts as. A `tenant`
 /// that is no string is left for the contract to refuse.
@@ -212,7 +66,7 @@ impl Submitted {
     }
 }
 
-async fn create_run(State(state): State<ApiState>, request: Request<Body>) -> Response {
+pub(super) async fn create_run(State(state): State<ApiState>, request: Request<Body>) -> Response {
     match create_run_inner(&state, request).await {
         Ok(Submitted::Created(d)) => (StatusCode::CREATED, axum::Json(d)).into_response(),
         Ok(Submitted::Duplicate(d)) => (StatusCode::OK, axum::Json(d)).into_response(),
@@ -239,91 +93,6 @@ async fn create_run_inner(state: &ApiState, request: Request<Body>) -> Result<Su
         wakeup.wake();
     }
     Ok(submitted)
-}
-
-/// A request's body, up to `routing.max_body_bytes` and within
-/// `server.body_read_timeout_ms`. A body must say it is JSON.
-pub(crate) async fn read_body(
-    state: &ApiState,
-    request: Request<Body>,
-) -> Result<axum::body::Bytes, ApiError> {
-    let json = request
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(is_json);
-    let limit = state.routing.max_body_bytes;
-    let read =
-        http_body_util::BodyExt::collect(http_body_util::Limited::new(request.into_body(), limit));
-    let bytes = tokio::time::timeout(state.body_read_timeout, read)
-        .await
-        .map_err(|_| {
-            super::guard::refused("body_timeout");
-            ApiError::new(
-                StatusCode::REQUEST_TIMEOUT,
-                "body_timeout",
-                format!(
-                    "the body did not arrive within {} ms",
-                    state.body_read_timeout.as_millis()
-                ),
-            )
-        })?
-        .map_err(|e| {
-            if e.is::<http_body_util::LengthLimitError>() {
-                ApiError::new(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    "body_too_large",
-                    format!("the request body exceeds {limit} bytes"),
-                )
-            } else {
-                ApiError::new(
-                    StatusCode::BAD_REQUEST,
-                    "body_incomplete",
-                    "the body ended before its length",
-                )
-            }
-        })?
-        .to_bytes();
-    if !bytes.is_empty() && !json {
-        super::guard::refused("unsupported_media_type");
-        return Err(ApiError::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
-            "a body must be sent with Content-Type: application/json",
-        ));
-    }
-    Ok(bytes)
-}
-
-/// `application/json`, with or without parameters (`; charset=utf-8`).
-fn is_json(content_type: &str) -> bool {
-    content_type
-        .split(';')
-        .next()
-        .is_some_and(|essence| essence.trim().eq_ignore_ascii_case("application/json"))
-}
-
-/// The answer to a body that is no acceptable JSON: 422 with the
-/// screen's class for valid JSON that cannot be kept as sent, 413 for one
-/// over the size limit, 400 for anything else.
-pub fn body_error(error: InputError) -> ApiError {
-    match error.class {
-        InputErrorClass::Refused(violation) => ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            violation.as_str(),
-            error.message,
-        ),
-        InputErrorClass::TooLarge => ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "body_too_large",
-            error.message,
-        ),
-        _ => ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_json",
-            format!("the body is {}", error.message),
-        ),
-    }
 }
 
 fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
@@ -605,15 +374,6 @@ async fn decide(decider: &dyn Decide, request: &RouteRequest) -> Result<RouteOut
     Ok(outcome)
 }
 
-pub(crate) fn database(e: sqlx::Error) -> ApiError {
-    tracing::warn!(error = %e, "routing query failed");
-    ApiError::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "unavailable",
-        "the database is unavailable; retry with the same key",
-    )
-}
-
 fn unexpected(outcome: RouteOutcome) -> ApiError {
     tracing::error!(?outcome, "unexpected routing outcome");
     ApiError::new(
@@ -621,28 +381,4 @@ fn unexpected(outcome: RouteOutcome) -> ApiError {
         "internal",
         "unexpected routing outcome",
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::is_json;
-
-    #[test]
-    fn json_is_json_whatever_its_parameters_and_case() {
-        for yes in [
-            "application/json",
-            "application/json; charset=utf-8",
-            "Application/JSON",
-        ] {
-            assert!(is_json(yes), "{yes}");
-        }
-        for no in [
-            "",
-            "text/plain",
-            "application/jsonx",
-            "application/x-www-form-urlencoded",
-        ] {
-            assert!(!is_json(no), "{no}");
-        }
-    }
 }

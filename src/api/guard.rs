@@ -3,6 +3,10 @@
 //! `overloaded`, not queued), and requests past `server.request_timeout_ms`
 //! (503 `timeout`). Each refusal is counted in
 //! `ductor_api_refused_total{reason}`.
+//!
+//! In: every request of the public listener. Out: the handler's response,
+//! or 503 with `Retry-After`. Guarantees: at most `max_concurrent_requests`
+//! handlers run at once, and none runs longer than `request_timeout_ms`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,7 +17,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use tokio::sync::Semaphore;
 
-use super::http::ApiError;
+use super::error::{ApiError, refused};
 use crate::config::ServerConfig;
 
 /// The bounds of the public API, shared by its requests.
@@ -30,11 +34,6 @@ impl Guard {
             timeout: Duration::from_millis(server.request_timeout_ms),
         }
     }
-}
-
-/// Counts a refusal of the public API by its code.
-pub(crate) fn refused(reason: &'static str) {
-    metrics::counter!("ductor_api_refused_total", "reason" => reason).increment(1);
 }
 
 /// The middleware: a permit for the request's whole life, within its time.

@@ -6,33 +6,28 @@
 //! as the same input a Kafka producer would send, keyed by the run, so that
 //! the run's one writer (the coordinator) folds it in order with the run's
 //! other inputs. 202 means the broker has it.
-
-use std::time::Duration;
+//!
+//! In: a run id in the path, and a signal's JSON body. Out: the run's
+//! summary (200), 404 for a run the caller's tenant does not have, 410 for
+//! one retention deleted, or 202 once the broker holds the input.
+//! Guarantees: a tenant never learns whether another tenant's run exists; a
+//! signal id already recorded with another name or payload is 422, not a
+//! second signal.
 
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, Request, StatusCode};
 use axum::response::{IntoResponse, Response};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::FutureRecord;
 use serde_json::{Map, Value, json};
 use sqlx::Row;
 
-use super::http::{ApiError, ApiState, authenticate, body_error, database, read_body, tenant};
+use super::ApiState;
+use super::error::{ApiError, body_error, database};
+use super::request::{authenticate, read_body, tenant};
 use crate::auth::Scope;
 use crate::contract::{Input, InputTopic, SignalWakeup, decode_value, parse_value};
-
-/// Where the API puts the inputs it accepts for the coordinator.
-#[derive(Clone)]
-pub struct InputSink {
-    pub producer: FutureProducer,
-    /// The wakeups topic.
-    pub topic: String,
-    /// Bound on the broker's acknowledgement.
-    pub timeout: Duration,
-    /// The tenants' signing keys: an input of a tenant with one is signed,
-    /// as the ingress may require.
-    pub signatures: crate::config::SignaturesConfig,
-}
+use crate::routing;
 
 /// `GET /v1/runs/{id}`: the run, if it is the caller's tenant's.
 pub(crate) async fn get_run(
@@ -112,7 +107,7 @@ fn already_signalled(
     let ours = crate::contract::fingerprint::signal(&signal.name, &signal.payload);
     match record.get("fingerprint").and_then(Value::as_str) {
         Some(stored) if stored != ours => {
-            super::count_mismatch(super::MismatchPath::Signal);
+            routing::count_mismatch(routing::MismatchPath::Signal);
             Err(ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "idempotency_mismatch",

@@ -1,0 +1,91 @@
+//! The public HTTP API: the routing plane's door for callers who want a
+//! synchronous answer, and the run endpoints beside it. Every request
+//! carries `Authorization: Bearer <key>` (see [`crate::auth`]) and acts as
+//! its key's tenant:
+//!
+//! - `POST /v1/runs` with an optional `Idempotency-Key` header starts a run
+//!   ([`start`]): 201 with the decision when it is new, 200 with the same
+//!   body for a duplicate, 409 while the first caller is still deciding
+//!   under the `reject` policy (or when a `wait` ran out), 422 when the key
+//!   was used for a different request or the workflow is unknown;
+//! - `GET /v1/runs/{id}` returns the run ([`runs`]);
+//! - `POST /v1/runs/{id}/signals` and `POST /v1/runs/{id}/cancel` put a
+//!   signal or a cancel for the run on the wakeups topic ([`runs`]).
+//!
+//! Errors are JSON, `{"error": {"code": "...", "message": "..."}}`, with a
+//! stable `code` ([`error`]): 401 `unauthenticated` for a missing, unknown,
+//! expired or revoked key (which one is not said), 403 `insufficient_scope`
+//! and `tenant_mismatch`.
+//!
+//! In: HTTP requests from the public listener ([`crate::infra::http_server`]).
+//! Out: decisions through [`crate::routing`] and the [`Decide`] the apply
+//! stage provides; signals and cancels on Kafka. Guarantees: a request is
+//! bounded in concurrency and time before it reaches a handler ([`guard`]),
+//! in size and read time before its body is parsed ([`request`]), and its
+//! tenant is its key's, never one it names.
+
+pub mod error;
+pub mod guard;
+mod request;
+pub mod runs;
+pub mod start;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::{get, post};
+use rdkafka::producer::FutureProducer;
+
+use crate::auth::Authenticator;
+use crate::auth::rate::RateLimiter;
+use crate::config::{RoutingConfig, SignaturesConfig};
+use crate::contract::InputLimits;
+use crate::routing::Decide;
+
+/// What every handler shares.
+#[derive(Clone)]
+pub struct ApiState {
+    /// Decides the runs, in the database the keys are reserved in.
+    pub decider: Arc<dyn Decide>,
+    pub routing: RoutingConfig,
+    /// The bounds a body keeps, as every input does on Kafka.
+    pub limits: InputLimits,
+    /// Pokes the in-process drainer after a decision committed effects.
+    pub wakeup: Option<crate::outbox::Wakeup>,
+    /// Who the requests come from.
+    pub auth: Authenticator,
+    /// Where signals and cancels go.
+    pub inputs: InputSink,
+    /// Each key's request rate.
+    pub rates: Arc<RateLimiter>,
+    /// Bound on reading a body once the headers are in.
+    pub body_read_timeout: Duration,
+    /// Concurrency and time bounds of every request.
+    pub guard: guard::Guard,
+}
+
+/// Where the API puts the inputs it accepts for the coordinator.
+#[derive(Clone)]
+pub struct InputSink {
+    pub producer: FutureProducer,
+    /// The wakeups topic.
+    pub topic: String,
+    /// Bound on the broker's acknowledgement.
+    pub timeout: Duration,
+    /// The tenants' signing keys: an input of a tenant with one is signed,
+    /// as the ingress may require.
+    pub signatures: SignaturesConfig,
+}
+
+/// The public routes, each behind the guard.
+pub fn router(state: ApiState) -> Router {
+    let guard = state.guard.clone();
+    Router::new()
+        .route("/v1/runs", post(start::create_run))
+        .route("/v1/runs/{run_id}", get(runs::get_run))
+        .route("/v1/runs/{run_id}/signals", post(runs::signal_run))
+        .route("/v1/runs/{run_id}/cancel", post(runs::cancel_run))
+        .with_state(state)
+        .layer(axum::middleware::from_fn_with_state(guard, guard::guard))
+}
