@@ -11,7 +11,6 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use common::Serve as Env;
@@ -52,19 +51,6 @@ impl Env {
         .await;
         began.elapsed()
     }
-}
-
-/// A metric's value on the admin listener (a counter or a gauge, summed
-/// over its series that contain `label`), 0 when it has none.
-async fn metric(admin: SocketAddr, headers: &[(&str, &str)], name: &str, label: &str) -> f64 {
-    let (status, body) = http(admin, "GET", "/metrics", headers, b"").await;
-    assert_eq!(status, 200);
-    String::from_utf8(body)
-        .unwrap()
-        .lines()
-        .filter(|l| l.starts_with(name) && l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
-        .sum()
 }
 
 /// A connection that sends nothing: whether the server has closed it

@@ -178,11 +178,7 @@ async fn tls_get(
 /// The value of one series of the process's metrics, 0 while it has none.
 fn counter(series: &str) -> u64 {
     let metrics = ductor::infra::telemetry::metrics_handle().render();
-    metrics
-        .lines()
-        .find_map(|line| line.strip_prefix(series))
-        .and_then(|value| value.trim().parse().ok())
-        .unwrap_or(0)
+    ductor_testkit::metrics::value(&metrics, series).unwrap_or(0.0) as u64
 }
 
 /// Writes `bytes` on a fresh connection and reads until the server closes

@@ -7,7 +7,6 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use common::*;
@@ -56,17 +55,6 @@ async fn rows(db: &TestDb, table: &str, ids: &[String]) -> i64 {
     .unwrap()
 }
 
-async fn counter(admin: SocketAddr, name: &str) -> f64 {
-    let (status, body) = http(admin, "GET", "/metrics", &[], b"").await;
-    assert_eq!(status, 200);
-    String::from_utf8(body)
-        .unwrap()
-        .lines()
-        .find(|l| l.starts_with(name))
-        .and_then(|l| l.rsplit(' ').next())
-        .map_or(0.0, |v| v.parse().unwrap())
-}
-
 /// Produces `value` and waits until the coordinator has committed past it.
 async fn applied(p: &FutureProducer, config: &Config, topic: &str, key: &str, value: &[u8]) {
     let (partition, offset) = produce(p, topic, key, value, &[]).await;
@@ -106,7 +94,7 @@ async fn finished_runs_are_purged_in_batches_and_stay_purged() {
         listeners,
         shutdown.clone(),
     ));
-    let purged_before = counter(admin, "ductor_runs_purged_total").await;
+    let purged_before = metric(admin, &[], "ductor_runs_purged_total", "").await;
 
     // Seven runs: five cancelled long ago, one cancelled just now, one
     // still running (no worker answers its step).
@@ -160,7 +148,7 @@ async fn finished_runs_are_purged_in_batches_and_stay_purged() {
         rows(&db, "runs", &[young.clone(), running.clone()]).await,
         2
     );
-    let purged = counter(admin, "ductor_runs_purged_total").await - purged_before;
+    let purged = metric(admin, &[], "ductor_runs_purged_total", "").await - purged_before;
     assert_eq!(purged, 5.0, "ductor_runs_purged_total moved by {purged}");
 
     // Late inputs for a purged run: the same start, a signal, a cancel

@@ -19,7 +19,6 @@ use ductor::contract::headers::{DLQ_CLASS, DLQ_OFFSET};
 use ductor::ingress::{IngressContext, TestHooks};
 use ductor::routing::{Reservation, RouteOutcome};
 use serde_json::{Value, json};
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -35,17 +34,12 @@ struct Server {
     api: Api,
     /// The admin listener: metrics and the detailed readiness.
     admin: SocketAddr,
-    shutdown: CancellationToken,
-    task: JoinHandle<anyhow::Result<()>>,
+    running: Running,
 }
 
 impl Server {
     async fn stop(self) {
-        self.shutdown.cancel();
-        self.task
-            .await
-            .expect("serve panicked")
-            .expect("serve stopped with an error");
+        self.running.stop().await;
     }
 }
 
@@ -63,36 +57,16 @@ impl Env {
     }
 
     async fn serve(&self) -> Server {
-        let listeners = ductor::cli::serve::Listeners::bind(&self.config.server)
-            .await
-            .unwrap();
-        let addr = listeners.public.local_addr().unwrap();
-        let admin = listeners.admin.local_addr().unwrap();
-        let shutdown = CancellationToken::new();
-        let task = tokio::spawn(ductor::cli::serve::run_on(
-            self.config.clone(),
-            listeners,
-            shutdown.clone(),
-        ));
-        let server = Server {
-            addr,
+        let running = Running::start(&self.config).await;
+        Server {
+            addr: running.addr,
             api: Api {
-                addr,
+                addr: running.addr,
                 token: leak(api_key(&self.db, "acme", &ALL_SCOPES).await),
             },
-            admin,
-            shutdown,
-            task,
-        };
-        eventually("serve answers /healthz", WAIT, || async {
-            let connect = tokio::net::TcpStream::connect(addr).await;
-            if connect.is_err() {
-                return None;
-            }
-            (http(addr, "GET", "/healthz", &[], b"").await.0 == 200).then_some(())
-        })
-        .await;
-        server
+            admin: running.admin,
+            running,
+        }
     }
 
     fn applier(&self) -> Applier {

@@ -19,7 +19,6 @@ use ductor::config::Config;
 use ductor::contract::{EffectKind, Input, RunStart};
 use rdkafka::message::Message;
 use serde_json::{Value, json};
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -90,40 +89,6 @@ async fn runs(db: &TestDb) -> Vec<(String, String, i64, i64, Option<String>)> {
     .unwrap()
 }
 
-/// Starts `serve` with `config` and waits until it answers ready on its
-/// public listener: by then its check of the versions is done.
-async fn start_serve(config: &Config) -> (JoinHandle<anyhow::Result<()>>, CancellationToken) {
-    let listeners = ductor::cli::serve::Listeners::bind(&config.server)
-        .await
-        .unwrap();
-    let addr = listeners.public.local_addr().unwrap();
-    let shutdown = CancellationToken::new();
-    let serve = tokio::spawn(ductor::cli::serve::run_on(
-        config.clone(),
-        listeners,
-        shutdown.clone(),
-    ));
-    eventually("serve answers ready", WAIT, || async {
-        if tokio::net::TcpStream::connect(addr).await.is_err() {
-            return None;
-        }
-        let (status, _) = http(addr, "GET", "/readyz", &[], b"").await;
-        (status == 200).then_some(())
-    })
-    .await;
-    (serve, shutdown)
-}
-
-/// Stops a `serve` of [`start_serve`] and checks that it stopped cleanly.
-async fn stop_serve(serve: JoinHandle<anyhow::Result<()>>, shutdown: CancellationToken) {
-    shutdown.cancel();
-    tokio::time::timeout(WAIT, serve)
-        .await
-        .expect("serve stops")
-        .expect("serve did not panic")
-        .expect("serve stopped cleanly");
-}
-
 /// A workflows directory with versions `versions` of "flow", and `config`
 /// pointed at it and at its step pool, with its topics made.
 async fn flow_dir(config: &mut Config, versions: &[u32]) -> tempfile::TempDir {
@@ -185,7 +150,7 @@ async fn serve_refuses_runs_of_a_removed_version_and_fails_them_when_told_to() {
     // Told to, serve fails them as it starts, and then runs.
     config.coordinator.fail_runs_of_missing_workflows = true;
     let events = reader(&[&config.events_topic()]);
-    let (serve, shutdown) = start_serve(&config).await;
+    let serve = Running::start(&config).await;
     // Failed before serve answers ready, let alone consumes an input.
     let error = "workflow_missing: workflow \"flow\" version 1 is no longer defined";
     let after = runs(&db).await;
@@ -220,12 +185,12 @@ async fn serve_refuses_runs_of_a_removed_version_and_fails_them_when_told_to() {
         }
     }
 
-    stop_serve(serve, shutdown).await;
+    serve.stop().await;
 
     // With the runs failed, serve starts without being told anything.
     config.coordinator.fail_runs_of_missing_workflows = false;
-    let (serve, shutdown) = start_serve(&config).await;
-    stop_serve(serve, shutdown).await;
+    let serve = Running::start(&config).await;
+    serve.stop().await;
     db.drop_db().await;
 }
 
@@ -321,7 +286,7 @@ async fn serve_fails_every_run_of_a_removed_version_past_one_batch() {
     std::fs::remove_file(dir.path().join("flow-v1.toml")).unwrap();
 
     config.coordinator.fail_runs_of_missing_workflows = true;
-    let (serve, shutdown) = start_serve(&config).await;
+    let serve = Running::start(&config).await;
     let (failed, running, failures, transitions): (i64, i64, i64, i64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM runs WHERE status = 'failed'), \
                 (SELECT count(*) FROM runs WHERE status = 'running'), \
@@ -339,6 +304,6 @@ async fn serve_fails_every_run_of_a_removed_version_past_one_batch() {
         (count, 2 * count),
         "a start and one failure each"
     );
-    stop_serve(serve, shutdown).await;
+    serve.stop().await;
     db.drop_db().await;
 }

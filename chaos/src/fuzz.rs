@@ -310,7 +310,7 @@ pub async fn run(config: &Config, args: &FuzzArgs) -> anyhow::Result<FuzzReport>
     ductor::infra::kafka::create_configured_topics(config).await?;
     let bin = match &args.serve_bin {
         Some(bin) => bin.clone(),
-        None => super::serve_process::beside_this_program("ductor")?,
+        None => ductor_testkit::programs::beside_this_program("ductor")?,
     };
     let mut serve = super::serve_process::ServeProcess::start(&bin, config).await?;
     let shutdown = CancellationToken::new();
@@ -480,10 +480,17 @@ async fn watch_stalls(addr: SocketAddr, stop: CancellationToken) -> Stalls {
             _ = stop.cancelled() => return stalls,
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
         }
-        let metrics =
-            super::http::request(addr, "GET", "/metrics", &[], b"", Duration::from_secs(5)).await;
+        let metrics = ductor_testkit::http::request(
+            addr,
+            "GET",
+            "/metrics",
+            &[],
+            b"",
+            Duration::from_secs(5),
+        )
+        .await;
         let Ok((200, body)) = metrics else { continue };
-        let Some(stalled) = gauge(
+        let Some(stalled) = ductor_testkit::metrics::value(
             &String::from_utf8_lossy(&body),
             "ductor_ingress_stalled_lanes",
         ) else {
@@ -495,13 +502,6 @@ async fn watch_stalls(addr: SocketAddr, stop: CancellationToken) -> Stalls {
             stalls.max_stalled = stalls.max_stalled.max(stalled as u64);
         }
     }
-}
-
-/// The value of an unlabelled gauge in a Prometheus text exposition.
-pub(crate) fn gauge(text: &str, name: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
-        .and_then(|v| v.trim().parse().ok())
 }
 
 /// What was sent: hostile Kafka inputs by (topic, partition, offset), the
@@ -637,7 +637,7 @@ async fn produce_all(
 }
 
 async fn post_hostile(addr: SocketAddr, authorization: &str, body: &[u8], report: &mut FuzzReport) {
-    let answer = super::http::request(
+    let answer = ductor_testkit::http::request(
         addr,
         "POST",
         "/v1/runs",
@@ -672,7 +672,7 @@ async fn post_hostile(addr: SocketAddr, authorization: &str, body: &[u8], report
 
 async fn post_good(addr: SocketAddr, authorization: &str, key: &str) -> anyhow::Result<u16> {
     let body = json!({"workflow": "example", "tenant": FUZZ_TENANT, "input": {"key": key}});
-    let (status, _) = super::http::request(
+    let (status, _) = ductor_testkit::http::request(
         addr,
         "POST",
         "/v1/runs",
@@ -941,15 +941,6 @@ async fn count_status(pool: &sqlx::PgPool, runs: &[String], status: &str) -> any
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn gauges_are_read_from_the_exposition() {
-        let text = "# TYPE ductor_ingress_stalled_lanes gauge\n\
-                    ductor_ingress_stalled_lanes_total 9\n\
-                    ductor_ingress_stalled_lanes 2\n";
-        assert_eq!(gauge(text, "ductor_ingress_stalled_lanes"), Some(2.0));
-        assert_eq!(gauge(text, "ductor_ingress_oldest_batch_age_seconds"), None);
-    }
 
     /// Every generated input is refused by the decoder, and every kind of
     /// mutation comes out now and then.

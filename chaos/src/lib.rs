@@ -37,7 +37,6 @@ pub mod afterlife;
 pub mod check;
 pub mod fuzz;
 pub mod history;
-pub mod http;
 pub mod keys;
 pub mod load;
 pub mod log;

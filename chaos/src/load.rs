@@ -976,9 +976,15 @@ impl Driver {
             if let Some(k) = &start.key {
                 headers.push(("Idempotency-Key", k.as_str()));
             }
-            let result =
-                super::http::request(server, "POST", "/v1/runs", &headers, &body, HTTP_TIMEOUT)
-                    .await;
+            let result = ductor_testkit::http::request(
+                server,
+                "POST",
+                "/v1/runs",
+                &headers,
+                &body,
+                HTTP_TIMEOUT,
+            )
+            .await;
             let (rec, retry) = answered(start.record(&corr, attempt, server), result);
             self.log.write(&rec);
             self.book_answer(&start, &rec, attempt);
@@ -1338,7 +1344,7 @@ impl Driver {
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {}
             }
             for server in &self.admin {
-                let metrics = super::http::request(
+                let metrics = ductor_testkit::http::request(
                     *server,
                     "GET",
                     "/metrics",
@@ -1349,7 +1355,7 @@ impl Driver {
                 .await;
                 let Ok((200, body)) = metrics else { continue };
                 let text = String::from_utf8_lossy(&body);
-                match super::fuzz::gauge(&text, "ductor_ingress_stalled_lanes") {
+                match ductor_testkit::metrics::value(&text, "ductor_ingress_stalled_lanes") {
                     Some(lanes) if lanes > 0.0 => self.log.write(&Record {
                         ev: log::EV_STALL.into(),
                         t_ms: log::now_ms(),

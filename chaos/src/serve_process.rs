@@ -11,18 +11,6 @@ use anyhow::Context;
 
 use ductor::config::Config;
 
-/// A program installed beside the one running.
-pub fn beside_this_program(name: &str) -> anyhow::Result<PathBuf> {
-    let me = std::env::current_exe().context("finding this program")?;
-    let path = me.with_file_name(name);
-    anyhow::ensure!(
-        path.exists(),
-        "{} does not exist: build it, or name it with --serve-bin",
-        path.display()
-    );
-    Ok(path)
-}
-
 /// Environment the serve must not inherit: it would override the
 /// configuration file the harness writes for it.
 fn overrides_configuration(name: &str) -> bool {
@@ -93,7 +81,7 @@ impl ServeProcess {
                     self.log_file.display()
                 );
             }
-            let ready = super::http::request(
+            let ready = ductor_testkit::http::request(
                 self.addr,
                 "GET",
                 "/readyz",

@@ -12,7 +12,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::{AuthMode, Config};
 use crate::coordinator::Workflows;
-use crate::infra::health::HttpState;
+use crate::infra::health::{HttpState, Verdict};
 use crate::infra::http_server::{CertStore, ServeOptions, TlsFiles, watch_tls};
 use crate::outbox::{FastLane, Handoff, Wakeup};
 
@@ -30,6 +30,21 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> anyhow::Result<
 pub struct Listeners {
     pub public: tokio::net::TcpListener,
     pub admin: tokio::net::TcpListener,
+    /// The verdict both `/readyz` answer from, published by the readiness
+    /// task once serve runs on these listeners.
+    readiness: Verdict,
+}
+
+/// Serve's readiness, for a caller that started it in its own process
+/// (see [`Listeners::ready`]).
+#[derive(Clone)]
+pub struct Ready(Verdict);
+
+impl Ready {
+    /// Returns once serve is ready: the verdict `/readyz` answers 200 with.
+    pub async fn wait(&self) {
+        self.0.until_ready().await;
+    }
 }
 
 impl Listeners {
@@ -52,7 +67,16 @@ impl Listeners {
                     server.admin_listen
                 )
             })?;
-        Ok(Listeners { public, admin })
+        Ok(Listeners {
+            public,
+            admin,
+            readiness: Verdict::new(),
+        })
+    }
+
+    /// What to await for serve running on these listeners to be ready.
+    pub fn ready(&self) -> Ready {
+        Ready(self.readiness.clone())
     }
 }
 
@@ -108,7 +132,8 @@ pub async fn run_on(
         Duration::from_millis(config.coordinator.stall_after_ms),
     ));
     let ingress_hold = crate::infra::health::Hold::holding("the co-partition check has not run");
-    let http_state = spawn_readiness(&tasks, &config, &progress, &ingress_hold).await?;
+    let verdict = listeners.readiness.clone();
+    let http_state = spawn_readiness(&tasks, &config, &progress, &ingress_hold, verdict).await?;
     spawn_progress_watch(&tasks, progress.clone());
     let wakeup = Wakeup::default();
     let drainer = if config.drainer.enabled {
@@ -233,6 +258,7 @@ async fn spawn_readiness(
     config: &Config,
     progress: &Arc<crate::ingress::Progress>,
     ingress_hold: &crate::infra::health::Hold,
+    verdict: Verdict,
 ) -> anyhow::Result<HttpState> {
     let kafka_probe: BaseConsumer = crate::infra::kafka::consumer_config(
         &config.kafka,
@@ -248,7 +274,6 @@ async fn spawn_readiness(
         ingress: Some(progress.clone() as Arc<dyn crate::infra::health::LaneWatch>),
         ingress_hold: ingress_hold.clone(),
     };
-    let verdict = crate::infra::health::Verdict::new();
     let interval = Duration::from_millis(config.server.readiness_interval_ms);
     let watch = crate::infra::health::watch_readiness(
         probes,

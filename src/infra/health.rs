@@ -20,7 +20,7 @@
 //! which is for the operator and not for every client that can reach the
 //! API.
 
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::Router;
@@ -97,7 +97,7 @@ impl Hold {
 /// The latest readiness verdict: written by one task, read by every
 /// request.
 #[derive(Clone)]
-pub struct Verdict(Arc<RwLock<Arc<Readiness>>>);
+pub struct Verdict(Arc<tokio::sync::watch::Sender<Arc<Readiness>>>);
 
 impl Default for Verdict {
     fn default() -> Self {
@@ -109,21 +109,27 @@ impl Verdict {
     /// Not ready, until a first check is published.
     pub fn new() -> Self {
         let unchecked = || Check::failed("not checked yet");
-        Verdict(Arc::new(RwLock::new(Arc::new(Readiness::new(
-            unchecked(),
-            unchecked(),
-            unchecked(),
-        )))))
+        let first = Readiness::new(unchecked(), unchecked(), unchecked());
+        Verdict(Arc::new(tokio::sync::watch::Sender::new(Arc::new(first))))
     }
 
     /// The verdict readers get from now on.
     pub fn publish(&self, readiness: Readiness) {
-        *self.0.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(readiness);
+        self.0.send_replace(Arc::new(readiness));
     }
 
     /// The latest verdict.
     pub fn latest(&self) -> Arc<Readiness> {
-        self.0.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.0.borrow().clone()
+    }
+
+    /// Returns once a published verdict is ready: what a supervisor or a
+    /// harness that started serve in its own process waits on, instead of
+    /// asking `/readyz` over and over.
+    pub async fn until_ready(&self) {
+        let mut verdicts = self.0.subscribe();
+        // The sender lives as long as `self`, so the wait cannot fail.
+        let _ = verdicts.wait_for(|readiness| readiness.is_ready()).await;
     }
 }
 

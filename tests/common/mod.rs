@@ -343,8 +343,9 @@ where
     }
 }
 
-/// One HTTP/1.1 request over a fresh connection; returns status and body.
-/// Hand-written so the tests need no HTTP client library.
+/// One HTTP/1.1 request over a fresh connection (see
+/// [`ductor_testkit::http`]); returns status and body, and panics when
+/// there is no answer within a minute.
 pub async fn http(
     addr: std::net::SocketAddr,
     method: &str,
@@ -352,63 +353,28 @@ pub async fn http(
     headers: &[(&str, &str)],
     body: &[u8],
 ) -> (u16, Vec<u8>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr)
+    let timeout = Duration::from_secs(60);
+    ductor_testkit::http::request(addr, method, path, headers, body, timeout)
         .await
-        .expect("connecting to the http server");
-    let mut request = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
-        body.len()
-    );
-    let typed = headers
-        .iter()
-        .any(|(k, _)| k.eq_ignore_ascii_case("content-type"));
-    if !body.is_empty() && !typed {
-        request.push_str("Content-Type: application/json\r\n");
-    }
-    for (k, v) in headers {
-        request.push_str(&format!("{k}: {v}\r\n"));
-    }
-    request.push_str("\r\n");
-    stream.write_all(request.as_bytes()).await.unwrap();
-    stream.write_all(body).await.unwrap();
-    let mut response = Vec::new();
-    stream.read_to_end(&mut response).await.unwrap();
-    let split = response
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .expect("an http response has a header block");
-    let head = String::from_utf8_lossy(&response[..split]).into_owned();
-    let status: u16 = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .expect("an http status line");
-    let mut payload = response[split + 4..].to_vec();
-    if head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        payload = dechunk(&payload);
-    }
-    (status, payload)
+        .unwrap_or_else(|e| panic!("{method} {path} on {addr}: {e:#}"))
 }
 
-fn dechunk(mut data: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    loop {
-        let Some(line_end) = data.windows(2).position(|w| w == b"\r\n") else {
-            return out;
-        };
-        let size = usize::from_str_radix(String::from_utf8_lossy(&data[..line_end]).trim(), 16)
-            .unwrap_or(0);
-        if size == 0 {
-            return out;
-        }
-        let start = line_end + 2;
-        out.extend_from_slice(&data[start..start + size]);
-        data = &data[start + size + 2..];
-    }
+/// The text of the `/metrics` of the listener `addr`, asked with `headers`.
+pub async fn scrape(addr: std::net::SocketAddr, headers: &[(&str, &str)]) -> String {
+    let (status, body) = http(addr, "GET", "/metrics", headers, b"").await;
+    assert_eq!(status, 200, "GET /metrics on {addr}");
+    String::from_utf8(body).expect("the metrics are text")
+}
+
+/// The sum of the series of the metric `name` that contain `label` (`""`:
+/// all), on the listener `addr`; 0 while it has none.
+pub async fn metric(
+    addr: std::net::SocketAddr,
+    headers: &[(&str, &str)],
+    name: &str,
+    label: &str,
+) -> f64 {
+    ductor_testkit::metrics::sum(&scrape(addr, headers).await, name, label)
 }
 
 /// The offset the consumer group `group` has committed on one partition
@@ -485,43 +451,8 @@ pub async fn set_topic_limit(kafka: &KafkaConfig, topic: &str, bytes: u64) {
     .await;
 }
 
-/// The `ductor` binary of this build, for tests of the harness crates that
-/// run it as a child process: cargo puts a workspace's binaries in the
-/// directory above the test executables (`<target>/<profile>/deps/`), and
-/// `cargo test --workspace` builds them before any test runs.
-pub fn ductor_bin() -> std::path::PathBuf {
-    let exe = std::env::current_exe().expect("the test executable's path");
-    let bin = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("the test executable is in <target>/<profile>/deps")
-        .join("ductor");
-    assert!(
-        bin.is_file(),
-        "{} is missing: build it with `cargo build --bin ductor` (scripts/test does)",
-        bin.display()
-    );
-    bin
-}
-
-/// An example of this package, built beside the test executables
-/// (`<target>/<profile>/examples/`) by `cargo build --examples`, which
-/// scripts/test runs.
-pub fn example_bin(name: &str) -> std::path::PathBuf {
-    let exe = std::env::current_exe().expect("the test executable's path");
-    let bin = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("the test executable is in <target>/<profile>/deps")
-        .join("examples")
-        .join(name);
-    assert!(
-        bin.is_file(),
-        "{} is missing: build it with `cargo build --example {name}` (scripts/test does)",
-        bin.display()
-    );
-    bin
-}
+#[allow(unused_imports)] // each test binary uses some of them
+pub use ductor_testkit::programs::{ductor_bin, example_bin, workspace_dir};
 
 /// The example worker as a process on `config`'s database, broker, topics
 /// and group, killed when dropped; the caller adds its arguments and
@@ -537,15 +468,6 @@ pub fn example_worker(config: &Config) -> tokio::process::Command {
         .env("RUST_LOG", "warn")
         .kill_on_drop(true);
     worker
-}
-
-/// The workspace's root (where `config/` is), from any of its packages.
-pub fn workspace_dir() -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .ancestors()
-        .find(|dir| dir.join("config/workflows").is_dir())
-        .expect("a package of this workspace is below its config/workflows")
-        .to_path_buf()
 }
 
 /// A fresh API key of `tenant` with `scopes`, stored in `db` as `ductor
@@ -570,6 +492,58 @@ pub fn bearer(token: &str) -> (&'static str, String) {
     ("Authorization", format!("Bearer {token}"))
 }
 
+/// `serve` in this process on its own bound listeners: started by
+/// [`Running::start`], which returns once serve says it is ready.
+pub struct Running {
+    /// The public listener.
+    pub addr: std::net::SocketAddr,
+    /// The admin listener.
+    pub admin: std::net::SocketAddr,
+    pub shutdown: tokio_util::sync::CancellationToken,
+    pub task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Running {
+    /// Binds `config`'s listeners, starts serve on them and returns once
+    /// its readiness verdict is ready (what `/readyz` answers 200 with).
+    /// Panics with serve's own error if it stops first, or after a minute.
+    pub async fn start(config: &Config) -> Running {
+        let listeners = ductor::cli::serve::Listeners::bind(&config.server)
+            .await
+            .expect("binding serve's listeners");
+        let addr = listeners.public.local_addr().unwrap();
+        let admin = listeners.admin.local_addr().unwrap();
+        let ready = listeners.ready();
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let mut task = tokio::spawn(ductor::cli::serve::run_on(
+            config.clone(),
+            listeners,
+            shutdown.clone(),
+        ));
+        tokio::select! {
+            () = ready.wait() => {}
+            ended = &mut task => panic!("serve stopped before it was ready: {ended:?}"),
+            () = tokio::time::sleep(Duration::from_secs(60)) => panic!("serve was not ready within 60 s"),
+        }
+        Running {
+            addr,
+            admin,
+            shutdown,
+            task,
+        }
+    }
+
+    /// Stops it, expecting a clean stop within a minute.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        tokio::time::timeout(Duration::from_secs(60), self.task)
+            .await
+            .expect("serve stops within a minute")
+            .expect("serve panicked")
+            .expect("serve failed");
+    }
+}
+
 /// `serve` in this process over a migrated database of its own and its
 /// topics, for the tests that talk to its listeners. Without a drainer
 /// unless `tweak` turns it on: most of them look at runs, not at effects.
@@ -580,13 +554,12 @@ pub struct Serve {
     pub addr: std::net::SocketAddr,
     /// The admin listener.
     pub admin: std::net::SocketAddr,
-    shutdown: tokio_util::sync::CancellationToken,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+    running: Running,
 }
 
 impl Serve {
     /// Starts it with the test configuration changed by `tweak`; returns
-    /// once its public `/readyz` says ready.
+    /// once it is ready.
     pub async fn start(tweak: impl FnOnce(&mut Config)) -> Serve {
         let db = TestDb::migrated().await;
         let mut config = test_config(&db);
@@ -595,43 +568,19 @@ impl Serve {
         ductor::infra::kafka::create_configured_topics(&config)
             .await
             .expect("creating topics");
-        let listeners = ductor::cli::serve::Listeners::bind(&config.server)
-            .await
-            .unwrap();
-        let addr = listeners.public.local_addr().unwrap();
-        let admin = listeners.admin.local_addr().unwrap();
-        let shutdown = tokio_util::sync::CancellationToken::new();
-        let task = tokio::spawn(ductor::cli::serve::run_on(
-            config.clone(),
-            listeners,
-            shutdown.clone(),
-        ));
-        eventually(
-            "serve says it is ready",
-            Duration::from_secs(60),
-            || async {
-                let up = tokio::net::TcpStream::connect(addr).await.is_ok();
-                (up && http(addr, "GET", "/readyz", &[], b"").await.0 == 200).then_some(())
-            },
-        )
-        .await;
+        let running = Running::start(&config).await;
         Serve {
             db,
             config,
-            addr,
-            admin,
-            shutdown,
-            task,
+            addr: running.addr,
+            admin: running.admin,
+            running,
         }
     }
 
     /// Stops it, expecting a clean stop, and drops its database and topics.
     pub async fn stop(self) {
-        self.shutdown.cancel();
-        self.task
-            .await
-            .expect("serve panicked")
-            .expect("serve failed");
+        self.running.stop().await;
         self.db.drop_db().await;
     }
 }

@@ -1,0 +1,16 @@
+//! What Ductor's own harnesses share — the integration tests, `ductor-bench`
+//! and `ductor-chaos` — so that each is built once and a change to it is
+//! made in one place.
+//!
+//! - [`http`]: one HTTP/1.1 request per connection, bounded in time and
+//!   size, with no client library;
+//! - [`metrics`]: reading a series out of a Prometheus text exposition;
+//! - [`programs`]: the workspace's directory and the programs cargo built
+//!   beside the running one.
+//!
+//! Not a stable interface, and never published: it serves the harnesses of
+//! this workspace only.
+
+pub mod http;
+pub mod metrics;
+pub mod programs;
