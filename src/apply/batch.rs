@@ -1,8 +1,16 @@
 //! The batch statement ([`WRITE_BATCH_SQL`], `write_batch.sql`) and its one
-//! binding: a [`BatchWrite`] holds every parameter as a column, in the
-//! statement's placeholder order, and [`BatchWrite::bind`] binds them. The
-//! apply path fills it from a planned batch, the benchmark from its own
-//! rows; neither binds a parameter of its own.
+//! binding.
+//!
+//! In: a [`BatchWrite`], every parameter as a column in the statement's
+//! placeholder order, filled by the apply path from a planned batch and by
+//! the benchmark from its own rows. Out: the statement with `$1`..`$61`
+//! bound ([`BatchWrite::query`], [`BatchWrite::bind`]). Guarantees: neither
+//! caller binds a parameter of its own; one parameter is bound per
+//! placeholder and every placeholder is used (both tested);
+//! [`BatchWrite::columns_aligned`] tells a column left behind, which UNNEST
+//! would pad with NULLs; a conditional write that matches fewer rows than
+//! [`BatchWrite::expected`] fails the statement with [`CONFLICT_SQLSTATE`]
+//! (a canary build rewrites one guarantee out of the statement).
 
 use std::sync::LazyLock;
 

@@ -1,5 +1,12 @@
 //! The apply stage as the routing plane's decider: an HTTP start is a batch
 //! of one routed request and no inputs.
+//!
+//! In: one [`RouteRequest`] from the routing plane. Out: its
+//! [`RouteOutcome`], or a [`DecideError`]: `Refused`, with the failure's
+//! stable class, when the database refuses the request itself;
+//! `Unavailable` for anything transient. Guarantees: an HTTP start is
+//! decided by the same path, in the same kind of transaction, as a routed
+//! start read from Kafka.
 
 use futures::future::BoxFuture;
 use sqlx::PgPool;

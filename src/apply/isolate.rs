@@ -20,10 +20,8 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use super::{
-    Applier, ApplyError, ApplyFailure, BatchReport, InputOutcome, MAX_FAILURE_MESSAGE_LEN,
-    PendingInput,
-};
+use super::error::MAX_FAILURE_MESSAGE_LEN;
+use super::{Applier, ApplyError, ApplyFailure, BatchReport, InputOutcome, PendingInput};
 use crate::routing::{RouteOutcome, RouteRequest};
 
 /// How transient apply failures are retried: exponential backoff between

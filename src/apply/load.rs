@@ -1,13 +1,23 @@
 //! Load: the runs a batch touches, from the cache of states this applier
 //! committed, or from the database with the `record_version` the write
 //! must match.
+//!
+//! In: a batch's inputs, and the cache unless the attempt is a
+//! recomputation. Out: each run the batch names as [`Loaded`]: its state
+//! (none for a new run) and the version it was read at, or its tombstone.
+//! Guarantees: a state from the cache, or a run taken to be new without a
+//! query, is only a guess that the write checks: the write lands only on
+//! the version loaded, and a verdict that writes nothing on a guess
+//! ([`unsure`]) is recomputed from the database. The cache is bounded in
+//! entries and in bytes.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 
 use sqlx::{PgConnection, Row};
 
-use super::{ApplyError, Loaded, PendingInput};
+use super::rows::Loaded;
+use super::{ApplyError, InputOutcome, PendingInput};
 use crate::contract::Input;
 use crate::coordinator::{Purged, RunState};
 
@@ -196,6 +206,23 @@ pub(super) async fn load_ids(
     Ok(runs)
 }
 
+/// Whether the batch must be recomputed from the database: a cached state
+/// that is stale (another writer moved the run on) would make its UPDATE
+/// lose the race, but a verdict that writes nothing (a duplicate, a stale
+/// or unknown stamp) would go unchecked.
+pub(super) fn unsure(
+    inputs: &[PendingInput],
+    outcomes: &[InputOutcome],
+    runs: &HashMap<String, Loaded>,
+) -> bool {
+    inputs.iter().zip(outcomes).any(|(pending, outcome)| {
+        !matches!(outcome, InputOutcome::Applied { .. })
+            && runs
+                .get(pending.input.run_id())
+                .is_some_and(|loaded| loaded.cached)
+    })
+}
+
 /// Reads the states of `ids` into their slots of `runs`, with the
 /// `record_version` each was read at.
 async fn read_states(
@@ -248,4 +275,83 @@ async fn load_tombstones(
         }
     }
     Ok(())
+}
+
+/// The run cache's bounds, and a started run the other tests of the stage
+/// build on.
+#[cfg(test)]
+pub(crate) mod tests {
+    use chrono::DateTime;
+    use serde_json::Value;
+    use uuid::Uuid;
+
+    use super::*;
+    use crate::contract::RunStart;
+    use crate::coordinator::{Decision, Entropy, fold};
+
+    /// A started run of the example workflow, with `pad` bytes of input.
+    pub(crate) fn started(run_id: &str, pad: usize) -> RunState {
+        let workflows = crate::infra::workflows::load_dir(std::path::Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/config/workflows"
+        )))
+        .expect("loading the example workflows");
+        let input = Input::Start(RunStart {
+            run_id: run_id.into(),
+            tenant: "acme".into(),
+            workflow: "example".into(),
+            workflow_version: None,
+            pool: "default".into(),
+            input: Value::String("x".repeat(pad)),
+            correlation_id: None,
+        });
+        let entropy = Entropy {
+            stamp: Uuid::from_u128(1),
+            jitter_unit: 0.5,
+        };
+        let now = DateTime::from_timestamp(1_800_000_000, 0).expect("a valid time");
+        match fold(None, &input, &workflows, usize::MAX, now, &entropy) {
+            Decision::Transition(t) => t.state,
+            other => panic!("the start applies: {other:?}"),
+        }
+    }
+
+    fn sized(state: RunState) -> (RunState, usize) {
+        let size = serde_json::to_string(&state).unwrap().len();
+        (state, size)
+    }
+
+    #[test]
+    fn the_run_cache_is_bounded_in_bytes_and_starts_over_when_full() {
+        let one = sized(started("a0", 1_000));
+        let size = one.1;
+        let cache = RunCache::new(1_000, size * 10 + size / 2);
+        cache.put_many(vec![one]);
+        assert_eq!(cache.bytes(), size);
+        let more: Vec<_> = (0..9)
+            .map(|k| sized(started(&format!("b{k}"), 1_000)))
+            .collect();
+        cache.put_many(more);
+        assert_eq!(cache.bytes(), size * 10);
+        assert_eq!(cache.get_many(["a0", "b8"].into_iter()).len(), 2);
+        // The eleventh does not fit: the cache starts over with it.
+        cache.put_many(vec![sized(started("c0", 1_000))]);
+        assert_eq!(cache.bytes(), size);
+        assert_eq!(cache.get_many(["a0", "c0"].into_iter()).len(), 1);
+        // Replacing a run's state counts it once.
+        cache.put_many(vec![sized(started("c0", 1_000))]);
+        assert_eq!(cache.bytes(), size);
+        cache.forget(["c0"].into_iter());
+        assert_eq!(cache.bytes(), 0);
+    }
+
+    #[test]
+    fn a_state_over_a_tenth_of_the_bound_is_not_cached() {
+        let cache = RunCache::new(1_000, 20_000);
+        cache.put_many(vec![sized(started("big", 5_000))]);
+        assert_eq!(cache.bytes(), 0);
+        assert!(cache.get_many(["big"].into_iter()).is_empty());
+        cache.put_many(vec![sized(started("small", 10))]);
+        assert_eq!(cache.get_many(["small"].into_iter()).len(), 1);
+    }
 }

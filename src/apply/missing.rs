@@ -2,6 +2,14 @@
 //! at start by `serve`, and failed when it is told to
 //! (`coordinator.fail_runs_of_missing_workflows`).
 //!
+//! In: the workflows this process defines, and the running runs of the
+//! versions it lacks. Out: the versions in use, with how many runs need
+//! each; those runs failed (`run.failed`), and how many. Guarantees: every
+//! read is bounded ([`MAX_VERSIONS_IN_USE`], a page of `limit` ids); runs
+//! fail in batches of [`MAX_FAIL_BATCH_RUNS`], each written as any batch
+//! is, conditional on the version it was read at, so a run that moved on
+//! meanwhile is read again, never overwritten.
+//!
 //! Both queries read the partial index of running runs
 //! (`runs_running_version_idx`): `finished_at IS NULL` is its predicate,
 //! and a run is running exactly while it has no `finished_at`.
@@ -12,8 +20,10 @@ use chrono::Utc;
 use sqlx::{PgPool, Row};
 
 use super::load::load_ids;
+use super::rows::Writes;
+use super::session::Session;
 use super::write::write_all;
-use super::{Applier, ApplyError, Session, Writes};
+use super::{Applier, ApplyError};
 use crate::coordinator::fail_missing_workflow;
 use crate::coordinator::versions::VersionInUse;
 

@@ -2,6 +2,11 @@
 //! them. Pure: no database, no clock; what it decides is tested without
 //! either.
 //!
+//! In: the runs as loaded and folded, the attempt's [`Writes`], and the
+//! fast lane's claim, if any. Out: a [`Plan`]: the batch's parameters, its
+//! intents in the statement's order, and the states as written, for the
+//! cache. Guarantees:
+//!
 //! - a run loaded without a version is inserted at `record_version` 1, a
 //!   changed one updated at the version it was loaded with and bumped by
 //!   one: a loaded version is never replaced;
@@ -13,8 +18,9 @@
 
 use std::collections::HashMap;
 
+use super::ApplyError;
 use super::batch::BatchWrite;
-use super::{ApplyError, IntentRow, Loaded, Writes};
+use super::rows::{IntentRow, Loaded, Writes};
 use crate::contract::timeout_cancel_key;
 use crate::coordinator::{AttemptStatus, RunState};
 
@@ -218,8 +224,8 @@ mod tests {
     use uuid::Uuid;
 
     use super::*;
-    use crate::apply::tests::started;
-    use crate::apply::{AttemptFinish, TransitionRow};
+    use crate::apply::load::tests::started;
+    use crate::apply::rows::{AttemptFinish, TransitionRow};
     use crate::coordinator::AttemptRecord;
 
     fn loaded(mut state: RunState, version: Option<i64>, changed: bool) -> Loaded {

@@ -1,12 +1,22 @@
 //! Write: one batch statement per batch, planned by [`super::plan`], and
 //! what its answer hands to the fast lane.
+//!
+//! In: the runs and writes of an attempt, on its session's connection.
+//! Out: [`Handed`]: the intents the fast lane claimed at insert, ready to
+//! publish, how many due ones it did not, the next timer, and the states
+//! as written, for the cache; or `None` when another writer won a race.
+//! Guarantees: one round trip per batch, whatever its size; a lost race
+//! writes nothing (the statement rolls back on its own); the claims of a
+//! statement whose reply never came are given back, since it may have
+//! committed.
 
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, Row};
 
-use super::{ApplyError, IntentRow, Loaded, Writes, batch, plan};
+use super::rows::{IntentRow, Loaded, Writes};
+use super::{ApplyError, batch, plan};
 use crate::coordinator::RunState;
 use crate::outbox::IntentPosition;
 

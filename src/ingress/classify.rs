@@ -1,6 +1,15 @@
 //! Classifying a message read from an input topic: pure, total, and apart
 //! from the loop that reads it. What it refuses goes to the dead-letter
 //! topic with the error's class.
+//!
+//! In: a message's value, the kind of topic it was read from, its position
+//! and signature header, the input bounds and the signature policy. Out: a
+//! [`Classified`] input or routed start, or an [`InputError`] with its
+//! class. Guarantees: it never panics, whatever the bytes; what it passes
+//! keeps the size and shape bounds; a start that names neither its run nor
+//! a key is keyed by its Kafka position, so a redelivery is never a second
+//! run; an input the policy wants signed passes only if its tenant's key
+//! verifies it within the window.
 
 use crate::config::SignaturesConfig;
 use crate::contract::signature;

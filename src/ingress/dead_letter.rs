@@ -1,8 +1,16 @@
 //! The dead-letter topic. A dead letter keeps the original key, value and
 //! headers (all but its signature), and adds headers that say where it came
 //! from and why it failed.
-//! Publishing is retried until it succeeds or the process shuts down: the
-//! input's offset is stored only after its dead letter is acknowledged.
+//!
+//! In: a message that failed, with the stage that refused it ([`Stage`]),
+//! a class and an error. Out: one record on the dead-letter topic, counted.
+//! Guarantees: publishing is retried until it succeeds or the process
+//! shuts down, and the input's offset is stored only after its dead letter
+//! is acknowledged; a letter fits the producer's `message.max.bytes`
+//! however large the input was ([`Fit`]: the value is cut first, then the
+//! original headers go, then the key), and says what was cut; the error
+//! header is bounded; a signed input's signature is never copied, so a dead
+//! letter cannot be replayed as the input.
 
 use std::time::Duration;
 

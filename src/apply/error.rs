@@ -1,0 +1,84 @@
+//! What can go wrong when a batch is applied, and which of it is the
+//! batch's own fault.
+//!
+//! In: the errors of loading, folding, encoding and writing a batch. Out:
+//! an [`ApplyError`] callers branch on (retry, wait for a routing key,
+//! give up after conflicts) and, through [`ApplyError::permanent`], the
+//! [`ApplyFailure`] the dead-letter topic and the HTTP API report.
+//! Guarantees: only a failure the same inputs would meet again is
+//! permanent; everything transient, and everything that is no one input's
+//! fault, is not, so good inputs are never dead-lettered for it. A
+//! failure's class is stable and its message bounded
+//! ([`MAX_FAILURE_MESSAGE_LEN`] characters).
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApplyError {
+    #[error("the commit's reply was lost (injected fault)")]
+    CommitReplyLost,
+    /// The routed request at this index of the batch's.
+    #[error(
+        "an idempotency key of the batch (routed request {0}) is held by a caller still deciding"
+    )]
+    RoutingInProgress(usize),
+    #[error("batch still conflicting after {0} recomputations")]
+    ConflictsExhausted(u32),
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error("encoding state: {0}")]
+    Encode(#[from] serde_json::Error),
+}
+
+/// A failure that retrying cannot mend: what the database refused in the
+/// inputs themselves. `class` is stable (the dead-letter class and the HTTP
+/// error code); `message` names the SQLSTATE and never echoes the input.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApplyFailure {
+    pub class: &'static str,
+    pub message: String,
+}
+
+/// Longest [`ApplyFailure::message`], in characters.
+pub(super) const MAX_FAILURE_MESSAGE_LEN: usize = 512;
+
+impl ApplyError {
+    /// `Some` when the batch's own contents are what failed, so that the
+    /// same inputs fail again however often they are retried: a data
+    /// exception (SQLSTATE class 22, such as U+0000 in `jsonb`), an
+    /// integrity violation (class 23) other than the lost races the apply
+    /// path expects, a program limit (class 54), a stored state that does
+    /// not decode, or a state that does not encode. `None` for everything
+    /// transient: connections, timeouts and cancels, serialization
+    /// failures, deadlocks, lock waits, shutdowns, lost races, and any error
+    /// that is no one input's fault (privileges, a missing table), which
+    /// must not send good inputs to the dead-letter topic.
+    pub fn permanent(&self) -> Option<ApplyFailure> {
+        let failure = |class, message: String| {
+            Some(ApplyFailure {
+                class,
+                message: crate::contract::input::truncate(message, MAX_FAILURE_MESSAGE_LEN),
+            })
+        };
+        match self {
+            ApplyError::Database(sqlx::Error::Database(db)) => {
+                let code = db.code().unwrap_or_default().into_owned();
+                let class = match code.get(..2) {
+                    Some("22") => "data_exception",
+                    Some("23") => "integrity_constraint_violation",
+                    Some("54") => "program_limit_exceeded",
+                    _ => return None,
+                };
+                failure(class, format!("postgres {code}: {}", db.message()))
+            }
+            ApplyError::Database(sqlx::Error::ColumnDecode { index, .. }) => failure(
+                "undecodable_state",
+                format!("a stored row does not decode (column {index})"),
+            ),
+            ApplyError::Database(sqlx::Error::Decode(e)) => failure(
+                "undecodable_state",
+                format!("a stored row does not decode: {e}"),
+            ),
+            ApplyError::Encode(e) => failure("unencodable_state", format!("encoding: {e}")),
+            _ => None,
+        }
+    }
+}
