@@ -278,11 +278,6 @@ impl Config {
         }
     }
 
-    /// Full name of one of Ductor's own topics.
-    pub fn topic(&self, suffix: &str) -> String {
-        format!("{}{}", self.kafka.topic_prefix, suffix)
-    }
-
     /// The deployment's topic names, under `kafka.topic_prefix`.
     pub fn topic_names(&self) -> TopicNames {
         TopicNames {
@@ -290,49 +285,12 @@ impl Config {
         }
     }
 
-    pub fn requests_topic(&self) -> String {
-        self.topic_names().requests()
-    }
-
-    pub fn wakeups_topic(&self) -> String {
-        self.topic_names().wakeups()
-    }
-
-    pub fn attempt_results_topic(&self) -> String {
-        self.topic_names().attempt_results()
-    }
-
-    pub fn events_topic(&self) -> String {
-        self.topic_names().events()
-    }
-
-    pub fn dlq_topic(&self) -> String {
-        self.topic_names().dead_letters()
-    }
-
-    pub fn steps_topic(&self, pool: &str) -> String {
-        self.topic_names().steps(pool)
-    }
-
-    /// The topics the coordinator consumes, which must be co-partitioned.
-    pub fn input_topics(&self) -> Vec<String> {
-        vec![
-            self.requests_topic(),
-            self.wakeups_topic(),
-            self.attempt_results_topic(),
-        ]
-    }
-
     /// Every topic `ductor topics create` makes.
     pub fn all_topics(&self) -> Vec<String> {
-        let mut topics = vec![
-            self.requests_topic(),
-            self.wakeups_topic(),
-            self.attempt_results_topic(),
-            self.events_topic(),
-            self.dlq_topic(),
-        ];
-        topics.extend(self.kafka.step_pools.iter().map(|p| self.steps_topic(p)));
+        let names = self.topic_names();
+        let mut topics = names.inputs();
+        topics.extend([names.events(), names.dead_letters()]);
+        topics.extend(self.kafka.step_pools.iter().map(|p| names.steps(p)));
         topics.extend(self.kafka.extra_topics.iter().cloned());
         topics.sort();
         topics.dedup();
