@@ -81,7 +81,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     };
     let signals = Signals {
         producer: &producer,
-        topic: config.wakeups_topic(),
+        topic: config.topic_names().wakeups(),
         timeout: Duration::from_millis(config.kafka.delivery_timeout_ms),
         name: args.signal.clone(),
         sent: HashSet::new(),
@@ -114,7 +114,7 @@ async fn submit(
     args: &Args,
     run_ids: &[String],
 ) -> anyhow::Result<()> {
-    let topic = config.requests_topic();
+    let topic = config.topic_names().requests();
     let timeout = Duration::from_millis(config.kafka.delivery_timeout_ms);
     let sent: Vec<anyhow::Result<()>> = stream::iter(run_ids.iter())
         .map(|run_id| {

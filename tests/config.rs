@@ -14,8 +14,17 @@ fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
 #[test]
 fn defaults_load_and_validate() {
     let config = Config::load_from(None, env(&[])).expect("defaults are valid");
-    assert_eq!(config.requests_topic(), "ductor.requests");
-    assert_eq!(config.dlq_topic(), "ductor.dlq");
+    let names = config.topic_names();
+    assert_eq!(names.requests(), "ductor.requests");
+    assert_eq!(names.dead_letters(), "ductor.dlq");
+    assert_eq!(
+        names.inputs(),
+        [
+            "ductor.requests",
+            "ductor.wakeups",
+            "ductor.attempt-results"
+        ]
+    );
     assert!(
         config
             .all_topics()

@@ -121,8 +121,9 @@ impl Harness {
     /// dead-lettered. Returns once every probe run is applied, with their
     /// ids.
     async fn probe_until_both_handle(&self, a: &Coordinator, b: &Coordinator) -> Vec<String> {
-        let requests = self.config.requests_topic();
-        let results = self.config.attempt_results_topic();
+        let names = self.config.topic_names();
+        let requests = names.requests();
+        let results = names.attempt_results();
         let topics = [
             (&requests, self.partitions(&requests)),
             (&results, self.partitions(&results)),
@@ -204,7 +205,7 @@ impl Harness {
 
     async fn start_run(&self, run_id: &str, tenant: &str) -> (i32, i64) {
         self.send(
-            &self.config.requests_topic(),
+            &self.config.topic_names().requests(),
             run_id,
             &json!({
                 "type": "run.start", "schema_version": 1, "run_id": run_id,
@@ -420,10 +421,11 @@ async fn a_run_driven_by_kafka_inputs_succeeds_with_one_transition_per_input() {
     let coordinator = h.start_coordinator(TestHooks::default());
     let run_id = unique("run-");
     h.start_run(&run_id, "acme").await;
+    let names = h.config.topic_names();
     for step in 0..3 {
         let stamp = h.dispatched_stamp(&run_id, step).await;
         h.send(
-            &h.config.attempt_results_topic(),
+            &names.attempt_results(),
             &run_id,
             &Harness::result_json(&run_id, "acme", stamp),
         )
@@ -464,12 +466,8 @@ async fn a_run_driven_by_kafka_inputs_succeeds_with_one_transition_per_input() {
     .fetch_all(&h.db.pool)
     .await
     .unwrap();
-    assert!(
-        intents
-            .iter()
-            .any(|(_, t)| *t == h.config.steps_topic("default"))
-    );
-    assert!(intents.iter().any(|(_, t)| *t == h.config.events_topic()));
+    assert!(intents.iter().any(|(_, t)| *t == names.steps("default")));
+    assert!(intents.iter().any(|(_, t)| *t == names.events()));
     assert!(intents.iter().any(|(k, _)| k == &format!("{run_id}/4/0")));
     coordinator.stop().await.expect("clean stop");
     h.db.drop_db().await;
@@ -480,13 +478,14 @@ async fn the_same_attempt_result_three_times_writes_no_new_rows() {
     let h = Harness::new().await;
     let ingress = h.stepped_ingress(TestHooks::default());
     let run_id = unique("run-");
-    let requests = h.config.requests_topic();
+    let names = h.config.topic_names();
+    let requests = names.requests();
     let (start_partition, start_offset) = h.start_run(&run_id, "acme").await;
     let started = total(&step_past(&ingress, &requests, start_partition, start_offset).await);
     assert_eq!((started.messages, started.applied), (1, 1), "{started:?}");
     let stamp = h.attempt_stamp(&run_id, 0).await;
     let result = Harness::result_json(&run_id, "acme", stamp);
-    let topic = h.config.attempt_results_topic();
+    let topic = names.attempt_results();
     let (partition, first) = h.send(&topic, &run_id, &result).await;
     let once = total(&step_past(&ingress, &topic, partition, first).await);
     assert_eq!(
@@ -526,8 +525,9 @@ async fn the_same_attempt_result_three_times_writes_no_new_rows() {
 #[tokio::test]
 async fn two_coordinators_in_one_group_never_double_apply() {
     let h = Harness::new().await;
-    let requests = h.config.requests_topic();
-    let results_topic = h.config.attempt_results_topic();
+    let names = h.config.topic_names();
+    let requests = names.requests();
+    let results_topic = names.attempt_results();
     for topic in [&requests, &results_topic] {
         assert!(
             h.partitions(topic) >= 2,
@@ -594,7 +594,7 @@ async fn a_coordinator_stopped_after_commit_before_offsets_gets_redeliveries_tha
         fail_after_commit: true,
     });
     let run_id = unique("crash-");
-    let topic = h.config.requests_topic();
+    let topic = h.config.topic_names().requests();
     let (partition, offset) = h.start_run(&run_id, "acme").await;
     let shutdown = CancellationToken::new();
     let deadline = tokio::time::Instant::now() + WAIT;
@@ -656,8 +656,9 @@ async fn bad_inputs_go_to_the_dead_letter_topic_and_good_ones_behind_them_apply(
     })
     .await;
     let coordinator = h.start_coordinator(TestHooks::default());
-    let requests = h.config.requests_topic();
-    let wakeups = h.config.wakeups_topic();
+    let names = h.config.topic_names();
+    let requests = names.requests();
+    let wakeups = names.wakeups();
     // One key, so every message lands on one partition, bad ones first.
     let key = unique("same-partition-");
     let good_run = unique("good-");
@@ -762,7 +763,7 @@ async fn bad_inputs_go_to_the_dead_letter_topic_and_good_ones_behind_them_apply(
     h.wait_committed_past(&wakeups, wake_partition, good_signal_offset)
         .await;
 
-    let dlq = reader(&[&h.config.dlq_topic()]);
+    let dlq = reader(&[&names.dead_letters()]);
     let letters = read_n(&dlq, expected.len(), WAIT).await;
     let header = |m: &rdkafka::message::OwnedMessage, name: &str| {
         m.headers()
@@ -1134,8 +1135,9 @@ async fn an_input_whose_statement_always_times_out_is_isolated_and_the_rest_comm
 async fn hostile_json_on_kafka_is_dead_lettered_with_its_class_and_good_inputs_behind_it_apply() {
     let h = Harness::new().await;
     let coordinator = h.start_coordinator(TestHooks::default());
-    let requests = h.config.requests_topic();
-    let results = h.config.attempt_results_topic();
+    let names = h.config.topic_names();
+    let requests = names.requests();
+    let results = names.attempt_results();
     let key = unique("same-partition-");
     let deep = format!("{}1{}", "[".repeat(5000), "]".repeat(5000));
     let start = |extra: &str| {
@@ -1203,7 +1205,7 @@ async fn hostile_json_on_kafka_is_dead_lettered_with_its_class_and_good_inputs_b
     for run in &good {
         h.wait_status(run, "running").await;
     }
-    let dlq = reader(&[&h.config.dlq_topic()]);
+    let dlq = reader(&[&names.dead_letters()]);
     let letters = read_n(&dlq, expected.len(), WAIT).await;
     let header = |m: &rdkafka::message::OwnedMessage, name: &str| {
         m.headers()
@@ -1241,7 +1243,8 @@ async fn hostile_json_on_kafka_is_dead_lettered_with_its_class_and_good_inputs_b
 async fn an_input_too_large_to_dead_letter_whole_is_cut_to_fit_and_the_partition_moves_on() {
     let h = Harness::new().await;
     let coordinator = h.start_coordinator(TestHooks::default());
-    let requests = h.config.requests_topic();
+    let names = h.config.topic_names();
+    let requests = names.requests();
     let big_producer: FutureProducer = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", bootstrap_servers())
         .set("compression.type", "lz4")
@@ -1273,7 +1276,7 @@ async fn an_input_too_large_to_dead_letter_whole_is_cut_to_fit_and_the_partition
     )
     .await;
     h.wait_status(&good, "running").await;
-    let dlq = reader(&[&h.config.dlq_topic()]);
+    let dlq = reader(&[&names.dead_letters()]);
     let letters = read_n(&dlq, 2, WAIT).await;
     let header = |m: &rdkafka::message::OwnedMessage, name: &str| {
         m.headers()

@@ -472,7 +472,7 @@ async fn serve_refuses_a_topic_that_takes_smaller_records_than_the_producers_sen
             .is_empty(),
         "the broker's default takes the default limit"
     );
-    let events = config.events_topic();
+    let events = config.topic_names().events();
     set_topic_limit(&config.kafka, &events, 65_536).await;
     let listeners = ductor::cli::serve::Listeners::bind(&config.server)
         .await

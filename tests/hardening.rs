@@ -37,7 +37,7 @@ impl Env {
             });
             produce(
                 &producer,
-                &self.config.requests_topic(),
+                &self.config.topic_names().requests(),
                 &run_id,
                 start.to_string().as_bytes(),
                 &[],
@@ -330,8 +330,9 @@ async fn only_serve_can_write_a_timer_once_it_has_a_timer_key() {
             .insert("acme".into(), ductor::config::SigningKey(TENANT_KEY.into()));
     })
     .await;
-    let wakeups = reader(&[&env.config.wakeups_topic()]);
-    let dlq = reader(&[&env.config.dlq_topic()]);
+    let names = env.config.topic_names();
+    let wakeups = reader(&[&names.wakeups()]);
+    let dlq = reader(&[&names.dead_letters()]);
     let producer = producer();
     let header = ductor::contract::signature::SIGNATURE;
     let start = json!({"type": "run.start", "schema_version": 1, "run_id": "nap-1",
@@ -344,7 +345,7 @@ async fn only_serve_can_write_a_timer_once_it_has_a_timer_key() {
     );
     produce(
         &producer,
-        &env.config.requests_topic(),
+        &names.requests(),
         "nap-1",
         start.as_bytes(),
         &[(header, &signature)],
@@ -396,7 +397,7 @@ async fn only_serve_can_write_a_timer_once_it_has_a_timer_key() {
         &timer,
         chrono::Utc::now().timestamp_millis(),
     );
-    let topic = env.config.wakeups_topic();
+    let topic = names.wakeups();
     produce(&producer, &topic, "nap-1", &timer, &[]).await;
     produce(
         &producer,

@@ -48,6 +48,12 @@ struct Env {
     _workflows: tempfile::TempDir,
 }
 
+/// The workflow's output topic: not one of Ductor's own, but under the
+/// test's prefix, so that it is the test's alone.
+fn output_topic(config: &Config) -> String {
+    format!("{}outputs", config.kafka.topic_prefix)
+}
+
 /// A workflow of three steps on pool "p", written for this test with its own
 /// output topic; `retry` is the TOML of every step's retry table.
 fn workflow_toml(output_topic: &str, retry: &str, timeout_ms: u64) -> String {
@@ -64,7 +70,7 @@ impl Env {
     async fn new(retry: &str, timeout_ms: u64, tweak: impl FnOnce(&mut Config)) -> Env {
         let db = TestDb::migrated().await;
         let mut config = test_config(&db);
-        let output_topic = config.topic("outputs");
+        let output_topic = output_topic(&config);
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(
             dir.path().join("flow.toml"),
@@ -88,7 +94,7 @@ impl Env {
     }
 
     fn output_topic(&self) -> String {
-        self.config.topic("outputs")
+        output_topic(&self.config)
     }
 
     fn serve(&self) -> Task {
@@ -164,7 +170,7 @@ impl Env {
     }
 
     async fn start_runs(&self, run_ids: &[String]) {
-        let topic = self.config.requests_topic();
+        let topic = self.config.topic_names().requests();
         let sends = run_ids.iter().map(|run_id| {
             let value = json!({"type": "run.start", "schema_version": 1, "run_id": run_id,
                                "tenant": "acme", "workflow": "flow", "input": {"n": run_id}});
@@ -216,7 +222,7 @@ impl Env {
                            "tenant": "acme", "stamp": stamp, "outcome": "succeeded", "output": 1});
         produce(
             &self.producer,
-            &self.config.attempt_results_topic(),
+            &self.config.topic_names().attempt_results(),
             run_id,
             value.to_string().as_bytes(),
             &[],
@@ -374,7 +380,7 @@ async fn committed_effects_take_the_fast_lane_and_runs_finish_without_polling() 
         "only {handed} effects took the fast lane for {RUNS} fresh runs"
     );
     let keys = env.intent_keys().await;
-    let events_topic = env.config.events_topic();
+    let events_topic = env.config.topic_names().events();
     let messages = read_keys(&events_topic, &keys[events_topic.as_str()]).await;
     assert_effect_headers(&events_topic, &messages);
     assert_first_deliveries_in_seq_order(&events_topic, &messages);
@@ -426,8 +432,9 @@ async fn a_thousand_runs_with_a_flaky_step_all_succeed_with_headers_and_order() 
         (left == 0).then_some(())
     })
     .await;
-    let steps_topic = env.config.steps_topic("p");
-    let events_topic = env.config.events_topic();
+    let names = env.config.topic_names();
+    let steps_topic = names.steps("p");
+    let events_topic = names.events();
     let output_topic = env.output_topic();
     for topic in [&steps_topic, &events_topic, &output_topic] {
         let messages = read_keys(topic, &keys[topic.as_str()]).await;
@@ -485,7 +492,7 @@ async fn a_drainer_stopped_after_publishing_republishes_with_the_same_key_and_de
         RoundOutcome::Drained { completed, released: 0, .. } if completed > 0
     ));
 
-    let events_topic = env.config.events_topic();
+    let events_topic = env.config.topic_names().events();
     let consumer = reader(&[&events_topic]);
     let copies = read_n(&consumer, 2, WAIT).await;
     assert_eq!(
@@ -574,7 +581,8 @@ async fn two_drainers_at_once_lose_nothing_and_keep_per_run_order() {
         d.await.unwrap().expect("drainer stops cleanly");
     }
     let keys = env.intent_keys().await;
-    for topic in [env.config.events_topic(), env.config.steps_topic("p")] {
+    let names = env.config.topic_names();
+    for topic in [names.events(), names.steps("p")] {
         let messages = read_keys(&topic, &keys[&topic]).await;
         assert_effect_headers(&topic, &messages);
         assert_first_deliveries_in_seq_order(&topic, &messages);
@@ -610,6 +618,7 @@ async fn a_retry_fires_after_its_backoff_and_a_pending_timer_survives_a_restart(
     let run_id = unique("timer-");
     env.start_runs(std::slice::from_ref(&run_id)).await;
     let pool = env.db.pool.clone();
+    let names = env.config.topic_names();
     // The retry timer: a wakeup intent with a future not_before.
     let (timer_id, not_before): (i64, chrono::DateTime<chrono::Utc>) =
         eventually("the retry timer is committed", WAIT, || async {
@@ -618,7 +627,7 @@ async fn a_retry_fires_after_its_backoff_and_a_pending_timer_survives_a_restart(
                  WHERE run_id = $1 AND topic = $2 AND convert_from(payload, 'UTF8')::jsonb->>'timer' = 'retry'",
             )
             .bind(&run_id)
-            .bind(env.config.wakeups_topic())
+            .bind(names.wakeups())
             .fetch_optional(&pool)
             .await
             .unwrap()
@@ -659,7 +668,7 @@ async fn a_retry_fires_after_its_backoff_and_a_pending_timer_survives_a_restart(
         "attempt 2 at {second_attempt} before the backoff ended at {not_before}"
     );
     // The wakeup itself was published no earlier than its not_before.
-    let wakeups = reader(&[&env.config.wakeups_topic()]);
+    let wakeups = reader(&[&names.wakeups()]);
     let mut fired = None;
     while fired.is_none() {
         let m = read_n(&wakeups, 1, WAIT).await.remove(0);
@@ -877,7 +886,7 @@ async fn a_redelivered_effect_is_byte_identical_to_its_first_delivery_headers_in
     let run_id = unique("bytes-");
     env.start_runs(std::slice::from_ref(&run_id)).await;
     let pool = env.db.pool.clone();
-    let events_topic = env.config.events_topic();
+    let events_topic = env.config.topic_names().events();
     let undelivered = || {
         sqlx::query_scalar::<_, Option<i64>>(
             "SELECT CASE WHEN count(*) > 0 THEN count(*) FILTER (WHERE status <> 'completed') END \
@@ -1135,7 +1144,7 @@ async fn a_result_sent_in_time_holds_the_timeout_while_no_serve_reads_it() {
     let options = ductor::outbox::frontier::FrontierOptions {
         kafka: env.config.kafka.clone(),
         group_id: env.config.kafka.group_id.clone(),
-        topic: env.config.attempt_results_topic(),
+        topic: env.config.topic_names().attempt_results(),
         interval: Duration::from_millis(env.config.drainer.results_frontier_interval_ms),
         lag: Duration::from_millis(env.config.drainer.results_frontier_lag_ms),
     };
@@ -1213,7 +1222,7 @@ async fn writers_without_a_drainer_wake_the_drainer_by_notify() {
         c.drainer.poll_interval_ms = 600_000
     })
     .await;
-    let steps = env.config.steps_topic("p");
+    let steps = env.config.topic_names().steps("p");
     let consumer = reader(&[&steps]);
     // A run committed before the drainer starts: its dispatch tells that
     // the drainer's first rounds have run and found everything there was.

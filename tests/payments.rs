@@ -192,7 +192,7 @@ async fn every_run_is_charged_exactly_once_through_worker_kills_and_timeouts() {
         });
         produce(
             &producer,
-            &config.requests_topic(),
+            &config.topic_names().requests(),
             run_id,
             start.to_string().as_bytes(),
             &[],

@@ -429,9 +429,10 @@ async fn where_signatures_are_required_unsigned_or_mis_signed_inputs_are_dead_le
             .insert("acme".into(), ductor::config::SigningKey(KEY.into()));
     })
     .await;
-    let dlq = reader(&[&env.config.dlq_topic()]);
+    let names = env.config.topic_names();
+    let dlq = reader(&[&names.dead_letters()]);
     let producer = producer();
-    let requests = env.config.requests_topic();
+    let requests = names.requests();
     let start = |run_id: &str| {
         json!({"type": "run.start", "schema_version": 1, "run_id": run_id,
                "tenant": "acme", "workflow": "example"})
@@ -556,7 +557,7 @@ async fn where_signatures_are_required_unsigned_or_mis_signed_inputs_are_dead_le
         )
         .await;
     assert_eq!(status, 202);
-    let wakeups = env.config.wakeups_topic();
+    let wakeups = names.wakeups();
     let signal = json!({"type": "wakeup.signal", "schema_version": 1, "run_id": "signed-1",
         "tenant": "acme", "signal_id": "unsigned-signal", "name": "poke", "payload": null})
     .to_string();
@@ -701,7 +702,8 @@ async fn a_signal_id_or_run_id_reused_with_another_meaning_is_refused_on_every_p
     const MISMATCHES: &str = "ductor_routing_idempotency_mismatches_total";
     let env = Env::start(|_| {}).await;
     let acme = api_key(&env.db, "acme", &BOTH).await;
-    let dlq = reader(&[&env.config.dlq_topic()]);
+    let names = env.config.topic_names();
+    let dlq = reader(&[&names.dead_letters()]);
     let producer = producer();
     let before_signal = metric(env.admin, &[], MISMATCHES, "path=\"signal\"").await;
     let before_start = metric(env.admin, &[], MISMATCHES, "path=\"client_start\"").await;
@@ -751,7 +753,7 @@ async fn a_signal_id_or_run_id_reused_with_another_meaning_is_refused_on_every_p
     // Over Kafka: the same refusals go to the dead-letter topic.
     let other_signal = json!({"type": "wakeup.signal", "schema_version": 1, "run_id": run,
         "tenant": "acme", "signal_id": "s-1", "name": "poke", "payload": {"n": 3}});
-    let wakeups = env.config.wakeups_topic();
+    let wakeups = names.wakeups();
     produce(
         &producer,
         &wakeups,
@@ -765,7 +767,7 @@ async fn a_signal_id_or_run_id_reused_with_another_meaning_is_refused_on_every_p
                "tenant": "acme", "workflow": "example", "input": {"n": n}})
         .to_string()
     };
-    let requests = env.config.requests_topic();
+    let requests = names.requests();
     produce(&producer, &requests, "client-1", start(1).as_bytes(), &[]).await;
     // The same start again is a duplicate, ahead of the other one in the
     // partition: were it dead-lettered, it would come first.

@@ -101,7 +101,8 @@ async fn finished_runs_are_purged_in_batches_and_stay_purged() {
     let p = producer();
     let ids: Vec<String> = (0..7).map(|i| format!("ret-{i}-{}", unique("r"))).collect();
     let (old, young, running) = (&ids[..5], &ids[5], &ids[6]);
-    let (requests, wakeups) = (config.requests_topic(), config.wakeups_topic());
+    let names = config.topic_names();
+    let (requests, wakeups) = (names.requests(), names.wakeups());
     for (i, id) in ids.iter().enumerate() {
         produce(&p, &requests, id, &start(id, json!({"n": i})), &[]).await;
     }
@@ -154,7 +155,7 @@ async fn finished_runs_are_purged_in_batches_and_stay_purged() {
     // Late inputs for a purged run: the same start, a signal, a cancel
     // change nothing; a start with another request is dead-lettered as
     // before the purge.
-    let dlq = reader(&[&config.dlq_topic()]);
+    let dlq = reader(&[&names.dead_letters()]);
     let gone = &old[0];
     // The outbox's own retention deletes drained intents sooner than runs
     // are purged (`drainer.retention_ms`, 1 day): nothing of the run is

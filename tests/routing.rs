@@ -182,7 +182,7 @@ async fn the_same_keyed_request_through_kafka_redelivered_after_a_crash_makes_on
     let shutdown = CancellationToken::new();
     let crashing = tokio::spawn(ductor::ingress::run(ctx, shutdown.clone()));
     let producer = producer();
-    let requests = env.config.requests_topic();
+    let requests = env.config.topic_names().requests();
     let key = unique("k-");
     // Both requests share a Kafka key, so they land on one partition in order.
     let keyed = json!({"type": "run.start", "schema_version": 1, "tenant": "acme",
@@ -296,7 +296,8 @@ async fn a_kafka_start_whose_key_an_http_caller_holds_is_parked_and_its_lane_goe
     // the held key, twenty other starts, the held key again for another
     // request.
     let producer = producer();
-    let requests = env.config.requests_topic();
+    let names = env.config.topic_names();
+    let requests = names.requests();
     let start = |key: Option<&str>, n: u64| {
         let mut start = json!({"type": "run.start", "schema_version": 1, "tenant": "acme",
                                "workflow": "example", "input": {"n": n}});
@@ -342,7 +343,7 @@ async fn a_kafka_start_whose_key_an_http_caller_holds_is_parked_and_its_lane_goe
     let shutdown = CancellationToken::new();
     let ctx = IngressContext::new(&env.config, env.db.pool.clone(), workflows).unwrap();
     let restarted = tokio::spawn(ductor::ingress::run(ctx, shutdown.clone()));
-    let dlq = reader(&[&env.config.dlq_topic()]);
+    let dlq = reader(&[&names.dead_letters()]);
     let letters = read_n(&dlq, 1, WAIT).await;
     let header = |name: &str| {
         use rdkafka::message::{Headers, Message};
@@ -724,7 +725,7 @@ async fn a_stalled_apply_lane_makes_readiness_fail_until_its_batch_commits() {
     let run_id = unique("stalled-");
     produce(
         &producer(),
-        &env.config.requests_topic(),
+        &env.config.topic_names().requests(),
         &run_id,
         json!({"type": "run.start", "schema_version": 1, "run_id": run_id,
                "tenant": "acme", "workflow": "example"})

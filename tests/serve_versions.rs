@@ -149,7 +149,7 @@ async fn serve_refuses_runs_of_a_removed_version_and_fails_them_when_told_to() {
 
     // Told to, serve fails them as it starts, and then runs.
     config.coordinator.fail_runs_of_missing_workflows = true;
-    let events = reader(&[&config.events_topic()]);
+    let events = reader(&[&config.topic_names().events()]);
     let serve = Running::start(&config).await;
     // Failed before serve answers ready, let alone consumes an input.
     let error = "workflow_missing: workflow \"flow\" version 1 is no longer defined";

@@ -248,7 +248,7 @@ async fn serve_runs_a_workflow_over_verified_tls_postgres_and_scram_kafka() {
     })
     .await;
     let dispatch = read_n(
-        &sasl_reader(&config.kafka, &config.steps_topic("default")),
+        &sasl_reader(&config.kafka, &config.topic_names().steps("default")),
         1,
         WAIT,
     )

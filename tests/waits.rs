@@ -61,7 +61,7 @@ async fn start(p: &FutureProducer, config: &Config, run_id: &str, workflow: &str
         "type": "run.start", "schema_version": 1, "run_id": run_id, "tenant": "acme",
         "workflow": workflow, "input": input,
     });
-    let topic = config.requests_topic();
+    let topic = config.topic_names().requests();
     produce(p, &topic, run_id, start.to_string().as_bytes(), &[]).await;
 }
 
@@ -70,7 +70,7 @@ async fn signal(p: &FutureProducer, config: &Config, run_id: &str, id: &str, nam
         "type": "wakeup.signal", "schema_version": 1, "run_id": run_id, "tenant": "acme",
         "signal_id": id, "name": name, "payload": {"by": id},
     });
-    let topic = config.wakeups_topic();
+    let topic = config.topic_names().wakeups();
     produce(p, &topic, run_id, signal.to_string().as_bytes(), &[]).await;
 }
 

@@ -321,8 +321,9 @@ fn passthrough_consumer(config: &Config) -> anyhow::Result<StreamConsumer> {
         ductor::infra::kafka::consumer_config(&config.kafka, &config.kafka.group_id, "b2-ingress")
             .create()
             .context("creating the passthrough consumer")?;
-    let requests = config.requests_topic();
-    let results = config.attempt_results_topic();
+    let names = config.topic_names();
+    let requests = names.requests();
+    let results = names.attempt_results();
     consumer
         .subscribe(&[requests.as_str(), results.as_str()])
         .context("subscribing the passthrough")?;
@@ -339,10 +340,11 @@ struct Runs {
 
 impl Runs {
     fn new(config: &Config) -> Runs {
+        let names = config.topic_names();
         Runs {
             memo: HashMap::new(),
-            events: config.events_topic(),
-            steps: config.steps_topic(POOL),
+            events: names.events(),
+            steps: names.steps(POOL),
         }
     }
 

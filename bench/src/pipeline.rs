@@ -58,7 +58,7 @@ pub async fn produce_start_requests(
 ) -> anyhow::Result<()> {
     produce_all(
         producer,
-        &config.requests_topic(),
+        &config.topic_names().requests(),
         &start_requests(prefix, n),
         Duration::from_millis(config.kafka.delivery_timeout_ms),
     )
@@ -513,6 +513,7 @@ impl EffectSizes {
         config: &Config,
         pattern: &str,
     ) -> anyhow::Result<EffectSizes> {
+        let names = config.topic_names();
         let sizes = sqlx::query(
             "SELECT coalesce(avg(octet_length(payload)) FILTER (WHERE topic = $2), 0)::float8 AS event, \
                  coalesce(avg(octet_length(payload)) FILTER (WHERE topic = $3), 0)::float8 AS dispatch, \
@@ -520,8 +521,8 @@ impl EffectSizes {
              FROM eec_effect_intent WHERE run_id LIKE $1",
         )
         .bind(pattern)
-        .bind(config.events_topic())
-        .bind(config.steps_topic(POOL))
+        .bind(names.events())
+        .bind(names.steps(POOL))
         .fetch_one(&env.pool)
         .await
         .context("measuring effect sizes")?;
@@ -655,7 +656,7 @@ impl EventsReader {
 /// A consumer of the events topic, assigned at its current end so that only
 /// the events of runs started from now on arrive.
 async fn events_consumer(config: &Config) -> anyhow::Result<StreamConsumer> {
-    let topic = config.events_topic();
+    let topic = config.topic_names().events();
     let ends = topic_offsets_by_partition(config, &topic).await?;
     let mut cfg = ductor::infra::kafka::consumer_config(
         &config.kafka,
@@ -869,7 +870,7 @@ impl Schedule {
         let period = Duration::from_secs_f64(1.0 / rate);
         let prefix = format!("lat{pct}");
         let label = format!("latency at {pct}% ({rate:.0} runs/s)");
-        let topic = config.requests_topic();
+        let topic = config.topic_names().requests();
         let t0 = tokio::time::Instant::now() + Duration::from_millis(50);
         let t0_wall = Utc::now() + chrono::Duration::milliseconds(50);
         let intended: Vec<Instant> = (0..n)

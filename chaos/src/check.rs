@@ -208,20 +208,21 @@ fn read_faults(path: &Path) -> anyhow::Result<BTreeMap<String, u64>> {
 /// step topic and output topic.
 fn all_topics(config: &Config, workflows: &Workflows) -> Vec<String> {
     let mut set = BTreeSet::new();
-    set.insert(config.requests_topic());
-    set.insert(config.wakeups_topic());
-    set.insert(config.attempt_results_topic());
-    set.insert(config.events_topic());
-    set.insert(config.dlq_topic());
+    let names = config.topic_names();
+    set.insert(names.requests());
+    set.insert(names.wakeups());
+    set.insert(names.attempt_results());
+    set.insert(names.events());
+    set.insert(names.dead_letters());
     for p in &config.kafka.step_pools {
-        set.insert(config.steps_topic(p));
+        set.insert(names.steps(p));
     }
     for t in &config.kafka.extra_topics {
         set.insert(t.clone());
     }
     for w in workflows.iter() {
         for pool in w.steps.iter().filter_map(|s| s.task_pool()) {
-            set.insert(config.steps_topic(pool));
+            set.insert(names.steps(pool));
         }
         if let Some(t) = &w.output_topic {
             set.insert(t.clone());
@@ -239,11 +240,7 @@ async fn settle(
     timeout: Duration,
 ) -> anyhow::Result<Result<DateTime<Utc>, (String, DateTime<Utc>)>> {
     let deadline = Instant::now() + timeout;
-    let inputs = vec![
-        config.requests_topic(),
-        config.wakeups_topic(),
-        config.attempt_results_topic(),
-    ];
+    let inputs = config.topic_names().inputs();
     let mut clean = 0;
     loop {
         let kafka = config.kafka.clone();
@@ -312,7 +309,8 @@ pub struct Inputs<'a> {
 pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
     let db = inp.db;
     let ix = Index::of(db);
-    let dlq_topic = inp.config.dlq_topic();
+    let names = inp.config.topic_names();
+    let dlq_topic = names.dead_letters();
 
     histories(inp, &ix, v);
     timeouts_not_slow(inp.records, db, &ix.attempt_by_stamp, v);
@@ -323,7 +321,7 @@ pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
     effects_as_committed(&deliveries, &ix, v);
     intents_published(db, &deliveries, inp.settle_at, v);
     effect_order(db, &deliveries, &ix, v);
-    let accepted = events_agree(db, &deliveries, &inp.config.events_topic(), &ix, v);
+    let accepted = events_agree(db, &deliveries, &names.events(), &ix, v);
     dangling_decisions(db, &ix, v);
 
     let dead = dead_letters(inp.msgs, &dlq_topic, v);
@@ -442,9 +440,10 @@ fn by_run<'a, R, T>(
 /// [`super::history`]), and the run ended.
 fn histories(inp: &Inputs<'_>, ix: &Index<'_>, v: &mut Violations) {
     let config = inp.config;
-    let requests_topic = config.requests_topic();
-    let wakeups_topic = config.wakeups_topic();
-    let results_topic = config.attempt_results_topic();
+    let names = config.topic_names();
+    let requests_topic = names.requests();
+    let wakeups_topic = names.wakeups();
+    let results_topic = names.attempt_results();
     let inputs_by_pos: HashMap<(String, i32, i64), &Msg> = inp
         .msgs
         .iter()

@@ -392,7 +392,7 @@ impl HostileWorker {
     fn new(config: &Config) -> anyhow::Result<HostileWorker> {
         Ok(HostileWorker {
             producer: ductor::infra::kafka::producer(&config.kafka, "fuzz-worker")?,
-            topic: config.attempt_results_topic(),
+            topic: config.topic_names().attempt_results(),
             sent: Default::default(),
             stale: Default::default(),
         })
@@ -528,10 +528,11 @@ async fn send(
     let producer: FutureProducer = ductor::infra::kafka::producer(&config.kafka, "fuzz")?;
     let limits = config.input_limits();
     let mut rng = StdRng::seed_from_u64(args.seed);
+    let names = config.topic_names();
     let topics = [
-        (InputTopic::Requests, config.requests_topic()),
-        (InputTopic::Wakeups, config.wakeups_topic()),
-        (InputTopic::AttemptResults, config.attempt_results_topic()),
+        (InputTopic::Requests, names.requests()),
+        (InputTopic::Wakeups, names.wakeups()),
+        (InputTopic::AttemptResults, names.attempt_results()),
     ];
     let mut sent = Sent {
         bad: HashSet::new(),
@@ -588,7 +589,7 @@ async fn start_good(
         "tenant": "acme", "workflow": "example", "input": input});
     let key = format!("k-{}", k % 64);
     let value = start.to_string();
-    let topic = config.requests_topic();
+    let topic = config.topic_names().requests();
     let record = FutureRecord::to(&topic)
         .key(key.as_bytes())
         .payload(value.as_bytes());
@@ -715,7 +716,7 @@ async fn check(
 
 /// Every dead letter, read from the beginning of the topic.
 async fn read_letters(config: &Config) -> anyhow::Result<Vec<Letter>> {
-    let dlq = vec![config.dlq_topic()];
+    let dlq = vec![config.topic_names().dead_letters()];
     let kafka = config.kafka.clone();
     tokio::task::spawn_blocking(move || {
         let mut letters = Vec::new();
@@ -843,7 +844,7 @@ async fn settle(
     loop {
         let letters = {
             let kafka = config.kafka.clone();
-            let dlq = vec![config.dlq_topic()];
+            let dlq = vec![config.topic_names().dead_letters()];
             tokio::task::spawn_blocking(move || super::topics::message_count(&kafka, &dlq))
                 .await
                 .context("counting dead letters")??
@@ -911,11 +912,7 @@ async fn garbage_failed(pool: &sqlx::PgPool, runs: &[String]) -> anyhow::Result<
 /// What the coordinator's group has not committed past on the input topics.
 async fn ingress_lag(config: &Config) -> anyhow::Result<i64> {
     let (kafka, group) = (config.kafka.clone(), config.kafka.group_id.clone());
-    let topics = vec![
-        config.requests_topic(),
-        config.wakeups_topic(),
-        config.attempt_results_topic(),
-    ];
+    let topics = config.topic_names().inputs();
     tokio::task::spawn_blocking(move || super::topics::group_lag(&kafka, &group, &topics))
         .await
         .context("measuring lag")?

@@ -366,7 +366,8 @@ impl Background {
         pools: &[String],
     ) -> anyhow::Result<Background> {
         let token = CancellationToken::new();
-        let steps_topics: Vec<String> = pools.iter().map(|p| config.steps_topic(p)).collect();
+        let names = config.topic_names();
+        let steps_topics: Vec<String> = pools.iter().map(|p| names.steps(p)).collect();
         let worker_consumer = reader(
             config,
             &format!("{}-chaos-worker", config.kafka.group_id),
@@ -375,7 +376,7 @@ impl Background {
         let events_consumer = reader(
             config,
             &format!("{}-chaos-follow-{}", config.kafka.group_id, short_id()),
-            &[config.events_topic()],
+            &[names.events()],
         )?;
         let worker = tokio::spawn(driver.clone().work(worker_consumer, token.clone()));
         let stalls = tokio::spawn(driver.clone().watch_stalls(token.clone()));
@@ -486,12 +487,13 @@ impl Driver {
         producer_cfg.set("message.timeout.ms", SEND_TIMEOUT_MS.to_string());
         producer_cfg.set("request.timeout.ms", "5000");
         let producer: FutureProducer = producer_cfg.create().context("creating producer")?;
+        let names = config.topic_names();
         Ok(Driver {
             producer,
             log: LogWriter::create(&args.log)?,
-            requests: config.requests_topic(),
-            wakeups: config.wakeups_topic(),
-            results: config.attempt_results_topic(),
+            requests: names.requests(),
+            wakeups: names.wakeups(),
+            results: names.attempt_results(),
             limits: config.input_limits(),
             workflows,
             tenants: args.tenants.clone(),

@@ -142,7 +142,7 @@ async fn drive(
 ) -> anyhow::Result<RestartReport> {
     let producer: FutureProducer = ductor::infra::kafka::producer(&config.kafka, "restart")?;
     let prefix = format!("restart-{}", uuid::Uuid::new_v4().simple());
-    let topic = config.requests_topic();
+    let topic = config.topic_names().requests();
     let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / args.rate));
     let started = tokio::time::Instant::now();
     let mut killed_at: Option<DateTime<Utc>> = None;

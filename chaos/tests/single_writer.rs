@@ -35,10 +35,11 @@ async fn wave(db: &TestDb, p: &FutureProducer, config: &Config, name: &str) -> V
     let ids: Vec<String> = (0..RUNS_PER_WAVE)
         .map(|i| format!("{name}-{i:02}-{}", unique("r")))
         .collect();
+    let names = config.topic_names();
     for id in &ids {
         let start = json!({"type": "run.start", "schema_version": 1, "run_id": id,
             "tenant": "acme", "workflow": "example", "input": {"id": id}});
-        let topic = config.requests_topic();
+        let topic = names.requests();
         produce(p, &topic, id, start.to_string().as_bytes(), &[]).await;
     }
     for id in &ids {
@@ -53,7 +54,7 @@ async fn wave(db: &TestDb, p: &FutureProducer, config: &Config, name: &str) -> V
         .await;
         let signal = json!({"type": "wakeup.signal", "schema_version": 1, "run_id": id,
             "tenant": "acme", "signal_id": "s", "name": "poke"});
-        let topic = config.wakeups_topic();
+        let topic = names.wakeups();
         produce(p, &topic, id, signal.to_string().as_bytes(), &[]).await;
     }
     ids
@@ -217,9 +218,10 @@ async fn three_serves_write_each_run_from_one_process() {
 async fn input_topics_of_different_partition_counts_are_refused() {
     let db = TestDb::migrated().await;
     let config = test_config(&db);
+    let names = config.topic_names();
     let (wakeups, others) = (
-        vec![config.wakeups_topic()],
-        vec![config.requests_topic(), config.attempt_results_topic()],
+        vec![names.wakeups()],
+        vec![names.requests(), names.attempt_results()],
     );
     ductor::infra::kafka::ensure_topics(&config.kafka, &wakeups, 2)
         .await

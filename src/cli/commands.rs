@@ -25,7 +25,7 @@ pub async fn create_topics(config: &Config) -> anyhow::Result<Vec<String>> {
             format!("{verb} {}", o.topic)
         })
         .collect();
-    let (kafka, inputs) = (config.kafka.clone(), config.input_topics());
+    let (kafka, inputs) = (config.kafka.clone(), config.topic_names().inputs());
     let counts =
         tokio::task::spawn_blocking(move || crate::infra::kafka::partition_counts(&kafka, &inputs))
             .await??;

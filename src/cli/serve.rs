@@ -94,7 +94,7 @@ async fn check_topic_limits(config: &Config) -> anyhow::Result<()> {
         Ok(small) => return Err(crate::infra::kafka::limits_error(&config.kafka, &small)),
         Err(e) => tracing::warn!(error = format!("{e:#}"), "topic limits not checked"),
     }
-    let inputs = config.input_topics();
+    let inputs = config.topic_names().inputs();
     let counts =
         tokio::task::spawn_blocking(move || crate::infra::kafka::partition_counts(&kafka, &inputs))
             .await?;
@@ -348,7 +348,7 @@ fn local_drainer(
         wakeup,
         &tasks.shutdown,
     ))
-    .with_parked_notices(config.events_topic())
+    .with_parked_notices(config.topic_names().events())
     .with_timer_key(config.signatures.timer_key.clone());
     let (handoff, lane) = drainer.fast_lane(wakeup);
     Ok(LocalDrainer {
@@ -398,7 +398,7 @@ async fn api_state(
         guard: crate::api::guard::Guard::new(&config.server),
         inputs: crate::api::InputSink {
             producer: crate::infra::kafka::producer(&config.kafka, "api")?,
-            topic: config.wakeups_topic(),
+            topic: config.topic_names().wakeups(),
             timeout: Duration::from_millis(config.kafka.delivery_timeout_ms),
             signatures: config.signatures.clone(),
         },
@@ -556,7 +556,7 @@ fn spawn_ingress(
     ctx.wakeup = Some(links.wakeup);
     ctx.applier.handoff = links.handoff;
     ctx.progress = links.progress;
-    let (kafka, inputs) = (config.kafka.clone(), config.input_topics());
+    let (kafka, inputs) = (config.kafka.clone(), config.topic_names().inputs());
     let shutdown = tasks.shutdown.clone();
     let hold = links.hold;
     let run = async move {
@@ -685,7 +685,7 @@ fn results_frontier(
     let options = crate::outbox::frontier::FrontierOptions {
         kafka: config.kafka.clone(),
         group_id: config.kafka.group_id.clone(),
-        topic: config.attempt_results_topic(),
+        topic: config.topic_names().attempt_results(),
         interval: Duration::from_millis(config.drainer.results_frontier_interval_ms),
         lag: Duration::from_millis(config.drainer.results_frontier_lag_ms),
     };

@@ -163,14 +163,15 @@ pub struct WorkerOptions {
 
 impl WorkerOptions {
     /// Options for `pool`: group `<kafka.group_id>-worker-<pool>`, topics
-    /// `steps_topic(pool)` and `attempt_results_topic()`.
+    /// `<prefix>steps.<pool>` and `<prefix>attempt-results`.
     pub fn from_config(config: &Config, pool: &str) -> Self {
+        let names = config.topic_names();
         Self {
             kafka: config.kafka.clone(),
             group_id: format!("{}-worker-{pool}", config.kafka.group_id),
             pool: pool.to_owned(),
-            steps_topic: config.steps_topic(pool),
-            results_topic: config.attempt_results_topic(),
+            steps_topic: names.steps(pool),
+            results_topic: names.attempt_results(),
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             handler_timeout: None,
             max_result_bytes: config.coordinator.max_input_bytes,

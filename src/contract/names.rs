@@ -56,6 +56,13 @@ impl TopicNames {
     pub fn dead_letters(&self) -> String {
         format!("{}dlq", self.prefix)
     }
+
+    /// The topics the coordinator consumes: requests, wakeups and attempt
+    /// results, in that order. They must be co-partitioned, so that one
+    /// process reads every input of a run.
+    pub fn inputs(&self) -> Vec<String> {
+        vec![self.requests(), self.wakeups(), self.attempt_results()]
+    }
 }
 
 /// The deterministic idempotency key of an effect: the same on every

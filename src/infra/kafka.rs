@@ -357,7 +357,7 @@ pub const INPUT_TOPIC_SETTINGS: [(&str, &str); 1] = [("message.timestamp.type", 
 /// Creates every topic the configuration names, the input topics with
 /// [`INPUT_TOPIC_SETTINGS`].
 pub async fn create_configured_topics(config: &Config) -> anyhow::Result<Vec<TopicOutcome>> {
-    let inputs = config.input_topics();
+    let inputs = config.topic_names().inputs();
     let others: Vec<String> = config
         .all_topics()
         .into_iter()

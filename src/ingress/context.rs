@@ -113,20 +113,21 @@ impl IngressContext {
         let producer: FutureProducer = crate::infra::kafka::producer(&config.kafka, "dlq")?;
         let mut applier = Applier::new(config, pool, workflows);
         applier.writer = writer;
+        let names = config.topic_names();
         Ok(Self {
             applier,
             consumer,
             dead_letters: DeadLetterPublisher {
                 producer,
-                topic: config.dlq_topic(),
+                topic: names.dead_letters(),
                 max_message_bytes: config.coordinator.max_error_message_bytes,
                 max_record_bytes: usize::try_from(config.kafka.message_max_bytes)
                     .unwrap_or(usize::MAX),
                 timeout: Duration::from_millis(config.kafka.delivery_timeout_ms),
             },
-            requests_topic: config.requests_topic(),
-            wakeups_topic: config.wakeups_topic(),
-            results_topic: config.attempt_results_topic(),
+            requests_topic: names.requests(),
+            wakeups_topic: names.wakeups(),
+            results_topic: names.attempt_results(),
             batch_max_inputs: config.coordinator.batch_max_inputs,
             batch_max_bytes: config.coordinator.batch_max_bytes,
             batch_linger: Duration::from_millis(config.coordinator.batch_linger_ms),
