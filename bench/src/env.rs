@@ -3,13 +3,13 @@
 //! other's data.
 
 use std::path::PathBuf;
-use std::sync::Mutex;
 
 use anyhow::Context;
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use ductor::config::{Config, DatabaseUrl};
+use ductor_testkit::scratch::{ScratchDatabase, ScratchTopics};
 
 /// The pool of the bench workflow's steps.
 pub const POOL: &str = "bench";
@@ -57,7 +57,8 @@ pub struct BenchEnv {
     /// Which processes count as the stack's Postgres and Kafka.
     pub cpu: super::stats::CpuScope,
     admin_url: String,
-    topics: Mutex<Vec<String>>,
+    scratch: ScratchDatabase,
+    topics: ScratchTopics,
     workflows: PathBuf,
 }
 
@@ -67,19 +68,14 @@ impl BenchEnv {
     /// does, and writes the bench workflow to a temporary directory.
     pub async fn create(config: &Config) -> anyhow::Result<BenchEnv> {
         let tag = uuid::Uuid::new_v4().simple().to_string()[..10].to_string();
-        let db_name = format!("ductor_bench_{tag}");
         let admin_url = config.database.migrate_url().expose().to_string();
-        let admin = admin_pool(&admin_url).await?;
-        sqlx::query(&format!("CREATE DATABASE {db_name}"))
-            .execute(&admin)
-            .await
-            .with_context(|| format!("creating database {db_name}"))?;
-        admin.close().await;
-        let db_url = on_database(config.database.url.expose(), &db_name)?;
+        let scratch = ScratchDatabase::create(&admin_url, &format!("ductor_bench_{tag}_")).await?;
+        let db_name = scratch.name.clone();
+        let db_url = scratch.url_for(config.database.url.expose())?;
 
         let mut base = config.clone();
         base.database.url = DatabaseUrl::new(db_url.clone());
-        base.database.migrate_url = Some(DatabaseUrl::new(on_database(&admin_url, &db_name)?));
+        base.database.migrate_url = Some(DatabaseUrl::new(scratch.url_for(&admin_url)?));
         base.database.migrate_on_start = false;
         let workflows = std::env::temp_dir().join(format!("ductor-bench-{tag}"));
         std::fs::create_dir_all(&workflows).context("creating the workflow directory")?;
@@ -109,7 +105,8 @@ impl BenchEnv {
             db_url,
             tag,
             admin_url,
-            topics: Mutex::new(Vec::new()),
+            scratch,
+            topics: ScratchTopics::default(),
             workflows,
         };
         Ok(env)
@@ -132,9 +129,7 @@ impl BenchEnv {
     /// Creates every topic of `config`, remembering them for [`BenchEnv::cleanup`].
     pub async fn create_topics(&self, config: &Config) -> anyhow::Result<()> {
         let topics = config.all_topics();
-        if let Ok(mut known) = self.topics.lock() {
-            known.extend(topics.iter().cloned());
-        }
+        self.topics.own(topics.iter().cloned());
         ductor::infra::kafka::ensure_topics(&config.kafka, &topics, config.kafka.partitions)
             .await?;
         Ok(())
@@ -203,19 +198,10 @@ impl BenchEnv {
         if let Err(e) = std::fs::remove_dir_all(&self.workflows) {
             problems.push(format!("removing {}: {e}", self.workflows.display()));
         }
-        match admin_pool(&self.admin_url).await {
-            Ok(admin) => {
-                if let Err(e) = ductor::infra::db::drop_database(&admin, &self.db_name).await {
-                    problems.push(format!("dropping database {}: {e}", self.db_name));
-                }
-                admin.close().await;
-            }
-            Err(e) => problems.push(format!("{e:#}")),
+        if let Err(e) = self.scratch.drop().await {
+            problems.push(format!("{e:#}"));
         }
-        let topics = self.topics.lock().map(|t| t.clone()).unwrap_or_default();
-        if !topics.is_empty()
-            && let Err(e) = ductor::infra::kafka::delete_topics(&self.base.kafka, &topics).await
-        {
+        if let Err(e) = self.topics.delete(&self.base.kafka).await {
             problems.push(format!("{e:#}"));
         }
         anyhow::ensure!(problems.is_empty(), "cleanup: {}", problems.join("; "));
@@ -229,13 +215,6 @@ async fn admin_pool(url: &str) -> anyhow::Result<PgPool> {
         .connect(url)
         .await
         .context("connecting to postgres as the migrator (database.migrate_url)")
-}
-
-/// `url` with its database replaced by `name`.
-fn on_database(url: &str, name: &str) -> anyhow::Result<String> {
-    let mut url = url::Url::parse(url).context("parsing a database url")?;
-    url.set_path(&format!("/{name}"));
-    Ok(url.to_string())
 }
 
 /// Connection options for the bench database, as Ductor's own pool sets them.

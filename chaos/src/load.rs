@@ -36,7 +36,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
-use rdkafka::ClientConfig;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -397,21 +396,10 @@ impl Background {
 
 /// A consumer of `topics` in `group`, from the beginning, committing as it goes.
 fn reader(config: &Config, group: &str, topics: &[String]) -> anyhow::Result<StreamConsumer> {
-    let mut cfg = ClientConfig::new();
-    cfg.set("bootstrap.servers", &config.kafka.bootstrap_servers)
-        .set("group.id", group)
-        .set(
-            "client.id",
-            format!("{}-chaos-load", config.kafka.client_id),
-        )
-        .set("auto.offset.reset", "earliest")
-        .set("enable.auto.commit", "true")
-        .set("enable.partition.eof", "false")
-        .set("session.timeout.ms", "10000")
-        .set("reconnect.backoff.max.ms", "2000");
-    for (k, v) in config.kafka.properties.iter() {
-        cfg.set(k, v);
-    }
+    let mut cfg = ductor_testkit::kafka::reader_config(&config.kafka, group, "chaos-load");
+    cfg.set("enable.auto.commit", "true")
+        .set("enable.auto.offset.store", "true")
+        .set("session.timeout.ms", "10000");
     let consumer: StreamConsumer = cfg.create().context("creating consumer")?;
     let refs: Vec<&str> = topics.iter().map(String::as_str).collect();
     consumer.subscribe(&refs).context("subscribing")?;

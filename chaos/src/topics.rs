@@ -42,19 +42,9 @@ impl Msg {
 
 /// A consumer that never joins a group: `assign` only, no commits.
 fn consumer(kafka: &KafkaConfig, group_id: &str) -> anyhow::Result<BaseConsumer> {
-    let mut cfg = rdkafka::ClientConfig::new();
-    cfg.set("bootstrap.servers", &kafka.bootstrap_servers)
-        .set("group.id", group_id)
-        .set("client.id", format!("{}-chaos", kafka.client_id))
-        .set("enable.auto.commit", "false")
-        .set("enable.auto.offset.store", "false")
-        .set("auto.offset.reset", "earliest")
-        .set("enable.partition.eof", "false")
-        .set("isolation.level", "read_committed");
-    for (k, v) in kafka.properties.iter() {
-        cfg.set(k, v);
-    }
-    cfg.create().context("creating a kafka reader")
+    ductor_testkit::kafka::reader_config(kafka, group_id, "chaos")
+        .create()
+        .context("creating a kafka reader")
 }
 
 /// Partition count of `topic`; `None` when the topic does not exist.

@@ -2,6 +2,9 @@
 //! and `ductor-chaos` — so that each is built once and a change to it is
 //! made in one place.
 //!
+//! - [`scratch`]: a database and topics of the harness's own, removed at
+//!   its end;
+//! - [`kafka`]: readers built on Ductor's own client settings;
 //! - [`http`]: one HTTP/1.1 request per connection, bounded in time and
 //!   size, with no client library;
 //! - [`metrics`]: reading a series out of a Prometheus text exposition;
@@ -12,5 +15,7 @@
 //! this workspace only.
 
 pub mod http;
+pub mod kafka;
 pub mod metrics;
 pub mod programs;
+pub mod scratch;

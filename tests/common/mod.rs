@@ -4,10 +4,10 @@
 
 #![allow(dead_code)]
 
-use std::sync::Mutex;
 use std::time::Duration;
 
 use ductor::config::{Config, KafkaConfig};
+use ductor_testkit::scratch::{ScratchDatabase, ScratchTopics};
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
@@ -34,13 +34,6 @@ pub fn keys_url() -> String {
     std::env::var("DATABASE_KEYS_URL").expect(
         "DATABASE_KEYS_URL is not set: run the tests through scripts/test (or eval \"$(scripts/stack env)\")",
     )
-}
-
-/// `url` with its database replaced by `name`.
-fn on_database(url: &str, name: &str) -> String {
-    let mut url = url::Url::parse(url).expect("a database URL is a URL");
-    url.set_path(&format!("/{name}"));
-    url.to_string()
 }
 
 pub fn bootstrap_servers() -> String {
@@ -74,26 +67,20 @@ pub struct TestDb {
     pub owner_url: String,
     /// A pool of the migrator, the owner of the database and its schema.
     pub owner: PgPool,
-    topics: Mutex<Vec<String>>,
+    scratch: ScratchDatabase,
+    topics: ScratchTopics,
 }
 
 impl TestDb {
     /// An empty database, without migrations.
     pub async fn empty() -> TestDb {
-        let admin = PgPoolOptions::new()
-            .max_connections(1)
-            .connect(&migrate_url())
+        let scratch = ScratchDatabase::create(&migrate_url(), "ductor_test_")
             .await
-            .expect("connecting to the test postgres as the migrator");
-        let name = unique("ductor_test_");
-        sqlx::query(&format!("CREATE DATABASE {name}"))
-            .execute(&admin)
-            .await
-            .expect("creating test database");
-        admin.close().await;
-        let url = on_database(&database_url(), &name);
-        let owner_url = on_database(&migrate_url(), &name);
-        let keys_url = on_database(&keys_url(), &name);
+            .expect("creating the test database");
+        let on_scratch = |url: String| scratch.url_for(&url).expect("the stack's URLs parse");
+        let url = on_scratch(database_url());
+        let owner_url = on_scratch(migrate_url());
+        let keys_url = on_scratch(keys_url());
         let connect = |url: String, connections: u32| async move {
             PgPoolOptions::new()
                 .max_connections(connections)
@@ -111,10 +98,11 @@ impl TestDb {
                 .connect_lazy(&keys_url)
                 .expect("the keys role's URL parses"),
             keys_url,
-            name,
+            name: scratch.name.clone(),
             url,
             owner_url,
-            topics: Mutex::new(Vec::new()),
+            scratch,
+            topics: ScratchTopics::default(),
         }
     }
 
@@ -166,27 +154,19 @@ impl TestDb {
     /// Adds `topics` to those [`TestDb::drop_db`] deletes, for a test that
     /// builds its configuration itself.
     pub fn owns_topics(&self, topics: impl IntoIterator<Item = String>) {
-        self.topics.lock().unwrap().extend(topics);
+        self.topics.own(topics);
     }
 
     /// Drops the database and deletes the topics of the test's
     /// configurations, so that a test run leaves the broker as it found it.
     pub async fn drop_db(self) {
-        let mut topics = std::mem::take(&mut *self.topics.lock().unwrap());
-        topics.sort();
-        topics.dedup();
-        delete_test_topics(&topics).await;
+        if let Err(e) = self.topics.delete(&kafka_config()).await {
+            eprintln!("test topics were not deleted: {e:#}");
+        }
         self.pool.close().await;
         self.keys.close().await;
         self.owner.close().await;
-        let admin = PgPoolOptions::new()
-            .max_connections(1)
-            .connect(&migrate_url())
-            .await
-            .expect("connecting to the test postgres");
-        ductor::infra::db::drop_database(&admin, &self.name)
-            .await
-            .expect("dropping test database");
+        self.scratch.drop().await.expect("dropping test database");
     }
 
     pub async fn count(&self, table: &str) -> i64 {
@@ -296,13 +276,10 @@ pub async fn produce(
 
 /// A consumer reading `topics` from the beginning, in its own group.
 pub fn reader(topics: &[&str]) -> StreamConsumer {
-    let consumer: StreamConsumer = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap_servers())
-        .set("group.id", unique("reader-"))
-        .set("auto.offset.reset", "earliest")
-        .set("enable.auto.commit", "false")
-        .create()
-        .expect("creating test reader");
+    let consumer: StreamConsumer =
+        ductor_testkit::kafka::reader_config(&kafka_config(), &unique("reader-"), "test-reader")
+            .create()
+            .expect("creating test reader");
     consumer.subscribe(topics).expect("subscribing test reader");
     consumer
 }
