@@ -53,6 +53,8 @@ pub mod coordinator;
 #[cfg(not(feature = "internals"))]
 pub(crate) mod coordinator;
 #[cfg(feature = "internals")]
+pub mod harness;
+#[cfg(feature = "internals")]
 pub mod infra;
 #[cfg(not(feature = "internals"))]
 pub(crate) mod infra;

@@ -29,9 +29,9 @@ use uuid::Uuid;
 
 use super::env::{BenchEnv, WORKFLOW};
 use super::stats::{CpuCores, CpuTicks, Progress};
-use ductor::apply::batch::BatchWrite;
 use ductor::contract::{AttemptOutcome, AttemptResult, Input, RunStart};
 use ductor::coordinator::{Decision, Entropy, Transition, Workflows, fold};
+use ductor::harness::BatchWrite;
 
 /// Runs seeded at least, so tables and indexes have a realistic size.
 const MIN_SEEDED_RUNS: usize = 2_000;
@@ -457,7 +457,7 @@ async fn iteration(
     lap.mark(1);
 
     // The drainer's share: mark the published intents completed.
-    sqlx::query(ductor::outbox::COMPLETE_SQL)
+    sqlx::query(ductor::harness::COMPLETE_SQL)
         .bind(&claimed_ids)
         .bind(claimer)
         .execute(&mut *conn)

@@ -56,7 +56,7 @@ where
         purge_max_rounds: 1_000,
         ..RunsConfig::default()
     };
-    let purged = ductor::apply::retention::purge(pool, &everything)
+    let purged = ductor::harness::purge_finished_runs(pool, &everything)
         .await
         .context("purging the finished runs")?
         .runs;

@@ -275,7 +275,7 @@ pub fn hostile(rng: &mut StdRng, topic: InputTopic, limits: &InputLimits) -> Opt
             partition: 0,
             offset: 0,
         };
-        if ductor::ingress::classify::classify(topic, &value, &source, limits).is_ok() {
+        if ductor::harness::classify(topic, &value, &source, limits).is_ok() {
             continue;
         }
         let key = if rng.random_bool(0.2) {
@@ -969,7 +969,7 @@ mod tests {
             let Some(h) = hostile(&mut rng, topic, &limits) else {
                 continue;
             };
-            let refused = ductor::ingress::classify::classify(topic, &h.value, &source, &limits)
+            let refused = ductor::harness::classify(topic, &h.value, &source, &limits)
                 .expect_err("only refused inputs are kept");
             *classes.entry(refused.class.as_str()).or_insert(0) += 1;
         }

@@ -500,13 +500,13 @@ fn rebuild_input(ctx: &Context<'_>, run: &RunRow, t: &TransitionRow) -> Rebuild 
         partition: *partition,
         offset: *offset,
     };
-    match ductor::ingress::classify::classify(kind, &msg.payload, &source, &ctx.limits) {
-        Ok(ductor::ingress::classify::Classified::Routed(request)) => {
+    match ductor::harness::classify(kind, &msg.payload, &source, &ctx.limits) {
+        Ok(ductor::harness::Classified::Routed(request)) => {
             let mut start = request.start;
             start.run_id = run.run_id.clone();
             Rebuild::Input(Input::Start(start))
         }
-        Ok(ductor::ingress::classify::Classified::Input(input)) => Rebuild::Input(input),
+        Ok(ductor::harness::Classified::Input(input)) => Rebuild::Input(input),
         Err(e) => Rebuild::Mismatch(format!(
             "seq {}: its source message does not decode: {e}",
             t.seq

@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 
 use anyhow::Context;
 use ductor::auth::Scope;
-use ductor::auth::store::KeyRequest;
 use ductor::config::Config;
+use ductor::harness::KeyRequest;
 
 /// Each tenant's `Authorization` header value.
 pub async fn issue(

@@ -1161,7 +1161,7 @@ impl Driver {
             partition: 0,
             offset: 0,
         };
-        let class = ductor::ingress::classify::classify(kind, &h.value, &source, &self.limits)
+        let class = ductor::harness::classify(kind, &h.value, &source, &self.limits)
             .err()
             .map(|refused| refused.class.as_str().to_string());
         let rec = Record {
