@@ -1,16 +1,28 @@
-//! The input message contract: decoding and encoding the JSON values that arrive on
-//! `requests`, `wakeups` and `attempt-results`.
+//! The input message contract: the typed inputs that arrive on `requests`,
+//! `wakeups` and `attempt-results`, and the bounds each of them keeps.
 //!
-//! Decoding is pure over a byte buffer. Known fields are strictly typed; unknown
-//! extra fields are tolerated so producers can add fields before consumers know them.
-//! Optional fields may be absent or `null`. Error messages are bounded and never echo
-//! payloads.
+//! In: the bytes of one message and the topic it was read from. Out: a typed
+//! [`Input`], or an [`InputError`] whose class goes into the dead letter's
+//! headers. Guarantees: decoding is pure over a byte buffer and never panics;
+//! known fields are strictly typed, unknown extra fields are tolerated so
+//! producers can add fields before consumers know them, and optional fields
+//! may be absent or `null`; error messages are bounded and never echo payloads.
+//!
+//! Here: the inputs, their limits and their errors. Reading and writing the
+//! wire form is in `wire`; the size budget of what an input carries into
+//! effects ([`bound_payload`]) in `budget`.
 
-use serde_json::{Map, Value, json};
+use serde_json::Value;
 use uuid::Uuid;
 
-use super::names::{MAX_NAME_LEN, is_name};
-use super::screen::{ShapeLimits, Violation, screen};
+use super::screen::{ShapeLimits, Violation};
+
+mod budget;
+mod wire;
+
+pub(crate) use budget::encoded_len;
+pub use budget::{bound_payload, bound_start};
+pub use wire::{decode_input, decode_value, parse_value};
 
 /// The only schema version this coordinator understands.
 pub const SCHEMA_VERSION: u64 = 1;
@@ -225,12 +237,6 @@ pub struct Source {
 /// its start, it is the only one that records no source.
 pub const MISSING_WORKFLOW_REF: &str = "maintenance:missing_workflow";
 
-const TYPE_RUN_START: &str = "run.start";
-const TYPE_ATTEMPT_RESULT: &str = "attempt.result";
-const TYPE_WAKEUP_TIMER: &str = "wakeup.timer";
-const TYPE_WAKEUP_SIGNAL: &str = "wakeup.signal";
-const TYPE_WAKEUP_CANCEL: &str = "wakeup.cancel";
-
 /// The bounds every input keeps: its size (`coordinator.max_input_bytes`)
 /// and its shape (`coordinator.max_json_depth` and the rest).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -255,370 +261,12 @@ impl InputLimits {
     }
 }
 
-/// How much longer a value can get when it is written back than it was
-/// sent: only numbers grow (`9e15` is written `9000000000000000.0`), by at
-/// most this factor. A value sent shorter than the payload limit divided by
-/// it cannot outgrow the limit, and is not measured.
-const MAX_REENCODING_GROWTH: usize = 5;
-
-/// Applies the size budget to what an input carries into effects, so
-/// that no effect is committed that could never be published. `sent` is
-/// the length of the message. A start whose input, or a signal whose
-/// payload, would be too large is refused (`payload_too_large`); a step
-/// output that would be too large becomes a failure of the attempt, for
-/// good, that says so: the step fails instead of its run stalling behind
-/// an effect nobody can publish. Pure: the checker applies it as the
-/// ingress does.
-pub fn bound_payload(input: Input, sent: usize, limits: &InputLimits) -> Result<Input, InputError> {
-    let max = limits.max_payload_bytes;
-    if sent.saturating_mul(MAX_REENCODING_GROWTH) <= max {
-        return Ok(input);
-    }
-    let too_large = |what: &str, len: usize| {
-        format!("{what} is {len} bytes once written back, over the limit of {max}")
-    };
-    match input {
-        Input::Start(ref start) => bound_start(start, sent, limits).map(|()| input),
-        Input::Signal(ref signal) if encoded_len(&signal.payload) > max => Err(InputError::new(
-            InputErrorClass::PayloadTooLarge,
-            too_large("payload", encoded_len(&signal.payload)),
-        )),
-        Input::Result(mut result) => {
-            if let AttemptOutcome::Succeeded { output } = &result.outcome {
-                let len = encoded_len(output);
-                if len > max {
-                    result.outcome = AttemptOutcome::Failed {
-                        message: format!(
-                            "payload_too_large: the step's output is {len} bytes once written \
-                             back, over the limit of {max}"
-                        ),
-                        retryable: false,
-                    };
-                }
-            }
-            Ok(Input::Result(result))
-        }
-        other => Ok(other),
-    }
-}
-
-/// [`bound_payload`] for a start: `Err` when its input would not fit the
-/// dispatch that carries it.
-pub fn bound_start(start: &RunStart, sent: usize, limits: &InputLimits) -> Result<(), InputError> {
-    let max = limits.max_payload_bytes;
-    if sent.saturating_mul(MAX_REENCODING_GROWTH) <= max {
-        return Ok(());
-    }
-    let len = encoded_len(&start.input);
-    if len > max {
-        return Err(InputError::new(
-            InputErrorClass::PayloadTooLarge,
-            format!("input is {len} bytes once written back, over the limit of {max}"),
-        ));
-    }
-    Ok(())
-}
-
-/// The length of `value` as `serde_json` writes it, without writing it.
-pub(crate) fn encoded_len<T: serde::Serialize + ?Sized>(value: &T) -> usize {
-    struct Count(usize);
-    impl std::io::Write for Count {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0 += buf.len();
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let mut count = Count(0);
-    // Writing a Value, or a run state, to a sink that never fails cannot
-    // fail: neither has a map with keys that are not strings.
-    let _ = serde_json::to_writer(&mut count, value);
-    count.0
-}
-
-/// Parses one message's bytes into JSON: within the size limit, UTF-8, past
-/// the shape screen, and well-formed, in that order. Never panics.
-pub fn parse_value(bytes: &[u8], limits: &InputLimits) -> Result<Value, InputError> {
-    if bytes.len() > limits.max_bytes {
-        return Err(InputError::new(
-            InputErrorClass::TooLarge,
-            format!(
-                "input is {} bytes, limit is {}",
-                bytes.len(),
-                limits.max_bytes
-            ),
-        ));
-    }
-    let text = std::str::from_utf8(bytes)
-        .map_err(|e| InputError::new(InputErrorClass::Malformed, format!("not UTF-8: {e}")))?;
-    screen(bytes, &limits.shape)
-        .map_err(|e| InputError::new(InputErrorClass::Refused(e.violation), e.message))?;
-    serde_json::from_str(text)
-        .map_err(|e| InputError::new(InputErrorClass::Malformed, format!("not JSON: {e}")))
-}
-
-/// Decodes one input read from `topic`. Never panics, whatever the bytes.
-pub fn decode_input(
-    topic: InputTopic,
-    bytes: &[u8],
-    limits: &InputLimits,
-) -> Result<Input, InputError> {
-    decode_value(topic, &parse_value(bytes, limits)?)
-}
-
-/// Decodes an already parsed JSON value read from `topic`.
-pub fn decode_value(topic: InputTopic, value: &Value) -> Result<Input, InputError> {
-    let Value::Object(obj) = value else {
-        return Err(InputError::new(
-            InputErrorClass::Malformed,
-            "not a JSON object",
-        ));
-    };
-    let kind = check_envelope(topic, obj)?;
-    decode_fields(kind, &Fields(obj))
-}
-
-/// Checks `type`, `schema_version` and the topic, in that order; returns the type.
-fn check_envelope(topic: InputTopic, obj: &Map<String, Value>) -> Result<&str, InputError> {
-    let kind = match obj.get("type") {
-        Some(Value::String(s)) => s.as_str(),
-        Some(_) => return Err(InputError::invalid("type: must be a string")),
-        None => return Err(InputError::invalid("type: missing")),
-    };
-    let expected_topic = match kind {
-        TYPE_RUN_START => InputTopic::Requests,
-        TYPE_ATTEMPT_RESULT => InputTopic::AttemptResults,
-        TYPE_WAKEUP_TIMER | TYPE_WAKEUP_SIGNAL | TYPE_WAKEUP_CANCEL => InputTopic::Wakeups,
-        other => {
-            return Err(InputError::new(
-                InputErrorClass::UnknownType,
-                format!("unknown type {:?}", truncate(other.to_owned(), 64)),
-            ));
-        }
-    };
-    match obj.get("schema_version") {
-        None => return Err(InputError::invalid("schema_version: missing")),
-        Some(v) => match v.as_u64() {
-            Some(SCHEMA_VERSION) => {}
-            Some(other) => {
-                return Err(InputError::new(
-                    InputErrorClass::UnsupportedVersion,
-                    format!(
-                        "schema_version {other} is not supported (supported: {SCHEMA_VERSION})"
-                    ),
-                ));
-            }
-            None => {
-                return Err(InputError::invalid(
-                    "schema_version: must be a non-negative integer",
-                ));
-            }
-        },
-    }
-    if expected_topic != topic {
-        return Err(InputError::new(
-            InputErrorClass::WrongTopic,
-            format!(
-                "{kind} belongs on {}, not on {}",
-                expected_topic.as_str(),
-                topic.as_str()
-            ),
-        ));
-    }
-    Ok(kind)
-}
-
-/// Decodes the fields of an input whose envelope checked out.
-fn decode_fields(kind: &str, f: &Fields<'_>) -> Result<Input, InputError> {
-    let run_id = f.id("run_id")?;
-    let tenant = f.id("tenant")?;
-    Ok(match kind {
-        TYPE_RUN_START => Input::Start(RunStart {
-            run_id,
-            tenant,
-            workflow: f.required(
-                "workflow",
-                |s| is_name(s, MAX_NAME_LEN),
-                "1 to 100 characters of [A-Za-z0-9_.-]",
-            )?,
-            workflow_version: f.opt_u32("workflow_version")?,
-            pool: f
-                .optional(
-                    "pool",
-                    |s| is_name(s, MAX_NAME_LEN),
-                    "1 to 100 characters of [A-Za-z0-9._-]",
-                )?
-                .unwrap_or_else(|| DEFAULT_POOL.to_owned()),
-            input: f.any("input"),
-            correlation_id: f.optional(
-                "correlation_id",
-                |s| s.chars().count() <= MAX_CORRELATION_ID_LEN,
-                "at most 256 characters",
-            )?,
-        }),
-        TYPE_ATTEMPT_RESULT => Input::Result(AttemptResult {
-            run_id,
-            tenant,
-            stamp: f.uuid("stamp")?,
-            outcome: f.outcome()?,
-        }),
-        TYPE_WAKEUP_TIMER => Input::Timer(TimerWakeup {
-            run_id,
-            tenant,
-            timer: match f.str("timer")? {
-                "retry" => TimerKind::Retry,
-                "timeout" => TimerKind::Timeout,
-                "wake" => TimerKind::Wake,
-                _ => {
-                    return Err(InputError::invalid(
-                        "timer: must be \"retry\", \"timeout\" or \"wake\"",
-                    ));
-                }
-            },
-            stamp: f.uuid("stamp")?,
-        }),
-        TYPE_WAKEUP_SIGNAL => Input::Signal(SignalWakeup {
-            run_id,
-            tenant,
-            signal_id: f.required(
-                "signal_id",
-                bounded(MAX_SIGNAL_FIELD_LEN),
-                "1 to 128 characters",
-            )?,
-            name: f.required("name", bounded(MAX_SIGNAL_FIELD_LEN), "1 to 128 characters")?,
-            payload: f.any("payload"),
-        }),
-        _ => Input::Cancel(CancelWakeup {
-            run_id,
-            tenant,
-            reason: f.optional(
-                "reason",
-                |s| s.chars().count() <= MAX_REASON_LEN,
-                "at most 1024 characters",
-            )?,
-        }),
-    })
-}
-
-fn bounded(max: usize) -> impl Fn(&str) -> bool {
-    move |s| !s.is_empty() && s.chars().count() <= max
-}
-
 /// `[A-Za-z0-9_.:-]{1,128}`: the charset of `run_id` and `tenant`.
 pub fn is_id(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= MAX_ID_LEN
         && s.bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b':' | b'-'))
-}
-
-/// Typed access to the fields of one input object; every error names its field.
-struct Fields<'a>(&'a Map<String, Value>);
-
-impl Fields<'_> {
-    /// Absent and `null` are both "not given".
-    fn get(&self, name: &str) -> Option<&Value> {
-        self.0.get(name).filter(|v| !v.is_null())
-    }
-
-    fn str(&self, name: &str) -> Result<&str, InputError> {
-        match self.get(name) {
-            Some(Value::String(s)) => Ok(s),
-            Some(_) => Err(InputError::invalid(format!("{name}: must be a string"))),
-            None => Err(InputError::invalid(format!("{name}: missing"))),
-        }
-    }
-
-    fn required(
-        &self,
-        name: &str,
-        ok: impl Fn(&str) -> bool,
-        rule: &str,
-    ) -> Result<String, InputError> {
-        let s = self.str(name)?;
-        if ok(s) {
-            Ok(s.to_owned())
-        } else {
-            Err(InputError::invalid(format!("{name}: must be {rule}")))
-        }
-    }
-
-    fn optional(
-        &self,
-        name: &str,
-        ok: impl Fn(&str) -> bool,
-        rule: &str,
-    ) -> Result<Option<String>, InputError> {
-        match self.get(name) {
-            None => Ok(None),
-            Some(_) => self.required(name, ok, rule).map(Some),
-        }
-    }
-
-    fn id(&self, name: &str) -> Result<String, InputError> {
-        self.required(name, is_id, "1 to 128 characters of [A-Za-z0-9_.:-]")
-    }
-
-    fn uuid(&self, name: &str) -> Result<Uuid, InputError> {
-        Uuid::parse_str(self.str(name)?)
-            .map_err(|_| InputError::invalid(format!("{name}: must be a UUID")))
-    }
-
-    fn opt_u32(&self, name: &str) -> Result<Option<u32>, InputError> {
-        match self.get(name) {
-            None => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .and_then(|n| u32::try_from(n).ok())
-                .map(Some)
-                .ok_or_else(|| {
-                    InputError::invalid(format!("{name}: must be an integer in 0..=4294967295"))
-                }),
-        }
-    }
-
-    fn bool(&self, name: &str) -> Result<bool, InputError> {
-        match self.get(name) {
-            Some(Value::Bool(b)) => Ok(*b),
-            Some(_) => Err(InputError::invalid(format!("{name}: must be a boolean"))),
-            None => Err(InputError::invalid(format!("{name}: missing"))),
-        }
-    }
-
-    fn any(&self, name: &str) -> Value {
-        self.0.get(name).cloned().unwrap_or(Value::Null)
-    }
-
-    fn outcome(&self) -> Result<AttemptOutcome, InputError> {
-        match self.str("outcome")? {
-            "succeeded" => Ok(AttemptOutcome::Succeeded {
-                output: self.any("output"),
-            }),
-            "failed" => {
-                let error = match self.get("error") {
-                    Some(Value::Object(e)) => Fields(e),
-                    Some(_) => return Err(InputError::invalid("error: must be an object")),
-                    None => return Err(InputError::invalid("error: missing")),
-                };
-                let message = error
-                    .required(
-                        "message",
-                        |s| s.chars().count() <= MAX_ERROR_MESSAGE_LEN,
-                        "at most 4096 characters",
-                    )
-                    .map_err(|e| InputError::invalid(format!("error.{}", e.message)))?;
-                let retryable = error
-                    .bool("retryable")
-                    .map_err(|e| InputError::invalid(format!("error.{}", e.message)))?;
-                Ok(AttemptOutcome::Failed { message, retryable })
-            }
-            _ => Err(InputError::invalid(
-                "outcome: must be \"succeeded\" or \"failed\"",
-            )),
-        }
-    }
 }
 
 impl Input {
@@ -642,17 +290,6 @@ impl Input {
         }
     }
 
-    /// The wire `type`.
-    pub fn type_str(&self) -> &'static str {
-        match self {
-            Input::Start(_) => TYPE_RUN_START,
-            Input::Result(_) => TYPE_ATTEMPT_RESULT,
-            Input::Timer(_) => TYPE_WAKEUP_TIMER,
-            Input::Signal(_) => TYPE_WAKEUP_SIGNAL,
-            Input::Cancel(_) => TYPE_WAKEUP_CANCEL,
-        }
-    }
-
     /// The topic this input belongs on.
     pub fn topic(&self) -> InputTopic {
         match self {
@@ -673,61 +310,5 @@ impl Input {
             Input::Signal(s) => format!("signal:{}", s.signal_id),
             Input::Cancel(_) => "cancel".to_owned(),
         }
-    }
-
-    /// The canonical wire form; `decode_value(self.topic(), &self.to_json()) == Ok(self)`.
-    pub fn to_json(&self) -> Value {
-        let mut obj = Map::new();
-        obj.insert("type".into(), self.type_str().into());
-        obj.insert("schema_version".into(), SCHEMA_VERSION.into());
-        obj.insert("run_id".into(), self.run_id().into());
-        obj.insert("tenant".into(), self.tenant().into());
-        let mut put = |k: &str, v: Value| {
-            obj.insert(k.to_owned(), v);
-        };
-        match self {
-            Input::Start(s) => {
-                put("workflow", s.workflow.clone().into());
-                if let Some(v) = s.workflow_version {
-                    put("workflow_version", v.into());
-                }
-                put("pool", s.pool.clone().into());
-                put("input", s.input.clone());
-                if let Some(c) = &s.correlation_id {
-                    put("correlation_id", c.clone().into());
-                }
-            }
-            Input::Result(r) => {
-                put("stamp", r.stamp.to_string().into());
-                match &r.outcome {
-                    AttemptOutcome::Succeeded { output } => {
-                        put("outcome", "succeeded".into());
-                        put("output", output.clone());
-                    }
-                    AttemptOutcome::Failed { message, retryable } => {
-                        put("outcome", "failed".into());
-                        put(
-                            "error",
-                            json!({ "message": message, "retryable": retryable }),
-                        );
-                    }
-                }
-            }
-            Input::Timer(t) => {
-                put("timer", t.timer.as_str().into());
-                put("stamp", t.stamp.to_string().into());
-            }
-            Input::Signal(s) => {
-                put("signal_id", s.signal_id.clone().into());
-                put("name", s.name.clone().into());
-                put("payload", s.payload.clone());
-            }
-            Input::Cancel(c) => {
-                if let Some(r) = &c.reason {
-                    put("reason", r.clone().into());
-                }
-            }
-        }
-        Value::Object(obj)
     }
 }

@@ -10,15 +10,22 @@
 //! named after the step: `{"until": time}` for a sleep, `{"signal_id",
 //! "payload"}` for the signal an await got, `{"timed_out": true}` for an
 //! await whose timeout goes on.
+//!
+//! In: a step to enter, or the `wake` timer of a wait. Out: the run moved to
+//! the first step that does not end at once, or to its end (succeeded, or
+//! failed by a wait that timed out or a sleep that cannot tell until when).
+//! Guarantees: only the wake timer of the wait the run is in changes it; a
+//! wake of a wait that ended otherwise changes nothing. Pure: no database, no
+//! clock; what it decides is tested without either.
 
 use chrono::{DateTime, Utc};
 use serde_json::{Map, Value, json};
 use uuid::Uuid;
 
-use super::{Builder, Decision, RejectionClass, reject, step};
+use super::{Builder, Ctx, Decision, NoOpReason, RejectionClass, reject, step};
 use crate::contract::effects::rfc3339;
-use crate::contract::{TimerKind, TransitionKind};
-use crate::coordinator::definition::{StepDefinition, StepKind, WorkflowDefinition};
+use crate::contract::{TimerKind, TimerWakeup, TransitionKind};
+use crate::coordinator::definition::{OnTimeout, StepDefinition, StepKind, WorkflowDefinition};
 use crate::coordinator::state::{RunStatus, Waiting};
 
 /// Where entering a step left the run.
@@ -205,6 +212,56 @@ impl Builder<'_> {
         let output = Value::Object(output);
         self.state.output = output.clone();
         output
+    }
+}
+
+impl Ctx<'_> {
+    /// The timer of the step the run waits in: a sleep ends, a wait for a
+    /// signal times out. Any other wake (of a wait that ended otherwise, a
+    /// duplicate) changes nothing.
+    pub(super) fn on_wake(&self, timer: &TimerWakeup) -> Decision {
+        let s = self.state;
+        let Some(waiting) = s
+            .waiting
+            .as_ref()
+            .filter(|w| w.stamp == timer.stamp && !s.status.is_terminal())
+        else {
+            return Decision::NoOp(NoOpReason::DuplicateTimer);
+        };
+        let def = match self.definition() {
+            Ok(def) => def,
+            Err(rejection) => return rejection,
+        };
+        let Some(step) = step(def, waiting.step_index) else {
+            return reject(
+                RejectionClass::UnknownWorkflow,
+                "workflow has fewer steps than the run",
+            );
+        };
+        let mut b = self.builder();
+        let outcome = match (step.kind, step.on_timeout) {
+            (StepKind::AwaitSignal, OnTimeout::Fail) => {
+                let error = format!(
+                    "step {} ({}) waited {} ms for the signal {:?}, which did not come",
+                    waiting.step_index,
+                    step.name,
+                    step.timeout_ms,
+                    waiting.signal.as_deref().unwrap_or_default()
+                );
+                b.detail("wait_stamp", waiting.stamp.to_string().into());
+                b.detail("cause", "signal_timeout".into());
+                b.fail_run(waiting.step_index, error);
+                Ok(TransitionKind::RunFailed)
+            }
+            (StepKind::AwaitSignal, OnTimeout::Continue) => {
+                b.complete_wait(def, json!({"timed_out": true}))
+            }
+            _ => b.complete_wait(def, json!({"until": rfc3339(waiting.until)})),
+        };
+        match outcome {
+            Ok(kind) => b.finish(kind, self.input.dedup_ref()),
+            Err(rejection) => rejection,
+        }
     }
 }
 

@@ -1,0 +1,269 @@
+//! The builder of one transition: the new state, the attempt rows and the
+//! effects, sealed with the transition's number and lifecycle event.
+//!
+//! In: the state a transition starts from, `now` and the caller's [`Entropy`];
+//! the changes an input's handler asks for (dispatch an attempt, set a timer,
+//! close an attempt, schedule a retry, succeed the run). Out: one
+//! [`Decision::Transition`]. Guarantees: every transition numbers itself
+//! `last_transition_seq + 1` and puts its `ductor.events` lifecycle event before
+//! any other effect; an attempt is dispatched with its row, its step message and
+//! its timeout timer together; a retry waits its policy's backoff, jittered by
+//! the entropy, and the run fails when the policy allows no more. Pure: no
+//! database, no clock; what it decides is tested without either.
+
+use chrono::{DateTime, Utc};
+use serde_json::{Map, Value};
+use uuid::Uuid;
+
+use super::{
+    AttemptWrite, Decision, Entropy, MAX_DETAIL_ERROR_LEN, Transition, TransitionRecord, add_ms,
+    step,
+};
+use crate::contract::effects::{RunEvent, RunOutput, rfc3339};
+use crate::contract::input::{Input, SCHEMA_VERSION, TimerKind, TimerWakeup, truncate};
+use crate::contract::{Effect, EffectKind, EffectTarget, StepDispatch, TransitionKind, names};
+use crate::coordinator::definition::WorkflowDefinition;
+use crate::coordinator::state::{
+    AttemptRecord, AttemptStatus, Outstanding, PendingRetry, RunState, RunStatus,
+};
+
+/// Accumulates one transition: the new state, attempt writes, effects after the event.
+pub(super) struct Builder<'a> {
+    pub(super) state: RunState,
+    pub(super) from_status: Option<RunStatus>,
+    pub(super) now: DateTime<Utc>,
+    pub(super) entropy: &'a Entropy,
+    pub(super) attempt_writes: Vec<AttemptWrite>,
+    pub(super) effects: Vec<Effect>,
+    pub(super) detail: Map<String, Value>,
+}
+
+impl<'a> Builder<'a> {
+    pub(super) fn new(
+        state: RunState,
+        from_status: Option<RunStatus>,
+        now: DateTime<Utc>,
+        entropy: &'a Entropy,
+    ) -> Self {
+        Self {
+            state,
+            from_status,
+            now,
+            entropy,
+            attempt_writes: Vec::new(),
+            effects: Vec::new(),
+            detail: Map::new(),
+        }
+    }
+
+    pub(super) fn detail(&mut self, key: &str, value: Value) {
+        self.detail.insert(key.to_owned(), value);
+    }
+
+    /// Dispatches `attempt` of step `step_index` with the entropy's stamp: the attempt
+    /// row, the step message and its timeout timer. `None` if the step does not exist.
+    pub(super) fn dispatch(
+        &mut self,
+        def: &WorkflowDefinition,
+        step_index: u32,
+        attempt: u32,
+    ) -> Option<Uuid> {
+        let step = step(def, step_index)?;
+        let stamp = self.entropy.stamp;
+        let deadline = add_ms(self.now, step.timeout_ms);
+        let s = &mut self.state;
+        s.step_index = step_index;
+        s.attempt = attempt;
+        s.pending_retry = None;
+        s.outstanding = Some(Outstanding {
+            stamp,
+            step_index,
+            attempt,
+            dispatched_at: self.now,
+            deadline,
+        });
+        let record = AttemptRecord {
+            stamp,
+            step_index,
+            attempt,
+            status: AttemptStatus::Dispatched,
+            dispatched_at: self.now,
+            deadline,
+            finished_at: None,
+            error: None,
+        };
+        s.attempts.push(record.clone());
+        self.attempt_writes.push(AttemptWrite::Insert(record));
+        let step_input = if step_index == 0 {
+            s.input.clone()
+        } else {
+            s.output.clone()
+        };
+        let dispatch = StepDispatch {
+            schema_version: SCHEMA_VERSION,
+            run_id: s.run_id.clone(),
+            tenant: s.tenant.clone(),
+            workflow: s.workflow.clone(),
+            workflow_version: s.workflow_version,
+            step: step.name.clone(),
+            step_index,
+            attempt,
+            step_key: names::step_key(&s.run_id, step_index),
+            stamp,
+            deadline,
+            input: step_input,
+        };
+        let target = EffectTarget::StepQueue {
+            pool: step.pool.clone(),
+        };
+        let effect = Effect::now(target, EffectKind::StepDispatch, &dispatch);
+        self.effects.push(effect);
+        self.timer(TimerKind::Timeout, stamp, deadline);
+        Some(stamp)
+    }
+
+    /// A durable timer: the canonical `wakeup.timer` input, published at `due`.
+    pub(super) fn timer(&mut self, kind: TimerKind, stamp: Uuid, due: DateTime<Utc>) {
+        let wakeup = Input::Timer(TimerWakeup {
+            run_id: self.state.run_id.clone(),
+            tenant: self.state.tenant.clone(),
+            timer: kind,
+            stamp,
+        });
+        self.effects.push(Effect {
+            target: EffectTarget::Wakeups,
+            kind: EffectKind::WakeupTimer,
+            payload: wakeup.to_json(),
+            not_before: Some(due),
+        });
+    }
+
+    /// Every step is done: the run succeeded with the last one's output,
+    /// published to the workflow's output topic if it has one.
+    pub(super) fn succeed_run(&mut self, def: &WorkflowDefinition) {
+        self.state.status = RunStatus::Succeeded;
+        if let Some(topic) = &def.output_topic {
+            let s = &self.state;
+            let output = RunOutput {
+                schema_version: SCHEMA_VERSION,
+                run_id: &s.run_id,
+                tenant: &s.tenant,
+                workflow: &s.workflow,
+                output: &s.output,
+            };
+            let target = EffectTarget::Output {
+                topic: topic.clone(),
+            };
+            let effect = Effect::now(target, EffectKind::RunOutput, &output);
+            self.effects.push(effect);
+        }
+    }
+
+    /// Closes the outstanding attempt `stamp` with a final status.
+    pub(super) fn finish_attempt(
+        &mut self,
+        stamp: Uuid,
+        status: AttemptStatus,
+        error: Option<String>,
+    ) {
+        if let Some(record) = self
+            .state
+            .attempts
+            .iter_mut()
+            .find(|a| a.stamp == stamp && a.status == AttemptStatus::Dispatched)
+        {
+            record.status = status;
+            record.finished_at = Some(self.now);
+            record.error.clone_from(&error);
+        }
+        self.state.outstanding = None;
+        self.attempt_writes.push(AttemptWrite::Finish {
+            stamp,
+            status,
+            finished_at: self.now,
+            error,
+        });
+    }
+
+    /// After a failed or timed-out attempt: schedule a retry if the policy allows one,
+    /// otherwise fail the run. Returns the transition kind.
+    pub(super) fn after_failure(
+        &mut self,
+        def: &WorkflowDefinition,
+        attempt: &AttemptRecord,
+        error: String,
+        retryable: bool,
+        retry_kind: TransitionKind,
+    ) -> TransitionKind {
+        self.detail("stamp", attempt.stamp.to_string().into());
+        self.detail(
+            "error",
+            truncate(error.clone(), MAX_DETAIL_ERROR_LEN).into(),
+        );
+        let policy = step(def, attempt.step_index).map(|s| &s.retry);
+        match policy {
+            Some(policy) if retryable && attempt.attempt < policy.max_attempts => {
+                let backoff_ms = policy.backoff_ms(attempt.attempt, self.entropy.jitter_unit);
+                let due_at = add_ms(self.now, backoff_ms);
+                self.state.pending_retry = Some(PendingRetry {
+                    after_stamp: attempt.stamp,
+                    due_at,
+                });
+                self.timer(TimerKind::Retry, attempt.stamp, due_at);
+                self.detail("backoff_ms", backoff_ms.into());
+                self.detail("retry_due_at", rfc3339(due_at).into());
+                retry_kind
+            }
+            _ => {
+                let cause = if retryable {
+                    "attempts_exhausted"
+                } else {
+                    "not_retryable"
+                };
+                self.detail("cause", cause.into());
+                self.state.status = RunStatus::Failed;
+                self.state.error = Some(error);
+                TransitionKind::RunFailed
+            }
+        }
+    }
+
+    /// Numbers the transition, prepends the lifecycle event and seals it.
+    pub(super) fn finish(mut self, kind: TransitionKind, input_ref: String) -> Decision {
+        let seq = self.state.last_transition_seq.saturating_add(1);
+        self.state.last_transition_seq = seq;
+        self.state.updated_at = self.now;
+        let s = &self.state;
+        let event = RunEvent {
+            schema_version: SCHEMA_VERSION,
+            run_id: &s.run_id,
+            tenant: &s.tenant,
+            seq,
+            kind,
+            status: s.status.as_str(),
+            step_index: s.step_index,
+            attempt: s.attempt,
+            at: self.now,
+        };
+        let event = Effect::now(EffectTarget::Events, EffectKind::RunEvent, &event);
+        let mut effects = Vec::with_capacity(self.effects.len() + 1);
+        effects.push(event);
+        effects.append(&mut self.effects);
+        let record = TransitionRecord {
+            seq,
+            input_ref,
+            kind,
+            from_status: self.from_status,
+            to_status: s.status,
+            step_index: s.step_index,
+            at: self.now,
+            detail: Value::Object(self.detail),
+        };
+        Decision::Transition(Box::new(Transition {
+            state: self.state,
+            record,
+            attempt_writes: self.attempt_writes,
+            effects,
+        }))
+    }
+}
