@@ -16,7 +16,7 @@ use common::*;
 use ductor::client::worker::{StepDispatch, StepOutcome};
 use ductor::config::Config;
 use ductor::ingress::IngressContext;
-use ductor::outbox::{Drainer, Handoff, RoundOutcome, Wakeup};
+use ductor::outbox::{Drainer, FastLane, Handoff, RoundOutcome, Wakeup};
 use futures::future::join_all;
 use rdkafka::message::{Headers, Message, OwnedMessage};
 use rdkafka::producer::FutureProducer;
@@ -113,7 +113,28 @@ impl Env {
             .expect("creating ingress")
     }
 
-    /// The coordinator's ingress alone, so intents pile up undrained.
+    /// The coordinator's ingress, subscribed, for the test to drive a batch
+    /// at a time ([`Env::step_starts`]); intents pile up undrained.
+    fn stepped_ingress(&self) -> IngressContext {
+        let ctx = self.ingress_context();
+        ductor::ingress::subscribe(&ctx).expect("subscribing the ingress");
+        ctx
+    }
+
+    /// Steps `ingress` through the starts `sent` by [`Env::start_runs`],
+    /// and checks that each made a run.
+    async fn step_starts(&self, ingress: &IngressContext, sent: &[(i32, i64)]) {
+        let requests = self.config.topic_names().requests();
+        let report = step_through(ingress, &requests, sent, WAIT).await;
+        assert_eq!(
+            report.applied,
+            sent.len(),
+            "every start applies: {report:?}"
+        );
+    }
+
+    /// The coordinator's ingress alone, as a loop, so intents pile up
+    /// undrained.
     fn ingress(&self) -> Task {
         let ctx = self.ingress_context();
         let shutdown = CancellationToken::new();
@@ -169,18 +190,18 @@ impl Env {
         Task { shutdown, task }
     }
 
-    async fn start_runs(&self, run_ids: &[String]) {
+    /// Sends a start of each run; returns where each landed on the
+    /// requests topic (partition, offset).
+    async fn start_runs(&self, run_ids: &[String]) -> Vec<(i32, i64)> {
         let topic = self.config.topic_names().requests();
         let sends = run_ids.iter().map(|run_id| {
             let value = json!({"type": "run.start", "schema_version": 1, "run_id": run_id,
                                "tenant": "acme", "workflow": "flow", "input": {"n": run_id}});
             let producer = &self.producer;
             let topic = &topic;
-            async move {
-                produce(producer, topic, run_id, value.to_string().as_bytes(), &[]).await;
-            }
+            async move { produce(producer, topic, run_id, value.to_string().as_bytes(), &[]).await }
         });
-        join_all(sends).await;
+        join_all(sends).await
     }
 
     async fn count_status(&self, status: &str) -> i64 {
@@ -191,14 +212,21 @@ impl Env {
             .unwrap()
     }
 
+    /// Waits for `n` runs in `status`, for the tests where serve or several
+    /// drainers move the runs on their own loops.
     async fn wait_all(&self, status: &str, n: i64) {
+        // A poll: the runs move on loops the test does not drive.
         eventually(&format!("{n} runs {status}"), WAIT, || async {
             (self.count_status(status).await == n).then_some(())
         })
         .await
     }
 
+    /// Waits for the dispatch of `run_id`'s step `step_index`, for the
+    /// tests where an ingress loop (serve's, or one beside racing drainers)
+    /// applies it.
     async fn dispatched_stamp(&self, run_id: &str, step_index: i32) -> uuid::Uuid {
+        // A poll: an ingress loop the test does not drive applies it.
         eventually(
             &format!("{run_id} step {step_index} dispatched"),
             WAIT,
@@ -215,6 +243,21 @@ impl Env {
             },
         )
         .await
+    }
+
+    /// The stamp of `run_id`'s dispatched attempt of step `step_index`,
+    /// which a batch applied already has committed.
+    async fn attempt_stamp(&self, run_id: &str, step_index: i32) -> uuid::Uuid {
+        sqlx::query_scalar(
+            "SELECT stamp FROM run_attempts \
+             WHERE run_id = $1 AND step_index = $2 AND status = 'dispatched'",
+        )
+        .bind(run_id)
+        .bind(step_index)
+        .fetch_optional(&self.db.pool)
+        .await
+        .unwrap()
+        .unwrap_or_else(|| panic!("{run_id} has no dispatched step {step_index}"))
     }
 
     async fn send_success(&self, run_id: &str, stamp: uuid::Uuid) {
@@ -237,6 +280,7 @@ impl Env {
         let worker = self.worker(|step: StepDispatch| async move {
             StepOutcome::Succeeded(json!({"step": step.step}))
         });
+        // A poll: serve and the worker move the run on their own loops.
         self.wait_all("succeeded", 1).await;
         let not_succeeded: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM run_attempts WHERE run_id = $1 AND status <> 'succeeded'",
@@ -278,6 +322,18 @@ impl Task {
             .expect("task panicked")
             .expect("task stopped with an error");
     }
+}
+
+/// Lets `lane` publish, complete or give back everything handed to it, and
+/// returns once it has: a lane ends after its last [`Handoff`] is gone,
+/// which the caller has dropped. The drainer is stopped before its first
+/// claim round, so whatever went out went through the lane.
+async fn run_lane_out(drainer: Drainer, lane: FastLane) {
+    let stopped = CancellationToken::new();
+    stopped.cancel();
+    ductor::outbox::run_with_fast_lane(drainer, Wakeup::default(), Some(lane), stopped)
+        .await
+        .expect("the fast lane stops cleanly");
 }
 
 fn header(m: &OwnedMessage, name: &str) -> Option<String> {
@@ -370,6 +426,7 @@ async fn committed_effects_take_the_fast_lane_and_runs_finish_without_polling() 
     });
     let runs: Vec<String> = (0..RUNS).map(|i| format!("{}-{i}", unique("f"))).collect();
     env.start_runs(&runs).await;
+    // A poll: the fast lane's timing, on running loops, is the subject.
     env.wait_all("succeeded", RUNS as i64).await;
     // Every run's first transition has nothing undelivered ahead of it, so
     // at least its event and its first dispatch went through the fast lane.
@@ -414,6 +471,7 @@ async fn a_thousand_runs_with_a_flaky_step_all_succeed_with_headers_and_order() 
     });
     let runs: Vec<String> = (0..RUNS).map(|i| format!("{}-{i}", unique("r"))).collect();
     env.start_runs(&runs).await;
+    // A poll: serve and the worker move a thousand runs on their own loops.
     env.wait_all("succeeded", RUNS as i64).await;
     let retried: i64 = sqlx::query_scalar("SELECT count(*) FROM run_attempts WHERE attempt > 1")
         .fetch_one(&env.db.pool)
@@ -422,6 +480,7 @@ async fn a_thousand_runs_with_a_flaky_step_all_succeed_with_headers_and_order() 
     assert!(retried > 0, "the flaky step caused retries");
 
     let keys = env.intent_keys().await;
+    // A poll: serve's drainer publishes on its own loop.
     eventually("every intent drained", WAIT, || async {
         let left: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM eec_effect_intent WHERE status <> 'completed' AND not_before <= now()",
@@ -459,10 +518,11 @@ async fn a_drainer_stopped_after_publishing_republishes_with_the_same_key_and_de
         c.drainer.lease_ms = 2_500;
     })
     .await;
-    let ingress = env.ingress();
+    let ingress = env.stepped_ingress();
     let run_id = unique("crash-");
-    env.start_runs(std::slice::from_ref(&run_id)).await;
-    env.dispatched_stamp(&run_id, 0).await;
+    let sent = env.start_runs(std::slice::from_ref(&run_id)).await;
+    env.step_starts(&ingress, &sent).await;
+    env.attempt_stamp(&run_id, 0).await;
 
     let mut crashing = env.drainer();
     crashing.hooks.fail_after_publish = true;
@@ -483,6 +543,7 @@ async fn a_drainer_stopped_after_publishing_republishes_with_the_same_key_and_de
     // A new drainer cannot take them while the lease holds; once it expires
     // the reconciler redrives them and they are published again.
     let restarted = env.drainer();
+    // A poll: only Postgres's clock ends the lease of the drainer that died.
     eventually("the claim lease expires", WAIT, || async {
         (restarted.reconcile().await.unwrap() > 0).then_some(())
     })
@@ -534,7 +595,7 @@ async fn a_drainer_stopped_after_publishing_republishes_with_the_same_key_and_de
         tx.commit().await.unwrap();
     }
     assert_eq!(env.db.count("applied").await, 1, "applied exactly once");
-    ingress.stop().await;
+    ductor::ingress::close(&ingress);
     env.db.drop_db().await;
 }
 
@@ -561,11 +622,14 @@ async fn two_drainers_at_once_lose_nothing_and_keep_per_run_order() {
     env.start_runs(&runs).await;
     for step in 0..3 {
         for run_id in &runs {
+            // A poll: the ingress loop applies results while two drainers race.
             let stamp = env.dispatched_stamp(run_id, step).await;
             env.send_success(run_id, stamp).await;
         }
     }
+    // A poll: the ingress loop moves the runs while two drainers race.
     env.wait_all("succeeded", runs.len() as i64).await;
+    // A poll: two drainer loops racing for the same runs are the subject.
     eventually("every due intent completed", WAIT, || async {
         let left: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM eec_effect_intent WHERE status <> 'completed' AND not_before <= now()",
@@ -620,6 +684,7 @@ async fn a_retry_fires_after_its_backoff_and_a_pending_timer_survives_a_restart(
     let pool = env.db.pool.clone();
     let names = env.config.topic_names();
     // The retry timer: a wakeup intent with a future not_before.
+    // A poll: serve applies the failure on its own loops, and is restarted.
     let (timer_id, not_before): (i64, chrono::DateTime<chrono::Utc>) =
         eventually("the retry timer is committed", WAIT, || async {
             sqlx::query_as(
@@ -646,6 +711,7 @@ async fn a_retry_fires_after_its_backoff_and_a_pending_timer_survives_a_restart(
         "the timer had not fired before the restart"
     );
     let second = env.serve();
+    // A poll: the restarted serve fires the timer when its backoff ends.
     eventually("the run succeeds after the retry", WAIT, || async {
         let s: Option<String> = sqlx::query_scalar("SELECT status FROM runs WHERE run_id = $1")
             .bind(&run_id)
@@ -693,11 +759,13 @@ async fn a_retry_fires_after_its_backoff_and_a_pending_timer_survives_a_restart(
 
 #[tokio::test]
 async fn drained_intents_are_purged_after_retention_and_pending_ones_never() {
-    let env = Env::new("max_attempts = 1", 60_000, |c| c.drainer.retention_ms = 1).await;
-    let ingress = env.ingress();
+    // No retention: an intent completed by an earlier statement is past it.
+    let env = Env::new("max_attempts = 1", 60_000, |c| c.drainer.retention_ms = 0).await;
+    let ingress = env.stepped_ingress();
     let run_id = unique("purge-");
-    env.start_runs(std::slice::from_ref(&run_id)).await;
-    env.dispatched_stamp(&run_id, 0).await;
+    let sent = env.start_runs(std::slice::from_ref(&run_id)).await;
+    env.step_starts(&ingress, &sent).await;
+    env.attempt_stamp(&run_id, 0).await;
     let drainer = env.drainer();
     assert!(matches!(
         drainer.drain_once().await.unwrap(),
@@ -712,18 +780,19 @@ async fn drained_intents_are_purged_after_retention_and_pending_ones_never() {
         rows.into_iter().collect::<BTreeMap<_, _>>()
     };
     let before = by_status(env.db.pool.clone()).await;
-    assert!(before.get("completed").copied().unwrap_or(0) > 0);
+    let completed = before.get("completed").copied().unwrap_or(0);
+    assert!(completed > 0);
     let pending_before = before.get("pending").copied().unwrap_or(0);
     assert!(pending_before > 0, "the timeout timer is still pending");
-    eventually("completed intents purged", WAIT, || async {
-        drainer.purge().await.unwrap();
-        let now = by_status(env.db.pool.clone()).await;
-        (!now.contains_key("completed")).then_some(now)
-    })
-    .await;
+    let purged = drainer.purge().await.unwrap();
+    assert_eq!(purged, completed as u64, "one retention round purges them");
     let after = by_status(env.db.pool.clone()).await;
+    assert!(
+        !after.contains_key("completed"),
+        "completed intents purged: {after:?}"
+    );
     assert_eq!(after.get("pending").copied().unwrap_or(0), pending_before);
-    ingress.stop().await;
+    ductor::ingress::close(&ingress);
     env.db.drop_db().await;
 }
 
@@ -731,11 +800,12 @@ async fn drained_intents_are_purged_after_retention_and_pending_ones_never() {
 async fn claims_of_a_batch_statement_whose_reply_was_lost_go_back_without_waiting_for_the_lease() {
     // A lease far longer than the test: only the hand-back can free them.
     let env = Env::new("max_attempts = 1", 60_000, |c| c.drainer.lease_ms = 600_000).await;
-    let ingress = env.ingress();
+    let ingress = env.stepped_ingress();
     let run_id = unique("orphan-");
-    env.start_runs(std::slice::from_ref(&run_id)).await;
-    env.dispatched_stamp(&run_id, 0).await;
-    ingress.stop().await;
+    let sent = env.start_runs(std::slice::from_ref(&run_id)).await;
+    env.step_starts(&ingress, &sent).await;
+    env.attempt_stamp(&run_id, 0).await;
+    ductor::ingress::close(&ingress);
 
     // As a batch statement that committed its fast-lane claims and whose
     // reply never came back leaves them: claimed by a live drainer that
@@ -754,15 +824,7 @@ async fn claims_of_a_batch_statement_whose_reply_was_lost_go_back_without_waitin
     .unwrap();
     assert!(!positions.is_empty(), "the start committed due intents");
 
-    let wakeup = Wakeup::default();
-    let (handoff, lane) = drainer.fast_lane(&wakeup);
-    let shutdown = CancellationToken::new();
-    let running = tokio::spawn(ductor::outbox::run_with_fast_lane(
-        drainer,
-        wakeup,
-        Some(lane),
-        shutdown.clone(),
-    ));
+    let (handoff, lane) = drainer.fast_lane(&Wakeup::default());
     let given_back = positions
         .iter()
         .map(
@@ -774,33 +836,41 @@ async fn claims_of_a_batch_statement_whose_reply_was_lost_go_back_without_waitin
         )
         .collect();
     handoff.uncertain_at(given_back).await;
+    drop(handoff);
+    run_lane_out(drainer, lane).await;
 
+    // Given back, any drainer may claim them; still claimed, none could
+    // for ten minutes.
+    let round = env.drainer().drain_once().await.unwrap();
+    assert_eq!(
+        round,
+        RoundOutcome::Drained {
+            completed: positions.len(),
+            released: 0,
+            transient: 0
+        },
+        "the handed-back intents are claimed and published"
+    );
     let runs: Vec<String> = positions.iter().map(|p| p.0.clone()).collect();
     let seqs: Vec<i64> = positions.iter().map(|p| p.1).collect();
     let indexes: Vec<i32> = positions.iter().map(|p| p.2).collect();
-    eventually("the handed-back intents are published", WAIT, || async {
-        let completed: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM eec_effect_intent i \
-             JOIN UNNEST($1::text[], $2::int8[], $3::int4[]) AS u(run_id, seq, effect_index) \
-               USING (run_id, seq, effect_index) \
-             WHERE i.status = 'completed'",
-        )
-        .bind(&runs)
-        .bind(&seqs)
-        .bind(&indexes)
-        .fetch_one(&env.db.pool)
-        .await
-        .unwrap();
-        (completed as usize == positions.len()).then_some(())
-    })
-    .await;
-
-    drop(handoff);
-    shutdown.cancel();
-    running
-        .await
-        .expect("drainer panicked")
-        .expect("drainer stopped with an error");
+    let completed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM eec_effect_intent i \
+         JOIN UNNEST($1::text[], $2::int8[], $3::int4[]) AS u(run_id, seq, effect_index) \
+           USING (run_id, seq, effect_index) \
+         WHERE i.status = 'completed'",
+    )
+    .bind(&runs)
+    .bind(&seqs)
+    .bind(&indexes)
+    .fetch_one(&env.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        completed as usize,
+        positions.len(),
+        "the handed-back intents are published"
+    );
     env.db.drop_db().await;
 }
 
@@ -882,9 +952,16 @@ async fn completing_claims_probes_the_primary_key_after_the_outbox_was_analyzed_
 #[tokio::test]
 async fn a_redelivered_effect_is_byte_identical_to_its_first_delivery_headers_in_order() {
     let env = Env::new("max_attempts = 1", 60_000, |_| {}).await;
-    let serve = env.serve();
+    // The apply hands what it commits to a drainer's fast lane, as in serve.
+    let drainer = env.drainer();
+    let (handoff, lane) = drainer.fast_lane(&Wakeup::default());
+    let mut ingress = env.stepped_ingress();
+    ingress.applier.handoff = Some(handoff);
     let run_id = unique("bytes-");
-    env.start_runs(std::slice::from_ref(&run_id)).await;
+    let sent = env.start_runs(std::slice::from_ref(&run_id)).await;
+    env.step_starts(&ingress, &sent).await;
+    ingress.applier.handoff = None;
+    run_lane_out(drainer, lane).await;
     let pool = env.db.pool.clone();
     let events_topic = env.config.topic_names().events();
     let undelivered = || {
@@ -896,12 +973,11 @@ async fn a_redelivered_effect_is_byte_identical_to_its_first_delivery_headers_in
         .bind(&events_topic)
         .fetch_one(&pool)
     };
-    eventually(
-        "the first transition's effects are delivered",
-        WAIT,
-        || async { (undelivered().await.unwrap() == Some(0)).then_some(()) },
-    )
-    .await;
+    assert_eq!(
+        undelivered().await.unwrap(),
+        Some(0),
+        "the first transition's effects are delivered"
+    );
     // Put them back as a redrive after a lost acknowledgement would.
     let reset = sqlx::query(
         "UPDATE eec_effect_intent SET status = 'pending', claimed_by = NULL, \
@@ -914,6 +990,16 @@ async fn a_redelivered_effect_is_byte_identical_to_its_first_delivery_headers_in
     .await
     .unwrap();
     assert!(reset.rows_affected() > 0);
+    let round = env.drainer().drain_once().await.unwrap();
+    assert_eq!(
+        round,
+        RoundOutcome::Drained {
+            completed: reset.rows_affected() as usize,
+            released: 0,
+            transient: 0
+        },
+        "a claim round delivers them again"
+    );
     let key = format!("{run_id}/1/0");
     let consumer = reader(&[&events_topic]);
     let mut copies = Vec::new();
@@ -941,7 +1027,7 @@ async fn a_redelivered_effect_is_byte_identical_to_its_first_delivery_headers_in
     assert_eq!(all_headers(&copies[0]), all_headers(&copies[1]));
     assert_eq!(copies[0].key(), copies[1].key());
     assert_eq!(copies[0].payload(), copies[1].payload());
-    serve.stop().await;
+    ductor::ingress::close(&ingress);
     env.db.drop_db().await;
 }
 
@@ -971,6 +1057,7 @@ async fn an_effect_the_broker_refuses_is_parked_without_holding_anything_up_and_
     });
     let warm = format!("small-{}", unique(""));
     env.start_runs(std::slice::from_ref(&warm)).await;
+    // A poll: serve and the worker move the run on their own loops.
     env.wait_all("succeeded", 1).await;
     let output_topic = env.output_topic();
     set_topic_limit(&env.config.kafka, &output_topic, 1024).await;
@@ -978,6 +1065,7 @@ async fn an_effect_the_broker_refuses_is_parked_without_holding_anything_up_and_
     let big = format!("big-{}", unique(""));
     let small = format!("small-{}", unique(""));
     env.start_runs(&[big.clone(), small.clone()]).await;
+    // A poll: serve and the worker move the runs on their own loops.
     env.wait_all("succeeded", 3).await;
     let output_status = |run_id: String| {
         let pool = env.db.pool.clone();
@@ -994,6 +1082,7 @@ async fn an_effect_the_broker_refuses_is_parked_without_holding_anything_up_and_
             .unwrap()
         }
     };
+    // A poll: serve's drainer parks it on its own rounds, after a backoff.
     let parked = eventually("the big output is parked", WAIT, || async {
         let row = output_status(big.clone()).await;
         (row.0 == "parked").then_some(row)
@@ -1004,11 +1093,13 @@ async fn an_effect_the_broker_refuses_is_parked_without_holding_anything_up_and_
         parked.2.is_some_and(|e| e.to_lowercase().contains("size")),
         "the error is kept"
     );
+    // A poll: serve's drainer publishes it on its own loop.
     eventually("the small output is delivered", WAIT, || async {
         (output_status(small.clone()).await.0 == "completed").then_some(())
     })
     .await;
     // The run's followers learn of it on the events topic.
+    // A poll: serve's drainer publishes the notice on its own loop.
     let notice: Vec<u8> = eventually("the parked effect's notice is published", WAIT, || async {
         sqlx::query_scalar(
             "SELECT payload FROM eec_effect_intent \
@@ -1039,6 +1130,7 @@ async fn an_effect_the_broker_refuses_is_parked_without_holding_anything_up_and_
         .await
         .unwrap();
     assert_eq!(redriven, 1);
+    // A poll: serve's drainer, woken by the redrive, publishes it.
     eventually("the redriven output is delivered", WAIT, || async {
         (output_status(big.clone()).await.0 == "completed").then_some(())
     })
@@ -1091,19 +1183,14 @@ async fn a_dispatch_claimed_by_a_drainer_that_died_is_redriven_and_its_timeout_w
     dead.heartbeat().await.unwrap();
     let (handoff, lane) = dead.fast_lane(&Wakeup::default());
     drop(lane);
-    let workflows =
-        ductor::infra::workflows::load_dir(&env.config.coordinator.workflows_dir).unwrap();
-    let mut ctx = IngressContext::new(&env.config, env.db.pool.clone(), workflows).unwrap();
-    ctx.applier.handoff = Some(handoff);
-    let shutdown = CancellationToken::new();
-    let ingress = Task {
-        shutdown: shutdown.clone(),
-        task: tokio::spawn(ductor::ingress::run(ctx, shutdown)),
-    };
+    let mut ingress = env.stepped_ingress();
+    ingress.applier.handoff = Some(handoff);
     let run_id = unique("orphan-");
-    env.start_runs(std::slice::from_ref(&run_id)).await;
-    env.dispatched_stamp(&run_id, 0).await;
-    ingress.stop().await;
+    let sent = env.start_runs(std::slice::from_ref(&run_id)).await;
+    env.step_starts(&ingress, &sent).await;
+    env.attempt_stamp(&run_id, 0).await;
+    ductor::ingress::close(&ingress);
+    drop(ingress);
     let claimed_by_dead: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM eec_effect_intent \
          WHERE run_id = $1 AND status = 'claimed' AND claimed_by = $2",
@@ -1129,6 +1216,7 @@ async fn a_result_sent_in_time_holds_the_timeout_while_no_serve_reads_it() {
     let serve = env.serve();
     let run_id = unique("frontier-");
     env.start_runs(std::slice::from_ref(&run_id)).await;
+    // A poll: the serve that crashes next dispatches the step on its loops.
     let stamp = env.dispatched_stamp(&run_id, 0).await;
     serve.stop().await;
     env.send_success(&run_id, stamp).await;
@@ -1234,6 +1322,8 @@ async fn writers_without_a_drainer_wake_the_drainer_by_notify() {
         shutdown.clone(),
     ));
     let drainer = Task { shutdown, task };
+    // A poll: the drainer's loop and its LISTEN, woken by commits of other
+    // processes, are the subject.
     eventually("the drainer listens", WAIT, || async {
         let listening: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity \
@@ -1284,31 +1374,16 @@ async fn writers_without_a_drainer_wake_the_drainer_by_notify() {
     // The HTTP API of a `serve` without a drainer commits its starts itself.
     let mut config = env.config.clone();
     config.drainer.enabled = false;
-    let listeners = ductor::cli::serve::Listeners::bind(&config.server)
-        .await
-        .unwrap();
-    let addr = listeners.public.local_addr().unwrap();
-    let shutdown = CancellationToken::new();
-    let task = tokio::spawn(ductor::cli::serve::run_on(
-        config,
-        listeners,
-        shutdown.clone(),
-    ));
-    let serve = Task { shutdown, task };
+    let serve = Running::start(&config).await;
+    let addr = serve.addr;
     let token = api_key(&env.db, "acme", &[ductor::auth::Scope::RunsWrite]).await;
     let auth = bearer(&token);
-    let (status, body) = eventually("serve answers a start", WAIT, || async {
-        if tokio::net::TcpStream::connect(addr).await.is_err() {
-            return None;
-        }
-        let headers = [
-            (auth.0, auth.1.as_str()),
-            ("Content-Type", "application/json"),
-        ];
-        let body = json!({"workflow": "flow", "input": {}}).to_string();
-        Some(http(addr, "POST", "/v1/runs", &headers, body.as_bytes()).await)
-    })
-    .await;
+    let headers = [
+        (auth.0, auth.1.as_str()),
+        ("Content-Type", "application/json"),
+    ];
+    let body = json!({"workflow": "flow", "input": {}}).to_string();
+    let (status, body) = http(addr, "POST", "/v1/runs", &headers, body.as_bytes()).await;
     assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
     let answer: serde_json::Value = serde_json::from_slice(&body).unwrap();
     let started = answer["run_id"].as_str().expect("a run id");

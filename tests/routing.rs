@@ -175,12 +175,12 @@ async fn the_same_keyed_request_through_kafka_redelivered_after_a_crash_makes_on
     let env = Env::new(|_| {}).await;
     let workflows =
         ductor::infra::workflows::load_dir(&env.config.coordinator.workflows_dir).unwrap();
-    let mut ctx = IngressContext::new(&env.config, env.db.pool.clone(), workflows.clone()).unwrap();
-    ctx.hooks = TestHooks {
+    let mut crashing =
+        IngressContext::new(&env.config, env.db.pool.clone(), workflows.clone()).unwrap();
+    crashing.hooks = TestHooks {
         fail_after_commit: true,
     };
-    let shutdown = CancellationToken::new();
-    let crashing = tokio::spawn(ductor::ingress::run(ctx, shutdown.clone()));
+    ductor::ingress::subscribe(&crashing).unwrap();
     let producer = producer();
     let requests = env.config.topic_names().requests();
     let key = unique("k-");
@@ -206,31 +206,34 @@ async fn the_same_keyed_request_through_kafka_redelivered_after_a_crash_makes_on
         &[],
     )
     .await;
-    crashing
-        .await
-        .unwrap()
-        .expect_err("the hook stops the ingress after its first commit");
-    // The first commit may have held one or both requests; wait for both to be
-    // decided by a second pass before comparing.
-    let mut ctx = IngressContext::new(&env.config, env.db.pool.clone(), workflows).unwrap();
-    ctx.hooks = TestHooks::default();
+    // The hook stops the ingress after its first commit.
     let shutdown = CancellationToken::new();
-    let restarted = tokio::spawn(ductor::ingress::run(ctx, shutdown.clone()));
-    eventually("both requests decided", WAIT, || async {
-        (env.runs().await >= 2).then_some(())
-    })
-    .await;
-    // Wait for the restarted ingress to have handled everything, including
-    // the redelivered messages.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the requests were not read within {WAIT:?}"
+        );
+        match ductor::ingress::step(&crashing, INGRESS_STEP_WAIT, &shutdown).await {
+            Ok(None) => {}
+            Ok(Some(report)) => panic!("the hook lets no batch through: {report:?}"),
+            Err(_) => break,
+        }
+    }
+    // Leaves the group as the loop does when it fails.
+    ductor::ingress::close(&crashing);
+    drop(crashing);
+    // The first commit may have held one or both requests; a second pass
+    // decides both, the redelivered ones included, before comparing.
+    let restarted = IngressContext::new(&env.config, env.db.pool.clone(), workflows).unwrap();
+    ductor::ingress::subscribe(&restarted).unwrap();
+    step_through(&restarted, &requests, &[(partition, last)], WAIT).await;
+    ductor::ingress::close(&restarted);
     let group = &env.config.kafka.group_id;
-    committed_past(
-        "offsets committed past the requests",
-        group,
-        &requests,
-        partition,
-        last,
-    )
-    .await;
+    assert!(
+        committed(group, &requests, partition).await > last,
+        "offsets committed past the requests"
+    );
     assert_eq!(
         env.runs().await,
         2,
@@ -263,8 +266,6 @@ async fn the_same_keyed_request_through_kafka_redelivered_after_a_crash_makes_on
         .map(|a| a["correlation_id"].as_str().unwrap())
         .collect();
     assert!(correlations.contains(&"corr-1") && correlations.contains(&"corr-2"));
-    shutdown.cancel();
-    restarted.await.unwrap().unwrap();
     env.db.drop_db().await;
 }
 
@@ -312,6 +313,8 @@ async fn a_kafka_start_whose_key_an_http_caller_holds_is_parked_and_its_lane_goe
         produce(&producer, &requests, "k", &start(None, 100 + n), &[]).await;
     }
     let (_, reused_at) = produce(&producer, &requests, "k", &start(Some("held-key"), 2), &[]).await;
+    // A poll: the lanes going on beside a start parked for a key an HTTP
+    // caller holds are the subject.
     eventually("the starts behind the held key applied", WAIT, || async {
         (env.runs().await == 20).then_some(())
     })
@@ -386,27 +389,25 @@ async fn killed_after_reserve_the_row_is_swept_and_reclaimed_and_the_late_caller
         Some("swept-key".into()),
     )
     .unwrap();
-    // The first caller reserves, then dies before deciding.
+    // The first caller reserves, then dies before deciding. Its
+    // reservation's TTL is over at once, as a dead caller's is by the time
+    // a sweep comes.
     let epoch = ductor::routing::reserve(
         &env.db.pool,
         "acme",
         "default",
         "swept-key",
         &late.fingerprint,
-        Duration::from_millis(200),
+        Duration::ZERO,
     )
     .await
     .unwrap()
     .expect("the first caller wins the key");
     // The sweeper marks the expired reservation failed.
-    eventually("the pending row is swept", WAIT, || async {
-        (ductor::routing::retention::sweep(&env.db.pool, 100)
-            .await
-            .unwrap()
-            > 0)
-        .then_some(())
-    })
-    .await;
+    let swept = ductor::routing::retention::sweep(&env.db.pool, 100)
+        .await
+        .unwrap();
+    assert_eq!(swept, 1, "the pending row is swept");
     // The next caller reclaims the key and decides.
     let next = ductor::api::start::route_request_from_body(
         json!({"workflow": "example", "tenant": "acme", "input": {"x": 1}}),
@@ -451,6 +452,7 @@ async fn ttl_expiry_gives_a_new_decision_and_retention_never_deletes_pending_row
     assert_eq!(code, 201);
     let (code, again, _) = post(server.api, Some("ttl-key"), &request).await;
     assert_eq!((code, &again["run_id"]), (200, &first["run_id"]));
+    // A poll: only Postgres's clock ends the decision's TTL.
     eventually("the decision expires", WAIT, || async {
         let expired: bool = sqlx::query_scalar(
             "SELECT expires_at <= now() FROM eec_routing_idempotency WHERE idempotency_key = 'ttl-key'",
@@ -712,10 +714,8 @@ async fn a_stalled_apply_lane_makes_readiness_fail_until_its_batch_commits() {
             serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null),
         )
     };
-    eventually("serve is ready", WAIT, || async {
-        (ready().await.0 == 200).then_some(())
-    })
-    .await;
+    // `Env::serve` returns once serve says it is ready.
+    assert_eq!(ready().await.0, 200, "serve is ready");
     // As the owner: serve's role may not take such a lock.
     let mut lock = env.db.owner.begin().await.unwrap();
     sqlx::query("LOCK TABLE runs IN ACCESS EXCLUSIVE MODE")
@@ -734,6 +734,8 @@ async fn a_stalled_apply_lane_makes_readiness_fail_until_its_batch_commits() {
         &[],
     )
     .await;
+    // A poll: serve's lane holds the batch on its own loop until it counts
+    // as stalled.
     let stalled = eventually("readiness reports the stalled lane", WAIT, || async {
         let (code, body) = ready().await;
         (code == 503 && body["ingress"]["ok"] == false).then_some(body)
@@ -752,6 +754,7 @@ async fn a_stalled_apply_lane_makes_readiness_fail_until_its_batch_commits() {
         String::from_utf8_lossy(&body)
     );
     lock.rollback().await.unwrap();
+    // A poll: serve's lane commits the held batch on its own loop.
     eventually("readiness recovers", WAIT, || async {
         (ready().await.0 == 200).then_some(())
     })

@@ -561,3 +561,58 @@ impl Serve {
         self.db.drop_db().await;
     }
 }
+
+/// How long one turn of a stepped ingress waits for a first message.
+pub const INGRESS_STEP_WAIT: Duration = Duration::from_millis(500);
+
+/// Steps `ingress` (subscribed by [`ductor::ingress::subscribe`]) one batch
+/// at a time until its batches have held every message of `sent` (partition
+/// and offset on `topic`), and returns what those batches did, added up.
+/// The first turns find nothing while the consumer joins its group; panics
+/// with the reports so far after `timeout`, or when a turn fails.
+pub async fn step_through(
+    ingress: &ductor::ingress::IngressContext,
+    topic: &str,
+    sent: &[(i32, i64)],
+    timeout: Duration,
+) -> ductor::ingress::StepReport {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let mut total = ductor::ingress::StepReport::default();
+    let mut reports = Vec::new();
+    while !sent.iter().all(|(partition, offset)| {
+        total
+            .last_offsets
+            .get(&(topic.to_string(), *partition))
+            .is_some_and(|last| last >= offset)
+    }) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the batches did not hold {topic} {sent:?} within {timeout:?}: {reports:?}"
+        );
+        let stepped = ductor::ingress::step(ingress, INGRESS_STEP_WAIT, &shutdown)
+            .await
+            .expect("stepping the ingress");
+        let Some(report) = stepped else { continue };
+        add_report(&mut total, &report);
+        reports.push(report);
+    }
+    total
+}
+
+/// Adds `report` to `sum`: counts added, the last offsets the greater.
+pub fn add_report(sum: &mut ductor::ingress::StepReport, report: &ductor::ingress::StepReport) {
+    sum.messages += report.messages;
+    sum.applied += report.applied;
+    sum.no_ops += report.no_ops;
+    sum.rejected += report.rejected;
+    sum.failed += report.failed;
+    sum.undecodable += report.undecodable;
+    sum.conflicts += report.conflicts;
+    sum.intents_written += report.intents_written;
+    sum.parked += report.parked;
+    for (at, last) in &report.last_offsets {
+        let entry = sum.last_offsets.entry(at.clone()).or_insert(*last);
+        *entry = (*entry).max(*last);
+    }
+}
