@@ -523,24 +523,13 @@ async fn serve_keeps_metrics_and_readiness_detail_on_the_admin_listener() {
     ductor::infra::kafka::create_configured_topics(&config)
         .await
         .expect("creating topics");
-    let listeners = ductor::cli::serve::Listeners::bind(&config.server)
-        .await
-        .unwrap();
-    let public = listeners.public.local_addr().unwrap();
-    let admin = listeners.admin.local_addr().unwrap();
+    // Returns once serve's verdict is ready: the one both /readyz answer.
+    let serve = Running::start(&config).await;
+    let (public, admin) = (serve.addr, serve.admin);
     assert_ne!(public, admin);
-    let shutdown = CancellationToken::new();
-    let serve = tokio::spawn(ductor::cli::serve::run_on(
-        config.clone(),
-        listeners,
-        shutdown.clone(),
-    ));
     let wait = Duration::from_secs(60);
-    let public_ready = eventually("the public /readyz says ready", wait, || async {
-        let (status, body) = http(public, "GET", "/readyz", &[], b"").await;
-        (status == 200).then_some(body)
-    })
-    .await;
+    let (status, public_ready) = http(public, "GET", "/readyz", &[], b"").await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&public_ready));
     let public_ready: serde_json::Value = serde_json::from_slice(&public_ready).unwrap();
     assert_eq!(
         public_ready,
@@ -579,11 +568,7 @@ async fn serve_keeps_metrics_and_readiness_detail_on_the_admin_listener() {
     .await;
     assert_eq!(status, 404, "the admin listener does not take requests");
 
-    shutdown.cancel();
-    serve
-        .await
-        .expect("serve panicked")
-        .expect("serve stopped cleanly");
+    serve.stop().await;
     db.drop_db().await;
 }
 

@@ -18,7 +18,6 @@ use common::*;
 use ductor::config::Config;
 use rustls::pki_types::{CertificateDer, ServerName};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -27,19 +26,13 @@ struct Env {
     db: TestDb,
     public: SocketAddr,
     admin: SocketAddr,
-    shutdown: CancellationToken,
-    task: JoinHandle<anyhow::Result<()>>,
+    serve: Running,
 }
 
 impl Env {
-    /// A migrated database, its topics, and `serve` over them, up once
-    /// its admin listener (plain HTTP here) answers `/healthz`.
+    /// A migrated database, its topics, and `serve` over them, up once it
+    /// says it is ready (whichever of its listeners speak TLS).
     async fn start(tweak: impl FnOnce(&mut Config)) -> Env {
-        Env::start_with(tweak, Up::Admin).await
-    }
-
-    /// [`Env::start`], up once the plain HTTP listener `up` answers.
-    async fn start_with(tweak: impl FnOnce(&mut Config), up: Up) -> Env {
         let db = TestDb::migrated().await;
         let mut config = test_config(&db);
         config.drainer.enabled = false;
@@ -47,49 +40,19 @@ impl Env {
         ductor::infra::kafka::create_configured_topics(&config)
             .await
             .expect("creating topics");
-        let listeners = ductor::cli::serve::Listeners::bind(&config.server)
-            .await
-            .unwrap();
-        let public = listeners.public.local_addr().unwrap();
-        let admin = listeners.admin.local_addr().unwrap();
-        let shutdown = CancellationToken::new();
-        let task = tokio::spawn(ductor::cli::serve::run_on(
-            config,
-            listeners,
-            shutdown.clone(),
-        ));
-        let plain = match up {
-            Up::Admin => admin,
-            Up::Public => public,
-        };
-        eventually("serve answers /healthz", WAIT, || async {
-            let up = tokio::net::TcpStream::connect(plain).await.is_ok();
-            (up && http(plain, "GET", "/healthz", &[], b"").await.0 == 200).then_some(())
-        })
-        .await;
+        let serve = Running::start(&config).await;
         Env {
             db,
-            public,
-            admin,
-            shutdown,
-            task,
+            public: serve.addr,
+            admin: serve.admin,
+            serve,
         }
     }
 
     async fn stop(self) {
-        self.shutdown.cancel();
-        self.task
-            .await
-            .expect("serve panicked")
-            .expect("serve failed");
+        self.serve.stop().await;
         self.db.drop_db().await;
     }
-}
-
-/// Which listener speaks plain HTTP, to tell when `serve` is up.
-enum Up {
-    Admin,
-    Public,
 }
 
 /// A certificate authority of the tests' own.
@@ -281,7 +244,7 @@ async fn the_admin_listener_over_tls_takes_a_new_certificate_on_sighup() {
         // Only the signal reloads here.
         c.server.tls_check_interval_ms = 3_600_000;
     };
-    let env = Env::start_with(admin_tls, Up::Public).await;
+    let env = Env::start(admin_tls).await;
     let (status, presented) = tls_get(env.admin, &[first_ca.der()], "/healthz")
         .await
         .expect("a tls handshake with the first certificate");

@@ -16,7 +16,6 @@ use rdkafka::Message;
 use rdkafka::message::Headers;
 use rdkafka::producer::FutureProducer;
 use serde_json::{Value, json};
-use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(60);
 const RETENTION_MS: u64 = 60_000;
@@ -81,19 +80,8 @@ async fn finished_runs_are_purged_in_batches_and_stay_purged() {
     ductor::infra::kafka::create_configured_topics(&config)
         .await
         .expect("creating topics");
-    let listeners = ductor::cli::serve::Listeners::bind(&config.server)
-        .await
-        .unwrap();
-    let (addr, admin) = (
-        listeners.public.local_addr().unwrap(),
-        listeners.admin.local_addr().unwrap(),
-    );
-    let shutdown = CancellationToken::new();
-    let serve = tokio::spawn(ductor::cli::serve::run_on(
-        config.clone(),
-        listeners,
-        shutdown.clone(),
-    ));
+    let serve = Running::start(&config).await;
+    let (addr, admin) = (serve.addr, serve.admin);
     let purged_before = metric(admin, &[], "ductor_runs_purged_total", "").await;
 
     // Seven runs: five cancelled long ago, one cancelled just now, one
@@ -243,7 +231,6 @@ async fn finished_runs_are_purged_in_batches_and_stay_purged() {
         1
     );
 
-    shutdown.cancel();
-    serve.await.unwrap().expect("serve stops cleanly");
+    serve.stop().await;
     db.drop_db().await;
 }

@@ -21,7 +21,6 @@ use ductor::config::{Config, DatabaseUrl, KafkaConfig, KafkaProperties};
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use serde_json::json;
-use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -196,28 +195,11 @@ async fn serve_runs_a_workflow_over_verified_tls_postgres_and_scram_kafka() {
     ductor::infra::kafka::create_configured_topics(&config)
         .await
         .expect("creating the topics through the SCRAM listener");
-    let listeners = ductor::cli::serve::Listeners::bind(&config.server)
-        .await
-        .unwrap();
-    let (public, admin) = (
-        listeners.public.local_addr().unwrap(),
-        listeners.admin.local_addr().unwrap(),
-    );
-    let shutdown = CancellationToken::new();
-    let serve = tokio::spawn(ductor::cli::serve::run_on(
-        config.clone(),
-        listeners,
-        shutdown.clone(),
-    ));
-    let ready = eventually("the admin /readyz says ready", WAIT, || async {
-        let up = tokio::net::TcpStream::connect(admin).await.is_ok();
-        if !up {
-            return None;
-        }
-        let (status, body) = http(admin, "GET", "/readyz", &[], b"").await;
-        (status == 200).then_some(body)
-    })
-    .await;
+    // Returns once serve's verdict is ready: over TLS and SCRAM alone.
+    let serve = Running::start(&config).await;
+    let (public, admin) = (serve.addr, serve.admin);
+    let (status, ready) = http(admin, "GET", "/readyz", &[], b"").await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&ready));
     let ready: serde_json::Value = serde_json::from_slice(&ready).unwrap();
     for check in ["postgres", "kafka", "ingress"] {
         assert_eq!(ready[check]["ok"], true, "{check}: {ready}");
@@ -271,8 +253,7 @@ async fn serve_runs_a_workflow_over_verified_tls_postgres_and_scram_kafka() {
         assert_eq!((role.as_str(), *ssl), ("ductor_tls", true), "{sessions:?}");
     }
 
-    shutdown.cancel();
-    serve.await.expect("serve panicked").expect("serve failed");
+    serve.stop().await;
     db.drop_db().await;
 }
 

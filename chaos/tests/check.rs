@@ -11,9 +11,7 @@
 #[path = "../../tests/common/mod.rs"]
 mod common;
 
-use std::time::Duration;
-
-use common::{TestDb, bootstrap_servers, unique};
+use common::{Running, TestDb, bootstrap_servers, unique};
 use ductor::config::Config;
 use ductor_chaos::{CheckArgs, LoadArgs, check, load};
 use tokio_util::sync::CancellationToken;
@@ -87,17 +85,8 @@ async fn checker_passes_a_clean_run_and_flags_corrupted_ones() {
         .await
         .expect("creating topics");
 
-    let listeners = ductor::cli::serve::Listeners::bind(&config.server)
-        .await
-        .unwrap();
-    let addr = listeners.public.local_addr().unwrap();
-    let admin = listeners.admin.local_addr().unwrap();
-    let shutdown = CancellationToken::new();
-    let serve = tokio::spawn(ductor::cli::serve::run_on(
-        config.clone(),
-        listeners,
-        shutdown.clone(),
-    ));
+    let serve = Running::start(&config).await;
+    let (addr, admin) = (serve.addr, serve.admin);
 
     let log = dir.path().join("load.jsonl");
     let summary = load::run(
@@ -200,7 +189,6 @@ async fn checker_passes_a_clean_run_and_flags_corrupted_ones() {
         assert!(!report.violations.contains_key(kind), "{report:?}");
     }
 
-    shutdown.cancel();
-    let _ = tokio::time::timeout(Duration::from_secs(30), serve).await;
+    serve.stop().await;
     db.drop_db().await;
 }
