@@ -312,7 +312,7 @@ pub async fn run(config: &Config, args: &FuzzArgs) -> anyhow::Result<FuzzReport>
         Some(bin) => bin.clone(),
         None => ductor_testkit::programs::beside_this_program("ductor")?,
     };
-    let mut serve = super::serve_process::ServeProcess::start(&bin, config).await?;
+    let mut serve = ductor_testkit::serve_process::ServeProcess::start(&bin, config).await?;
     let shutdown = CancellationToken::new();
     let hostile = HostileWorker::new(config)?;
     let handler = {

@@ -41,7 +41,6 @@ pub mod keys;
 pub mod load;
 pub mod log;
 pub mod restart;
-pub mod serve_process;
 pub mod snapshot;
 pub mod topics;
 pub mod violations;

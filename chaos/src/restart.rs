@@ -23,9 +23,9 @@ use serde::Serialize;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use super::serve_process::ServeProcess;
 use ductor::config::Config;
 use ductor_testkit::programs::beside_this_program;
+use ductor_testkit::serve_process::ServeProcess;
 
 /// The workflow the measurement starts, written to a folder of its own.
 const WORKFLOW: &str = "restart";

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use common::*;
 use ductor::config::Config;
-use ductor_chaos::serve_process::ServeProcess;
+use ductor_testkit::serve_process::ServeProcess;
 use rdkafka::producer::FutureProducer;
 use serde_json::json;
 use tokio::process::Child;

@@ -9,7 +9,9 @@
 //!   size, with no client library;
 //! - [`metrics`]: reading a series out of a Prometheus text exposition;
 //! - [`programs`]: the workspace's directory and the programs cargo built
-//!   beside the running one.
+//!   beside the running one;
+//! - [`serve_process`]: `ductor serve` in a process of its own, killed and
+//!   started again at will.
 //!
 //! Not a stable interface, and never published: it serves the harnesses of
 //! this workspace only.
@@ -19,3 +21,4 @@ pub mod kafka;
 pub mod metrics;
 pub mod programs;
 pub mod scratch;
+pub mod serve_process;

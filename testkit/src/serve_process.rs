@@ -1,6 +1,12 @@
 //! A `ductor serve` in a process of its own, for the harnesses: its peak
 //! RSS is its own, a crash of it is seen as one, and it can be killed and
 //! started again on the same configuration.
+//!
+//! In: the `ductor` binary and the configuration to run it on. Out: its
+//! listeners' addresses, its log file and its peak RSS. Guarantees: it is
+//! ready (its `/readyz` answers 200: another process's verdict can only be
+//! asked) when `start` returns, it inherits no setting that would override
+//! the configuration file written for it, and it is killed when dropped.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -81,7 +87,7 @@ impl ServeProcess {
                     self.log_file.display()
                 );
             }
-            let ready = ductor_testkit::http::request(
+            let ready = crate::http::request(
                 self.addr,
                 "GET",
                 "/readyz",
