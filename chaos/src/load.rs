@@ -399,7 +399,9 @@ fn reader(config: &Config, group: &str, topics: &[String]) -> anyhow::Result<Str
     let mut cfg = ductor_testkit::kafka::reader_config(&config.kafka, group, "chaos-load");
     cfg.set("enable.auto.commit", "true")
         .set("enable.auto.offset.store", "true")
-        .set("session.timeout.ms", "10000");
+        .set("session.timeout.ms", "10000")
+        // Back soon after the broker's crashes, which chaos makes on purpose.
+        .set("reconnect.backoff.max.ms", "2000");
     let consumer: StreamConsumer = cfg.create().context("creating consumer")?;
     let refs: Vec<&str> = topics.iter().map(String::as_str).collect();
     consumer.subscribe(&refs).context("subscribing")?;
