@@ -18,7 +18,8 @@ use common::*;
 use ductor::apply::{Holds, InputOutcome, PendingInput};
 use ductor::config::Config;
 use ductor::contract::{InputLimits, InputTopic, decode_input};
-use ductor::ingress::{IngressContext, Progress, StepReport, TestHooks};
+use ductor::infra::crash::{CrashHooks, CrashPoint};
+use ductor::ingress::{IngressContext, Progress, StepReport};
 use rdkafka::message::{Headers, Message};
 use rdkafka::producer::FutureProducer;
 use serde_json::json;
@@ -69,17 +70,17 @@ impl Harness {
         }
     }
 
-    fn ingress(&self, hooks: TestHooks) -> IngressContext {
+    fn ingress(&self, crash: CrashHooks) -> IngressContext {
         let workflows = ductor::infra::workflows::load_dir(&self.config.coordinator.workflows_dir)
             .expect("loading workflows");
         let mut ctx = IngressContext::new(&self.config, self.db.pool.clone(), workflows)
             .expect("creating ingress");
-        ctx.hooks = hooks;
+        ctx.crash = crash;
         ctx
     }
 
-    fn start_coordinator(&self, hooks: TestHooks) -> Coordinator {
-        let ctx = self.ingress(hooks);
+    fn start_coordinator(&self, crash: CrashHooks) -> Coordinator {
+        let ctx = self.ingress(crash);
         let progress = ctx.progress.clone();
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(ductor::ingress::run(ctx, shutdown.clone()));
@@ -92,8 +93,8 @@ impl Harness {
 
     /// An ingress subscribed to the input topics, for the test to drive
     /// with [`step_past`] instead of a running loop.
-    fn stepped_ingress(&self, hooks: TestHooks) -> IngressContext {
-        let ctx = self.ingress(hooks);
+    fn stepped_ingress(&self, crash: CrashHooks) -> IngressContext {
+        let ctx = self.ingress(crash);
         ductor::ingress::subscribe(&ctx).expect("subscribing the ingress");
         ctx
     }
@@ -418,7 +419,7 @@ fn start_json(run_id: &str) -> serde_json::Value {
 #[tokio::test]
 async fn a_run_driven_by_kafka_inputs_succeeds_with_one_transition_per_input() {
     let h = Harness::new().await;
-    let coordinator = h.start_coordinator(TestHooks::default());
+    let coordinator = h.start_coordinator(CrashHooks::default());
     let run_id = unique("run-");
     h.start_run(&run_id, "acme").await;
     let names = h.config.topic_names();
@@ -476,7 +477,7 @@ async fn a_run_driven_by_kafka_inputs_succeeds_with_one_transition_per_input() {
 #[tokio::test]
 async fn the_same_attempt_result_three_times_writes_no_new_rows() {
     let h = Harness::new().await;
-    let ingress = h.stepped_ingress(TestHooks::default());
+    let ingress = h.stepped_ingress(CrashHooks::default());
     let run_id = unique("run-");
     let names = h.config.topic_names();
     let requests = names.requests();
@@ -534,8 +535,8 @@ async fn two_coordinators_in_one_group_never_double_apply() {
             "{topic}: two members need two partitions to share"
         );
     }
-    let first = h.start_coordinator(TestHooks::default());
-    let second = h.start_coordinator(TestHooks::default());
+    let first = h.start_coordinator(CrashHooks::default());
+    let second = h.start_coordinator(CrashHooks::default());
     let probes = h.probe_until_both_handle(&first, &second).await;
     let applied_before = [&first, &second].map(|c| c.progress.inputs_applied());
     let runs: Vec<String> = (0..24)
@@ -590,9 +591,9 @@ async fn two_coordinators_in_one_group_never_double_apply() {
 #[tokio::test]
 async fn a_coordinator_stopped_after_commit_before_offsets_gets_redeliveries_that_write_nothing() {
     let h = Harness::new().await;
-    let crashing = h.stepped_ingress(TestHooks {
-        fail_after_commit: true,
-    });
+    let mut crash = CrashHooks::default();
+    crash.arm(CrashPoint::IngressAfterCommit);
+    let crashing = h.stepped_ingress(crash);
     let run_id = unique("crash-");
     let topic = h.config.topic_names().requests();
     let (partition, offset) = h.start_run(&run_id, "acme").await;
@@ -620,7 +621,7 @@ async fn a_coordinator_stopped_after_commit_before_offsets_gets_redeliveries_tha
     );
     let before = h.footprint().await;
 
-    let restarted = h.stepped_ingress(TestHooks::default());
+    let restarted = h.stepped_ingress(CrashHooks::default());
     let redelivered = total(&step_past(&restarted, &topic, partition, offset).await);
     assert_eq!(
         (
@@ -655,7 +656,7 @@ async fn bad_inputs_go_to_the_dead_letter_topic_and_good_ones_behind_them_apply(
         c.coordinator.apply_lanes = 1;
     })
     .await;
-    let coordinator = h.start_coordinator(TestHooks::default());
+    let coordinator = h.start_coordinator(CrashHooks::default());
     let names = h.config.topic_names();
     let requests = names.requests();
     let wakeups = names.wakeups();
@@ -1134,7 +1135,7 @@ async fn an_input_whose_statement_always_times_out_is_isolated_and_the_rest_comm
 #[tokio::test]
 async fn hostile_json_on_kafka_is_dead_lettered_with_its_class_and_good_inputs_behind_it_apply() {
     let h = Harness::new().await;
-    let coordinator = h.start_coordinator(TestHooks::default());
+    let coordinator = h.start_coordinator(CrashHooks::default());
     let names = h.config.topic_names();
     let requests = names.requests();
     let results = names.attempt_results();
@@ -1242,7 +1243,7 @@ async fn hostile_json_on_kafka_is_dead_lettered_with_its_class_and_good_inputs_b
 #[tokio::test]
 async fn an_input_too_large_to_dead_letter_whole_is_cut_to_fit_and_the_partition_moves_on() {
     let h = Harness::new().await;
-    let coordinator = h.start_coordinator(TestHooks::default());
+    let coordinator = h.start_coordinator(CrashHooks::default());
     let names = h.config.topic_names();
     let requests = names.requests();
     let big_producer: FutureProducer = rdkafka::ClientConfig::new()

@@ -15,6 +15,7 @@ use std::time::Duration;
 use common::*;
 use ductor::client::worker::{StepDispatch, StepOutcome};
 use ductor::config::Config;
+use ductor::infra::crash::CrashPoint;
 use ductor::ingress::IngressContext;
 use ductor::outbox::{Drainer, FastLane, Handoff, RoundOutcome, Wakeup};
 use futures::future::join_all;
@@ -525,7 +526,7 @@ async fn a_drainer_stopped_after_publishing_republishes_with_the_same_key_and_de
     env.attempt_stamp(&run_id, 0).await;
 
     let mut crashing = env.drainer();
-    crashing.hooks.fail_after_publish = true;
+    crashing.crash.arm(CrashPoint::DrainerAfterPublish);
     let err = crashing
         .drain_once()
         .await

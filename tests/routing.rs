@@ -16,7 +16,8 @@ use ductor::apply::Applier;
 use ductor::auth::Scope;
 use ductor::config::{Config, DuplicatePolicy, PoolRouting};
 use ductor::contract::headers::{DLQ_CLASS, DLQ_OFFSET};
-use ductor::ingress::{IngressContext, TestHooks};
+use ductor::infra::crash::CrashPoint;
+use ductor::ingress::IngressContext;
 use ductor::routing::{Reservation, RouteOutcome};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -177,9 +178,7 @@ async fn the_same_keyed_request_through_kafka_redelivered_after_a_crash_makes_on
         ductor::infra::workflows::load_dir(&env.config.coordinator.workflows_dir).unwrap();
     let mut crashing =
         IngressContext::new(&env.config, env.db.pool.clone(), workflows.clone()).unwrap();
-    crashing.hooks = TestHooks {
-        fail_after_commit: true,
-    };
+    crashing.crash.arm(CrashPoint::IngressAfterCommit);
     ductor::ingress::subscribe(&crashing).unwrap();
     let producer = producer();
     let requests = env.config.topic_names().requests();

@@ -12,12 +12,13 @@ use std::time::Duration;
 use chrono::{TimeDelta, Utc};
 use common::*;
 use ductor::client::dedup::{self, Claim, ClaimError};
-use ductor::client::worker::{StepDispatch, StepOutcome, TestHooks, WorkerOptions};
+use ductor::client::worker::{StepDispatch, StepOutcome, WorkerOptions};
 use ductor::config::Config;
 use ductor::contract::effects::rfc3339;
 use ductor::contract::{
     AttemptOutcome, AttemptResult, Input, InputLimits, InputTopic, decode_input,
 };
+use ductor::infra::crash::CrashPoint;
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::message::{Header, Message, OwnedHeaders, OwnedMessage, Timestamp};
@@ -304,10 +305,7 @@ async fn a_worker_stopped_before_publishing_leaves_the_dispatch_to_the_next_work
         .await;
     let (seen, mut seen_rx) = mpsc::unbounded_channel();
 
-    let mut crashing = h.options.clone();
-    crashing.hooks = TestHooks {
-        stop_before_publish: true,
-    };
+    let crashing = h.options.clone().crash_at(CrashPoint::WorkerBeforePublish);
     let first = h.start(crashing, echo(seen.clone()));
     let err = first
         .task

@@ -1,8 +1,10 @@
 //! Infrastructure around the stages: Postgres and Kafka connections, the
 //! workflow catalogue on disk, telemetry, the health endpoints and the
-//! server of the HTTP listeners, and the crash points of fault injection.
-//! Nothing here decides anything about a run.
+//! server of the HTTP listeners, the crash points of fault injection, and
+//! the crash hooks in-process tests stop one component with. Nothing here
+//! decides anything about a run.
 
+pub mod crash;
 pub mod db;
 pub mod failpoints;
 pub mod health;

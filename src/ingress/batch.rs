@@ -22,6 +22,7 @@ use super::parked::ParkedStart;
 use super::sort::{settle_inputs, settle_routed, sort};
 use super::{IngressContext, StepReport, record_age};
 use crate::apply::Holds;
+use crate::infra::crash::CrashPoint;
 
 /// Applies one batch and stores its offsets. `Ok(None)` when shutdown
 /// interrupted it (nothing of it stored, so it is redelivered).
@@ -75,8 +76,8 @@ async fn handle_batch_in(
         }
         Err(e) => return Err(e),
     };
-    if ctx.hooks.fail_after_commit {
-        anyhow::bail!("test hook: stopped after commit, before storing offsets");
+    if ctx.crash.fires(CrashPoint::IngressAfterCommit) {
+        anyhow::bail!("crash hook: stopped after commit, before storing offsets");
     }
     let retried_held = held
         .iter()

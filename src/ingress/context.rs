@@ -25,6 +25,7 @@ use crate::apply::{Applier, RetryPolicy};
 use crate::config::Config;
 use crate::contract::{InputLimits, InputTopic};
 use crate::coordinator::Workflows;
+use crate::infra::crash::CrashHooks;
 
 /// The ingress consumer's context: logs rebalances, moves the writer's
 /// epoch on at each assignment (and is where a chaos run can crash
@@ -57,14 +58,6 @@ impl rdkafka::consumer::ConsumerContext for IngressConsumerContext {
     }
 }
 
-/// Hooks that let tests stop the ingress at a chosen point, as a crash would.
-#[derive(Debug, Clone, Default)]
-pub struct TestHooks {
-    /// Return an error right after the first batch commits, before its
-    /// offsets are stored.
-    pub fail_after_commit: bool,
-}
-
 pub struct IngressContext {
     pub applier: Applier,
     pub consumer: StreamConsumer<IngressConsumerContext>,
@@ -84,7 +77,9 @@ pub struct IngressContext {
     pub signatures: crate::config::SignaturesConfig,
     /// How a batch that failed transiently is retried.
     pub retry: RetryPolicy,
-    pub hooks: TestHooks,
+    /// Where a test stops this ingress as a crash would
+    /// ([`CrashPoint::IngressAfterCommit`](crate::infra::crash::CrashPoint::IngressAfterCommit)).
+    pub crash: CrashHooks,
     /// Poked after a commit that wrote effect intents, so the in-process
     /// drainer publishes them without waiting for its poll.
     pub wakeup: Option<crate::outbox::Wakeup>,
@@ -140,7 +135,7 @@ impl IngressContext {
                 max: Duration::from_millis(config.coordinator.apply_retry_max_ms),
                 bisect_after: config.coordinator.apply_bisect_after_failures,
             },
-            hooks: TestHooks::default(),
+            crash: CrashHooks::default(),
             wakeup: None,
             progress: std::sync::Arc::new(Progress::new(
                 config.coordinator.apply_lanes,

@@ -39,9 +39,9 @@ mod progress;
 mod sort;
 
 pub use context::IngressContext;
-// Named only by the harnesses: the consumer's type, and the test hooks.
+// Named only by the harnesses: the consumer's type.
 #[cfg(feature = "internals")]
-pub use context::{IngressConsumerContext, TestHooks};
+pub use context::IngressConsumerContext;
 #[cfg(any(test, feature = "internals"))]
 pub use offsets::next_offsets;
 pub use progress::Progress;

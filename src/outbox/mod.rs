@@ -57,6 +57,7 @@ use self::frontier::Frontier;
 pub(crate) use self::maintenance::hostname;
 use self::maintenance::maintenance;
 use crate::config::DrainerConfig;
+use crate::infra::crash::{CrashHooks, CrashPoint};
 
 #[cfg(any(test, feature = "internals"))]
 pub use self::claim::COMPLETE_SQL;
@@ -66,14 +67,6 @@ pub(crate) use self::publish::ordered_headers;
 
 /// The channel the apply layer notifies after committing intents.
 pub const NOTIFY_CHANNEL: &str = "ductor_effect_intent";
-
-/// Hooks that let tests stop the drainer at a chosen point, as a crash would.
-#[derive(Debug, Clone, Default)]
-pub struct DrainerHooks {
-    /// Return an error after the first publishes were acknowledged and before
-    /// they are marked completed.
-    pub fail_after_publish: bool,
-}
 
 /// What one round did; tests drive the drainer round by round with it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,7 +92,9 @@ pub struct Drainer {
     /// Names this drainer's claims, so it completes only its own.
     pub drainer_id: String,
     pub publish_timeout: Duration,
-    pub hooks: DrainerHooks,
+    /// Where a test stops this drainer as a crash would
+    /// ([`CrashPoint::DrainerAfterPublish`]).
+    pub crash: CrashHooks,
     /// Due intents committed as `pending` behind an undelivered one, as the
     /// fast lane was told; cleared when a claim round finds none due.
     pub(super) pending_behind: Arc<AtomicUsize>,
@@ -137,7 +132,7 @@ impl Drainer {
             config,
             drainer_id,
             publish_timeout,
-            hooks: DrainerHooks::default(),
+            crash: CrashHooks::default(),
             pending_behind: Arc::new(AtomicUsize::new(0)),
             healthy_since_ms: AtomicI64::new(0),
             solo: tokio::sync::Mutex::new(None),
@@ -187,8 +182,8 @@ impl Drainer {
             return Ok(RoundOutcome::Idle);
         }
         let (delivered, failed) = self.publish_all(&claimed).await;
-        if self.hooks.fail_after_publish && !delivered.is_empty() {
-            anyhow::bail!("test hook: stopped after publishing, before marking completed");
+        if self.crash.fires(CrashPoint::DrainerAfterPublish) && !delivered.is_empty() {
+            anyhow::bail!("crash hook: stopped after publishing, before marking completed");
         }
         if !delivered.is_empty() {
             crate::crash_point!("drainer.after_publish");
@@ -313,7 +308,9 @@ async fn drain_loop(
                 }
                 continue;
             }
-            Err(e) if drainer.hooks.fail_after_publish => return Err(e),
+            // Armed, the drainer ends at the failed round, as a crash
+            // would end it.
+            Err(e) if drainer.crash.fires(CrashPoint::DrainerAfterPublish) => return Err(e),
             Err(e) => {
                 failures = failures.saturating_add(1);
                 tracing::warn!(error = format!("{e:#}"), "drain round failed");

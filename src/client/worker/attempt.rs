@@ -17,6 +17,7 @@ use super::offsets::Ticket;
 use super::publish::publish;
 use super::{Shared, StepDispatch, StepOutcome, count};
 use crate::contract::input::truncate;
+use crate::infra::crash::CrashPoint;
 
 /// How an attempt task ended.
 pub(super) enum Finished {
@@ -24,7 +25,7 @@ pub(super) enum Finished {
     Published(Ticket),
     /// Publishing gave up at shutdown: the offset stays unstored.
     NotPublished,
-    /// [`TestHooks::stop_before_publish`](super::TestHooks::stop_before_publish) fired.
+    /// The armed [`CrashPoint::WorkerBeforePublish`] fired.
     HookStopped,
 }
 
@@ -62,7 +63,7 @@ where
     tracing::debug!(outcome = label, "step handled");
 
     let payload = outcome.result_payload(&run_id, &tenant, stamp, &shared.result_limits);
-    if shared.stop_before_publish {
+    if shared.crash.fires(CrashPoint::WorkerBeforePublish) {
         return Finished::HookStopped;
     }
     match publish(&shared, &run_id, &tenant, payload.as_bytes()).await {

@@ -118,7 +118,7 @@ impl Worker {
             Ok(Finished::Published(ticket)) => self.done(ticket),
             Ok(Finished::NotPublished) => {}
             Ok(Finished::HookStopped) => {
-                anyhow::bail!("test hook: stopped after the handler, before publishing")
+                anyhow::bail!("crash hook: stopped after the handler, before publishing")
             }
             Err(e) if e.is_cancelled() => {}
             // Handler panics are caught inside the task; this is a bug here.

@@ -66,7 +66,7 @@ mod publish;
 
 use attempt::Finished;
 use offsets::OffsetTracker;
-pub use options::{DEFAULT_MAX_IN_FLIGHT, TestHooks, WorkerOptions};
+pub use options::{DEFAULT_MAX_IN_FLIGHT, WorkerOptions};
 pub use outcome::StepOutcome;
 
 /// Registers descriptions of the worker's metrics with the installed recorder.
@@ -131,7 +131,7 @@ where
             max_payload_bytes: options.max_result_bytes,
         },
         publish_timeout: Duration::from_millis(options.kafka.delivery_timeout_ms),
-        stop_before_publish: options.hooks.stop_before_publish,
+        crash: options.crash,
         signatures: options.signatures.clone(),
         shutdown: shutdown.clone(),
     });
@@ -163,7 +163,8 @@ struct Shared<F> {
     handler_timeout: Option<Duration>,
     result_limits: crate::contract::InputLimits,
     publish_timeout: Duration,
-    stop_before_publish: bool,
+    /// Where a test stops the worker as a crash would.
+    crash: crate::infra::crash::CrashHooks,
     shutdown: CancellationToken,
     signatures: crate::config::SignaturesConfig,
 }

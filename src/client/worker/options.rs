@@ -10,17 +10,12 @@
 use std::time::Duration;
 
 use crate::config::{Config, KafkaConfig};
+use crate::infra::crash::CrashHooks;
+#[cfg(feature = "internals")]
+use crate::infra::crash::CrashPoint;
 
 /// Dispatches handled at once when the caller does not say otherwise.
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 32;
-
-/// Hooks that let tests stop the worker at a chosen point, as a crash would.
-#[derive(Debug, Clone, Default)]
-pub struct TestHooks {
-    /// Return an error as soon as a handler has returned, before its result
-    /// is published and without storing its offset.
-    pub stop_before_publish: bool,
-}
 
 /// Everything [`run`](super::run) needs; [`WorkerOptions::from_config`]
 /// derives it from Ductor's configuration.
@@ -57,7 +52,9 @@ pub struct WorkerOptions {
     /// After shutdown, how long in-flight handlers and publishes may take.
     /// What is still running then is abandoned, its offset unstored.
     pub shutdown_grace: Duration,
-    pub hooks: TestHooks,
+    /// Where the project's own tests stop the worker as a crash would
+    /// (`infra::crash`); no user sets it.
+    pub(crate) crash: CrashHooks,
     /// The tenants' signing keys: a result of a run whose tenant has one is
     /// signed (`ductor-signature`), as the coordinator may require.
     pub signatures: crate::config::SignaturesConfig,
@@ -79,8 +76,17 @@ impl WorkerOptions {
             max_result_bytes: config.coordinator.max_input_bytes,
             result_shape: config.input_limits().shape,
             shutdown_grace: Duration::from_millis(config.server.shutdown_grace_ms),
-            hooks: TestHooks::default(),
+            crash: CrashHooks::default(),
             signatures: config.signatures.clone(),
         }
+    }
+
+    /// Arms `point` (for a worker, [`CrashPoint::WorkerBeforePublish`]): a
+    /// worker run with these options stops there as a crash would. For the
+    /// project's own tests; built only with the `internals` feature.
+    #[cfg(feature = "internals")]
+    pub fn crash_at(mut self, point: CrashPoint) -> Self {
+        self.crash.arm(point);
+        self
     }
 }
