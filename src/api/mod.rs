@@ -21,7 +21,7 @@
 //! Out: decisions through [`crate::routing`] and the [`Decide`] the apply
 //! stage provides; signals and cancels on Kafka. Guarantees: a request is
 //! bounded in concurrency and time before it reaches a handler ([`guard`]),
-//! in size and read time before its body is parsed ([`request`]), and its
+//! in size and read time before its body is parsed (`request`), and its
 //! tenant is its key's, never one it names.
 
 pub mod error;
