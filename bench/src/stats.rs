@@ -300,17 +300,11 @@ impl Histograms {
     /// The `_sum` and `_count` series of a Prometheus text exposition.
     pub fn parse(text: &str) -> Histograms {
         let mut values = BTreeMap::new();
-        for line in text.lines() {
-            let Some((name, value)) = line.split_once(' ') else {
-                continue;
-            };
+        for (series, v) in ductor_testkit::metrics::samples(text) {
             // `name_sum{labels}` is kept as `name{labels}_sum`.
-            let (base, labels) = match name.split_once('{') {
+            let (base, labels) = match series.split_once('{') {
                 Some((base, rest)) => (base, format!("{{{rest}")),
-                None => (name, String::new()),
-            };
-            let Ok(v) = value.trim().parse::<f64>() else {
-                continue;
+                None => (series, String::new()),
             };
             for suffix in ["_sum", "_count"] {
                 if let Some(metric) = base.strip_suffix(suffix) {

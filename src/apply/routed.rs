@@ -23,7 +23,7 @@ use super::{Applier, ApplyError, InputOutcome};
 use crate::contract::effects::RunAccepted;
 use crate::contract::input::SCHEMA_VERSION;
 use crate::contract::{Effect, EffectKind, EffectTarget, Input};
-use crate::routing::{self, Reservation, ReserveKind, RouteOutcome, RouteRequest};
+use crate::routing::{self, Reservation, ReserveKind, Reserved, RouteOutcome, RouteRequest};
 
 /// What the routed requests of one attempt came to.
 pub(super) enum Routed {
@@ -87,9 +87,9 @@ impl Applier {
         }
         Ok(
             match routing::reserve_in_tx(tx, request, key, self.pending_ttl).await? {
-                Ok(kind) => Claim::Decide(kind),
-                Err(row) if row.status == routing::KeyStatus::Pending => Claim::Held,
-                Err(row) => Claim::Answered(match row.decision {
+                Reserved::Won(kind) => Claim::Decide(kind),
+                Reserved::Taken(row) if row.status == routing::KeyStatus::Pending => Claim::Held,
+                Reserved::Taken(row) => Claim::Answered(match row.decision {
                     Some(decision) if row.fingerprint == request.fingerprint => {
                         RouteOutcome::Duplicate { decision }
                     }

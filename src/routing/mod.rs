@@ -377,14 +377,22 @@ where
     Ok(ReserveKind::judged(before))
 }
 
-/// Reserve inside the deciding transaction. `Ok(Err(existing))` when another
-/// row holds the key.
+/// What reserving a key inside the deciding transaction met.
+#[derive(Debug)]
+pub enum Reserved {
+    /// The key is this request's to decide; how the row was taken.
+    Won(ReserveKind),
+    /// Another row holds the key: its state, to judge the request by.
+    Taken(ExistingRow),
+}
+
+/// Reserve inside the deciding transaction.
 pub async fn reserve_in_tx(
     tx: &mut PgTx<'_, Postgres>,
     request: &RouteRequest,
     key: &str,
     pending_ttl: Duration,
-) -> Result<Result<ReserveKind, ExistingRow>, sqlx::Error> {
+) -> Result<Reserved, sqlx::Error> {
     let start = &request.start;
     let kind = kind_before(&mut **tx, &start.tenant, &start.pool, key).await?;
     let won = reserve(
@@ -397,12 +405,12 @@ pub async fn reserve_in_tx(
     )
     .await?;
     if won.is_some() {
-        return Ok(Ok(kind));
+        return Ok(Reserved::Won(kind));
     }
     let row = existing(&mut **tx, &start.tenant, &start.pool, key)
         .await?
         .ok_or(sqlx::Error::RowNotFound)?;
-    Ok(Err(row))
+    Ok(Reserved::Taken(row))
 }
 
 /// Checks that a held reservation is still ours; locks the row.

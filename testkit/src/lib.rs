@@ -10,6 +10,8 @@
 //! - [`metrics`]: reading a series out of a Prometheus text exposition;
 //! - [`programs`]: the workspace's directory and the programs cargo built
 //!   beside the running one;
+//! - [`serve`]: `ductor serve` in this process, returned once it is
+//!   ready;
 //! - [`serve_process`]: `ductor serve` in a process of its own, killed and
 //!   started again at will.
 //!
@@ -21,4 +23,5 @@ pub mod kafka;
 pub mod metrics;
 pub mod programs;
 pub mod scratch;
+pub mod serve;
 pub mod serve_process;

@@ -5,26 +5,35 @@
 //! lines (`# HELP`, `# TYPE`) never match, and a series that is absent reads
 //! as `None` (or 0 in a sum), as Prometheus treats a counter not yet counted.
 
-/// The value of the series named exactly `series` (a name, with its labels
-/// if it has any: `ductor_x_total{reason="y"}`).
-pub fn value(text: &str, series: &str) -> Option<f64> {
+/// Every sample of the exposition: its series (the name with its labels,
+/// `ductor_x_total{reason="y"}`) and its value. Comment lines and lines
+/// whose value is no number are skipped.
+pub fn samples(text: &str) -> impl Iterator<Item = (&str, f64)> {
     text.lines()
         .filter(|line| !line.starts_with('#'))
-        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
-        .and_then(|v| v.trim().parse().ok())
+        .filter_map(|line| {
+            let (series, value) = line.rsplit_once(' ')?;
+            Some((series.trim_end(), value.trim().parse().ok()?))
+        })
 }
 
-/// The sum of every series of the metric `name` whose line contains
+/// The value of the series named exactly `series` (a name, with its labels
+/// if it has any).
+pub fn value(text: &str, series: &str) -> Option<f64> {
+    samples(text).find_map(|(s, v)| (s == series).then_some(v))
+}
+
+/// The sum of every series of the metric `name` whose labels contain
 /// `label` (`""`: all of them); 0 when there is none.
 pub fn sum(text: &str, name: &str, label: &str) -> f64 {
-    text.lines()
-        .filter(|line| !line.starts_with('#'))
-        .filter(|line| {
-            line.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with([' ', '{']))
+    samples(text)
+        .filter(|(series, _)| {
+            series
+                .strip_prefix(name)
+                .is_some_and(|labels| labels.is_empty() || labels.starts_with('{'))
         })
-        .filter(|line| line.contains(label))
-        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .filter(|(series, _)| series.contains(label))
+        .map(|(_, v)| v)
         .sum()
 }
 
@@ -55,5 +64,12 @@ ductor_ingress_stalled_lanes 1
         assert_eq!(sum(TEXT, "ductor_api_refused_total", ""), 5.0);
         assert_eq!(sum(TEXT, "ductor_api_refused_total", "overloaded"), 3.0);
         assert_eq!(sum(TEXT, "ductor_absent_total", ""), 0.0);
+    }
+
+    #[test]
+    fn samples_skip_comments_and_what_is_no_number() {
+        let text = "# TYPE x counter\nx 1\ny{a=\"b c\"} 2.5\nbroken\nz NaNx\n";
+        let all: Vec<(&str, f64)> = samples(text).collect();
+        assert_eq!(all, vec![("x", 1.0), ("y{a=\"b c\"}", 2.5)]);
     }
 }

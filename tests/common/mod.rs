@@ -469,57 +469,8 @@ pub fn bearer(token: &str) -> (&'static str, String) {
     ("Authorization", format!("Bearer {token}"))
 }
 
-/// `serve` in this process on its own bound listeners: started by
-/// [`Running::start`], which returns once serve says it is ready.
-pub struct Running {
-    /// The public listener.
-    pub addr: std::net::SocketAddr,
-    /// The admin listener.
-    pub admin: std::net::SocketAddr,
-    pub shutdown: tokio_util::sync::CancellationToken,
-    pub task: tokio::task::JoinHandle<anyhow::Result<()>>,
-}
-
-impl Running {
-    /// Binds `config`'s listeners, starts serve on them and returns once
-    /// its readiness verdict is ready (what `/readyz` answers 200 with).
-    /// Panics with serve's own error if it stops first, or after a minute.
-    pub async fn start(config: &Config) -> Running {
-        let listeners = ductor::cli::serve::Listeners::bind(&config.server)
-            .await
-            .expect("binding serve's listeners");
-        let addr = listeners.public.local_addr().unwrap();
-        let admin = listeners.admin.local_addr().unwrap();
-        let ready = listeners.ready();
-        let shutdown = tokio_util::sync::CancellationToken::new();
-        let mut task = tokio::spawn(ductor::cli::serve::run_on(
-            config.clone(),
-            listeners,
-            shutdown.clone(),
-        ));
-        tokio::select! {
-            () = ready.wait() => {}
-            ended = &mut task => panic!("serve stopped before it was ready: {ended:?}"),
-            () = tokio::time::sleep(Duration::from_secs(60)) => panic!("serve was not ready within 60 s"),
-        }
-        Running {
-            addr,
-            admin,
-            shutdown,
-            task,
-        }
-    }
-
-    /// Stops it, expecting a clean stop within a minute.
-    pub async fn stop(self) {
-        self.shutdown.cancel();
-        tokio::time::timeout(Duration::from_secs(60), self.task)
-            .await
-            .expect("serve stops within a minute")
-            .expect("serve panicked")
-            .expect("serve failed");
-    }
-}
+#[allow(unused_imports)] // each test binary uses some of them
+pub use ductor_testkit::serve::Running;
 
 /// `serve` in this process over a migrated database of its own and its
 /// topics, for the tests that talk to its listeners. Without a drainer
