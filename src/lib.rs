@@ -23,6 +23,14 @@
 //! [`contract`] is the wire every stage shares; [`config`] the configuration;
 //! [`infra`] the connections, telemetry and health around them; [`cli`] the
 //! binary's entry points.
+//!
+//! In: input records on Kafka (`requests`, `wakeups`, `attempt-results`)
+//! and requests over HTTP. Out: runs, their history and their outbox in
+//! Postgres; dispatches, events, timers and outputs on Kafka. Guarantees:
+//! a run's state is written only over the version it was loaded at (the
+//! conditional update on `record_version`); an input's offset is stored
+//! only after its batch commits; effects are published at least once, in
+//! transition order per run and topic, each with its idempotency key.
 
 //! The public surface is what a user needs: [`contract`], [`client`],
 //! [`config`] and [`cli`]. The stages themselves are crate-private; the

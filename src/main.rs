@@ -1,4 +1,11 @@
 //! The `ductor` command line.
+//!
+//! In: the arguments, and the configuration file of `--config` (or
+//! `DUCTOR_CONFIG`). Out: the command's result on stdout (JSON for
+//! `submit`, `inspect`, `keys` and `outbox redrive`), errors on stderr.
+//! Guarantees: exit status 0 on success, 1 when the command failed, 2 when
+//! the arguments or the configuration do not parse; every command is
+//! `ductor::cli`'s, this file only parses and prints.
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -1,5 +1,12 @@
 //! API keys on their own: the format, the hash kept of them, and the verdict
 //! on a presented key against the stored row. Pure: no database, no clock.
+//!
+//! In: a token (`dk_<16 hex>_<64 hex>`, or the `Authorization` value around
+//! it) and the [`StoredKey`] row of its id, if any. Out: a [`Caller`] or a
+//! [`Refusal`]; for a key being made, a [`NewKey`]. Guarantees: only the
+//! exact shape parses; the secret is compared in constant time, against a
+//! stand-in when no row exists; only the secret's SHA-256 is handed on to
+//! store; `Debug` never shows a token or a secret.
 
 use chrono::{DateTime, Utc};
 use sha2::{Digest, Sha256};

@@ -3,6 +3,13 @@
 //! `server.requests_per_second`) up to `server.request_burst`. Keys are
 //! issued by the operator, one or a few per tenant, so a key's rate is its
 //! tenant's share of the API.
+//!
+//! In: a key id with its own rate, if any, or a client address, and `now`.
+//! Out: admitted, or how long until a token is there. Guarantees: time is
+//! an argument, never read here; the maps of failing addresses and of
+//! unknown key ids never pass `MAX_FAILING_CLIENTS` and `MAX_UNKNOWN_KEYS`
+//! entries, and past its bound the limiter drops only buckets that would
+//! be full again; a poisoned lock is recovered, never a panic.
 
 use std::collections::HashMap;
 use std::sync::Mutex;

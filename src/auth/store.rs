@@ -1,4 +1,11 @@
 //! The `api_keys` table: issue, look up, note use, list, revoke.
+//!
+//! In: a [`NewKey`] with its [`KeyRequest`], or a key id. Out: rows of
+//! `api_keys` as a [`StoredKey`] (to verify) or a [`KeyInfo`] (to show,
+//! without the secret's hash), and what a revocation found ([`Revoked`]).
+//! Guarantees: expiry and revocation are judged by the database's clock;
+//! `last_used_at` is written at most once per [`LAST_USED_RESOLUTION_S`]
+//! per key; a scope name this build does not know grants nothing.
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;

@@ -1,6 +1,14 @@
 //! The operator's one-shot commands of the `ductor` binary: each takes the
 //! configuration, does one thing against Postgres or Kafka, and returns what
 //! the binary prints. The binary only parses its arguments and calls these.
+//!
+//! In: the [`Config`] and a command's arguments. Out: what the binary
+//! prints (lines, or JSON), or an error with its context. Guarantees:
+//! `submit` validates, bounds and routes a start as the HTTP API does
+//! (without a key: the operator names the tenant); `topics create` fails
+//! when the input topics' partition counts differ (unless
+//! `kafka.require_copartitioned = false`) or a topic takes smaller records
+//! than `kafka.message_max_bytes`.
 
 use anyhow::Context;
 

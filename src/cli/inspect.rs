@@ -1,5 +1,11 @@
 //! `ductor inspect run`: a run's state, attempts and transition history,
 //! or, for a finished run that retention deleted, its tombstone.
+//!
+//! In: a run id and a pool of the application role. Out: one JSON value:
+//! the run's `runs` row with its `run_attempts`, its `run_transitions` in
+//! `seq` order and its parked `eec_effect_intent` rows; else its
+//! `run_tombstones` row, marked `"purged": true`; else `None`. Guarantees:
+//! it only reads; a row that does not decode is an error, never a panic.
 
 use serde_json::{Value, json};
 use sqlx::postgres::PgRow;

@@ -4,6 +4,13 @@
 //! Every subcommand connects as the keys role (`database.keys_url`), the
 //! only role besides the migrator that may make or revoke a key: `serve`'s
 //! role may only read keys and note their use.
+//!
+//! In: the [`Config`] and the flags ([`CreateArgs`], a tenant, a key id).
+//! Out: JSON: a new key with its row (the only time the key is shown), the
+//! keys without their secrets, or a revocation. Guarantees: a tenant,
+//! label, rate, scope list or expiry out of bounds is refused before
+//! anything is written, naming its flag; a refusal for want of a privilege
+//! says to set `database.keys_url`.
 
 use anyhow::{Context, bail};
 use serde_json::{Value, json};

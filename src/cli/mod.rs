@@ -2,6 +2,11 @@
 //! one process (once `versions` has checked that the workflow versions the
 //! running runs need are defined); [`inspect`] reads durable state for an
 //! operator; [`commands`] are the operator's one-shot commands.
+//!
+//! In: the [`Config`] and what the binary parsed of its arguments. Out:
+//! what each command prints, or an error. Guarantees: a configuration that
+//! does not load, or a runtime that does not start, ends the binary with
+//! status 2 before any command runs ([`run_binary`]).
 
 pub mod commands;
 pub mod inspect;

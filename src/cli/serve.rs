@@ -1,5 +1,11 @@
 //! `ductor serve`: the long-running process. Every task hangs off one root
 //! cancellation token and one tracker, so shutdown waits for all of them.
+//!
+//! In: the [`Config`] and the two bound [`Listeners`]. Out: every stage
+//! running (ingress, drainer, API, retention, readiness) until `shutdown`.
+//! Guarantees: the ingress consumes nothing before the workflow versions
+//! are settled and the input topics are co-partitioned (or that is
+//! waived); a vital task that fails stops the process with its error.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -35,8 +41,7 @@ pub struct Listeners {
     readiness: Verdict,
 }
 
-/// Serve's readiness, for a caller that started it in its own process
-/// (see [`Listeners::ready`]).
+/// Serve's readiness, for a caller that runs serve in its own process.
 #[derive(Clone)]
 pub struct Ready(Verdict);
 
@@ -83,9 +88,8 @@ impl Listeners {
 /// Refuses to start when a topic takes smaller records than Ductor may
 /// send, or when the input topics' partition counts differ (no single
 /// writer per run). A broker that does not answer in time is no reason to
-/// stay down (the ingress waits for it like any client): the limits are
-/// then not checked, with a warning, and the ingress does not consume
-/// until it has read the partition counts (see [`await_copartitioned`]).
+/// stay down: the limits are then not checked, with a warning, and the
+/// ingress waits for the partition counts ([`await_copartitioned`]).
 async fn check_topic_limits(config: &Config) -> anyhow::Result<()> {
     let mut kafka = config.kafka.clone();
     kafka.admin_timeout_ms = kafka.admin_timeout_ms.min(TOPIC_CHECK_TIMEOUT_MS);
@@ -211,9 +215,8 @@ async fn open_database(config: &Config) -> anyhow::Result<PgPool> {
     Ok(pool)
 }
 
-/// The tasks of one serve process. They hang off one tracker, so that
-/// shutdown waits for all of them, and one root token, so that one stop
-/// reaches all of them.
+/// The tasks of one serve process: one tracker, so that shutdown waits for
+/// all of them, and one root token, so that one stop reaches all of them.
 struct Tasks {
     tracker: TaskTracker,
     shutdown: CancellationToken,
@@ -317,8 +320,7 @@ fn spawn_progress_watch(tasks: &Tasks, progress: Arc<crate::ingress::Progress>) 
 /// the apply layer hands it the intents it may publish at once.
 struct LocalDrainer {
     drainer: crate::outbox::Drainer,
-    /// This process's own end of the lane, cloned for the ingress and the
-    /// API.
+    /// This process's end of the lane, cloned for the ingress and the API.
     handoff: Handoff,
     lane: FastLane,
 }
@@ -360,9 +362,8 @@ fn local_drainer(
 
 /// The routing API's state. With an in-process drainer, its decisions hand
 /// their effects to the fast lane; without one, they only wake the drainer.
-///
-/// The API has a pool of its own (`database.api_max_connections`), so that
-/// its callers cannot take the connections the ingress and the drainer need.
+/// Its pool is its own (`database.api_max_connections`), so that its
+/// callers cannot take the connections the ingress and the drainer need.
 async fn api_state(
     config: &Config,
     workflows: &Workflows,

@@ -4,6 +4,14 @@
 //! refuses to start and names them, unless told to fail those runs
 //! (`coordinator.fail_runs_of_missing_workflows`); it does either before
 //! it consumes anything.
+//!
+//! In: the workflow versions of the running runs (from `runs`) and the
+//! [`Workflows`] loaded. Out: `Ok(true)` to go on, `Ok(false)` when
+//! shutdown came while failing runs, or the error that keeps `serve` from
+//! starting, naming at most `MAX_NAMED_VERSIONS` versions and a few runs of
+//! each. Guarantees: runs are failed through the apply stage, a page at a
+//! time, by transitions whose writer is `maintenance`; those a shutdown
+//! left running are failed at the next start.
 
 use std::path::Path;
 use std::sync::Arc;

@@ -47,6 +47,14 @@
 //! at once serialise on the primary key: the second waits for the first and
 //! then sees [`Claim::Duplicate`] if it committed, [`Claim::First`] if it
 //! rolled back.
+//!
+//! In: the caller's transaction, a consumer name and a message (or its
+//! key). Out: [`Claim::First`] or [`Claim::Duplicate`], and a row of
+//! `ductor_dedup_seen` that commits or rolls back with the effect.
+//! Guarantees: one [`Claim::First`] per consumer and key among committed
+//! transactions, until [`purge`] forgets the key; a key that is missing,
+//! empty, not UTF-8 or over [`MAX_KEY_BYTES`] is refused before the
+//! database is asked.
 
 use std::time::Duration;
 

@@ -2,6 +2,11 @@
 //! the dispatch topic and answers on the attempt-results topic; [`dedup`]
 //! makes a consumer of any published effect effectively-once by honouring
 //! its `idempotency-key` header in the consumer's own transaction.
+//!
+//! In: the records Ductor publishes: a pool's `step.dispatch`es, any effect
+//! with its `idempotency-key`. Out: `attempt.result`s, and claims in the
+//! consumer's own `ductor_dedup_seen`. Guarantees: they reach Ductor only
+//! through Kafka, and write only to the user's database, never Ductor's.
 
 pub mod dedup;
 pub mod worker;

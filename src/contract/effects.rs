@@ -2,6 +2,14 @@
 //! which shape. Each payload is a typed struct that encodes to the JSON
 //! value on the wire (`type` first, then `schema_version`); a consumer that
 //! decodes it uses the same type ([`StepDispatch::decode`] for workers).
+//!
+//! In: what the fold decided, as typed payloads ([`RunEvent`],
+//! [`StepDispatch`], [`RunOutput`], [`RunAccepted`], [`EffectParked`]); on
+//! a worker, a dispatch's bytes. Out: [`Effect`]s, each with its
+//! [`EffectTarget`] and JSON payload; a decoded [`StepDispatch`] or a
+//! [`DecodeError`]. Guarantees: decoding a dispatch is pure and never
+//! panics, refuses another `schema_version`, and its error names the field
+//! without echoing the payload, in at most [`MAX_DECODE_ERROR_LEN`] bytes.
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use serde::{Serialize, Serializer};

@@ -7,6 +7,11 @@
 //! that reuses a key with another meaning does not. The routing plane
 //! compares them for server-chosen starts, the fold for client-chosen
 //! starts and for signals.
+//!
+//! In: a [`RunStart`], or a signal's name and payload. Out: 64 hex
+//! characters. Guarantees: pure; the order of object keys never changes a
+//! fingerprint, a change of any field that takes part does; the run id, a
+//! correlation id and a signal's id take no part.
 
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};

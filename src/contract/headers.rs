@@ -5,6 +5,11 @@
 //! [`crate::client::dedup`] does, applies the effect once however often it is
 //! redelivered), the run it belongs to, and the CloudEvents attributes in
 //! Kafka's binary content mode (`ce_*`).
+//!
+//! In: an effect's [`EffectOrigin`], its idempotency key and CloudEvents
+//! type. Out: its headers, in the order they are published. Guarantees:
+//! pure and deterministic: the same origin, key and type give the same
+//! headers; `ce_id` is the idempotency key, `ce_subject` the run id.
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use serde_json::{Map, Value};

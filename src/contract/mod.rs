@@ -11,6 +11,12 @@
 //! - [`headers`]: the header names of every published record and the
 //!   dead-letter topic;
 //! - [`names`]: topic names and the keys derived for effects.
+//!
+//! In: the bytes, headers and topic of a message (or an HTTP body), and the
+//! typed values the stages publish. Out: typed inputs, effect payloads and
+//! headers, topic names, fingerprints and signatures. Guarantees: pure, no
+//! clock and no I/O; decoding never panics, and a refusal names its field
+//! or its class without echoing the payload.
 
 pub mod effects;
 pub mod fingerprint;

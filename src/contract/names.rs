@@ -1,5 +1,11 @@
 //! Names on the wire: topics, and the keys Ductor derives for what it
 //! publishes.
+//!
+//! In: `kafka.topic_prefix`, a pool's name, a run's id and an effect's
+//! position in its run. Out: topic names ([`TopicNames`]) and keys.
+//! Guarantees: pure and deterministic: every redelivery of an effect
+//! carries its first copy's key; [`is_topic`] accepts only names a broker
+//! takes (1 to [`MAX_TOPIC_LEN`] of `[A-Za-z0-9_.-]`, not `.` or `..`).
 
 /// Longest workflow, step or pool name.
 pub const MAX_NAME_LEN: usize = 100;

@@ -12,6 +12,13 @@
 //! The screen is one pass over the bytes, pure, and never panics. It is
 //! lenient about JSON syntax itself: a malformed value passes the screen
 //! and is refused by the parser that runs after it.
+//!
+//! In: the bytes of one JSON text and its [`ShapeLimits`] (from
+//! `coordinator.max_json_depth` and its neighbours). Out: `Ok`, or a
+//! [`ShapeError`]: the [`Violation`], its byte offset and a message that
+//! never quotes the bytes. Guarantees: a value that passes the screen and
+//! parses is the same value once written back and read again (a randomized
+//! test holds it to that).
 
 use std::collections::HashSet;
 

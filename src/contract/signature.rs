@@ -15,6 +15,13 @@
 //! value>`. A timer may be published long after it was decided (a
 //! sleep), and a copy of one is harmless (it is fenced by its attempt's
 //! stamp), so it carries no time.
+//!
+//! In: a key, the value's bytes, the `ductor-signature` header and, for a
+//! tenant's input, when it reached Kafka and `signatures.max_age_ms`. Out:
+//! the header to send, or the verdict: `Ok` or a [`Refusal`] for a
+//! tenant's, a `bool` for a timer's. Guarantees: pure; tags are compared in
+//! constant time; a signature without its time (`v1=`) never passes as a
+//! tenant's, nor a tenant's as a timer's.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;

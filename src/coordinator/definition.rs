@@ -1,6 +1,14 @@
 //! Workflow definitions: the typed, validated form of `config/workflows/*.toml`.
 //!
 //! Everything here is pure: parsing files is the job of `crate::infra::workflows`.
+//!
+//! In: [`WorkflowDefinition`]s as deserialized, one per file. Out: the
+//! [`Workflows`] by name and version, or the first [`DefinitionError`],
+//! naming its field. Guarantees: every definition a [`Workflows`] holds
+//! passed [`WorkflowDefinition::validate`] (names, 1 to [`MAX_STEPS`]
+//! steps, no field of another kind of step, every timeout, sleep and retry
+//! policy within its bound) and no `(name, version)` is held twice;
+//! [`RetryPolicy::backoff_ms`] is total and never above `max_backoff_ms`.
 
 use std::collections::BTreeMap;
 

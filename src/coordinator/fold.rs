@@ -5,6 +5,14 @@
 //! state untouched (the fold only borrows it); a Transition carries the whole new
 //! state plus the rows and effects the store commits with it in one transaction.
 //!
+//! In: the run's [`RunState`] (`None` before its start; [`fold_purged`]
+//! takes its [`Purged`] tombstone instead), one [`Input`], the
+//! [`Workflows`], `coordinator.max_state_bytes`, `now` and an [`Entropy`].
+//! Out: a [`Decision`]. Guarantees: an input naming another run or tenant
+//! than the state's is rejected; each transition adds one to
+//! `last_transition_seq`; no transition leaves a state over
+//! `max_state_bytes` but the one that fails the run for it.
+//!
 //! Here: what a decision is, the entry points, and the checks every input to an
 //! existing run passes first (its run, its tenant). Each kind of input is decided
 //! in a file of its own: `start`, `attempts` (results, timeouts, retries),

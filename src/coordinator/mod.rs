@@ -1,5 +1,11 @@
 //! The pure coordinator: the decision logic of Ductor as a fold.
 //!
+//! In: one decoded [`crate::contract::Input`], the run's [`RunState`] as
+//! loaded (`None` for a new run), the [`Workflows`], `now` and one
+//! [`Entropy`]. Out: a [`Decision`], which the apply stage commits.
+//! Guarantees: no database, no clock, no randomness of its own; what it
+//! decides is tested without any of them.
+//!
 //! `fold(state, input, workflows, max_state_bytes, now, entropy) -> Decision` decides
 //! what one input does to one run. It imports no tokio, sqlx or rdkafka, reads no
 //! clock, generates no randomness and performs no I/O, so it is tested exhaustively

@@ -1,5 +1,12 @@
 //! Run state: what the store keeps per run (as one jsonb document) and what the fold
 //! reads and returns. Field and variant names are stable snake_case.
+//!
+//! In: a run's `runs.state` document as read back. Out: the [`RunState`]
+//! the fold reads, and the document to write. Guarantees: plain data; the
+//! optional fields (`waiting`, `start_fingerprint`, a signal's `payload`
+//! and `fingerprint`) default when absent, so a document written without
+//! them still loads; a run records at most [`MAX_SIGNALS_PER_RUN`] signals,
+//! a bound the fold enforces.
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};

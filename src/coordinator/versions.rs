@@ -6,6 +6,11 @@
 //! and the run would never finish. `serve` compares the two at start
 //! ([`missing`]) and either refuses to start or fails those runs
 //! ([`super::fail_missing_workflow`]).
+//!
+//! In: the running runs counted by workflow version ([`VersionInUse`], as
+//! the apply stage reads them) and the [`Workflows`] loaded. Out: the
+//! versions that still have running runs and no definition. Guarantees:
+//! pure; a version with no running run is never reported.
 
 use super::definition::Workflows;
 

@@ -1,4 +1,12 @@
 //! The Postgres pool and migrations.
+//!
+//! In: the `database` configuration. Out: pools, named in
+//! `pg_stat_activity` by their part (`ductor`, `ductor-api`,
+//! `ductor-readiness`, `ductor-keys`); the applied migrations and the
+//! roles' grants. Guarantees: every session runs under
+//! `database.statement_timeout_ms`; [`check_migrated`] refuses a schema
+//! that lacks a migration of this binary; a role is granted exactly its
+//! list of rights, what it held before revoked in the same transaction.
 
 use std::time::Duration;
 

@@ -17,6 +17,11 @@
 //! but the caller sees an error and retries; no crash), `ingress.before_offset_store`,
 //! `ingress.rebalance`, `drainer.after_publish`, `routing.after_reserve`,
 //! `api.after_decision`.
+//!
+//! In: `FAILPOINTS`, read by the `ductor` binary as it starts. Out: a
+//! process that aborts at the named point. Guarantees: without the
+//! `failpoints` feature no point exists in the build; with it, none fires
+//! unless `FAILPOINTS` names it.
 
 /// Ends the process immediately, like SIGKILL.
 #[cfg(feature = "failpoints")]

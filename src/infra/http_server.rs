@@ -10,6 +10,13 @@
 //!
 //! On shutdown the loop stops accepting, idle connections close, and
 //! requests in flight finish (`serve` bounds the wait by its grace).
+//!
+//! In: a bound `TcpListener`, an axum `Router` and its [`ServeOptions`];
+//! with TLS, a [`TlsFiles`] pair. Out: served connections, each request
+//! carrying its peer as `ConnectInfo`; 429s from [`limit_auth_failures`].
+//! Guarantees: at most `server.max_connections` connections at once (one
+//! more is closed on accept); a TLS pair that does not load never replaces
+//! the one in use.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -3,6 +3,14 @@
 //! Ductor states every librdkafka setting it depends on instead of trusting
 //! defaults; the user's pass-through properties are applied last so that
 //! production deployments can add SASL/TLS or tune anything.
+//!
+//! In: the `kafka` configuration. Out: consumers, producers and an admin
+//! client; created topics; the input topics' partition counts and their
+//! [`Copartition`] verdict. Guarantees: every producer sets
+//! [`PRODUCER_GUARANTEES`], every group consumer [`CONSUMER_GUARANTEES`]
+//! after the operator's properties (the configuration refuses properties
+//! that would change either); counts that cannot be read are
+//! [`Copartition::Unknown`], never a pass.
 
 use std::time::Duration;
 

@@ -1,4 +1,10 @@
 //! Logging through `tracing` and metrics in the Prometheus text format.
+//!
+//! In: the `log` configuration (`log.filter`, `log.format`; `RUST_LOG`
+//! wins) and what the stages record through `tracing` and `metrics`. Out:
+//! log lines on stderr, and the Prometheus recorder whose handle renders
+//! the metrics page. Guarantees: installing either twice keeps the first
+//! and never fails; a filter that does not parse falls back to `info`.
 
 use std::sync::OnceLock;
 

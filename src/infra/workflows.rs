@@ -3,6 +3,12 @@
 //! The only file-reading part of the coordinator's inputs; it lives outside the pure
 //! `coordinator` tree. Each file holds one workflow definition at its top level. Every
 //! error names the file, the workflow (once its name could be read) and the field.
+//!
+//! In: `coordinator.workflows_dir`. Out: the validated [`Workflows`], or a
+//! [`WorkflowFileError`]. Guarantees: a directory of more than
+//! [`MAX_WORKFLOW_FILES`] files, or a file over [`MAX_WORKFLOW_FILE_BYTES`],
+//! is refused; files are read in name order; an unknown field is an error,
+//! not ignored; a `(name, version)` defined twice names both files.
 
 use std::fmt;
 use std::path::Path;

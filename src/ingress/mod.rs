@@ -1,5 +1,12 @@
 //! The coordinator's Kafka ingress.
 //!
+//! In: the records of `requests`, `wakeups` and `attempt-results`, read by
+//! the group `kafka.group_id`. Out: batches applied by the apply stage,
+//! dead letters, stored offsets, and a [`StepReport`] per batch.
+//! Guarantees: a batch stops growing at `coordinator.batch_max_inputs`
+//! messages or `coordinator.batch_max_bytes` bytes; an offset is stored
+//! only after its batch committed and its dead letters were acknowledged.
+//!
 //! One consumer group reads `requests`, `wakeups` and `attempt-results`.
 //! Messages are gathered into bounded batches, decoded, and applied in one
 //! Postgres transaction by the [`crate::apply::Applier`]. With

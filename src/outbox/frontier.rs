@@ -12,6 +12,15 @@
 //! watermarks, `offsets_for_times`), at the instant of the probe (the group
 //! has caught up), `drainer.results_frontier_lag_ms` before it, and four
 //! times that: under load a timeout fires up to that lag late.
+//!
+//! In: the committed offsets of the coordinator's group (`kafka.group_id`)
+//! on the attempt-results topic, every
+//! `drainer.results_frontier_interval_ms`. Out: the [`Frontier`] the
+//! drainer reads, a call of `moved` each time it advances, and
+//! `ductor_results_frontier_lag_seconds`. Guarantees: it only moves
+//! forward; a tracked one starts at the epoch, so no timeout goes out
+//! before a probe has passed its deadline; a failed probe leaves it where
+//! it was: timeouts wait, they never go early.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};

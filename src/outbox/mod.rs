@@ -1,6 +1,14 @@
 //! The outbox drainer: publishes committed effect intents to Kafka, at least
 //! once, in transition order per run and topic.
 //!
+//! In: the `eec_effect_intent` rows the apply stage commits, handed over
+//! ([`Handoff`]) or claimed in rounds of at most `drainer.batch_max_intents`,
+//! and wake-ups ([`Wakeup`], `NOTIFY ductor_effect_intent`). Out: Kafka
+//! records with their stored key and headers; intents marked `completed`,
+//! released with a backoff, or `parked`. Guarantees: an intent is marked
+//! completed only after the broker's acknowledgement, and only by the
+//! drainer whose claim on it still stands.
+//!
 //! A round claims a bounded batch of due intents (`not_before <= now()`) with
 //! `FOR UPDATE SKIP LOCKED`, skipping any intent that still has an earlier,
 //! due, undelivered intent of the same run and topic which this round did not

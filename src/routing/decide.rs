@@ -2,6 +2,12 @@
 //! run: one routed request decided in one transaction, and the database its
 //! keys are reserved in. The apply stage implements it; routing itself does
 //! not know how a start becomes a run.
+//!
+//! In: one [`RouteRequest`]. Out: its [`RouteOutcome`], or a
+//! [`DecideError`]. Guarantees, which the implementer keeps: a key is
+//! reserved, fenced and completed in the one database [`Decide::pool`]
+//! returns; `Refused` is only for what the same request would meet again
+//! (the API answers 422), `Unavailable` for what may pass (503).
 
 use futures::future::BoxFuture;
 use sqlx::PgPool;

@@ -3,6 +3,14 @@
 //! complete in the deciding transaction, sweep, and purge. Bound
 //! parameters only; every statement that may touch more than one row is
 //! bounded by a `LIMIT` its caller passes.
+//!
+//! In: a key `(tenant_scope, pool_id, idempotency_key)` and the values each
+//! statement binds. Out: the SQL text the routing plane and its retention
+//! run. Guarantees: a reserve takes over only a `failed_before_commit` row
+//! or a `completed` one past its TTL, bumping `claim_epoch`; a completion
+//! touches only a `pending` row (the fence, run before it in the same
+//! transaction, checks our `claim_epoch`); the purge never deletes a
+//! `pending` row.
 
 /// Reserves a key, or reclaims it from a `failed_before_commit` row or a
 /// `completed` one past its validity TTL; any other row wins.

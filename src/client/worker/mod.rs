@@ -2,6 +2,13 @@
 //! a user function per dispatch, publish the `attempt.result` with the
 //! attempt's stamp.
 //!
+//! In: the `step.dispatch` records of [`WorkerOptions::steps_topic`], read
+//! in the pool's consumer group, and a handler from [`StepDispatch`] to
+//! [`StepOutcome`]. Out: an `attempt.result` for each dispatch it runs,
+//! keyed by run and carrying the dispatch's stamp, and the
+//! `ductor_worker_*` metrics. Guarantees: at most `max_in_flight` handlers
+//! at once; an offset is stored only once its result is acknowledged.
+//!
 //! ```no_run
 //! use ductor::client::worker::{StepDispatch, StepOutcome, WorkerOptions};
 //! use tokio_util::sync::CancellationToken;
