@@ -19,7 +19,7 @@ use ductor::apply::{Holds, InputOutcome, PendingInput};
 use ductor::config::Config;
 use ductor::contract::{InputLimits, InputTopic, decode_input};
 use ductor::infra::crash::{CrashHooks, CrashPoint};
-use ductor::ingress::{IngressContext, Progress, StepReport};
+use ductor::ingress::{IngressContext, Progress};
 use rdkafka::message::{Headers, Message};
 use rdkafka::producer::FutureProducer;
 use serde_json::json;
@@ -27,9 +27,6 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(60);
-
-/// How long one step of a stepped ingress waits for a first message.
-const STEP_WAIT: Duration = Duration::from_millis(500);
 
 struct Harness {
     db: TestDb,
@@ -92,7 +89,7 @@ impl Harness {
     }
 
     /// An ingress subscribed to the input topics, for the test to drive
-    /// with [`step_past`] instead of a running loop.
+    /// with [`step_through`] instead of a running loop.
     fn stepped_ingress(&self, crash: CrashHooks) -> IngressContext {
         let ctx = self.ingress(crash);
         ductor::ingress::subscribe(&ctx).expect("subscribing the ingress");
@@ -102,16 +99,9 @@ impl Harness {
     /// The stamp of the run's dispatched attempt for `step_index`, which
     /// a batch applied already has committed.
     async fn attempt_stamp(&self, run_id: &str, step_index: i32) -> uuid::Uuid {
-        sqlx::query_scalar(
-            "SELECT stamp FROM run_attempts \
-             WHERE run_id = $1 AND step_index = $2 AND status = 'dispatched'",
-        )
-        .bind(run_id)
-        .bind(step_index)
-        .fetch_optional(&self.db.pool)
-        .await
-        .expect("querying attempts")
-        .unwrap_or_else(|| panic!("run {run_id} has no dispatched attempt {step_index}"))
+        dispatched_attempt(&self.db.pool, run_id, step_index)
+            .await
+            .unwrap_or_else(|| panic!("run {run_id} has no dispatched attempt {step_index}"))
     }
 
     /// Sends a probe to every partition of the requests and
@@ -337,52 +327,6 @@ impl Harness {
     }
 }
 
-/// Steps `ingress` until a batch has held message `offset` of
-/// `topic`/`partition`, and returns the report of every batch it took. The
-/// first steps find nothing while the consumer joins its group.
-async fn step_past(
-    ingress: &IngressContext,
-    topic: &str,
-    partition: i32,
-    offset: i64,
-) -> Vec<StepReport> {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    let shutdown = CancellationToken::new();
-    let mut reports = Vec::new();
-    while tokio::time::Instant::now() < deadline {
-        let stepped = ductor::ingress::step(ingress, STEP_WAIT, &shutdown)
-            .await
-            .expect("stepping the ingress");
-        let Some(report) = stepped else { continue };
-        let covered = report.covers(topic, partition, offset);
-        reports.push(report);
-        if covered {
-            return reports;
-        }
-    }
-    panic!("no batch held {topic}/{partition}@{offset} within {WAIT:?}: {reports:?}");
-}
-
-/// The reports of several batches added up.
-fn total(reports: &[StepReport]) -> StepReport {
-    let mut sum = StepReport::default();
-    for r in reports {
-        sum.messages += r.messages;
-        sum.applied += r.applied;
-        sum.no_ops += r.no_ops;
-        sum.rejected += r.rejected;
-        sum.failed += r.failed;
-        sum.undecodable += r.undecodable;
-        sum.conflicts += r.conflicts;
-        sum.intents_written += r.intents_written;
-        for (at, last) in &r.last_offsets {
-            let entry = sum.last_offsets.entry(at.clone()).or_insert(*last);
-            *entry = (*entry).max(*last);
-        }
-    }
-    sum
-}
-
 /// An input as the ingress would hand it to the apply layer.
 fn pending(topic: InputTopic, value: serde_json::Value) -> PendingInput {
     PendingInput {
@@ -482,13 +426,19 @@ async fn the_same_attempt_result_three_times_writes_no_new_rows() {
     let names = h.config.topic_names();
     let requests = names.requests();
     let (start_partition, start_offset) = h.start_run(&run_id, "acme").await;
-    let started = total(&step_past(&ingress, &requests, start_partition, start_offset).await);
+    let started = step_through(
+        &ingress,
+        &requests,
+        &[(start_partition, start_offset)],
+        WAIT,
+    )
+    .await;
     assert_eq!((started.messages, started.applied), (1, 1), "{started:?}");
     let stamp = h.attempt_stamp(&run_id, 0).await;
     let result = Harness::result_json(&run_id, "acme", stamp);
     let topic = names.attempt_results();
     let (partition, first) = h.send(&topic, &run_id, &result).await;
-    let once = total(&step_past(&ingress, &topic, partition, first).await);
+    let once = step_through(&ingress, &topic, &[(partition, first)], WAIT).await;
     assert_eq!(
         (once.messages, once.applied, once.no_ops),
         (1, 1, 0),
@@ -499,7 +449,7 @@ async fn the_same_attempt_result_three_times_writes_no_new_rows() {
 
     h.send(&topic, &run_id, &result).await;
     let (_, third) = h.send(&topic, &run_id, &result).await;
-    let twice = total(&step_past(&ingress, &topic, partition, third).await);
+    let twice = step_through(&ingress, &topic, &[(partition, third)], WAIT).await;
     assert_eq!(
         (
             twice.messages,
@@ -604,7 +554,7 @@ async fn a_coordinator_stopped_after_commit_before_offsets_gets_redeliveries_tha
             tokio::time::Instant::now() < deadline,
             "the start was not read within {WAIT:?}"
         );
-        match ductor::ingress::step(&crashing, STEP_WAIT, &shutdown).await {
+        match ductor::ingress::step(&crashing, INGRESS_STEP_WAIT, &shutdown).await {
             Ok(None) => {}
             Ok(Some(report)) => panic!("the hook lets no batch through: {report:?}"),
             Err(e) => break e,
@@ -622,7 +572,7 @@ async fn a_coordinator_stopped_after_commit_before_offsets_gets_redeliveries_tha
     let before = h.footprint().await;
 
     let restarted = h.stepped_ingress(CrashHooks::default());
-    let redelivered = total(&step_past(&restarted, &topic, partition, offset).await);
+    let redelivered = step_through(&restarted, &topic, &[(partition, offset)], WAIT).await;
     assert_eq!(
         (
             redelivered.applied,

@@ -231,17 +231,7 @@ impl Env {
         eventually(
             &format!("{run_id} step {step_index} dispatched"),
             WAIT,
-            || async {
-                sqlx::query_scalar(
-                    "SELECT stamp FROM run_attempts \
-                     WHERE run_id = $1 AND step_index = $2 AND status = 'dispatched'",
-                )
-                .bind(run_id)
-                .bind(step_index)
-                .fetch_optional(&self.db.pool)
-                .await
-                .unwrap()
-            },
+            || dispatched_attempt(&self.db.pool, run_id, step_index),
         )
         .await
     }
@@ -249,16 +239,9 @@ impl Env {
     /// The stamp of `run_id`'s dispatched attempt of step `step_index`,
     /// which a batch applied already has committed.
     async fn attempt_stamp(&self, run_id: &str, step_index: i32) -> uuid::Uuid {
-        sqlx::query_scalar(
-            "SELECT stamp FROM run_attempts \
-             WHERE run_id = $1 AND step_index = $2 AND status = 'dispatched'",
-        )
-        .bind(run_id)
-        .bind(step_index)
-        .fetch_optional(&self.db.pool)
-        .await
-        .unwrap()
-        .unwrap_or_else(|| panic!("{run_id} has no dispatched step {step_index}"))
+        dispatched_attempt(&self.db.pool, run_id, step_index)
+            .await
+            .unwrap_or_else(|| panic!("{run_id} has no dispatched step {step_index}"))
     }
 
     async fn send_success(&self, run_id: &str, stamp: uuid::Uuid) {

@@ -531,12 +531,10 @@ pub async fn step_through(
     let shutdown = tokio_util::sync::CancellationToken::new();
     let mut total = ductor::ingress::StepReport::default();
     let mut reports = Vec::new();
-    while !sent.iter().all(|(partition, offset)| {
-        total
-            .last_offsets
-            .get(&(topic.to_string(), *partition))
-            .is_some_and(|last| last >= offset)
-    }) {
+    while !sent
+        .iter()
+        .all(|(partition, offset)| total.covers(topic, *partition, *offset))
+    {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the batches did not hold {topic} {sent:?} within {timeout:?}: {reports:?}"
@@ -566,4 +564,22 @@ pub fn add_report(sum: &mut ductor::ingress::StepReport, report: &ductor::ingres
         let entry = sum.last_offsets.entry(at.clone()).or_insert(*last);
         *entry = (*entry).max(*last);
     }
+}
+
+/// The stamp of `run_id`'s dispatched attempt of step `step_index`, if a
+/// committed batch has dispatched it.
+pub async fn dispatched_attempt(
+    pool: &PgPool,
+    run_id: &str,
+    step_index: i32,
+) -> Option<uuid::Uuid> {
+    sqlx::query_scalar(
+        "SELECT stamp FROM run_attempts \
+         WHERE run_id = $1 AND step_index = $2 AND status = 'dispatched'",
+    )
+    .bind(run_id)
+    .bind(step_index)
+    .fetch_optional(pool)
+    .await
+    .expect("querying attempts")
 }
