@@ -60,6 +60,13 @@ enum Command {
         #[command(subcommand)]
         command: KeysCommand,
     },
+    /// Write the JSON Schemas of every message and header set of the
+    /// contract under a directory (the repository's are in `schemas/`).
+    Schemas {
+        /// Where to write them.
+        #[arg(long, default_value = "schemas")]
+        out: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -197,6 +204,11 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
         }
         Command::Keys { command } => keys(command, &config).await?,
         Command::Config => println!("{config:#?}"),
+        Command::Schemas { out } => {
+            for line in commands::write_schemas(&out)? {
+                println!("{line}");
+            }
+        }
     }
     Ok(())
 }

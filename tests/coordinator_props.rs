@@ -497,7 +497,7 @@ proptest! {
 
     /// Transition seqs are 1, 2, 3, ... and end at `last_transition_seq`; attempts per
     /// step never exceed `max_attempts`; a terminal run never transitions again; every
-    /// run terminates.
+    /// run terminates; every effect is valid against its type's committed schema.
     #[test]
     fn seqs_are_gap_free_and_bounds_hold(scn in scenario()) {
         let (wf, once) = solo(&scn);
@@ -510,6 +510,10 @@ proptest! {
             prop_assert_eq!(t.state.record_version, 0);
             prop_assert_eq!(t.effects[0].payload["seq"].as_i64(), Some(t.record.seq));
             prop_assert!(t.effects.iter().skip(1).all(|e| e.target != EffectTarget::Events));
+            for e in &t.effects {
+                prop_assert_eq!(e.payload["type"].as_str(), Some(e.kind.wire_type()));
+                prop_assert_eq!(ductor_testkit::schemas::check_message(&e.payload), Ok(()));
+            }
         }
         let last = once.state.clone().unwrap();
         prop_assert_eq!(last.last_transition_seq, trs.len() as i64);
@@ -708,10 +712,12 @@ proptest! {
         }
     }
 
-    /// decode(encode(x)) == x for every valid input.
+    /// decode(encode(x)) == x for every valid input, and its encoding is
+    /// valid against its type's committed schema.
     #[test]
     fn decode_inverts_encode(input in valid_input()) {
         let bytes = serde_json::to_vec(&input.to_json()).unwrap();
+        prop_assert_eq!(ductor_testkit::schemas::check_message(&input.to_json()), Ok(()));
         prop_assert_eq!(decode_input(input.topic(), &bytes, &InputLimits::sized(usize::MAX)), Ok(input.clone()));
         for topic in [InputTopic::Requests, InputTopic::Wakeups, InputTopic::AttemptResults] {
             if topic != input.topic() {

@@ -335,7 +335,7 @@ async fn read_keys(topic: &str, keys: &HashSet<String>) -> Vec<OwnedMessage> {
     let deadline = tokio::time::Instant::now() + WAIT;
     while seen.len() < keys.len() {
         let m = match tokio::time::timeout_at(deadline, consumer.recv()).await {
-            Ok(Ok(m)) => m.detach(),
+            Ok(Ok(m)) => common::on_contract(m.detach()),
             Ok(Err(e)) => panic!("consumer error on {topic}: {e}"),
             Err(_) => panic!(
                 "{topic}: saw {} of {} idempotency keys before timing out",
@@ -994,6 +994,7 @@ async fn a_redelivered_effect_is_byte_identical_to_its_first_delivery_headers_in
             .expect("both deliveries arrive")
             .expect("reading events")
             .detach();
+        let m = common::on_contract(m);
         if header(&m, "idempotency-key").as_deref() == Some(key.as_str()) {
             copies.push(m);
         }
@@ -1135,6 +1136,7 @@ async fn an_effect_the_broker_refuses_is_parked_without_holding_anything_up_and_
             .expect("the output arrives")
             .unwrap()
             .detach();
+        let m = common::on_contract(m);
         if m.key() == Some(big.as_bytes()) {
             assert_eq!(m.payload(), Some(stored.as_slice()));
             break;
@@ -1261,7 +1263,7 @@ async fn effect_for(
         let message = tokio::time::timeout_at(deadline, consumer.recv())
             .await
             .ok()?;
-        let message = message.expect("reading the steps topic").detach();
+        let message = common::on_contract(message.expect("reading the steps topic").detach());
         if message.key() == Some(run_id.as_bytes()) {
             return Some(message);
         }

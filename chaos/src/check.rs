@@ -44,6 +44,9 @@
 //!   the `ductor-dlq-topic/partition/offset` headers.
 //! - `effect_dead_lettered` — one of Ductor's own effects (a timer) ended in
 //!   the DLQ.
+//! - `off_contract` — an effect (payload or headers), a dead letter's
+//!   headers, or an input the coordinator accepted, is not valid against
+//!   the contract's committed JSON Schemas (`schemas/`).
 //! - `lane_stalled` — a serve's `ductor_ingress_stalled_lanes`, read by the
 //!   load driver every second, was above zero: an apply lane held a batch
 //!   it could not commit for `coordinator.stall_after_ms`.
@@ -325,6 +328,7 @@ pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
     dangling_decisions(db, &ix, v);
 
     let dead = dead_letters(inp.msgs, &dlq_topic, v);
+    off_contract(inp.msgs, &dead, &names.inputs(), v);
     let logged = logged_inputs(inp.records, &ix, &dead, &accepted, v);
     let answered = http_answers(inp.records, &ix, v);
 
@@ -926,6 +930,37 @@ fn dead_letters(msgs: &[Msg], dlq_topic: &str, v: &mut Violations) -> HashSet<(S
         }
     }
     dead
+}
+
+/// Every record Ductor published (effects, dead letters) and every input
+/// the coordinator accepted (not dead-lettered) is valid against the
+/// contract's committed schemas: the schemas promise users nothing the
+/// engine does not keep, and take nothing the engine refuses.
+fn off_contract(
+    msgs: &[Msg],
+    dead: &HashSet<(String, i32, i64)>,
+    inputs: &[String],
+    v: &mut Violations,
+) {
+    use ductor_testkit::schemas::{check_message, check_published};
+    for m in msgs {
+        let at = || format!("{} [{}] @{}", m.topic, m.partition, m.offset);
+        if let Err(e) = check_published(&m.headers, &m.payload) {
+            v.add("off_contract", || format!("{}: {e}", at()));
+            continue;
+        }
+        let accepted_input =
+            inputs.contains(&m.topic) && !dead.contains(&(m.topic.clone(), m.partition, m.offset));
+        if !accepted_input {
+            continue;
+        }
+        let checked = serde_json::from_slice::<Value>(&m.payload)
+            .map_err(|e| e.to_string())
+            .and_then(|value| check_message(&value));
+        if let Err(e) = checked {
+            v.add("off_contract", || format!("accepted input {}: {e}", at()));
+        }
+    }
 }
 
 /// A topic, partition and offset an input was acknowledged at.

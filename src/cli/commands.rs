@@ -124,3 +124,25 @@ pub async fn submit(args: SubmitArgs, config: &Config) -> anyhow::Result<serde_j
     out["outcome"] = status.into();
     Ok(out)
 }
+
+/// `ductor schemas --out DIR`: writes the contract's JSON Schemas under
+/// `DIR` (`messages/<type>.json`, `headers/<name>.json`) and returns a line
+/// per file, `wrote` or `same` (an unchanged file is not rewritten).
+pub fn write_schemas(dir: &std::path::Path) -> anyhow::Result<Vec<String>> {
+    let mut lines = Vec::new();
+    for file in crate::contract::schema::catalogue() {
+        let path = dir.join(&file.path);
+        let text = file.text();
+        if std::fs::read_to_string(&path).is_ok_and(|old| old == text) {
+            lines.push(format!("same  {}", path.display()));
+            continue;
+        }
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)
+                .with_context(|| format!("creating {}", parent.display()))?;
+        }
+        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+        lines.push(format!("wrote {}", path.display()));
+    }
+    Ok(lines)
+}

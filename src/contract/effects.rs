@@ -12,10 +12,12 @@
 //! without echoing the payload, in at most [`MAX_DECODE_ERROR_LEN`] bytes.
 
 use chrono::{DateTime, SecondsFormat, Utc};
+use schemars::JsonSchema;
 use serde::{Serialize, Serializer};
 use serde_json::{Map, Value};
 use uuid::Uuid;
 
+use super::formats::{AnyValue, Id, Name, Text, Timestamp, Version};
 use super::input::{SCHEMA_VERSION, is_id, truncate};
 use super::names::{MAX_NAME_LEN, TopicNames};
 
@@ -210,12 +212,30 @@ impl Serialize for TransitionKind {
     }
 }
 
+impl JsonSchema for TransitionKind {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "TransitionKind".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        let names: Vec<&str> = TransitionKind::ALL.iter().map(|k| k.as_str()).collect();
+        schemars::json_schema!({
+            "description": "What the transition did to its run.",
+            "type": "string",
+            "enum": names,
+        })
+    }
+}
+
 /// `run.event`: one transition of a run, as its followers see it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 #[serde(tag = "type", rename = "run.event")]
 pub struct RunEvent<'a> {
+    #[schemars(with = "Version")]
     pub schema_version: u64,
+    #[schemars(with = "Id")]
     pub run_id: &'a str,
+    #[schemars(with = "Id")]
     pub tenant: &'a str,
     pub seq: i64,
     pub kind: TransitionKind,
@@ -223,28 +243,39 @@ pub struct RunEvent<'a> {
     pub step_index: u32,
     pub attempt: u32,
     #[serde(serialize_with = "rfc3339_millis")]
+    #[schemars(with = "Timestamp")]
     pub at: DateTime<Utc>,
 }
 
 /// `run.output`: a succeeded run's output.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 #[serde(tag = "type", rename = "run.output")]
 pub struct RunOutput<'a> {
+    #[schemars(with = "Version")]
     pub schema_version: u64,
+    #[schemars(with = "Id")]
     pub run_id: &'a str,
+    #[schemars(with = "Id")]
     pub tenant: &'a str,
+    #[schemars(with = "Name")]
     pub workflow: &'a str,
+    #[schemars(with = "AnyValue")]
     pub output: &'a Value,
 }
 
 /// `run.accepted`: the decision a routed start got.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 #[serde(tag = "type", rename = "run.accepted")]
 pub struct RunAccepted<'a> {
+    #[schemars(with = "Version")]
     pub schema_version: u64,
+    #[schemars(with = "Id")]
     pub run_id: &'a str,
+    #[schemars(with = "Id")]
     pub tenant: &'a str,
+    #[schemars(with = "Name")]
     pub pool: &'a str,
+    #[schemars(with = "Name")]
     pub workflow: &'a str,
     pub workflow_version: u32,
     pub idempotency_key: Option<&'a str>,
@@ -253,30 +284,39 @@ pub struct RunAccepted<'a> {
 
 /// `run.effect_parked`: one of a run's effects was parked after failing
 /// for good; `seq` and `effect_index` name it, `topic` is where it was for.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 #[serde(tag = "type", rename = "run.effect_parked")]
 pub struct EffectParked<'a> {
+    #[schemars(with = "Version")]
     pub schema_version: u64,
+    #[schemars(with = "Id")]
     pub run_id: &'a str,
+    #[schemars(with = "Id")]
     pub tenant: &'a str,
     pub seq: i64,
     pub effect_index: i32,
     pub topic: &'a str,
     pub error: &'a str,
     /// RFC 3339, microseconds: the parking's time, as in its `ce_time`.
+    #[schemars(with = "Timestamp")]
     pub at: &'a str,
 }
 
 /// A decoded `step.dispatch`: one attempt of one step of one run.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 #[serde(tag = "type", rename = "step.dispatch")]
 pub struct StepDispatch {
+    #[schemars(with = "Version")]
     pub schema_version: u64,
+    #[schemars(with = "Id")]
     pub run_id: String,
+    #[schemars(with = "Id")]
     pub tenant: String,
+    #[schemars(with = "Name")]
     pub workflow: String,
     pub workflow_version: u32,
     /// The step's name in the workflow definition.
+    #[schemars(with = "Name")]
     pub step: String,
     pub step_index: u32,
     /// 1 for the first attempt of the step.
@@ -285,14 +325,17 @@ pub struct StepDispatch {
     /// ([`super::names::step_key`]): pass it as the idempotency key of the
     /// external call the step makes. The message's `idempotency-key`
     /// header differs from one attempt to the next.
+    #[schemars(with = "Text<1, MAX_STEP_KEY_LEN>")]
     pub step_key: String,
     /// The attempt's fencing token; the result must carry it.
     pub stamp: Uuid,
     /// After this instant the coordinator times the attempt out and ignores
     /// its result.
     #[serde(serialize_with = "rfc3339_millis")]
+    #[schemars(with = "Timestamp")]
     pub deadline: DateTime<Utc>,
     /// The run's input for the first step, the previous step's output after.
+    #[schemars(with = "AnyValue")]
     pub input: Value,
 }
 

@@ -53,6 +53,40 @@ pub const DLQ_TRUNCATED: &str = "ductor-dlq-truncated";
 /// `headers`, `key` or `headers,key`.
 pub const DLQ_DROPPED: &str = "ductor-dlq-dropped";
 
+/// Where in the pipeline an input failed: the value of [`DLQ_STAGE`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadLetterStage {
+    /// Not a well-formed input: size, JSON, type, version or fields.
+    Decode,
+    /// Well-formed, but the coordinator rejected it (unknown run, tenant
+    /// mismatch, unknown stamp, unknown workflow, ...).
+    Validate,
+    /// A start request the routing plane refused (the same idempotency key
+    /// with a different request).
+    Route,
+    /// Decoded and valid, but the database refuses to store it: found by
+    /// bisecting the batch it failed, so only it is dead-lettered.
+    Apply,
+}
+
+impl DeadLetterStage {
+    pub const ALL: [DeadLetterStage; 4] = [
+        DeadLetterStage::Decode,
+        DeadLetterStage::Validate,
+        DeadLetterStage::Route,
+        DeadLetterStage::Apply,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeadLetterStage::Decode => "decode",
+            DeadLetterStage::Validate => "validate",
+            DeadLetterStage::Route => "route",
+            DeadLetterStage::Apply => "apply",
+        }
+    }
+}
+
 /// The run an effect belongs to, as its headers name it.
 #[derive(Debug, Clone, Copy)]
 pub struct EffectOrigin<'a> {

@@ -18,6 +18,7 @@ use uuid::Uuid;
 use super::screen::{ShapeLimits, Violation};
 
 mod budget;
+pub mod form;
 mod wire;
 
 pub(crate) use budget::encoded_len;

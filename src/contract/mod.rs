@@ -10,7 +10,8 @@
 //!   `run.effect_parked`), as typed payloads;
 //! - [`headers`]: the header names of every published record and the
 //!   dead-letter topic;
-//! - [`names`]: topic names and the keys derived for effects.
+//! - [`names`]: topic names and the keys derived for effects;
+//! - [`schema`]: all of it as JSON Schemas, committed under `schemas/`.
 //!
 //! In: the bytes, headers and topic of a message (or an HTTP body), and the
 //! typed values the stages publish. Out: typed inputs, effect payloads and
@@ -20,9 +21,11 @@
 
 pub mod effects;
 pub mod fingerprint;
+pub mod formats;
 pub mod headers;
 pub mod input;
 pub mod names;
+pub mod schema;
 pub mod screen;
 pub mod signature;
 

@@ -23,32 +23,8 @@ use crate::contract::headers::{
     DLQ_TRUNCATED,
 };
 
-/// Where in the pipeline the input failed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stage {
-    /// Not a well-formed input: size, JSON, type, version or fields.
-    Decode,
-    /// Well-formed, but the coordinator rejected it (unknown run, tenant
-    /// mismatch, unknown stamp, unknown workflow, ...).
-    Validate,
-    /// A start request the routing plane refused (the same idempotency key
-    /// with a different request).
-    Route,
-    /// Decoded and valid, but the database refuses to store it: found by
-    /// bisecting the batch it failed, so only it is dead-lettered.
-    Apply,
-}
-
-impl Stage {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Stage::Decode => "decode",
-            Stage::Validate => "validate",
-            Stage::Route => "route",
-            Stage::Apply => "apply",
-        }
-    }
-}
+/// Where in the pipeline the input failed: the contract names the stages.
+pub use crate::contract::headers::DeadLetterStage as Stage;
 
 pub struct DeadLetter<'a> {
     pub message: &'a OwnedMessage,

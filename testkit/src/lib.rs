@@ -8,6 +8,8 @@
 //! - [`http`]: one HTTP/1.1 request per connection, bounded in time and
 //!   size, with no client library;
 //! - [`metrics`]: reading a series out of a Prometheus text exposition;
+//! - [`schemas`]: the contract's committed JSON Schemas, and checking a
+//!   message or a record against them;
 //! - [`programs`]: the workspace's directory and the programs cargo built
 //!   beside the running one;
 //! - [`serve`]: `ductor serve` in this process, returned once it is
@@ -22,6 +24,7 @@ pub mod http;
 pub mod kafka;
 pub mod metrics;
 pub mod programs;
+pub mod schemas;
 pub mod scratch;
 pub mod serve;
 pub mod serve_process;

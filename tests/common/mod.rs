@@ -284,13 +284,40 @@ pub fn reader(topics: &[&str]) -> StreamConsumer {
     consumer
 }
 
-/// Reads until `n` messages have arrived, or panics after `timeout`.
+/// A record Ductor published, checked against the contract's schemas
+/// (`ductor_testkit::schemas::check_published`): every message a test
+/// reads is.
+pub fn on_contract(m: OwnedMessage) -> OwnedMessage {
+    use rdkafka::message::{Headers, Message};
+    let headers: Vec<(String, Vec<u8>)> = m
+        .headers()
+        .map(|h| {
+            h.iter()
+                .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
+                .collect()
+        })
+        .unwrap_or_default();
+    if let Err(e) =
+        ductor_testkit::schemas::check_published(&headers, m.payload().unwrap_or_default())
+    {
+        panic!(
+            "{} [{}] @{} is off the contract: {e}",
+            m.topic(),
+            m.partition(),
+            m.offset()
+        );
+    }
+    m
+}
+
+/// Reads until `n` messages have arrived, each checked by [`on_contract`],
+/// or panics after `timeout`.
 pub async fn read_n(consumer: &StreamConsumer, n: usize, timeout: Duration) -> Vec<OwnedMessage> {
     let mut out = Vec::with_capacity(n);
     let deadline = tokio::time::Instant::now() + timeout;
     while out.len() < n {
         match tokio::time::timeout_at(deadline, consumer.recv()).await {
-            Ok(Ok(m)) => out.push(m.detach()),
+            Ok(Ok(m)) => out.push(on_contract(m.detach())),
             Ok(Err(e)) => panic!("consumer error: {e}"),
             Err(_) => panic!(
                 "timed out after {timeout:?} with {} of {n} messages",

@@ -10,7 +10,7 @@
 //! gives the input back. Pure: no broker, no clock; what it decides is tested
 //! without either.
 
-use serde_json::{Map, Value, json};
+use serde_json::{Map, Value};
 use uuid::Uuid;
 
 use super::{
@@ -313,61 +313,5 @@ impl Input {
             Input::Signal(_) => TYPE_WAKEUP_SIGNAL,
             Input::Cancel(_) => TYPE_WAKEUP_CANCEL,
         }
-    }
-
-    /// The canonical wire form; `decode_value(self.topic(), &self.to_json()) == Ok(self)`.
-    pub fn to_json(&self) -> Value {
-        let mut obj = Map::new();
-        obj.insert("type".into(), self.type_str().into());
-        obj.insert("schema_version".into(), SCHEMA_VERSION.into());
-        obj.insert("run_id".into(), self.run_id().into());
-        obj.insert("tenant".into(), self.tenant().into());
-        let mut put = |k: &str, v: Value| {
-            obj.insert(k.to_owned(), v);
-        };
-        match self {
-            Input::Start(s) => {
-                put("workflow", s.workflow.clone().into());
-                if let Some(v) = s.workflow_version {
-                    put("workflow_version", v.into());
-                }
-                put("pool", s.pool.clone().into());
-                put("input", s.input.clone());
-                if let Some(c) = &s.correlation_id {
-                    put("correlation_id", c.clone().into());
-                }
-            }
-            Input::Result(r) => {
-                put("stamp", r.stamp.to_string().into());
-                match &r.outcome {
-                    AttemptOutcome::Succeeded { output } => {
-                        put("outcome", "succeeded".into());
-                        put("output", output.clone());
-                    }
-                    AttemptOutcome::Failed { message, retryable } => {
-                        put("outcome", "failed".into());
-                        put(
-                            "error",
-                            json!({ "message": message, "retryable": retryable }),
-                        );
-                    }
-                }
-            }
-            Input::Timer(t) => {
-                put("timer", t.timer.as_str().into());
-                put("stamp", t.stamp.to_string().into());
-            }
-            Input::Signal(s) => {
-                put("signal_id", s.signal_id.clone().into());
-                put("name", s.name.clone().into());
-                put("payload", s.payload.clone());
-            }
-            Input::Cancel(c) => {
-                if let Some(r) = &c.reason {
-                    put("reason", r.clone().into());
-                }
-            }
-        }
-        Value::Object(obj)
     }
 }
