@@ -200,9 +200,7 @@ fn valid_key(key: &str) -> bool {
     };
     let b = key.as_bytes();
     match key.split_once('@') {
-        None => {
-            !b.is_empty() && b.len() <= 256 && b[0].is_ascii_lowercase() && rest(&b[1..])
-        }
+        None => !b.is_empty() && b.len() <= 256 && b[0].is_ascii_lowercase() && rest(&b[1..]),
         Some((tenant, system)) => {
             let (t, s) = (tenant.as_bytes(), system.as_bytes());
             !t.is_empty()
@@ -368,7 +366,10 @@ mod tests {
             assert_eq!(cx.tracestate, None, "{bad:?}");
         }
         let tenant = context(PARENT, Some("1tenant@vendor=v,x*y/z_-=ok")).unwrap();
-        assert_eq!(tenant.tracestate.as_deref(), Some("1tenant@vendor=v,x*y/z_-=ok"));
+        assert_eq!(
+            tenant.tracestate.as_deref(),
+            Some("1tenant@vendor=v,x*y/z_-=ok")
+        );
         let many: Vec<String> = (0..33).map(|i| format!("k{i}=v")).collect();
         assert_eq!(bound_tracestate(&many.join(",")), None);
         assert_eq!(bound_tracestate(""), None);
@@ -384,14 +385,18 @@ mod tests {
     #[test]
     fn a_long_tracestate_loses_its_longest_entries_first_then_its_last() {
         let long = format!("big={}", "x".repeat(200));
-        let small: Vec<String> = (0..20).map(|i| format!("k{i:02}={}", "v".repeat(16))).collect();
+        let small: Vec<String> = (0..20)
+            .map(|i| format!("k{i:02}={}", "v".repeat(16)))
+            .collect();
         let mut entries = small.clone();
         entries.insert(3, long);
         let cut = bound_tracestate(&entries.join(",")).expect("something is left");
         assert!(cut.len() <= MAX_TRACESTATE_LEN, "{}", cut.len());
         assert!(!cut.contains("big="), "the long entry goes first");
         assert_eq!(cut, small.join(","), "20 entries of 20 bytes fit");
-        let more: Vec<String> = (0..30).map(|i| format!("k{i:02}={}", "v".repeat(16))).collect();
+        let more: Vec<String> = (0..30)
+            .map(|i| format!("k{i:02}={}", "v".repeat(16)))
+            .collect();
         let cut = bound_tracestate(&more.join(",")).unwrap();
         assert!(cut.len() <= MAX_TRACESTATE_LEN);
         assert!(cut.starts_with("k00="), "entries go from the end");

@@ -75,6 +75,9 @@ pub struct RouteRequest {
     pub reservation: Reservation,
     /// Where a Kafka request came from; kept on the run's first transition.
     pub source: Option<crate::contract::Source>,
+    /// The trace context the request carried (its message's headers, or
+    /// the span of the HTTP request that made it).
+    pub trace: Option<crate::contract::TraceContext>,
 }
 
 #[cfg(test)]
@@ -95,6 +98,7 @@ impl RouteRequest {
             fingerprint: String::new(),
             reservation: Reservation::InTransaction,
             source: None,
+            trace: None,
         }
     }
 }
@@ -211,6 +215,7 @@ pub fn decode_route_request(
         fingerprint,
         reservation: Reservation::InTransaction,
         source: None,
+        trace: None,
     }))
 }
 
