@@ -16,7 +16,7 @@ use std::sync::OnceLock;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::trace::SdkTracerProvider;
-use tracing_subscriber::filter::{FilterExt, Targets, filter_fn};
+use tracing_subscriber::filter::{FilterExt, LevelFilter, Targets, filter_fn};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer, Registry};
@@ -88,7 +88,11 @@ fn install(config: &LogConfig, provider: Option<&SdkTracerProvider>) -> bool {
     let filter = EnvFilter::try_new(&filter).unwrap_or_else(|_| EnvFilter::new("info"));
     // Trace spans are for the exporter; in the log they would cost every
     // input a span's bookkeeping.
-    let not_traces = filter_fn(|meta| !meta.target().starts_with(traces::TARGET));
+    // The hint keeps the log's filter as the process's level bound (that of
+    // the `log` crate's records too): a filter without one would lift it
+    // to TRACE.
+    let not_traces = filter_fn(|meta| !meta.target().starts_with(traces::TARGET))
+        .with_max_level_hint(LevelFilter::TRACE);
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     let log: Box<dyn Layer<Registry> + Send + Sync> = match config.format {
         LogFormat::Text => fmt.with_filter(filter.and(not_traces)).boxed(),
@@ -102,7 +106,7 @@ fn install(config: &LogConfig, provider: Option<&SdkTracerProvider>) -> bool {
         tracing_opentelemetry::layer()
             .with_tracer(provider.tracer("ductor"))
             .with_tracked_inactivity(false)
-            .with_filter(Targets::new().with_target(traces::TARGET, tracing::Level::TRACE))
+            .with_filter(Targets::new().with_target(traces::TARGET, tracing::Level::INFO))
     });
     // A second initialisation (tests, embedded use) keeps the first one.
     tracing_subscriber::registry()
