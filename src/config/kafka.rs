@@ -128,7 +128,10 @@ pub struct KafkaConfig {
     /// `properties` may change `enable.idempotence`, `acks` or
     /// `max.in.flight.requests.per.connection` from Ductor's values
     /// ([`PRODUCER_GUARANTEES`]): the outbox trusts delivery
-    /// reports, and those settings are what make them true.
+    /// reports, and those settings are what make them true. Nor may they
+    /// change `partitioner` from `murmur2_random`
+    /// ([`crate::contract::partition`]): a run's inputs share a partition
+    /// only while every producer hashes its key as the Java client does.
     pub producer_properties: KafkaProperties,
 }
 
@@ -226,6 +229,14 @@ impl KafkaProperties {
     /// they stand for; stating Ductor's own value is allowed.
     pub fn weakened_producer_guarantee(&self) -> Option<String> {
         self.0.iter().find_map(|(key, value)| {
+            let partitioner = crate::contract::partition::PARTITIONER;
+            if key.trim() == "partitioner" && value.trim() != partitioner {
+                return Some(format!(
+                    "sets {key:?} = {value:?}, but Ductor's producers need partitioner = \
+                     {partitioner}: a run has one writer only while every producer puts its \
+                     inputs on the partition the Java client's hash gives its key"
+                ));
+            }
             let name = match key.trim() {
                 "request.required.acks" => "acks",
                 "max.in.flight" => "max.in.flight.requests.per.connection",

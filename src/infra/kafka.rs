@@ -113,6 +113,9 @@ pub fn producer_config(kafka: &KafkaConfig, role: &str) -> ClientConfig {
     for (key, value) in PRODUCER_GUARANTEES {
         cfg.set(key, value);
     }
+    // A run's inputs must share one partition number whoever produces
+    // them: the Java client's hash (contract::partition).
+    cfg.set("partitioner", crate::contract::partition::PARTITIONER);
     cfg.set("retries", "2147483647")
         .set("linger.ms", kafka.linger_ms.to_string())
         .set("compression.type", "lz4")

@@ -89,6 +89,10 @@ pub struct IngressContext {
     parked: Vec<std::sync::Mutex<Parked>>,
     /// `coordinator.max_parked_starts`, per lane.
     pub max_parked_starts: usize,
+    /// The input topics' partition counts, to find misrouted inputs.
+    pub partition_counts: super::misrouted::PartitionCounts,
+    /// `coordinator.max_input_forwards`.
+    pub max_input_forwards: u32,
 }
 
 impl IngressContext {
@@ -112,6 +116,12 @@ impl IngressContext {
         Ok(Self {
             applier,
             consumer,
+            partition_counts: super::misrouted::PartitionCounts::new(
+                producer.clone(),
+                Duration::from_millis(config.coordinator.partition_count_refresh_ms),
+                Duration::from_millis(config.kafka.request_timeout_ms),
+            ),
+            max_input_forwards: config.coordinator.max_input_forwards,
             dead_letters: DeadLetterPublisher {
                 producer,
                 topic: names.dead_letters(),

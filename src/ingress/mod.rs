@@ -26,6 +26,8 @@
 //! - `batch`: one batch handled whole, from apply to stored offsets;
 //! - `sort`: a batch sorted by what each message is ([`classify`]), and
 //!   settled by what each came to ([`dead_letter`]);
+//! - [`misrouted`]: inputs on a partition their run does not belong on,
+//!   forwarded to the one it does;
 //! - `parked`: starts that wait on a key another caller holds, beside
 //!   their lane;
 //! - `offsets`: which offsets a batch lets the consumer store;
@@ -40,6 +42,7 @@ pub mod classify;
 mod context;
 pub mod dead_letter;
 mod lane;
+pub mod misrouted;
 mod offsets;
 mod parked;
 mod progress;
@@ -89,6 +92,10 @@ pub struct StepReport {
     /// Routed starts parked beside the lane because another caller holds
     /// their key; they are applied again in a later turn.
     pub parked: usize,
+    /// Inputs on a partition their run does not belong on, forwarded to
+    /// the right one (see [`misrouted`]); those forwarded too often are
+    /// counted in `rejected`.
+    pub forwarded: usize,
 }
 
 impl StepReport {

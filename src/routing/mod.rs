@@ -46,8 +46,8 @@ use self::sql::{COMPLETE_SQL, EXISTING_SQL, FENCE_SQL, RESERVE_SQL, STATUS_SQL};
 use crate::config::{DuplicatePolicy, RoutingConfig};
 use crate::contract::{Input, InputError, InputErrorClass, InputTopic, RunStart, decode_value};
 
-/// Longest idempotency key accepted.
-pub const MAX_KEY_LEN: usize = 256;
+/// Longest idempotency key accepted, in characters.
+pub const MAX_KEY_LEN: usize = crate::contract::input::MAX_IDEMPOTENCY_KEY_LEN;
 
 /// The decision returned to every caller with the same key: the first gets it
 /// with 201, duplicates with 200, byte for byte the same body.
