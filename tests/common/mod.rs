@@ -604,6 +604,7 @@ pub fn add_report(sum: &mut ductor::ingress::StepReport, report: &ductor::ingres
     sum.conflicts += report.conflicts;
     sum.intents_written += report.intents_written;
     sum.parked += report.parked;
+    sum.forwarded += report.forwarded;
     for (at, last) in &report.last_offsets {
         let entry = sum.last_offsets.entry(at.clone()).or_insert(*last);
         *entry = (*entry).max(*last);
