@@ -197,7 +197,7 @@ fn the_asyncapi_document_references_every_message_schema_and_only_committed_file
     let text = std::fs::read_to_string(root.join(ductor::contract::asyncapi::PATH))
         .expect("schemas/asyncapi.json is committed");
     let doc: Value = serde_json::from_str(&text).expect("the document is JSON");
-    assert_eq!(doc["asyncapi"], "3.0.0");
+    assert_eq!(doc["asyncapi"], "3.1.0");
     let mut refs = Vec::new();
     file_refs(&doc, &mut refs);
     for r in &refs {

@@ -1,4 +1,4 @@
-//! The topics as an AsyncAPI 3.0 document: each topic's address, the
+//! The topics as an AsyncAPI 3.1 document: each topic's address, the
 //! messages on it with their key, headers and payload (by reference to the
 //! JSON Schemas of [`super::schema`]), which side produces them, and the
 //! ordering and partitioning rules. Written to `schemas/asyncapi.json` by
@@ -148,7 +148,7 @@ pub fn document() -> Value {
         }),
     );
     json!({
-        "asyncapi": "3.0.0",
+        "asyncapi": "3.1.0",
         "info": {
             "title": "Ductor",
             "version": env!("CARGO_PKG_VERSION"),
