@@ -44,22 +44,32 @@ use sqlx::{Postgres, Row, Transaction as PgTx};
 
 use self::sql::{COMPLETE_SQL, EXISTING_SQL, FENCE_SQL, RESERVE_SQL, STATUS_SQL};
 use crate::config::{DuplicatePolicy, RoutingConfig};
-use crate::contract::{Input, InputError, InputErrorClass, InputTopic, RunStart, decode_value};
+use crate::contract::{
+    Input, InputError, InputErrorClass, InputTopic, RunStart, decode_value, formats,
+};
 
 /// Longest idempotency key accepted, in characters.
 pub const MAX_KEY_LEN: usize = crate::contract::input::MAX_IDEMPOTENCY_KEY_LEN;
 
 /// The decision returned to every caller with the same key: the first gets it
 /// with 201, duplicates with 200, byte for byte the same body.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[schemars(rename = "Decision")]
 pub struct RoutingDecision {
+    #[schemars(with = "formats::Id")]
     pub run_id: String,
+    #[schemars(with = "formats::Id")]
     pub tenant: String,
+    #[schemars(with = "formats::Name")]
     pub pool: String,
+    #[schemars(with = "formats::Name")]
     pub workflow: String,
+    #[schemars(range(min = 1))]
     pub workflow_version: u32,
     /// `null` when the caller opted out of deduplication.
+    #[schemars(with = "Option<formats::Text<1, MAX_KEY_LEN>>")]
     pub idempotency_key: Option<String>,
+    #[schemars(with = "formats::Timestamp")]
     pub decided_at: DateTime<Utc>,
 }
 
