@@ -68,12 +68,21 @@ async fn podman_ok(args: &[&str]) -> String {
 }
 
 /// Waits until `container`'s own healthcheck passes. Podman without
-/// systemd runs no healthcheck by itself: each look runs it once.
+/// systemd runs no healthcheck by itself: this runs it every half second,
+/// as the healthcheck's `interval` would (each run is a process in the
+/// container and two podman calls, which a tighter loop would take from
+/// the services starting), and fails at once when the container stops.
 async fn healthy(container: &str) {
-    eventually(&format!("{container} to be healthy"), WAIT, || async {
-        let output = podman(&["healthcheck", "run", container]).await;
-        if output.status.success() {
-            return Some(());
+    let mut cadence = tokio::time::interval(Duration::from_millis(500));
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        cadence.tick().await;
+        if podman(&["healthcheck", "run", container])
+            .await
+            .status
+            .success()
+        {
+            return;
         }
         let state = podman(&["inspect", "--format", "{{.State.Status}}", container]).await;
         let state = String::from_utf8_lossy(&state.stdout).trim().to_owned();
@@ -82,9 +91,12 @@ async fn healthy(container: &str) {
             "{container} is {state}, not running:\n{}",
             logs_of(container).await
         );
-        None
-    })
-    .await;
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{container} is not healthy after {WAIT:?}:\n{}",
+            logs_of(container).await
+        );
+    }
 }
 
 async fn logs_of(container: &str) -> String {
@@ -156,7 +168,7 @@ impl Drop for Containers {
             }
         }
         let mut rm = std::process::Command::new("podman");
-        rm.args(["rm", "--force", "--time", "2"]).args(&self.0);
+        rm.args(["rm", "--force", "--time", "0"]).args(&self.0);
         if let Err(e) = rm.output() {
             eprintln!("removing {:?}: {e}", self.0);
         }
@@ -360,7 +372,7 @@ impl Drop for Compose {
                 "--file",
                 "scripts/container/compose.local.yml",
             ])
-            .args(["down", "--volumes", "--timeout", "2"])
+            .args(["down", "--volumes", "--timeout", "0"])
             .envs(self.env.iter().cloned());
         match down.output() {
             Ok(out) if out.status.success() => {}
