@@ -50,7 +50,7 @@ mod parked;
 mod progress;
 mod sort;
 
-pub use context::IngressContext;
+pub use context::{CONSUMER_LAG, IngressContext};
 // Named only by the harnesses: the consumer's type.
 #[cfg(feature = "internals")]
 pub use context::IngressConsumerContext;
