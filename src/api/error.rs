@@ -215,8 +215,21 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// Every `reason` of `ductor_api_refused_total`: the guard's and the
+/// body's refusals, and `auth_failures` (an address held back for failing
+/// to authenticate, counted by the listeners).
+pub(crate) const REFUSED_REASONS: [&str; 6] = [
+    "overloaded",
+    "timeout",
+    "rate_limited",
+    "body_timeout",
+    "unsupported_media_type",
+    "auth_failures",
+];
+
 /// Counts one request the listener refused before or instead of its work.
 pub(crate) fn refused(reason: &'static str) {
+    debug_assert!(REFUSED_REASONS.contains(&reason), "{reason} is not listed");
     metrics::counter!("ductor_api_refused_total", "reason" => reason).increment(1);
 }
 

@@ -57,6 +57,20 @@ impl ApplyFailure {
         Self::UNDECODABLE_STATE,
         Self::UNENCODABLE_STATE,
     ];
+    /// An input that failed alone, again and again, while the database
+    /// answered (the apply path's isolation, not [`ApplyError::permanent`]).
+    pub const TRANSIENT_EXHAUSTED: &str = "transient_exhausted";
+    /// Every class an isolated input may have: [`Self::CLASSES`] and
+    /// [`Self::TRANSIENT_EXHAUSTED`]. The isolation and dead-letter
+    /// counters start each at zero.
+    pub const ISOLATED_CLASSES: [&str; 6] = [
+        Self::DATA_EXCEPTION,
+        Self::INTEGRITY_CONSTRAINT_VIOLATION,
+        Self::PROGRAM_LIMIT_EXCEEDED,
+        Self::UNDECODABLE_STATE,
+        Self::UNENCODABLE_STATE,
+        Self::TRANSIENT_EXHAUSTED,
+    ];
 }
 
 /// Longest [`ApplyFailure::message`], in characters.

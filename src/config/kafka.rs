@@ -112,6 +112,15 @@ pub struct KafkaConfig {
     pub delivery_timeout_ms: u64,
     /// Timeout of admin and metadata requests.
     pub admin_timeout_ms: u64,
+    /// `statistics.interval.ms` of the ingress's consumer: how often
+    /// librdkafka reports its statistics, from which
+    /// `ductor_ingress_consumer_lag_messages{topic}` is set (the messages of
+    /// this process's input partitions that its group has not committed).
+    /// The gauge is as old as this at most; each report costs the consumer
+    /// a JSON document per interval. 0 turns the reports, and the gauge,
+    /// off. It overrides a `statistics.interval.ms` of the pass-through
+    /// properties for the ingress's consumer.
+    pub statistics_interval_ms: u64,
     /// librdkafka properties applied to every client after Ductor's own
     /// settings: how Ductor authenticates to the brokers and encrypts, e.g.
     /// `"security.protocol" = "SASL_SSL"`, `"sasl.mechanism" =
@@ -168,6 +177,13 @@ impl KafkaConfig {
         }
         if self.replication_factor < 1 {
             return Err(invalid("kafka.replication_factor", "must be at least 1"));
+        }
+        // librdkafka's own range for statistics.interval.ms.
+        if self.statistics_interval_ms > 86_400_000 {
+            return Err(invalid(
+                "kafka.statistics_interval_ms",
+                "must be at most 86400000 (a day); 0 turns the statistics off",
+            ));
         }
         if let Some(pool) = self
             .step_pools

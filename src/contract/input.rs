@@ -192,6 +192,38 @@ pub enum InputErrorClass {
 }
 
 impl InputErrorClass {
+    /// Every class, the screen's violations included: the dead-letter
+    /// counter starts each of them at zero.
+    pub fn all() -> impl Iterator<Item = InputErrorClass> {
+        // Exhaustive on purpose: a new class does not compile until it is
+        // listed below too.
+        let _listed = |class: InputErrorClass| match class {
+            InputErrorClass::TooLarge
+            | InputErrorClass::Malformed
+            | InputErrorClass::Refused(_)
+            | InputErrorClass::PayloadTooLarge
+            | InputErrorClass::UnknownType
+            | InputErrorClass::UnsupportedVersion
+            | InputErrorClass::Invalid
+            | InputErrorClass::WrongTopic
+            | InputErrorClass::Unauthenticated
+            | InputErrorClass::Misrouted => (),
+        };
+        [
+            InputErrorClass::TooLarge,
+            InputErrorClass::Malformed,
+            InputErrorClass::PayloadTooLarge,
+            InputErrorClass::UnknownType,
+            InputErrorClass::UnsupportedVersion,
+            InputErrorClass::Invalid,
+            InputErrorClass::WrongTopic,
+            InputErrorClass::Unauthenticated,
+            InputErrorClass::Misrouted,
+        ]
+        .into_iter()
+        .chain(Violation::ALL.map(InputErrorClass::Refused))
+    }
+
     /// Stable snake_case name for DLQ headers and metrics.
     pub fn as_str(self) -> &'static str {
         match self {

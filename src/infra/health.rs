@@ -158,6 +158,7 @@ pub async fn watch_readiness(
                     _ = shutdown.cancelled() => break,
                     readiness = check_readiness(&probes) => readiness,
                 };
+                metrics::gauge!("ductor_ready").set(if readiness.is_ready() { 1.0 } else { 0.0 });
                 verdict.publish(readiness);
             }
         }

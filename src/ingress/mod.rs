@@ -31,7 +31,8 @@
 //! - `parked`: starts that wait on a key another caller holds, beside
 //!   their lane;
 //! - `offsets`: which offsets a batch lets the consumer store;
-//! - `progress`: whether the lanes move, for readiness.
+//! - `progress`: whether the lanes move, for readiness;
+//! - `lag`: how far the consumer is behind, from its statistics.
 //!
 //! [`run`] is the loop; [`step`] is one turn of the serial ingress, for
 //! tests that drive it a batch at a time and read what each batch did
@@ -41,6 +42,7 @@ mod batch;
 pub mod classify;
 mod context;
 pub mod dead_letter;
+mod lag;
 mod lane;
 pub mod misrouted;
 mod offsets;
@@ -48,7 +50,7 @@ mod parked;
 mod progress;
 mod sort;
 
-pub use context::IngressContext;
+pub use context::{CONSUMER_LAG, IngressContext};
 // Named only by the harnesses: the consumer's type.
 #[cfg(feature = "internals")]
 pub use context::IngressConsumerContext;

@@ -473,9 +473,27 @@ pub fn policy_for(config: &RoutingConfig, pool: &str) -> (DuplicatePolicy, Durat
     (policy, Duration::from_millis(wait))
 }
 
+/// Every `outcome` of `ductor_routing_requests_total`, which starts each
+/// at zero: a new decision (`fresh`, or taking over a `reclaimed` or an
+/// `expired` key), the decision of an earlier request (`duplicate`, or
+/// `waited` for), and the refusals.
+pub const OUTCOMES: [&str; 10] = [
+    "fresh",
+    "reclaimed",
+    "expired",
+    "duplicate",
+    "waited",
+    "mismatch",
+    "rejected",
+    "rejected_request",
+    "in_progress",
+    "claim_lost",
+];
+
 /// Counts a routed start by its outcome; a `mismatch` is also counted as
 /// the routed path's idempotency mismatch.
 pub fn count(outcome: &'static str) {
+    debug_assert!(OUTCOMES.contains(&outcome), "{outcome} is not listed");
     metrics::counter!("ductor_routing_requests_total", "outcome" => outcome).increment(1);
     if outcome == "mismatch" {
         count_mismatch(MismatchPath::RoutedStart);
@@ -494,6 +512,13 @@ pub enum MismatchPath {
 }
 
 impl MismatchPath {
+    /// Every path: the mismatch counter starts each at zero.
+    pub const ALL: [MismatchPath; 3] = [
+        MismatchPath::RoutedStart,
+        MismatchPath::ClientStart,
+        MismatchPath::Signal,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             MismatchPath::RoutedStart => "routed_start",
