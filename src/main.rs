@@ -61,7 +61,8 @@ enum Command {
         command: KeysCommand,
     },
     /// Write the JSON Schemas of every message and header set of the
-    /// contract under a directory (the repository's are in `schemas/`).
+    /// contract, and the HTTP API's OpenAPI document, under a directory
+    /// (the repository's are in `schemas/`).
     Schemas {
         /// Where to write them.
         #[arg(long, default_value = "schemas")]

@@ -384,6 +384,8 @@ fn properties_may_not_weaken_what_a_delivery_report_promises() {
         ("producer_properties", "acks", "1"),
         ("properties", "request.required.acks", "0"),
         ("properties", "enable.idempotence", "false"),
+        ("producer_properties", "partitioner", "consistent_random"),
+        ("properties", "partitioner", "murmur2"),
     ] {
         let err = load_toml(&format!("[kafka.{section}]\n{key:?} = {value:?}\n"))
             .expect_err("a weaker producer setting is rejected")
@@ -396,6 +398,7 @@ fn properties_may_not_weaken_what_a_delivery_report_promises() {
         "[kafka.producer_properties]\n\
          \"acks\" = \"-1\"\n\
          \"max.in.flight\" = \"1\"\n\
+         \"partitioner\" = \"murmur2_random\"\n\
          \"linger.ms\" = \"7\"\n",
     )
     .expect("Ductor's own values and unrelated keys are accepted");
@@ -405,6 +408,7 @@ fn properties_may_not_weaken_what_a_delivery_report_promises() {
         Some("1")
     );
     assert_eq!(producer.get("enable.idempotence"), Some("true"));
+    assert_eq!(producer.get("partitioner"), Some("murmur2_random"));
     assert_eq!(producer.get("linger.ms"), Some("7"));
 }
 

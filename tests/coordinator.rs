@@ -611,9 +611,11 @@ async fn bad_inputs_go_to_the_dead_letter_topic_and_good_ones_behind_them_apply(
     let names = h.config.topic_names();
     let requests = names.requests();
     let wakeups = names.wakeups();
-    // One key, so every message lands on one partition, bad ones first.
+    // One key, so every message lands on one partition, bad ones first;
+    // the runs named are on that partition too (murmur2 of their ids).
     let key = unique("same-partition-");
-    let good_run = unique("good-");
+    let partitions = h.config.kafka.partitions;
+    let good_run = id_beside(&key, "good-", partitions);
     let start = |run_id: &str, tenant: &str, workflow: &str| {
         json!({"type": "run.start", "schema_version": 1, "run_id": run_id,
                "tenant": tenant, "workflow": workflow})
@@ -657,7 +659,7 @@ async fn bad_inputs_go_to_the_dead_letter_topic_and_good_ones_behind_them_apply(
         ("too_large", oversized.to_string().into_bytes()),
         (
             "unknown_workflow",
-            start(&unique("nowf-"), "acme", "no-such-workflow")
+            start(&id_beside(&key, "nowf-", partitions), "acme", "no-such-workflow")
                 .to_string()
                 .into_bytes(),
         ),
@@ -682,7 +684,7 @@ async fn bad_inputs_go_to_the_dead_letter_topic_and_good_ones_behind_them_apply(
     for (class, payload) in [
         (
             "unknown_run",
-            json!({"type": "wakeup.signal", "schema_version": 1, "run_id": unique("ghost-"),
+            json!({"type": "wakeup.signal", "schema_version": 1, "run_id": id_beside(&key, "ghost-", partitions),
                    "tenant": "acme", "signal_id": "s1", "name": "poke"}),
         ),
         (

@@ -213,3 +213,84 @@ fn the_trace_context_is_optional_on_effects_and_inputs_and_checked_when_there() 
     ];
     check_headers("input", &traced_input).unwrap();
 }
+
+/// Every `$ref` in `value` that points at another file.
+fn file_refs(value: &Value, found: &mut Vec<String>) {
+    match value {
+        Value::Object(map) => {
+            if let Some(Value::String(r)) = map.get("$ref")
+                && !r.starts_with('#')
+            {
+                found.push(r.clone());
+            }
+            map.values().for_each(|v| file_refs(v, found));
+        }
+        Value::Array(items) => items.iter().for_each(|v| file_refs(v, found)),
+        _ => {}
+    }
+}
+
+#[test]
+fn the_asyncapi_document_references_every_message_schema_and_only_committed_files() {
+    let root = dir();
+    let text = std::fs::read_to_string(root.join(ductor::contract::asyncapi::PATH))
+        .expect("schemas/asyncapi.json is committed");
+    let doc: Value = serde_json::from_str(&text).expect("the document is JSON");
+    assert_eq!(doc["asyncapi"], "3.1.0");
+    let mut refs = Vec::new();
+    file_refs(&doc, &mut refs);
+    for r in &refs {
+        let path = r.strip_prefix("./").unwrap_or(r);
+        assert!(root.join(path).is_file(), "{r} is not a committed schema");
+    }
+    for wire_type in MESSAGE_TYPES {
+        let wanted = format!("./messages/{wire_type}.json");
+        assert!(refs.contains(&wanted), "{wire_type} is not in the document");
+    }
+    for headers in ["effect", "input", "dead-letter"] {
+        let wanted = format!("./headers/{headers}.json");
+        assert!(
+            refs.contains(&wanted),
+            "{headers} headers are not in the document"
+        );
+    }
+    // The partitioning rule is stated where a producer's author reads it.
+    let description = doc["info"]["description"].as_str().unwrap();
+    assert!(description.contains("murmur2"), "{description}");
+}
+
+/// A start without `run_id` is routed: the schema takes what the routing
+/// plane takes and refuses what it refuses.
+#[test]
+fn routed_starts_are_valid_and_a_run_id_with_a_key_is_not() {
+    use ductor::routing::decode_route_request;
+    let routed = |fields: Value| {
+        let mut v = json!({ "type": "run.start", "schema_version": SCHEMA_VERSION, "tenant": "acme", "workflow": "payments" });
+        v.as_object_mut()
+            .unwrap()
+            .extend(fields.as_object().unwrap().clone());
+        v
+    };
+    for good in [
+        routed(json!({})),
+        routed(json!({ "idempotency_key": "order-7" })),
+        routed(json!({ "idempotency_key": "" })),
+        routed(json!({ "run_id": null, "idempotency_key": "order-7" })),
+    ] {
+        let decoded = decode_route_request(&good, Some("k".into()));
+        assert!(matches!(decoded, Ok(Some(_))), "{good}: {decoded:?}");
+        check_message(&good).unwrap_or_else(|e| panic!("{good}: {e}"));
+    }
+    for bad in [
+        routed(json!({ "run_id": "r-1", "idempotency_key": "order-7" })),
+        routed(json!({ "run_id": "r-1", "idempotency_key": null })),
+        routed(json!({ "idempotency_key": "k".repeat(257) })),
+        routed(json!({ "idempotency_key": 7 })),
+    ] {
+        assert!(
+            decode_route_request(&bad, Some("k".into())).is_err(),
+            "the routing plane takes {bad}"
+        );
+        assert!(check_message(&bad).is_err(), "the schema takes {bad}");
+    }
+}

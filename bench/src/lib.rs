@@ -22,11 +22,15 @@
 //! Kafka and Postgres share the cores. The report is a table on stdout
 //! followed by one JSON line, the last line of stdout; progress goes to
 //! stderr. Every run uses its own database and topics and removes them.
+//!
+//! [`scale`] is the library of the package's other binary, `ductor-scale`:
+//! the same runs on one, two, three ... serve processes of one group.
 
 pub mod env;
 pub mod footprint;
 pub mod passthrough;
 pub mod pipeline;
+pub mod scale;
 pub mod stats;
 
 use std::collections::BTreeMap;

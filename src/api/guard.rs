@@ -12,12 +12,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{Request, State};
-use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use tokio::sync::Semaphore;
 
-use super::error::{ApiError, refused};
+use super::error::{ApiError, Code, refused};
 use crate::config::ServerConfig;
 
 /// The bounds of the public API, shared by its requests.
@@ -40,21 +39,16 @@ impl Guard {
 pub(crate) async fn guard(State(guard): State<Guard>, request: Request, next: Next) -> Response {
     let Ok(_permit) = guard.permits.clone().try_acquire_owned() else {
         refused("overloaded");
-        return ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "overloaded",
-            "too many requests at once; retry shortly",
-        )
-        .with_header(axum::http::header::RETRY_AFTER, "1")
-        .into_response();
+        return ApiError::new(Code::Overloaded, "too many requests at once; retry shortly")
+            .with_header(axum::http::header::RETRY_AFTER, "1")
+            .into_response();
     };
     match tokio::time::timeout(guard.timeout, next.run(request)).await {
         Ok(response) => response,
         Err(_) => {
             refused("timeout");
             ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "timeout",
+                Code::Timeout,
                 format!(
                     "the request took longer than {} ms; retry (with the same idempotency key)",
                     guard.timeout.as_millis()

@@ -10,7 +10,9 @@
 //!   was used for a different request or the workflow is unknown;
 //! - `GET /v1/runs/{id}` returns the run ([`runs`]);
 //! - `POST /v1/runs/{id}/signals` and `POST /v1/runs/{id}/cancel` put a
-//!   signal or a cancel for the run on the wakeups topic ([`runs`]).
+//!   signal or a cancel for the run on the wakeups topic ([`runs`]);
+//! - `GET /v1/openapi.json`, without a key, describes all of it
+//!   ([`openapi`]), from the one table of routes ([`routes`]).
 //!
 //! Errors are JSON, `{"error": {"code": "...", "message": "..."}}`, with a
 //! stable `code` ([`error`]): 401 `unauthenticated` for a missing, unknown,
@@ -26,7 +28,9 @@
 
 pub mod error;
 pub mod guard;
+pub mod openapi;
 mod request;
+pub mod routes;
 pub mod runs;
 pub mod start;
 
@@ -34,7 +38,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::routing::{get, post};
 use rdkafka::producer::FutureProducer;
 
 use crate::auth::Authenticator;
@@ -78,14 +81,16 @@ pub struct InputSink {
     pub signatures: SignaturesConfig,
 }
 
-/// The public routes, each behind the guard.
+/// The API's routes: the run endpoints, each behind the guard, and the
+/// description, which costs nothing to answer and so is not.
 pub fn router(state: ApiState) -> Router {
+    use routes::{Endpoint, add};
     let guard = state.guard.clone();
-    Router::new()
-        .route("/v1/runs", post(start::create_run))
-        .route("/v1/runs/{run_id}", get(runs::get_run))
-        .route("/v1/runs/{run_id}/signals", post(runs::signal_run))
-        .route("/v1/runs/{run_id}/cancel", post(runs::cancel_run))
+    let runs = add(Router::new(), Endpoint::CreateRun, start::create_run);
+    let runs = add(runs, Endpoint::GetRun, runs::get_run);
+    let runs = add(runs, Endpoint::SignalRun, runs::signal_run);
+    let runs = add(runs, Endpoint::CancelRun, runs::cancel_run)
         .with_state(state)
-        .layer(axum::middleware::from_fn_with_state(guard, guard::guard))
+        .layer(axum::middleware::from_fn_with_state(guard, guard::guard));
+    add(Router::new(), Endpoint::OpenApi, openapi::serve).merge(runs)
 }

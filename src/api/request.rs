@@ -9,10 +9,10 @@
 //! key's rate is spent before any work is done for it.
 
 use axum::body::Body;
-use axum::http::{HeaderMap, HeaderValue, Request, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, Request, header};
 
 use super::ApiState;
-use super::error::{ApiError, database, refused};
+use super::error::{ApiError, Code, database, refused};
 use crate::auth::{AuthError, Identity, Scope, TenantError};
 use crate::contract::TraceContext;
 use crate::contract::headers::{TRACEPARENT, TRACESTATE};
@@ -47,14 +47,12 @@ pub(crate) async fn authenticate(
         .await
         .map_err(|e| match e {
             AuthError::Unauthenticated(_) => ApiError::new(
-                StatusCode::UNAUTHORIZED,
-                "unauthenticated",
+                Code::Unauthenticated,
                 "a valid API key is required: Authorization: Bearer <key>",
             )
             .with_header(header::WWW_AUTHENTICATE, "Bearer"),
             AuthError::MissingScope(scope) => ApiError::new(
-                StatusCode::FORBIDDEN,
-                "insufficient_scope",
+                Code::InsufficientScope,
                 format!("this key does not have the {} scope", scope.as_str()),
             ),
             AuthError::Unavailable(e) => database(e),
@@ -67,8 +65,7 @@ pub(crate) async fn authenticate(
         {
             refused("rate_limited");
             let mut error = ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "rate_limited",
+                Code::RateLimited,
                 "this key's request rate is used up; retry after the Retry-After seconds",
             );
             let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
@@ -89,13 +86,11 @@ pub(crate) fn tenant(
 ) -> Result<String, ApiError> {
     crate::auth::tenant_for(identity, named, default).map_err(|e| match e {
         TenantError::Mismatch => ApiError::new(
-            StatusCode::FORBIDDEN,
-            "tenant_mismatch",
+            Code::TenantMismatch,
             "the request names a tenant other than its API key's",
         ),
         TenantError::Missing => ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "missing_tenant",
+            Code::MissingTenant,
             "the X-Ductor-Tenant header is required",
         ),
     })
@@ -120,8 +115,7 @@ pub(crate) async fn read_body(
         .map_err(|_| {
             refused("body_timeout");
             ApiError::new(
-                StatusCode::REQUEST_TIMEOUT,
-                "body_timeout",
+                Code::BodyTimeout,
                 format!(
                     "the body did not arrive within {} ms",
                     state.body_read_timeout.as_millis()
@@ -131,24 +125,18 @@ pub(crate) async fn read_body(
         .map_err(|e| {
             if e.is::<http_body_util::LengthLimitError>() {
                 ApiError::new(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    "body_too_large",
+                    Code::BodyTooLarge,
                     format!("the request body exceeds {limit} bytes"),
                 )
             } else {
-                ApiError::new(
-                    StatusCode::BAD_REQUEST,
-                    "body_incomplete",
-                    "the body ended before its length",
-                )
+                ApiError::new(Code::BodyIncomplete, "the body ended before its length")
             }
         })?
         .to_bytes();
     if !bytes.is_empty() && !json {
         refused("unsupported_media_type");
         return Err(ApiError::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
+            Code::UnsupportedMediaType,
             "a body must be sent with Content-Type: application/json",
         ));
     }

@@ -19,17 +19,114 @@ use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, Request, StatusCode};
 use axum::response::{IntoResponse, Response};
+use chrono::{DateTime, Utc};
 use rdkafka::producer::FutureRecord;
+use schemars::JsonSchema;
+use serde::Serialize;
 use serde_json::{Map, Value, json};
 use sqlx::Row;
 use tracing::Instrument;
 
 use super::ApiState;
-use super::error::{ApiError, body_error, database};
+use super::error::{ApiError, Code, body_error, database};
 use super::request::{authenticate, read_body, tenant, traced};
 use crate::auth::Scope;
+use crate::contract::formats::{AnyValue, Id, Name, Timestamp};
 use crate::contract::{Input, InputTopic, SignalWakeup, TraceContext, decode_value, parse_value};
+use crate::coordinator::state::RunStatus;
 use crate::routing;
+
+/// `GET /v1/runs/{id}`: the run as its tenant sees it.
+#[derive(Debug, Serialize, JsonSchema)]
+#[schemars(rename = "Run")]
+pub struct RunSummary {
+    #[schemars(with = "Id")]
+    pub run_id: String,
+    #[schemars(with = "Id")]
+    pub tenant: String,
+    #[schemars(with = "Name")]
+    pub pool: String,
+    #[schemars(with = "Name")]
+    pub workflow: String,
+    #[schemars(range(min = 1))]
+    pub workflow_version: i32,
+    #[schemars(with = "RunStatusName")]
+    pub status: String,
+    /// The run's last transition (`last_transition_seq`).
+    #[schemars(range(min = 0))]
+    pub last_transition_seq: i64,
+    #[schemars(with = "Timestamp")]
+    pub created_at: DateTime<Utc>,
+    #[schemars(with = "Timestamp")]
+    pub updated_at: DateTime<Utc>,
+    /// `null` while the run is running.
+    #[schemars(with = "Option<Timestamp>")]
+    pub finished_at: Option<DateTime<Utc>>,
+    /// The last step's output once the run succeeded; `null` before, and
+    /// for a run that did not succeed.
+    #[schemars(with = "AnyValue")]
+    pub output: Value,
+    /// Why the run failed, once it failed; `null` otherwise.
+    #[schemars(with = "AnyValue")]
+    pub error: Value,
+}
+
+/// A run's status, as [`RunStatus`] names it.
+struct RunStatusName;
+
+impl JsonSchema for RunStatusName {
+    fn inline_schema() -> bool {
+        true
+    }
+
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "RunStatus".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        let names = RunStatus::ALL.map(RunStatus::as_str);
+        schemars::json_schema!({ "type": "string", "enum": names })
+    }
+}
+
+/// Whether a signal was handed to the run now, or had been already.
+#[derive(Debug, Clone, Copy, Serialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum SignalStatus {
+    /// The `wakeup.signal` input is on the wakeups topic (202).
+    Accepted,
+    /// The run has recorded this `signal_id` with the same name and
+    /// payload (200).
+    Duplicate,
+}
+
+/// The answer to `POST /v1/runs/{id}/signals`.
+#[derive(Debug, Serialize, JsonSchema)]
+#[schemars(rename = "SignalAccepted")]
+pub struct SignalAnswer {
+    #[schemars(with = "Id")]
+    pub run_id: String,
+    /// The signal's id: the one sent, or the one the server chose.
+    pub signal_id: String,
+    pub status: SignalStatus,
+}
+
+/// The cancel was handed to the run.
+#[derive(Debug, Clone, Copy, Serialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum CancelStatus {
+    /// The `wakeup.cancel` input is on the wakeups topic.
+    Accepted,
+}
+
+/// The answer to `POST /v1/runs/{id}/cancel`.
+#[derive(Debug, Serialize, JsonSchema)]
+#[schemars(rename = "CancelAccepted")]
+pub struct CancelAnswer {
+    #[schemars(with = "Id")]
+    pub run_id: String,
+    pub status: CancelStatus,
+}
 
 /// `GET /v1/runs/{id}`: the run, if it is the caller's tenant's.
 pub(crate) async fn get_run(
@@ -81,11 +178,9 @@ pub(crate) async fn signal_run(
     );
     let answer = async {
         let (tenant, mut fields) = accept(&state, request, false).await?;
-        let signal_id = match fields.get("signal_id") {
-            Some(id) => id.clone(),
-            None => json!(uuid::Uuid::new_v4().to_string()),
-        };
-        fields.insert("signal_id".into(), signal_id.clone());
+        fields
+            .entry("signal_id")
+            .or_insert_with(|| json!(uuid::Uuid::new_v4().to_string()));
         fields.entry("payload").or_insert(Value::Null);
         let (input, signal) = wakeup_input(&tenant, &run_id, "wakeup.signal", fields)?;
         let Input::Signal(signal) = signal else {
@@ -95,12 +190,17 @@ pub(crate) async fn signal_run(
             .await
             .map_err(database)?
             .ok_or_else(not_found)?;
-        let body = json!({"run_id": run_id, "signal_id": signal_id});
+        let answer = |status| SignalAnswer {
+            run_id: run_id.clone(),
+            signal_id: signal.signal_id.clone(),
+            status,
+        };
         if let Some(record) = recorded {
-            return already_signalled(&signal, &record, body);
+            already_signalled(&signal, &record)?;
+            return Ok((StatusCode::OK, answer(SignalStatus::Duplicate)));
         }
         produce(&state, &tenant, &run_id, &input, trace.as_ref()).await?;
-        Ok((StatusCode::ACCEPTED, with_status(body, "accepted")))
+        Ok((StatusCode::ACCEPTED, answer(SignalStatus::Accepted)))
     };
     match answer.instrument(span).await {
         Ok(answer) => (answer.0, axum::Json(answer.1)).into_response(),
@@ -108,30 +208,21 @@ pub(crate) async fn signal_run(
     }
 }
 
-/// The answer to a signal whose id the run has recorded: the same one again
-/// (or one recorded before fingerprints were kept) is a duplicate.
-fn already_signalled(
-    signal: &SignalWakeup,
-    record: &Value,
-    body: Value,
-) -> Result<(StatusCode, Value), ApiError> {
+/// Whether a signal whose id the run has recorded may be answered as a
+/// duplicate: the same one again (or one recorded before fingerprints were
+/// kept) is; one with another name or payload is refused.
+fn already_signalled(signal: &SignalWakeup, record: &Value) -> Result<(), ApiError> {
     let ours = crate::contract::fingerprint::signal(&signal.name, &signal.payload);
     match record.get("fingerprint").and_then(Value::as_str) {
         Some(stored) if stored != ours => {
             routing::count_mismatch(routing::MismatchPath::Signal);
             Err(ApiError::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "idempotency_mismatch",
+                Code::IdempotencyMismatch,
                 "this signal_id was already used with another name or payload",
             ))
         }
-        _ => Ok((StatusCode::OK, with_status(body, "duplicate"))),
+        _ => Ok(()),
     }
-}
-
-fn with_status(mut body: Value, status: &str) -> Value {
-    body["status"] = status.into();
-    body
 }
 
 /// The run's record of `signal_id`: `None` when the run is not the
@@ -177,17 +268,20 @@ pub(crate) async fn cancel_run(
             trace: trace.as_ref(),
         };
         send(&state, input, "wakeup.cancel", fields).await?;
-        Ok(json!({"run_id": run_id, "status": "accepted"}))
+        Ok::<_, ApiError>(CancelAnswer {
+            run_id: run_id.clone(),
+            status: CancelStatus::Accepted,
+        })
     };
-    accepted(answer.instrument(span).await)
-}
-
-fn accepted(answer: Result<Value, ApiError>) -> Response {
-    match answer {
+    match answer.instrument(span).await {
         Ok(body) => (StatusCode::ACCEPTED, axum::Json(body)).into_response(),
         Err(e) => e.into_response(),
     }
 }
+
+/// The fields of a wakeup a signal's or a cancel's body may not set: the
+/// server sets the envelope, and the run is the path's.
+pub const SERVER_SET: [&str; 3] = ["type", "schema_version", "run_id"];
 
 /// Authenticates a write, and reads its tenant and its body's fields (an
 /// empty body is `{}` where `empty_ok`). The fields that name the input
@@ -208,7 +302,7 @@ async fn accept(
     let Value::Object(mut fields) = body else {
         return Err(invalid("the body must be a JSON object"));
     };
-    for forbidden in ["type", "schema_version", "run_id"] {
+    for forbidden in SERVER_SET {
         if fields.contains_key(forbidden) {
             return Err(invalid(format!(
                 "{forbidden}: not accepted here (the server sets it)"
@@ -223,8 +317,7 @@ async fn accept(
     let named = match (body_tenant, header) {
         (Some(body), Some(header)) if body != header => {
             return Err(ApiError::new(
-                StatusCode::FORBIDDEN,
-                "tenant_mismatch",
+                Code::TenantMismatch,
                 "the body's tenant and X-Ductor-Tenant differ",
             ));
         }
@@ -277,7 +370,7 @@ fn wakeup_input(
     input.insert("tenant".into(), json!(tenant));
     let input = Value::Object(input);
     let decoded = decode_value(InputTopic::Wakeups, &input)
-        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.class.as_str(), e.message))?;
+        .map_err(|e| ApiError::class(StatusCode::BAD_REQUEST, e.class.as_str(), e.message))?;
     Ok((input, decoded))
 }
 
@@ -302,8 +395,7 @@ async fn produce(
         // The ingress would refuse it: say so now rather than answer 202
         // for an input that only the dead-letter topic will see.
         return Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "signing_key_missing",
+            Code::SigningKeyMissing,
             "this deployment requires every input to be signed with its tenant's key, and \
              this tenant has none (signatures.tenant_keys): ask the operator for one",
         ));
@@ -330,8 +422,7 @@ async fn produce(
         .map_err(|(e, _)| {
             tracing::warn!(error = %e, "an API input was not accepted by the broker");
             ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "unavailable",
+                Code::Unavailable,
                 "the input could not be handed to Kafka; retry",
             )
         })?;
@@ -347,7 +438,7 @@ async fn run_exists(pool: &sqlx::PgPool, run_id: &str, tenant: &str) -> sqlx::Re
 }
 
 fn invalid(message: impl Into<String>) -> ApiError {
-    ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message)
+    ApiError::new(Code::InvalidRequest, message)
 }
 
 /// When retention deleted the tenant's run `run_id`, if it did.
@@ -369,11 +460,11 @@ async fn purged_at(
 fn purged(at: chrono::DateTime<chrono::Utc>) -> ApiError {
     let at = crate::contract::effects::rfc3339(at);
     let message = format!("the run finished and was deleted by retention at {at}");
-    ApiError::new(StatusCode::GONE, "run_purged", message)
+    ApiError::new(Code::RunPurged, message)
 }
 
 fn not_found() -> ApiError {
-    ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such run")
+    ApiError::new(Code::NotFound, "no such run")
 }
 
 /// The `X-Ductor-Tenant` header: the tenant a request names, which must be
@@ -389,7 +480,7 @@ async fn run_summary(
     pool: &sqlx::PgPool,
     run_id: &str,
     tenant: &str,
-) -> Result<Option<Value>, sqlx::Error> {
+) -> Result<Option<RunSummary>, sqlx::Error> {
     let row = sqlx::query(
         "SELECT run_id, tenant_scope, pool_id, workflow_name, workflow_version, status, \
              last_transition_seq, created_at, updated_at, finished_at, \
@@ -403,18 +494,21 @@ async fn run_summary(
     let Some(row) = row else { return Ok(None) };
     let status: String = row.try_get("status")?;
     let output: Option<Value> = row.try_get("output")?;
-    Ok(Some(json!({
-        "run_id": row.try_get::<String, _>("run_id")?,
-        "tenant": row.try_get::<String, _>("tenant_scope")?,
-        "pool": row.try_get::<String, _>("pool_id")?,
-        "workflow": row.try_get::<String, _>("workflow_name")?,
-        "workflow_version": row.try_get::<i32, _>("workflow_version")?,
-        "status": status,
-        "last_transition_seq": row.try_get::<i64, _>("last_transition_seq")?,
-        "created_at": row.try_get::<chrono::DateTime<chrono::Utc>, _>("created_at")?,
-        "updated_at": row.try_get::<chrono::DateTime<chrono::Utc>, _>("updated_at")?,
-        "finished_at": row.try_get::<Option<chrono::DateTime<chrono::Utc>>, _>("finished_at")?,
-        "output": if status == "succeeded" { output.unwrap_or(Value::Null) } else { Value::Null },
-        "error": row.try_get::<Option<Value>, _>("error")?.unwrap_or(Value::Null),
-    })))
+    let succeeded = status == RunStatus::Succeeded.as_str();
+    Ok(Some(RunSummary {
+        run_id: row.try_get("run_id")?,
+        tenant: row.try_get("tenant_scope")?,
+        pool: row.try_get("pool_id")?,
+        workflow: row.try_get("workflow_name")?,
+        workflow_version: row.try_get("workflow_version")?,
+        status,
+        last_transition_seq: row.try_get("last_transition_seq")?,
+        created_at: row.try_get("created_at")?,
+        updated_at: row.try_get("updated_at")?,
+        finished_at: row.try_get("finished_at")?,
+        output: output.filter(|_| succeeded).unwrap_or(Value::Null),
+        error: row
+            .try_get::<Option<Value>, _>("error")?
+            .unwrap_or(Value::Null),
+    }))
 }

@@ -22,7 +22,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::ApiState;
-use super::error::{ApiError, body_error, database};
+use super::error::{ApiError, Code, body_error, database};
 use super::request::{authenticate, read_body, tenant, traced};
 use crate::auth::{Identity, Scope};
 use crate::config::{DuplicatePolicy, RoutingConfig};
@@ -107,7 +107,7 @@ async fn create_traced(
     let mut request = route_request_from_body(body, key)?;
     request.trace = trace;
     crate::contract::bound_start(&request.start, bytes.len(), &state.limits).map_err(|e| {
-        ApiError::new(
+        ApiError::class(
             StatusCode::UNPROCESSABLE_ENTITY,
             e.class.as_str(),
             e.message,
@@ -126,15 +126,13 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     };
     let key = value.to_str().map_err(|_| {
         ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_idempotency_key",
+            Code::InvalidIdempotencyKey,
             "Idempotency-Key must be visible ASCII",
         )
     })?;
     if key.chars().count() > routing::MAX_KEY_LEN {
         return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_idempotency_key",
+            Code::InvalidIdempotencyKey,
             format!(
                 "Idempotency-Key is longer than {} characters",
                 routing::MAX_KEY_LEN
@@ -145,6 +143,11 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     Ok(Some(key.to_string()).filter(|k| !k.is_empty()))
 }
 
+/// The fields of `run.start` a `POST /v1/runs` body may not set: the
+/// server chooses the run id and sets the envelope, and the key comes from
+/// the header.
+pub const SERVER_SET: [&str; 4] = ["run_id", "idempotency_key", "type", "schema_version"];
+
 /// Turns a `POST /v1/runs` body into a routed request. The body holds
 /// `workflow`, and optionally `workflow_version`, `tenant` (default
 /// "default"), `pool`, `input` and `correlation_id`; the run id is the
@@ -152,16 +155,14 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
 pub fn route_request_from_body(body: Value, key: Option<String>) -> Result<RouteRequest, ApiError> {
     let Value::Object(mut obj) = body else {
         return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_request",
+            Code::InvalidRequest,
             "the body must be a JSON object",
         ));
     };
-    for forbidden in ["run_id", "idempotency_key", "type", "schema_version"] {
+    for forbidden in SERVER_SET {
         if obj.contains_key(forbidden) {
             return Err(ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_request",
+                Code::InvalidRequest,
                 format!(
                     "{forbidden}: not accepted here (the run id is chosen by the server; the key goes in the Idempotency-Key header)"
                 ),
@@ -176,14 +177,8 @@ pub fn route_request_from_body(body: Value, key: Option<String>) -> Result<Route
         json!(key.clone().unwrap_or_default()),
     );
     let mut request = routing::decode_route_request(&Value::Object(obj), None)
-        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.class.as_str(), e.message))?
-        .ok_or_else(|| {
-            ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_request",
-                "not a start request",
-            )
-        })?;
+        .map_err(|e| ApiError::class(StatusCode::BAD_REQUEST, e.class.as_str(), e.message))?
+        .ok_or_else(|| ApiError::new(Code::InvalidRequest, "not a start request"))?;
     request.key = key;
     Ok(request)
 }
@@ -218,8 +213,7 @@ pub async fn submit(
         }
     }
     Err(ApiError::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "contended",
+        Code::Contended,
         "the idempotency key changed hands too often; retry",
     ))
 }
@@ -325,8 +319,7 @@ impl Waiter {
             WaiterStep::Mismatch => {
                 routing::count("mismatch");
                 Err(ApiError::new(
-                    StatusCode::UNPROCESSABLE_ENTITY,
-                    "idempotency_key_mismatch",
+                    Code::IdempotencyKeyMismatch,
                     "this idempotency key was already used for a different request",
                 ))
             }
@@ -335,23 +328,20 @@ impl Waiter {
                 Ok(Submitted::Duplicate(decision))
             }
             WaiterStep::Decided(None) => Err(ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
+                Code::Internal,
                 "a completed key has no decision",
             )),
             WaiterStep::Busy => {
                 routing::count("rejected");
                 Err(ApiError::new(
-                    StatusCode::CONFLICT,
-                    "in_progress",
+                    Code::InProgress,
                     "a request with this idempotency key is in progress",
                 ))
             }
             WaiterStep::TimedOut | WaiterStep::Wait | WaiterStep::Reserve => {
                 routing::count("rejected");
                 Err(ApiError::new(
-                    StatusCode::CONFLICT,
-                    "in_progress",
+                    Code::InProgress,
                     format!(
                         "a request with this idempotency key is still in progress after {} ms",
                         self.wait_timeout.as_millis()
@@ -370,40 +360,27 @@ async fn decide(decider: &dyn Decide, request: &RouteRequest) -> Result<RouteOut
             // The request itself is what the database refuses: the
             // same request would fail again.
             tracing::warn!(class, error = %message, "a start request cannot be stored");
-            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, class, message)
+            ApiError::class(StatusCode::UNPROCESSABLE_ENTITY, class, message)
         }
         DecideError::Unavailable(e) => {
             tracing::warn!(error = %e, "deciding a start request failed");
             ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "unavailable",
+                Code::Unavailable,
                 "the decision could not be committed; retry with the same key",
             )
         }
         DecideError::Unanswered => {
             tracing::error!("the decision came back without an outcome");
-            ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
-                "unexpected routing outcome",
-            )
+            ApiError::new(Code::Internal, "unexpected routing outcome")
         }
     })?;
     if let RouteOutcome::Rejected(message) = outcome {
-        return Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "unknown_workflow",
-            message,
-        ));
+        return Err(ApiError::new(Code::UnknownWorkflow, message));
     }
     Ok(outcome)
 }
 
 fn unexpected(outcome: RouteOutcome) -> ApiError {
     tracing::error!(?outcome, "unexpected routing outcome");
-    ApiError::new(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "internal",
-        "unexpected routing outcome",
-    )
+    ApiError::new(Code::Internal, "unexpected routing outcome")
 }

@@ -37,6 +37,42 @@ pub struct ApplyFailure {
     pub message: String,
 }
 
+impl ApplyFailure {
+    /// A data exception (SQLSTATE class 22, such as U+0000 in `jsonb`).
+    pub const DATA_EXCEPTION: &str = "data_exception";
+    /// An integrity violation (class 23) other than an expected lost race.
+    pub const INTEGRITY_CONSTRAINT_VIOLATION: &str = "integrity_constraint_violation";
+    /// A program limit (class 54).
+    pub const PROGRAM_LIMIT_EXCEEDED: &str = "program_limit_exceeded";
+    /// A stored row that does not decode.
+    pub const UNDECODABLE_STATE: &str = "undecodable_state";
+    /// A state that does not encode.
+    pub const UNENCODABLE_STATE: &str = "unencodable_state";
+    /// Every class [`ApplyError::permanent`] gives, for the HTTP API's
+    /// description.
+    pub const CLASSES: [&str; 5] = [
+        Self::DATA_EXCEPTION,
+        Self::INTEGRITY_CONSTRAINT_VIOLATION,
+        Self::PROGRAM_LIMIT_EXCEEDED,
+        Self::UNDECODABLE_STATE,
+        Self::UNENCODABLE_STATE,
+    ];
+    /// An input that failed alone, again and again, while the database
+    /// answered (the apply path's isolation, not [`ApplyError::permanent`]).
+    pub const TRANSIENT_EXHAUSTED: &str = "transient_exhausted";
+    /// Every class an isolated input may have: [`Self::CLASSES`] and
+    /// [`Self::TRANSIENT_EXHAUSTED`]. The isolation and dead-letter
+    /// counters start each at zero.
+    pub const ISOLATED_CLASSES: [&str; 6] = [
+        Self::DATA_EXCEPTION,
+        Self::INTEGRITY_CONSTRAINT_VIOLATION,
+        Self::PROGRAM_LIMIT_EXCEEDED,
+        Self::UNDECODABLE_STATE,
+        Self::UNENCODABLE_STATE,
+        Self::TRANSIENT_EXHAUSTED,
+    ];
+}
+
 /// Longest [`ApplyFailure::message`], in characters.
 pub(super) const MAX_FAILURE_MESSAGE_LEN: usize = 512;
 
@@ -62,22 +98,24 @@ impl ApplyError {
             ApplyError::Database(sqlx::Error::Database(db)) => {
                 let code = db.code().unwrap_or_default().into_owned();
                 let class = match code.get(..2) {
-                    Some("22") => "data_exception",
-                    Some("23") => "integrity_constraint_violation",
-                    Some("54") => "program_limit_exceeded",
+                    Some("22") => ApplyFailure::DATA_EXCEPTION,
+                    Some("23") => ApplyFailure::INTEGRITY_CONSTRAINT_VIOLATION,
+                    Some("54") => ApplyFailure::PROGRAM_LIMIT_EXCEEDED,
                     _ => return None,
                 };
                 failure(class, format!("postgres {code}: {}", db.message()))
             }
             ApplyError::Database(sqlx::Error::ColumnDecode { index, .. }) => failure(
-                "undecodable_state",
+                ApplyFailure::UNDECODABLE_STATE,
                 format!("a stored row does not decode (column {index})"),
             ),
             ApplyError::Database(sqlx::Error::Decode(e)) => failure(
-                "undecodable_state",
+                ApplyFailure::UNDECODABLE_STATE,
                 format!("a stored row does not decode: {e}"),
             ),
-            ApplyError::Encode(e) => failure("unencodable_state", format!("encoding: {e}")),
+            ApplyError::Encode(e) => {
+                failure(ApplyFailure::UNENCODABLE_STATE, format!("encoding: {e}"))
+            }
             _ => None,
         }
     }

@@ -213,6 +213,7 @@ impl IsolatedBatch {
     /// Records the failure of the one input at `index` of the index space
     /// where the `routed` requests come first.
     fn isolate(&mut self, index: usize, routed: usize, failure: ApplyFailure) {
+        debug_assert!(ApplyFailure::ISOLATED_CLASSES.contains(&failure.class));
         metrics::counter!("ductor_apply_isolated_total", "class" => failure.class).increment(1);
         if index < routed {
             self.routed[index] = Some(Err(failure));
@@ -391,7 +392,7 @@ impl Applier {
             other => other.to_string(),
         };
         answered.then(|| ApplyFailure {
-            class: "transient_exhausted",
+            class: ApplyFailure::TRANSIENT_EXHAUSTED,
             message: crate::contract::input::truncate(
                 format!("failed alone, again and again, while the database answered: {cause}"),
                 MAX_FAILURE_MESSAGE_LEN,

@@ -221,6 +221,16 @@ pub enum Refusal {
 }
 
 impl Refusal {
+    /// Every refusal: the failure counter starts each at zero.
+    pub const ALL: [Refusal; 6] = [
+        Refusal::Missing,
+        Refusal::Malformed,
+        Refusal::Unknown,
+        Refusal::WrongSecret,
+        Refusal::Expired,
+        Refusal::Revoked,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Refusal::Missing => "missing",

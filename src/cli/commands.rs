@@ -126,13 +126,20 @@ pub async fn submit(args: SubmitArgs, config: &Config) -> anyhow::Result<serde_j
 }
 
 /// `ductor schemas --out DIR`: writes the contract's JSON Schemas under
-/// `DIR` (`messages/<type>.json`, `headers/<name>.json`) and returns a line
-/// per file, `wrote` or `same` (an unchanged file is not rewritten).
+/// `DIR` (`messages/<type>.json`, `headers/<name>.json`) and the HTTP API's
+/// OpenAPI document (`openapi.json`), and returns a line per file, `wrote`
+/// or `same` (an unchanged file is not rewritten).
 pub fn write_schemas(dir: &std::path::Path) -> anyhow::Result<Vec<String>> {
     let mut lines = Vec::new();
-    for file in crate::contract::schema::catalogue() {
-        let path = dir.join(&file.path);
-        let text = file.text();
+    let contract = crate::contract::schema::catalogue()
+        .into_iter()
+        .map(|file| (file.path.clone(), file.text()));
+    let openapi = (
+        crate::api::openapi::FILE.to_owned(),
+        crate::api::openapi::text(),
+    );
+    for (file, text) in contract.chain([openapi]) {
+        let path = dir.join(&file);
         if std::fs::read_to_string(&path).is_ok_and(|old| old == text) {
             lines.push(format!("same  {}", path.display()));
             continue;

@@ -125,6 +125,7 @@ pub async fn run_on(
     check_topic_limits(&config).await?;
     let pool = open_database(&config).await?;
     crate::infra::telemetry::metrics_handle();
+    crate::infra::telemetry::register_series(&config);
     if !crate::cli::versions::settle(&config, &pool, &workflows, &shutdown).await? {
         pool.close().await;
         return Ok(());

@@ -136,6 +136,19 @@ pub struct CoordinatorConfig {
     /// 503 (naming it on the admin listener), and
     /// `ductor_ingress_stalled_lanes` counts it.
     pub stall_after_ms: u64,
+    /// Times an input on the wrong partition for its run (see
+    /// [`crate::contract::partition`]) is forwarded to the right one. Each
+    /// forward carries the count (`ductor-forwards`); an input that would
+    /// need more (the topic's partitions changing again and again, or
+    /// processes that disagree on their count) is dead-lettered as
+    /// `misrouted` instead of travelling on. 0 dead-letters every
+    /// misrouted input.
+    pub max_input_forwards: u32,
+    /// How old the ingress's count of an input topic's partitions may be
+    /// before it reads it again from the broker; an input that looks
+    /// misrouted is judged again with a count read at most a second ago,
+    /// so partitions added meanwhile do not send it astray.
+    pub partition_count_refresh_ms: u64,
     /// Times a batch is recomputed after losing an optimistic-lock race
     /// before the batch fails (and is retried from Kafka).
     pub conflict_retries: u32,
@@ -199,6 +212,12 @@ impl CoordinatorConfig {
 
     /// The stall detector, the apply retries and the shape limits of inputs.
     fn validate_inputs(&self) -> Result<(), ConfigError> {
+        if self.partition_count_refresh_ms == 0 {
+            return Err(invalid(
+                "coordinator.partition_count_refresh_ms",
+                "must be at least 1",
+            ));
+        }
         if self.stall_after_ms == 0 {
             return Err(invalid("coordinator.stall_after_ms", "must be at least 1"));
         }

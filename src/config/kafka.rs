@@ -112,6 +112,15 @@ pub struct KafkaConfig {
     pub delivery_timeout_ms: u64,
     /// Timeout of admin and metadata requests.
     pub admin_timeout_ms: u64,
+    /// `statistics.interval.ms` of the ingress's consumer: how often
+    /// librdkafka reports its statistics, from which
+    /// `ductor_ingress_consumer_lag_messages{topic}` is set (the messages of
+    /// this process's input partitions that its group has not committed).
+    /// The gauge is as old as this at most; each report costs the consumer
+    /// a JSON document per interval. 0 turns the reports, and the gauge,
+    /// off. It overrides a `statistics.interval.ms` of the pass-through
+    /// properties for the ingress's consumer.
+    pub statistics_interval_ms: u64,
     /// librdkafka properties applied to every client after Ductor's own
     /// settings: how Ductor authenticates to the brokers and encrypts, e.g.
     /// `"security.protocol" = "SASL_SSL"`, `"sasl.mechanism" =
@@ -128,7 +137,10 @@ pub struct KafkaConfig {
     /// `properties` may change `enable.idempotence`, `acks` or
     /// `max.in.flight.requests.per.connection` from Ductor's values
     /// ([`PRODUCER_GUARANTEES`]): the outbox trusts delivery
-    /// reports, and those settings are what make them true.
+    /// reports, and those settings are what make them true. Nor may they
+    /// change `partitioner` from `murmur2_random`
+    /// ([`crate::contract::partition`]): a run's inputs share a partition
+    /// only while every producer hashes its key as the Java client does.
     pub producer_properties: KafkaProperties,
 }
 
@@ -165,6 +177,13 @@ impl KafkaConfig {
         }
         if self.replication_factor < 1 {
             return Err(invalid("kafka.replication_factor", "must be at least 1"));
+        }
+        // librdkafka's own range for statistics.interval.ms.
+        if self.statistics_interval_ms > 86_400_000 {
+            return Err(invalid(
+                "kafka.statistics_interval_ms",
+                "must be at most 86400000 (a day); 0 turns the statistics off",
+            ));
         }
         if let Some(pool) = self
             .step_pools
@@ -226,6 +245,14 @@ impl KafkaProperties {
     /// they stand for; stating Ductor's own value is allowed.
     pub fn weakened_producer_guarantee(&self) -> Option<String> {
         self.0.iter().find_map(|(key, value)| {
+            let partitioner = crate::contract::partition::PARTITIONER;
+            if key.trim() == "partitioner" && value.trim() != partitioner {
+                return Some(format!(
+                    "sets {key:?} = {value:?}, but Ductor's producers need partitioner = \
+                     {partitioner}: a run has one writer only while every producer puts its \
+                     inputs on the partition the Java client's hash gives its key"
+                ));
+            }
             let name = match key.trim() {
                 "request.required.acks" => "acks",
                 "max.in.flight" => "max.in.flight.requests.per.connection",

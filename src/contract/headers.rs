@@ -64,6 +64,12 @@ pub const DLQ_TRUNCATED: &str = "ductor-dlq-truncated";
 /// `headers`, `key` or `headers,key`.
 pub const DLQ_DROPPED: &str = "ductor-dlq-dropped";
 
+/// On an input the ingress moved to the partition its run belongs on
+/// (see [`super::partition`]): where it was read, `<topic>/<partition>/<offset>`.
+pub const FORWARDED_FROM: &str = "ductor-forwarded-from";
+/// On a forwarded input: how many times it has been forwarded, in decimal.
+pub const FORWARDS: &str = "ductor-forwards";
+
 /// Where in the pipeline an input failed: the value of [`DLQ_STAGE`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeadLetterStage {

@@ -31,6 +31,8 @@ pub const SCHEMA_VERSION: u64 = 1;
 pub const MAX_ID_LEN: usize = 128;
 /// Longest `correlation_id`.
 pub const MAX_CORRELATION_ID_LEN: usize = 256;
+/// Longest `idempotency_key` of a routed start, in characters.
+pub const MAX_IDEMPOTENCY_KEY_LEN: usize = 256;
 /// Longest error message of a failed attempt.
 pub const MAX_ERROR_MESSAGE_LEN: usize = 4096;
 /// Longest `signal_id` / signal `name`.
@@ -184,9 +186,44 @@ pub enum InputErrorClass {
     WrongTopic,
     /// Unsigned or mis-signed where signatures are required.
     Unauthenticated,
+    /// On a partition its run does not belong on, and forwarded as often
+    /// as `coordinator.max_input_forwards` allows.
+    Misrouted,
 }
 
 impl InputErrorClass {
+    /// Every class, the screen's violations included: the dead-letter
+    /// counter starts each of them at zero.
+    pub fn all() -> impl Iterator<Item = InputErrorClass> {
+        // Exhaustive on purpose: a new class does not compile until it is
+        // listed below too.
+        let _listed = |class: InputErrorClass| match class {
+            InputErrorClass::TooLarge
+            | InputErrorClass::Malformed
+            | InputErrorClass::Refused(_)
+            | InputErrorClass::PayloadTooLarge
+            | InputErrorClass::UnknownType
+            | InputErrorClass::UnsupportedVersion
+            | InputErrorClass::Invalid
+            | InputErrorClass::WrongTopic
+            | InputErrorClass::Unauthenticated
+            | InputErrorClass::Misrouted => (),
+        };
+        [
+            InputErrorClass::TooLarge,
+            InputErrorClass::Malformed,
+            InputErrorClass::PayloadTooLarge,
+            InputErrorClass::UnknownType,
+            InputErrorClass::UnsupportedVersion,
+            InputErrorClass::Invalid,
+            InputErrorClass::WrongTopic,
+            InputErrorClass::Unauthenticated,
+            InputErrorClass::Misrouted,
+        ]
+        .into_iter()
+        .chain(Violation::ALL.map(InputErrorClass::Refused))
+    }
+
     /// Stable snake_case name for DLQ headers and metrics.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -199,6 +236,7 @@ impl InputErrorClass {
             InputErrorClass::Invalid => "invalid",
             InputErrorClass::WrongTopic => "wrong_topic",
             InputErrorClass::Unauthenticated => "unauthenticated",
+            InputErrorClass::Misrouted => "misrouted",
         }
     }
 }

@@ -12,7 +12,10 @@
 //!   dead-letter topic;
 //! - [`trace`]: the W3C trace context on HTTP and Kafka headers;
 //! - [`names`]: topic names and the keys derived for effects;
-//! - [`schema`]: all of it as JSON Schemas, committed under `schemas/`.
+//! - [`partition`]: which partition a run's input belongs on (murmur2,
+//!   as the Java client);
+//! - [`schema`]: all of it as JSON Schemas, committed under `schemas/`,
+//!   and [`asyncapi`]: the topics as an AsyncAPI document beside them.
 //!
 //! In: the bytes, headers and topic of a message (or an HTTP body), and the
 //! typed values the stages publish. Out: typed inputs, effect payloads and
@@ -20,12 +23,14 @@
 //! clock and no I/O; decoding never panics, and a refusal names its field
 //! or its class without echoing the payload.
 
+pub mod asyncapi;
 pub mod effects;
 pub mod fingerprint;
 pub mod formats;
 pub mod headers;
 pub mod input;
 pub mod names;
+pub mod partition;
 pub mod schema;
 pub mod screen;
 pub mod signature;

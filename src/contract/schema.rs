@@ -73,7 +73,15 @@ pub fn catalogue() -> Vec<SchemaFile> {
         header_file("dead-letter", dead_letter_headers()),
         header_file("input", input_headers()),
     ];
-    messages.into_iter().chain(headers).collect()
+    let asyncapi = SchemaFile {
+        path: super::asyncapi::PATH.into(),
+        schema: super::asyncapi::document(),
+    };
+    messages
+        .into_iter()
+        .chain(headers)
+        .chain([asyncapi])
+        .collect()
 }
 
 /// The path of message type `wire_type`'s schema under `schemas/`.
@@ -84,9 +92,28 @@ pub fn message_path(wire_type: &str) -> String {
 fn message<T: JsonSchema>(wire_type: &str) -> SchemaFile {
     let generator = SchemaGenerator::new(SchemaSettings::draft2020_12());
     let generated = generator.into_root_schema_for::<T>().to_value();
+    let mut schema = with_type(wire_type, generated);
+    if wire_type == "run.start" {
+        either_run_or_key(&mut schema);
+    }
     SchemaFile {
         path: message_path(wire_type),
-        schema: with_type(wire_type, generated),
+        schema,
+    }
+}
+
+/// A start names its run or is routed, never both: with a `run_id` that
+/// is not `null`, the decoder refuses an `idempotency_key`, even `null`.
+fn either_run_or_key(schema: &mut Value) {
+    if let Value::Object(map) = schema {
+        map.insert(
+            "if".into(),
+            json!({ "required": ["run_id"], "properties": { "run_id": { "type": "string" } } }),
+        );
+        map.insert(
+            "then".into(),
+            json!({ "not": { "required": ["idempotency_key"] } }),
+        );
     }
 }
 
@@ -271,6 +298,14 @@ fn dead_letter_headers() -> Value {
 
 fn input_headers() -> Value {
     let props = [
+        (
+            h::FORWARDED_FROM,
+            json!({ "type": "string", "pattern": "^.+/[0-9]+/[0-9]+$", "description": "On an input the ingress moved to its run's partition: where it was read, `<topic>/<partition>/<offset>`." }),
+        ),
+        (
+            h::FORWARDS,
+            json!({ "type": "string", "pattern": "^[0-9]+$", "description": "On a forwarded input: how many times it has been forwarded." }),
+        ),
         (
             SIGNATURE,
             json!({

@@ -120,6 +120,17 @@ pub enum RejectionClass {
 }
 
 impl RejectionClass {
+    /// Every class: the dead-letter counter starts each at zero.
+    pub const ALL: [RejectionClass; 7] = [
+        RejectionClass::UnknownRun,
+        RejectionClass::TenantMismatch,
+        RejectionClass::UnknownStamp,
+        RejectionClass::UnknownWorkflow,
+        RejectionClass::TooManySignals,
+        RejectionClass::StateTooLarge,
+        RejectionClass::IdempotencyMismatch,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             RejectionClass::UnknownRun => "unknown_run",

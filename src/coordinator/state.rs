@@ -27,6 +27,14 @@ pub enum RunStatus {
 }
 
 impl RunStatus {
+    /// Every status, for the HTTP API's description.
+    pub const ALL: [RunStatus; 4] = [
+        RunStatus::Running,
+        RunStatus::Succeeded,
+        RunStatus::Failed,
+        RunStatus::Cancelled,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             RunStatus::Running => "running",

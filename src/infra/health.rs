@@ -19,6 +19,10 @@
 //! nothing more, since an error text names hosts, ports, users and lanes,
 //! which is for the operator and not for every client that can reach the
 //! API.
+//!
+//! Each router registers its routes through [`crate::api::routes`], the one
+//! table of both listeners' routes that the API's description is made
+//! from; refusals have the API's error shape ([`crate::api::error`]).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -27,12 +31,14 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
 use rdkafka::consumer::{BaseConsumer, Consumer};
+use schemars::JsonSchema;
 use serde::Serialize;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
+use crate::api::error::{Code, ErrorBody, ErrorDetail};
+use crate::api::routes::{Endpoint, add};
 use crate::auth::{AuthError, Authenticator, Scope};
 
 /// What the health endpoints read: the latest verdict, and the warnings
@@ -152,6 +158,7 @@ pub async fn watch_readiness(
                     _ = shutdown.cancelled() => break,
                     readiness = check_readiness(&probes) => readiness,
                 };
+                metrics::gauge!("ductor_ready").set(if readiness.is_ready() { 1.0 } else { 0.0 });
                 verdict.publish(readiness);
             }
         }
@@ -162,10 +169,8 @@ pub async fn watch_readiness(
 /// The public listener's health routes, merged with the routing API's:
 /// liveness, and readiness as ready or not.
 pub fn public_router(state: HttpState) -> Router {
-    Router::new()
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(public_readyz))
-        .with_state(state)
+    let router = add(Router::new(), Endpoint::Healthz, healthz);
+    add(router, Endpoint::PublicReadyz, public_readyz).with_state(state)
 }
 
 /// The admin listener's routes: liveness, readiness with each check's
@@ -174,15 +179,13 @@ pub fn public_router(state: HttpState) -> Router {
 /// scope. Operator endpoints join `guarded` below, so that the key holds
 /// for them too.
 pub fn admin_router(state: HttpState, admin_keys: Option<Authenticator>) -> Router {
-    let guarded = Router::new()
-        .route("/readyz", get(admin_readyz))
-        .route("/metrics", get(metrics));
+    let guarded = add(Router::new(), Endpoint::AdminReadyz, admin_readyz);
+    let guarded = add(guarded, Endpoint::Metrics, metrics);
     let guarded = match admin_keys {
         Some(keys) => guarded.route_layer(axum::middleware::from_fn_with_state(keys, admin_key)),
         None => guarded,
     };
-    Router::new()
-        .route("/healthz", get(healthz))
+    add(Router::new(), Endpoint::AdminHealthz, healthz)
         .merge(guarded)
         .with_state(state)
 }
@@ -199,16 +202,18 @@ async fn admin_key(
         .headers()
         .get(header::AUTHORIZATION)
         .map(|v| v.as_bytes());
-    let refused = |status: StatusCode, code: &str, message: &str| {
-        let body = serde_json::json!({"code": code, "message": message});
-        (status, axum::Json(body)).into_response()
+    let refused = |code: Code, message: &str| {
+        let error = ErrorDetail {
+            code: code.as_str(),
+            message,
+        };
+        ErrorBody { error }.response(code.status())
     };
     match keys.authenticate(authorization, Scope::Admin).await {
         Ok(_) => next.run(request).await,
         Err(AuthError::Unauthenticated(_)) => {
             let mut response = refused(
-                StatusCode::UNAUTHORIZED,
-                "unauthenticated",
+                Code::Unauthenticated,
                 "the admin listener takes an API key with the admin scope (Authorization: Bearer <key>)",
             );
             response.headers_mut().insert(
@@ -217,41 +222,63 @@ async fn admin_key(
             );
             response
         }
-        Err(AuthError::MissingScope(_)) => refused(
-            StatusCode::FORBIDDEN,
-            "missing_scope",
-            "this key lacks the admin scope",
-        ),
+        Err(AuthError::MissingScope(_)) => {
+            refused(Code::InsufficientScope, "this key lacks the admin scope")
+        }
         Err(AuthError::Unavailable(e)) => {
             tracing::warn!(error = %e, "admin keys could not be read");
             refused(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "unavailable",
+                Code::Unavailable,
                 "the keys could not be read; retry shortly",
             )
         }
     }
 }
 
+/// The `/healthz` body.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct Liveness {
+    status: Alive,
+}
+
+/// The process runs.
+#[derive(Debug, Clone, Copy, Serialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Alive {
+    Ok,
+}
+
 async fn healthz() -> impl IntoResponse {
-    (
-        StatusCode::OK,
-        axum::Json(serde_json::json!({"status": "ok"})),
-    )
+    (StatusCode::OK, axum::Json(Liveness { status: Alive::Ok }))
+}
+
+/// The readiness verdict's name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ReadyStatus {
+    /// Every check passed (200).
+    Ready,
+    /// A check failed (503).
+    NotReady,
 }
 
 /// Every readiness check's result: the admin `/readyz` body.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, JsonSchema)]
 pub struct Readiness {
-    status: &'static str,
+    status: ReadyStatus,
+    /// Postgres answered a query on readiness's own connection.
     postgres: Check,
+    /// Kafka answered a metadata request.
     kafka: Check,
+    /// The ingress consumes, and no apply lane is stalled.
     ingress: Check,
 }
 
-#[derive(Debug, Serialize)]
-struct Check {
+/// One check's result.
+#[derive(Debug, Serialize, JsonSchema)]
+pub struct Check {
     ok: bool,
+    /// Why it failed; absent when it passed.
     #[serde(skip_serializing_if = "Option::is_none")]
     error: Option<String>,
 }
@@ -282,7 +309,11 @@ impl Readiness {
     fn new(postgres: Check, kafka: Check, ingress: Check) -> Self {
         let ready = postgres.ok && kafka.ok && ingress.ok;
         Readiness {
-            status: if ready { "ready" } else { "not_ready" },
+            status: if ready {
+                ReadyStatus::Ready
+            } else {
+                ReadyStatus::NotReady
+            },
             postgres,
             kafka,
             ingress,
@@ -304,19 +335,15 @@ impl Readiness {
 }
 
 /// The public `/readyz` body: the verdict alone.
-#[derive(Debug, PartialEq, Eq, Serialize)]
+#[derive(Debug, PartialEq, Eq, Serialize, JsonSchema)]
 pub struct PublicReadiness {
-    status: &'static str,
+    status: ReadyStatus,
 }
 
 /// What the public listener tells of `readiness`: ready or not, with no
 /// check named and no error text.
 pub fn public_readiness(readiness: &Readiness) -> (StatusCode, PublicReadiness) {
-    let status = if readiness.is_ready() {
-        "ready"
-    } else {
-        "not_ready"
-    };
+    let status = readiness.status;
     (readiness.status_code(), PublicReadiness { status })
 }
 
@@ -327,11 +354,15 @@ async fn public_readyz(State(state): State<HttpState>) -> Response {
 
 /// The admin `/readyz` body: every check, and what the configuration
 /// leaves open.
-#[derive(Serialize)]
-struct AdminReadiness<'a> {
+#[derive(Serialize, JsonSchema)]
+#[schemars(rename = "AdminReadiness")]
+pub struct AdminReadiness<'a> {
     #[serde(flatten)]
     readiness: &'a Readiness,
-    #[serde(skip_serializing_if = "<[String]>::is_empty")]
+    /// What the configuration leaves open (such as Kafka inputs that
+    /// need no signature while the API requires keys); absent when
+    /// nothing is.
+    #[serde(default, skip_serializing_if = "<[String]>::is_empty")]
     warnings: &'a [String],
 }
 
@@ -444,6 +475,7 @@ mod tests {
             serde_json::to_value(&body).unwrap(),
             serde_json::json!({"status": "not_ready"})
         );
+        assert_eq!(detailed["status"], "not_ready");
     }
 
     #[test]
@@ -470,7 +502,7 @@ mod tests {
             assert_eq!(
                 body,
                 PublicReadiness {
-                    status: "not_ready"
+                    status: ReadyStatus::NotReady
                 }
             );
         }

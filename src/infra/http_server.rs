@@ -202,7 +202,6 @@ pub async fn limit_auth_failures(
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
-    use axum::response::IntoResponse;
     let Some(ConnectInfo(peer)) = request
         .extensions()
         .get::<ConnectInfo<SocketAddr>>()
@@ -221,16 +220,17 @@ pub async fn limit_auth_failures(
         if !known_key {
             metrics::counter!("ductor_api_refused_total", "reason" => "auth_failures").increment(1);
             let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
-            let body = serde_json::json!({"error": {
-                "code": "rate_limited",
-                "message": "too many failed authentications from this address; retry after the Retry-After seconds",
-            }});
-            return (
-                axum::http::StatusCode::TOO_MANY_REQUESTS,
-                [(axum::http::header::RETRY_AFTER, seconds.max(1).to_string())],
-                axum::Json(body),
-            )
-                .into_response();
+            let code = crate::api::error::Code::RateLimited;
+            let error = crate::api::error::ErrorDetail {
+                code: code.as_str(),
+                message: "too many failed authentications from this address; retry after the Retry-After seconds",
+            };
+            let mut response = crate::api::error::ErrorBody { error }.response(code.status());
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(seconds.max(1)),
+            );
+            return response;
         }
     }
     let response = next.run(request).await;

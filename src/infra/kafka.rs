@@ -113,6 +113,9 @@ pub fn producer_config(kafka: &KafkaConfig, role: &str) -> ClientConfig {
     for (key, value) in PRODUCER_GUARANTEES {
         cfg.set(key, value);
     }
+    // A run's inputs must share one partition number whoever produces
+    // them: the Java client's hash (contract::partition).
+    cfg.set("partitioner", crate::contract::partition::PARTITIONER);
     cfg.set("retries", "2147483647")
         .set("linger.ms", kafka.linger_ms.to_string())
         .set("compression.type", "lz4")
@@ -198,7 +201,49 @@ pub async fn ensure_topics_with(
             Err((topic, code)) => bail!("creating topic {topic}: {code}"),
         }
     }
+    let (client, names) = (kafka.clone(), topics.to_vec());
+    tokio::task::spawn_blocking(move || await_in_metadata(&client, &names))
+        .await
+        .context("waiting for the topics' metadata")??;
     Ok(outcomes)
+}
+
+/// Waits (up to `kafka.admin_timeout_ms`) until the broker's metadata shows
+/// each of `topics` with its partitions: a broker answers CreateTopics once
+/// the controller has the topic, and its own metadata, which producers,
+/// consumers and the partition-count checks read, follows a moment later.
+fn await_in_metadata(kafka: &KafkaConfig, topics: &[String]) -> anyhow::Result<()> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let consumer: BaseConsumer = base_config(kafka, "metadata")
+        .create()
+        .context("creating kafka metadata client")?;
+    let timeout = Duration::from_millis(kafka.admin_timeout_ms);
+    let deadline = std::time::Instant::now() + timeout;
+    for topic in topics {
+        loop {
+            let md = consumer
+                .fetch_metadata(Some(topic), timeout)
+                .with_context(|| format!("fetching the metadata of {topic}"))?;
+            let visible = md.topics().iter().any(|t| {
+                t.name() == topic
+                    && t.error().is_none()
+                    && !t.partitions().is_empty()
+                    && t.partitions().iter().all(|p| p.leader() >= 0)
+            });
+            if visible {
+                break;
+            }
+            if std::time::Instant::now() >= deadline {
+                bail!(
+                    "topic {topic} exists but the broker's metadata does not show it after {} ms \
+                     (kafka.admin_timeout_ms)",
+                    kafka.admin_timeout_ms
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    Ok(())
 }
 
 /// Deletes the given topics. One that does not exist is not an error (it was

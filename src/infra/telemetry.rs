@@ -9,7 +9,9 @@
 //! handle renders the metrics page. Guarantees: installing either twice
 //! keeps the first and never fails; a filter that does not parse falls
 //! back to `info`; trace spans never reach the log, and with the exporter
-//! off no layer wants them, so they cost a disabled callsite.
+//! off no layer wants them, so they cost a disabled callsite; once
+//! [`register_series`] ran, every series the dashboard and the alert rules
+//! under `deploy/` read is on the page, at zero until it is counted.
 
 use std::sync::OnceLock;
 
@@ -137,11 +139,153 @@ pub fn metrics_handle() -> &'static PrometheusHandle {
     })
 }
 
+/// Puts every series that the dashboard and the alert rules under
+/// `deploy/` read on the metrics page before anything is counted, labelled
+/// as the stages will label them: an absent series shows as "no data" and
+/// hides a rule's verdict, and a counter that first appears at 1 is an
+/// increase that `rate()` never sees. Gauges a disabled part of `serve`
+/// would never set (the outbox's without a drainer, the lag without
+/// statistics) stay off the page rather than read 0.
+pub fn register_series(config: &crate::config::Config) {
+    use metrics::{counter, gauge, histogram};
+    for name in COUNTERS {
+        counter!(name).increment(0);
+    }
+    for name in GAUGES {
+        gauge!(name).increment(0.0);
+    }
+    // Registering a histogram is what puts its buckets on the page.
+    for name in HISTOGRAMS {
+        let _ = histogram!(name);
+    }
+    for phase in ["begin", "load", "fold", "write", "commit"] {
+        let _ = histogram!("ductor_apply_phase_seconds", "phase" => phase);
+    }
+    let inputs = config.topic_names().inputs();
+    for topic in &inputs {
+        for outcome in [
+            "applied",
+            "deduplicated",
+            "stale",
+            "rejected",
+            "dead_lettered",
+            "forwarded",
+        ] {
+            counter!("ductor_inputs_total", "topic" => topic.clone(), "outcome" => outcome)
+                .increment(0);
+        }
+        if config.kafka.statistics_interval_ms > 0 {
+            gauge!(crate::ingress::CONSUMER_LAG, "topic" => topic.clone()).increment(0.0);
+        }
+    }
+    for (stage, class) in dead_letter_classes() {
+        counter!("ductor_dead_letters_total", "stage" => stage, "class" => class).increment(0);
+    }
+    for class in crate::apply::ApplyFailure::ISOLATED_CLASSES {
+        counter!("ductor_apply_isolated_total", "class" => class).increment(0);
+    }
+    let refusals = crate::auth::key::Refusal::ALL.map(|r| r.as_str());
+    for reason in refusals.into_iter().chain(["missing_scope"]) {
+        counter!("ductor_api_auth_failures_total", "reason" => reason).increment(0);
+    }
+    for reason in crate::api::error::REFUSED_REASONS {
+        counter!("ductor_api_refused_total", "reason" => reason).increment(0);
+    }
+    for outcome in crate::routing::OUTCOMES {
+        counter!("ductor_routing_requests_total", "outcome" => outcome).increment(0);
+    }
+    for path in crate::routing::MismatchPath::ALL {
+        counter!("ductor_routing_idempotency_mismatches_total", "path" => path.as_str())
+            .increment(0);
+    }
+    for listener in ["public", "admin"] {
+        counter!("ductor_http_connections_refused_total", "listener" => listener).increment(0);
+        gauge!("ductor_http_open_connections", "listener" => listener).increment(0.0);
+    }
+    for lane in 0..config.coordinator.apply_lanes.max(1) {
+        gauge!("ductor_ingress_parked_starts", "lane" => lane.to_string()).increment(0.0);
+    }
+    if config.drainer.enabled {
+        for name in DRAINER_GAUGES {
+            gauge!(name).increment(0.0);
+        }
+        for cause in crate::outbox::PublishFailureCause::ALL {
+            counter!("ductor_outbox_publish_failures_total", "cause" => cause.as_str())
+                .increment(0);
+        }
+    }
+}
+
+/// Counters without labels that the dashboard or the alerts read.
+const COUNTERS: [&str; 9] = [
+    "ductor_apply_conflicts_total",
+    "ductor_apply_retries_total",
+    "ductor_apply_suspect_bisections_total",
+    "ductor_apply_held_starts_total",
+    "ductor_outbox_parked_total",
+    "ductor_outbox_completed_total",
+    "ductor_outbox_redrives_total",
+    "ductor_outbox_fast_lane_total",
+    "ductor_readiness_checks_total",
+];
+
+/// Gauges without labels that every `serve` sets.
+const GAUGES: [&str; 5] = [
+    "ductor_ready",
+    "ductor_ingress_stalled_lanes",
+    "ductor_ingress_oldest_batch_age_seconds",
+    "ductor_process_peak_rss_bytes",
+    "ductor_run_cache_bytes",
+];
+
+/// Gauges that only a `serve` with a drainer sets.
+const DRAINER_GAUGES: [&str; 5] = [
+    "ductor_outbox_backlog",
+    "ductor_outbox_due",
+    "ductor_outbox_parked",
+    "ductor_outbox_oldest_due_age_seconds",
+    "ductor_results_frontier_lag_seconds",
+];
+
+/// Histograms without labels.
+const HISTOGRAMS: [&str; 6] = [
+    "ductor_apply_seconds",
+    "ductor_apply_batch_size",
+    "ductor_outbox_publish_seconds",
+    "ductor_outbox_dispatch_lag_seconds",
+    "ductor_ingress_fetch_age_seconds",
+    "ductor_ingress_apply_age_seconds",
+];
+
+/// Every `(stage, class)` a dead letter can have: the decoder's classes,
+/// the coordinator's rejections (a routed start of an unknown workflow
+/// among them, and an input forwarded to its partition too often), a key
+/// reused for another request, and the apply path's failures.
+pub fn dead_letter_classes() -> Vec<(&'static str, &'static str)> {
+    use crate::contract::InputErrorClass;
+    use crate::contract::headers::DeadLetterStage;
+    let decode = InputErrorClass::all().map(|c| match c {
+        InputErrorClass::Misrouted => (DeadLetterStage::Validate, c.as_str()),
+        _ => (DeadLetterStage::Decode, c.as_str()),
+    });
+    let validate = crate::coordinator::fold::RejectionClass::ALL
+        .into_iter()
+        .map(|c| (DeadLetterStage::Validate, c.as_str()));
+    let route = [(DeadLetterStage::Route, "idempotency_mismatch")];
+    let apply = crate::apply::ApplyFailure::ISOLATED_CLASSES.map(|c| (DeadLetterStage::Apply, c));
+    decode
+        .chain(validate)
+        .chain(route)
+        .chain(apply)
+        .map(|(stage, class)| (stage.as_str(), class))
+        .collect()
+}
+
 fn describe() {
-    use metrics::{describe_counter, describe_histogram};
+    use metrics::{describe_counter, describe_gauge, describe_histogram};
     describe_counter!(
         "ductor_inputs_total",
-        "Inputs seen by the coordinator, by topic and outcome (applied, deduplicated, stale, rejected, dead_lettered)"
+        "Inputs seen by the coordinator, by topic and outcome (applied, deduplicated, stale, rejected, dead_lettered, forwarded)"
     );
     describe_counter!(
         "ductor_apply_conflicts_total",
@@ -158,6 +302,14 @@ fn describe() {
     describe_counter!(
         "ductor_dead_letters_total",
         "Inputs sent to the dead-letter topic, by stage and error class"
+    );
+    describe_gauge!(
+        crate::ingress::CONSUMER_LAG,
+        "Messages of an input topic the ingress's group has not committed, on the partitions this process consumes"
+    );
+    describe_gauge!(
+        "ductor_ready",
+        "1 while the last readiness check passed (Postgres, Kafka, the ingress's lanes), else 0"
     );
 }
 

@@ -18,6 +18,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use super::misrouted::{forward, take_misrouted};
 use super::offsets::{last_offsets, store_offsets};
 use super::parked::ParkedStart;
 use super::sort::{settle_inputs, settle_routed, sort};
@@ -135,12 +136,16 @@ async fn process_batch(
         record_age("ductor_ingress_apply_age_seconds", msg);
     }
     let mut sorted = sort(ctx, batch);
+    let undecodable = sorted.dead.len();
+    let misrouted =
+        take_misrouted(&ctx.partition_counts, ctx.max_input_forwards, &mut sorted).await;
     sorted.retry_first(retried);
     let read = retried.iter().map(|s| &s.message).chain(batch);
     let mut step = StepReport {
         messages: batch.len() + retried.len(),
         last_offsets: last_offsets(read),
-        undecodable: sorted.dead.len(),
+        undecodable,
+        rejected: sorted.dead.len() - undecodable,
         ..StepReport::default()
     };
     let mut held = Vec::new();
@@ -176,6 +181,16 @@ async fn process_batch(
             );
         }
     }
+    for m in &misrouted {
+        forward(
+            &ctx.dead_letters.producer,
+            ctx.dead_letters.timeout,
+            m,
+            shutdown,
+        )
+        .await?;
+    }
+    step.forwarded = misrouted.len();
     for letter in &sorted.dead {
         ctx.dead_letters.publish(letter, shutdown).await?;
         metrics::counter!("ductor_inputs_total", "topic" => letter.message.topic().to_string(), "outcome" => "dead_lettered")

@@ -9,7 +9,8 @@
 //! [`crate::infra::kafka::consumer_config`]); every assignment of its
 //! partitions moves the writer's epoch on, so the history tells two
 //! assignments apart; each lane's parked starts are taken by that lane
-//! alone.
+//! alone; librdkafka's statistics, every `kafka.statistics_interval_ms`,
+//! set each input topic's `ductor_ingress_consumer_lag_messages`.
 
 use std::time::Duration;
 
@@ -29,12 +30,29 @@ use crate::infra::crash::CrashHooks;
 
 /// The ingress consumer's context: logs rebalances, moves the writer's
 /// epoch on at each assignment (and is where a chaos run can crash
-/// mid-rebalance).
+/// mid-rebalance), and turns the consumer's statistics into its lag.
 pub struct IngressConsumerContext {
     writer: std::sync::Arc<crate::apply::Writer>,
+    /// The input topics, whose lag the statistics give.
+    inputs: Vec<String>,
 }
 
-impl rdkafka::ClientContext for IngressConsumerContext {}
+impl rdkafka::ClientContext for IngressConsumerContext {
+    fn stats_raw(&self, statistics: &[u8]) {
+        match super::lag::consumer_lag(statistics, &self.inputs) {
+            Ok(lags) => {
+                for (topic, lag) in lags {
+                    metrics::gauge!(CONSUMER_LAG, "topic" => topic).set(lag as f64);
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "consumer statistics do not parse"),
+        }
+    }
+}
+
+/// The gauge of the messages an input topic holds that the ingress's group
+/// has not committed, on the partitions this process consumes.
+pub const CONSUMER_LAG: &str = "ductor_ingress_consumer_lag_messages";
 
 impl rdkafka::consumer::ConsumerContext for IngressConsumerContext {
     fn pre_rebalance(
@@ -89,6 +107,10 @@ pub struct IngressContext {
     parked: Vec<std::sync::Mutex<Parked>>,
     /// `coordinator.max_parked_starts`, per lane.
     pub max_parked_starts: usize,
+    /// The input topics' partition counts, to find misrouted inputs.
+    pub partition_counts: super::misrouted::PartitionCounts,
+    /// `coordinator.max_input_forwards`.
+    pub max_input_forwards: u32,
 }
 
 impl IngressContext {
@@ -98,9 +120,17 @@ impl IngressContext {
         if let Some(instance) = &config.kafka.group_instance_id {
             consumer_config.set("group.instance.id", instance);
         }
+        // Ductor's own setting, over a pass-through property: the lag
+        // gauge depends on it.
+        consumer_config.set(
+            "statistics.interval.ms",
+            config.kafka.statistics_interval_ms.to_string(),
+        );
         let writer = std::sync::Arc::new(crate::apply::Writer::new("ingress"));
+        let names = config.topic_names();
         let context = IngressConsumerContext {
             writer: writer.clone(),
+            inputs: names.inputs(),
         };
         let consumer: StreamConsumer<IngressConsumerContext> = consumer_config
             .create_with_context(context)
@@ -108,10 +138,15 @@ impl IngressContext {
         let producer: FutureProducer = crate::infra::kafka::producer(&config.kafka, "dlq")?;
         let mut applier = Applier::new(config, pool, workflows);
         applier.writer = writer;
-        let names = config.topic_names();
         Ok(Self {
             applier,
             consumer,
+            partition_counts: super::misrouted::PartitionCounts::new(
+                producer.clone(),
+                Duration::from_millis(config.coordinator.partition_count_refresh_ms),
+                Duration::from_millis(config.kafka.request_timeout_ms),
+            ),
+            max_input_forwards: config.coordinator.max_input_forwards,
             dead_letters: DeadLetterPublisher {
                 producer,
                 topic: names.dead_letters(),

@@ -26,10 +26,13 @@
 //! - `batch`: one batch handled whole, from apply to stored offsets;
 //! - `sort`: a batch sorted by what each message is ([`classify`]), and
 //!   settled by what each came to ([`dead_letter`]);
+//! - [`misrouted`]: inputs on a partition their run does not belong on,
+//!   forwarded to the one it does;
 //! - `parked`: starts that wait on a key another caller holds, beside
 //!   their lane;
 //! - `offsets`: which offsets a batch lets the consumer store;
-//! - `progress`: whether the lanes move, for readiness.
+//! - `progress`: whether the lanes move, for readiness;
+//! - `lag`: how far the consumer is behind, from its statistics.
 //!
 //! [`run`] is the loop; [`step`] is one turn of the serial ingress, for
 //! tests that drive it a batch at a time and read what each batch did
@@ -39,13 +42,15 @@ mod batch;
 pub mod classify;
 mod context;
 pub mod dead_letter;
+mod lag;
 mod lane;
+pub mod misrouted;
 mod offsets;
 mod parked;
 mod progress;
 mod sort;
 
-pub use context::IngressContext;
+pub use context::{CONSUMER_LAG, IngressContext};
 // Named only by the harnesses: the consumer's type.
 #[cfg(feature = "internals")]
 pub use context::IngressConsumerContext;
@@ -89,6 +94,10 @@ pub struct StepReport {
     /// Routed starts parked beside the lane because another caller holds
     /// their key; they are applied again in a later turn.
     pub parked: usize,
+    /// Inputs on a partition their run does not belong on, forwarded to
+    /// the right one (see [`misrouted`]); those forwarded too often are
+    /// counted in `rejected`.
+    pub forwarded: usize,
 }
 
 impl StepReport {

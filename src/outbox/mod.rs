@@ -71,6 +71,7 @@ use crate::infra::crash::{CrashHooks, CrashPoint};
 pub use self::claim::COMPLETE_SQL;
 pub use self::claim::{ClaimedIntent, IntentPosition};
 pub use self::fast_lane::{FastLane, Handoff};
+pub(crate) use self::publish::Cause as PublishFailureCause;
 pub(crate) use self::publish::ordered_headers;
 
 /// The channel the apply layer notifies after committing intents.

@@ -60,7 +60,7 @@ impl Drainer {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Cause {
+pub(crate) enum Cause {
     /// The broker or the producer failed in a way that may pass (a broker
     /// away, a timeout, a leader election).
     Transient,
@@ -73,7 +73,10 @@ pub(super) enum Cause {
 }
 
 impl Cause {
-    pub(super) fn as_str(self) -> &'static str {
+    /// Every cause: the failure counter starts each at zero.
+    pub(crate) const ALL: [Cause; 3] = [Cause::Transient, Cause::Permanent, Cause::NotTried];
+
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Cause::Transient => "transient",
             Cause::Permanent => "permanent",

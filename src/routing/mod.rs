@@ -44,22 +44,32 @@ use sqlx::{Postgres, Row, Transaction as PgTx};
 
 use self::sql::{COMPLETE_SQL, EXISTING_SQL, FENCE_SQL, RESERVE_SQL, STATUS_SQL};
 use crate::config::{DuplicatePolicy, RoutingConfig};
-use crate::contract::{Input, InputError, InputErrorClass, InputTopic, RunStart, decode_value};
+use crate::contract::{
+    Input, InputError, InputErrorClass, InputTopic, RunStart, decode_value, formats,
+};
 
-/// Longest idempotency key accepted.
-pub const MAX_KEY_LEN: usize = 256;
+/// Longest idempotency key accepted, in characters.
+pub const MAX_KEY_LEN: usize = crate::contract::input::MAX_IDEMPOTENCY_KEY_LEN;
 
 /// The decision returned to every caller with the same key: the first gets it
 /// with 201, duplicates with 200, byte for byte the same body.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[schemars(rename = "Decision")]
 pub struct RoutingDecision {
+    #[schemars(with = "formats::Id")]
     pub run_id: String,
+    #[schemars(with = "formats::Id")]
     pub tenant: String,
+    #[schemars(with = "formats::Name")]
     pub pool: String,
+    #[schemars(with = "formats::Name")]
     pub workflow: String,
+    #[schemars(range(min = 1))]
     pub workflow_version: u32,
     /// `null` when the caller opted out of deduplication.
+    #[schemars(with = "Option<formats::Text<1, MAX_KEY_LEN>>")]
     pub idempotency_key: Option<String>,
+    #[schemars(with = "formats::Timestamp")]
     pub decided_at: DateTime<Utc>,
 }
 
@@ -468,9 +478,27 @@ pub fn policy_for(config: &RoutingConfig, pool: &str) -> (DuplicatePolicy, Durat
     (policy, Duration::from_millis(wait))
 }
 
+/// Every `outcome` of `ductor_routing_requests_total`, which starts each
+/// at zero: a new decision (`fresh`, or taking over a `reclaimed` or an
+/// `expired` key), the decision of an earlier request (`duplicate`, or
+/// `waited` for), and the refusals.
+pub const OUTCOMES: [&str; 10] = [
+    "fresh",
+    "reclaimed",
+    "expired",
+    "duplicate",
+    "waited",
+    "mismatch",
+    "rejected",
+    "rejected_request",
+    "in_progress",
+    "claim_lost",
+];
+
 /// Counts a routed start by its outcome; a `mismatch` is also counted as
 /// the routed path's idempotency mismatch.
 pub fn count(outcome: &'static str) {
+    debug_assert!(OUTCOMES.contains(&outcome), "{outcome} is not listed");
     metrics::counter!("ductor_routing_requests_total", "outcome" => outcome).increment(1);
     if outcome == "mismatch" {
         count_mismatch(MismatchPath::RoutedStart);
@@ -489,6 +517,13 @@ pub enum MismatchPath {
 }
 
 impl MismatchPath {
+    /// Every path: the mismatch counter starts each at zero.
+    pub const ALL: [MismatchPath; 3] = [
+        MismatchPath::RoutedStart,
+        MismatchPath::ClientStart,
+        MismatchPath::Signal,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             MismatchPath::RoutedStart => "routed_start",

@@ -151,21 +151,28 @@ fn spawn(bin: &Path, config_file: &Path, log_file: &Path) -> anyhow::Result<toki
         .append(true)
         .open(log_file)
         .with_context(|| format!("opening {}", log_file.display()))?;
-    let mut command = tokio::process::Command::new(bin);
+    let mut command = on_config_file(bin, config_file);
     command
-        .arg("--config")
-        .arg(config_file)
         .arg("serve")
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
         .kill_on_drop(true);
+    command
+        .spawn()
+        .with_context(|| format!("starting {} serve", bin.display()))
+}
+
+/// `bin --config <config_file>`, for any of Ductor's programs (`ductor`, a
+/// worker, a driver), without the environment that would override the
+/// file; the caller adds the rest.
+pub fn on_config_file(bin: &Path, config_file: &Path) -> tokio::process::Command {
+    let mut command = tokio::process::Command::new(bin);
+    command.arg("--config").arg(config_file);
     for (name, _) in std::env::vars_os() {
         if overrides_configuration(&name.to_string_lossy()) {
             command.env_remove(name);
         }
     }
     command
-        .spawn()
-        .with_context(|| format!("starting {} serve", bin.display()))
 }

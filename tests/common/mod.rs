@@ -230,6 +230,22 @@ pub async fn delete_test_topics(topics: &[String]) {
     }
 }
 
+/// A new id with `prefix` that murmur2 puts on the same partition as
+/// `key` among `partitions`: a run whose inputs share a partition with
+/// messages keyed `key` (the ingress forwards an input that is not on its
+/// run's partition; see `ductor::contract::partition`).
+#[allow(dead_code)] // each test binary uses some of them
+pub fn id_beside(key: &str, prefix: &str, partitions: i32) -> String {
+    use ductor::contract::partition::partition_for;
+    let home = partition_for(key.as_bytes(), partitions);
+    loop {
+        let id = unique(prefix);
+        if partition_for(id.as_bytes(), partitions) == home {
+            return id;
+        }
+    }
+}
+
 pub fn kafka_config() -> KafkaConfig {
     let db_less = Config::load_from(
         None,
@@ -245,6 +261,7 @@ pub fn producer() -> FutureProducer {
         .set("enable.idempotence", "true")
         .set("acks", "all")
         .set("linger.ms", "0")
+        .set("partitioner", ductor::contract::partition::PARTITIONER)
         .create()
         .expect("creating test producer")
 }
@@ -587,6 +604,7 @@ pub fn add_report(sum: &mut ductor::ingress::StepReport, report: &ductor::ingres
     sum.conflicts += report.conflicts;
     sum.intents_written += report.intents_written;
     sum.parked += report.parked;
+    sum.forwarded += report.forwarded;
     for (at, last) in &report.last_offsets {
         let entry = sum.last_offsets.entry(at.clone()).or_insert(*last);
         *entry = (*entry).max(*last);

@@ -14,19 +14,29 @@ use serde_json::Value;
 use uuid::Uuid;
 
 use super::{
-    AttemptOutcome, Input, MAX_CORRELATION_ID_LEN, MAX_ERROR_MESSAGE_LEN, MAX_REASON_LEN,
-    MAX_SIGNAL_FIELD_LEN, SCHEMA_VERSION, TimerKind,
+    AttemptOutcome, Input, MAX_CORRELATION_ID_LEN, MAX_ERROR_MESSAGE_LEN, MAX_IDEMPOTENCY_KEY_LEN,
+    MAX_REASON_LEN, MAX_SIGNAL_FIELD_LEN, SCHEMA_VERSION, TimerKind,
 };
 use crate::contract::formats::{AnyValue, Id, Name, Text, Version};
 
-/// `run.start`, on the requests topic: create a run.
+/// `run.start`, on the requests topic: create a run. With `run_id`, that
+/// run (a client-chosen id); without, a routed start: the routing plane
+/// decides its run once per `idempotency_key` (absent: the message's
+/// Kafka position; empty: no deduplication). Not both.
 #[derive(Serialize, JsonSchema)]
 #[serde(tag = "type", rename = "run.start")]
 pub struct RunStartForm<'a> {
     #[schemars(with = "Version")]
     pub schema_version: u64,
-    #[schemars(with = "Id")]
-    pub run_id: &'a str,
+    /// The run to create; absent or `null`: a routed start.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<Id>")]
+    pub run_id: Option<&'a str>,
+    /// A routed start's key: the same key and request get the same
+    /// decision. Only without `run_id`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<Text<0, MAX_IDEMPOTENCY_KEY_LEN>>")]
+    pub idempotency_key: Option<&'a str>,
     #[schemars(with = "Id")]
     pub tenant: &'a str,
     #[schemars(with = "Name")]
@@ -167,7 +177,8 @@ impl Input {
         let value = match self {
             Input::Start(s) => serde_json::to_value(RunStartForm {
                 schema_version,
-                run_id,
+                run_id: Some(run_id),
+                idempotency_key: None,
                 tenant,
                 workflow: &s.workflow,
                 workflow_version: s.workflow_version,

@@ -1,0 +1,974 @@
+//! The HTTP API described as OpenAPI 3.1: every route of both listeners,
+//! every answer each can give (status, code, body), and who may call it.
+//!
+//! In: the table of routes ([`super::routes::ROUTES`]), the codes
+//! ([`Code`]) and the classes of the contract and of the apply path, the
+//! contract's JSON Schemas ([`crate::contract::schema::catalogue`]), from
+//! which the request bodies are cut, and the answers' own types, from which
+//! their schemas are generated. Out: [`document`], committed as
+//! `schemas/openapi.json` (`ductor schemas`) and served at
+//! `GET /v1/openapi.json`. Guarantees: pure and deterministic (the same
+//! build gives the same bytes, whatever the configuration); one operation
+//! per method and path, naming the listeners that serve it; a code or a
+//! class is spelled only by the type that owns it.
+//!
+//! `/healthz` and `/readyz` are on both listeners: each is one operation
+//! with both listeners as its servers and the answers of both.
+
+use std::collections::BTreeMap;
+use std::sync::LazyLock;
+
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use schemars::generate::SchemaSettings;
+use schemars::{JsonSchema, SchemaGenerator};
+use serde_json::{Map, Value, json};
+
+use super::error::{Code, ErrorBody};
+use super::routes::{Access, Endpoint, Listener, ROUTES, Route};
+use super::runs::{CancelAnswer, RunSummary, SignalAnswer};
+use crate::apply::ApplyFailure;
+use crate::contract::InputErrorClass;
+use crate::contract::screen::Violation;
+use crate::infra::health::{AdminReadiness, Liveness, PublicReadiness};
+use crate::infra::http_server::MAX_HEADER_BYTES;
+use crate::routing::{MAX_KEY_LEN, RoutingDecision};
+
+/// The document's path under `schemas/`.
+pub const FILE: &str = "openapi.json";
+
+/// The name of the bearer-key security scheme.
+const SCHEME: &str = "apiKey";
+
+/// The document's text, made once per process.
+static TEXT: LazyLock<String> = LazyLock::new(text);
+
+/// `GET /v1/openapi.json`.
+pub(crate) async fn serve() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], TEXT.as_str()).into_response()
+}
+
+/// The document's text: pretty JSON with a final newline, as committed.
+pub fn text() -> String {
+    let mut text = serde_json::to_string_pretty(&document()).unwrap_or_default();
+    text.push('\n');
+    text
+}
+
+/// The whole document.
+pub fn document() -> Value {
+    let mut schemas = Schemas::new();
+    // Every refusal's body, which the answers name by its reference.
+    schemas.of::<ErrorBody<'_>>();
+    let mut paths = Map::new();
+    for (path, verb) in operations() {
+        let rows: Vec<&Route> = ROUTES
+            .iter()
+            .filter(|r| r.path == path && r.verb.as_str() == verb)
+            .collect();
+        let item = paths
+            .entry(path.to_owned())
+            .or_insert_with(|| json!({}))
+            .as_object_mut()
+            .map(|item| item.insert(verb.to_owned(), operation(&rows, &mut schemas)));
+        debug_assert!(item.is_some(), "a path item is an object");
+    }
+    json!({
+        "openapi": "3.1.0",
+        "info": info(),
+        "servers": [server(Listener::Public), server(Listener::Admin)],
+        "tags": [
+            { "name": "runs", "description": "Start runs and read, signal and cancel them, as the key's tenant." },
+            { "name": "health", "description": "Liveness and readiness, on both listeners." },
+            { "name": "operator", "description": "What the operator and the scraper read, on the admin listener." },
+            { "name": "meta", "description": "This description." },
+        ],
+        "paths": paths,
+        "components": {
+            "schemas": schemas.finish(),
+            "securitySchemes": { SCHEME: security_scheme() },
+        },
+    })
+}
+
+/// Each method and path once, in the table's order.
+fn operations() -> Vec<(&'static str, &'static str)> {
+    let mut seen = Vec::new();
+    for row in &ROUTES {
+        let key = (row.path, row.verb.as_str());
+        if !seen.contains(&key) {
+            seen.push(key);
+        }
+    }
+    seen
+}
+
+fn info() -> Value {
+    json!({
+        "title": "Ductor HTTP API",
+        "version": env!("CARGO_PKG_VERSION"),
+        "summary": "Start, read, signal and cancel runs of a durable step orchestrator; its health and metrics.",
+        "description": concat!(
+            "`ductor serve` listens twice: the public listener (`server.listen`) carries the run ",
+            "endpoints, `/healthz`, a `/readyz` that tells only the verdict, and this document; the ",
+            "admin listener (`server.admin_listen`, loopback by default) carries `/healthz`, the ",
+            "detailed `/readyz` and `/metrics`. Each operation names the listeners that serve it.\n\n",
+            "Every run endpoint takes an API key, `Authorization: Bearer <key>` (`ductor keys create`), ",
+            "and acts as the key's tenant; the scope each needs is its security requirement. A refusal ",
+            "is `{\"error\": {\"code\": ..., \"message\": ...}}` with a stable `code`, listed with each ",
+            "status below. The contract's messages (`run.start`, `wakeup.signal`, `wakeup.cancel`) are ",
+            "the JSON Schemas under `schemas/messages/`; a request body here is one of them without the ",
+            "fields the server sets.",
+        ),
+        "license": { "name": "Apache-2.0", "identifier": "Apache-2.0" },
+    })
+}
+
+/// A listener as a server of the document.
+fn server(listener: Listener) -> Value {
+    let (url, description) = match listener {
+        Listener::Public => (
+            "http://127.0.0.1:8080",
+            "The public listener, `server.listen` (HTTPS with `server.tls_cert_file`).",
+        ),
+        Listener::Admin => (
+            "http://127.0.0.1:9464",
+            "The admin listener, `server.admin_listen` (HTTPS with `server.admin_tls_cert_file`).",
+        ),
+    };
+    json!({ "url": url, "description": description, "x-ductor-listener": listener.as_str() })
+}
+
+fn security_scheme() -> Value {
+    json!({
+        "type": "http",
+        "scheme": "bearer",
+        "bearerFormat": "dk_<key_id>_<secret>",
+        "description": concat!(
+            "An API key made by `ductor keys create --tenant T --scopes ...`. A requirement names ",
+            "the scope the operation needs: `runs:write` to start, signal and cancel, `runs:read` ",
+            "to read, `admin` for the admin listener's `/readyz` and `/metrics` under ",
+            "`server.admin_auth = \"key\"`. With `server.auth = \"disabled\"` (local development ",
+            "only) the run endpoints take no key and a request names its tenant: the body's ",
+            "`tenant`, or the `X-Ductor-Tenant` header.",
+        ),
+    })
+}
+
+/// The operation of `rows`: one route, or the same method and path on
+/// both listeners.
+fn operation(rows: &[&Route], schemas: &mut Schemas) -> Value {
+    let mut answers = Vec::new();
+    let mut descriptions = Vec::new();
+    for row in rows {
+        answers.extend(answers_of(row.endpoint, schemas));
+        let text = about(row.endpoint).description;
+        if !descriptions.contains(&text) {
+            descriptions.push(text);
+        }
+    }
+    let first = about(rows[0].endpoint);
+    let mut op = json!({
+        "operationId": first.id,
+        "summary": first.summary,
+        "description": descriptions.join("\n\n"),
+        "tags": [first.tag],
+        "servers": rows.iter().map(|r| server(r.listener)).collect::<Vec<_>>(),
+        "security": security(rows),
+        "responses": responses(answers),
+    });
+    let parameters = parameters(rows[0].endpoint);
+    if !parameters.is_empty() {
+        op["parameters"] = parameters.into();
+    }
+    if let Some(body) = request_body(rows[0].endpoint, schemas) {
+        op["requestBody"] = body;
+    }
+    op
+}
+
+/// Who may call: no requirement for an open route, one of the scope for a
+/// keyed one, either for the admin routes.
+fn security(rows: &[&Route]) -> Value {
+    let mut requirements: Vec<Value> = Vec::new();
+    for row in rows {
+        let needs: &[Value] = &match row.access {
+            Access::Open => vec![json!({})],
+            Access::Key(scope) => vec![json!({ SCHEME: [scope.as_str()] })],
+            Access::AdminKey => vec![
+                json!({}),
+                json!({ SCHEME: [crate::auth::Scope::Admin.as_str()] }),
+            ],
+        };
+        for need in needs {
+            if !requirements.contains(need) {
+                requirements.push(need.clone());
+            }
+        }
+    }
+    if requirements == [json!({})] {
+        return json!([]);
+    }
+    Value::Array(requirements)
+}
+
+/// What an operation is called and says of itself.
+struct About {
+    id: &'static str,
+    summary: &'static str,
+    description: &'static str,
+    tag: &'static str,
+}
+
+fn about(endpoint: Endpoint) -> About {
+    let (id, summary, tag, description) = match endpoint {
+        Endpoint::Healthz | Endpoint::AdminHealthz => (
+            "healthz",
+            "The process runs",
+            "health",
+            "Liveness: answers while the process runs, on either listener, without a key.",
+        ),
+        Endpoint::PublicReadyz => (
+            "readyz",
+            "Ready or not",
+            "health",
+            "On the public listener: the latest readiness verdict and nothing more, no check named and no error text. It costs no query: one task per process checks every `server.readiness_interval_ms`.",
+        ),
+        Endpoint::AdminReadyz => (
+            "readyz",
+            "Ready or not",
+            "health",
+            "On the admin listener: the same verdict with each check's result and the failing check's error (Postgres, Kafka, the ingress and its apply lanes), and the `warnings` of the configuration. Under `server.admin_auth = \"key\"` it takes a key with the `admin` scope.",
+        ),
+        Endpoint::Metrics => (
+            "metrics",
+            "Prometheus metrics",
+            "operator",
+            "Every counter, gauge and histogram of the process, in Prometheus's text format. Under `server.admin_auth = \"key\"` it takes a key with the `admin` scope.",
+        ),
+        Endpoint::OpenApi => (
+            "openapi",
+            "This description",
+            "meta",
+            "This document, as committed in `schemas/openapi.json`; no key needed.",
+        ),
+        Endpoint::CreateRun => (
+            "createRun",
+            "Start a run",
+            "runs",
+            "Routes a start request to exactly one decision per tenant, pool and `Idempotency-Key`: 201 with a new decision, 200 with the byte-identical body for a duplicate. A duplicate that arrives while the first caller decides follows the pool's `routing.duplicate_policy`: `wait` (up to `wait_timeout_ms`) for the decision, or `reject` at once with 409. A body over `routing.max_body_bytes` is 413; valid JSON that cannot be kept as sent is 422 with the screen's class.",
+        ),
+        Endpoint::GetRun => (
+            "getRun",
+            "Read a run",
+            "runs",
+            "The run's status, workflow, last transition, output or error. Another tenant's run answers exactly as a missing one does.",
+        ),
+        Endpoint::SignalRun => (
+            "signalRun",
+            "Signal a run",
+            "runs",
+            "Puts a `wakeup.signal` for the run on the wakeups topic, keyed by the run, and answers 202 once the broker has it; the run's one writer applies it in order with its other inputs. A `signal_id` the run has recorded is answered here: 200 for the same name and payload, 422 `idempotency_mismatch` for another. Without a `signal_id` the server picks one, and a retry then signals twice. Two calls racing with one new `signal_id` both get 202; the coordinator applies the first.",
+        ),
+        Endpoint::CancelRun => (
+            "cancelRun",
+            "Cancel a run",
+            "runs",
+            "Puts a `wakeup.cancel` for the run on the wakeups topic, keyed by the run, and answers 202 once the broker has it.",
+        ),
+    };
+    About {
+        id,
+        summary,
+        description,
+        tag,
+    }
+}
+
+/// One answer an operation can give.
+enum Answer {
+    /// A body the operation answers with.
+    Body {
+        status: StatusCode,
+        media: &'static str,
+        schema: Value,
+        description: &'static str,
+    },
+    /// A refusal with one of the API's codes.
+    Refusal(Code),
+    /// A refusal whose code is a class of the contract or of the apply
+    /// path.
+    Class {
+        status: StatusCode,
+        class: &'static str,
+        meaning: &'static str,
+    },
+    /// 431 from the listener, before any route, without a body: the
+    /// request's head is over [`MAX_HEADER_BYTES`].
+    HeadTooLarge,
+}
+
+fn json_body(status: StatusCode, schema: Value, description: &'static str) -> Answer {
+    Answer::Body {
+        status,
+        media: "application/json",
+        schema,
+        description,
+    }
+}
+
+fn refusals(codes: &[Code]) -> impl Iterator<Item = Answer> + '_ {
+    codes.iter().copied().map(Answer::Refusal)
+}
+
+/// What the run endpoints refuse before their own work: the key, its
+/// scope and tenant, and the guard's bounds.
+const KEYED: [Code; 6] = [
+    Code::Unauthenticated,
+    Code::InsufficientScope,
+    Code::TenantMismatch,
+    Code::Unavailable,
+    Code::Overloaded,
+    Code::Timeout,
+];
+
+/// What the admin listener's key refuses under `server.admin_auth = "key"`.
+const ADMIN_KEYED: [Code; 3] = [
+    Code::Unauthenticated,
+    Code::InsufficientScope,
+    Code::Unavailable,
+];
+
+/// What a body is refused for before it is read as a request.
+const BODY: [Code; 6] = [
+    Code::BodyTimeout,
+    Code::BodyTooLarge,
+    Code::BodyIncomplete,
+    Code::UnsupportedMediaType,
+    Code::InvalidJson,
+    Code::InvalidRequest,
+];
+
+/// A body's refusals: its reading, its shape (the screen's classes, 422)
+/// and its fields (the contract's `invalid`, 400).
+fn body_refusals() -> impl Iterator<Item = Answer> {
+    let screen = Violation::ALL.map(|violation| Answer::Class {
+        status: StatusCode::UNPROCESSABLE_ENTITY,
+        class: violation.as_str(),
+        meaning: "valid JSON that cannot be kept as sent (U+0000, an unpaired surrogate, an inexact number, a duplicate key, or past a bound of `coordinator.max_json_depth`, `max_string_bytes`, `max_array_items`, `max_object_keys`)",
+    });
+    let invalid = Answer::Class {
+        status: StatusCode::BAD_REQUEST,
+        class: InputErrorClass::Invalid.as_str(),
+        meaning: "a field the contract refuses; the message names it",
+    };
+    refusals(&BODY).chain(screen).chain([invalid])
+}
+
+/// Every answer of `endpoint`. Each listener answers 429 to an address
+/// past its failed authentications, and 431 to a head too large.
+fn answers_of(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
+    let mut answers = vec![Answer::Refusal(Code::RateLimited), Answer::HeadTooLarge];
+    let (ok, unavailable) = (StatusCode::OK, StatusCode::SERVICE_UNAVAILABLE);
+    match endpoint {
+        Endpoint::Healthz | Endpoint::AdminHealthz => {
+            answers.push(json_body(ok, schemas.of::<Liveness>(), "The process runs."));
+        }
+        Endpoint::PublicReadyz => {
+            let verdict = schemas.of::<PublicReadiness>();
+            let (yes, no) = (
+                "Ready; on the public listener, the verdict alone.",
+                "Not ready; on the public listener, the verdict alone.",
+            );
+            answers.push(json_body(ok, verdict.clone(), yes));
+            answers.push(json_body(unavailable, verdict, no));
+        }
+        Endpoint::AdminReadyz => {
+            let detail = schemas.of::<AdminReadiness<'_>>();
+            let (yes, no) = (
+                "Ready; on the admin listener, with each check's result.",
+                "Not ready; on the admin listener, with each check's result and the failing check's error.",
+            );
+            answers.push(json_body(ok, detail.clone(), yes));
+            answers.push(json_body(unavailable, detail, no));
+            answers.extend(refusals(&ADMIN_KEYED));
+        }
+        Endpoint::Metrics => {
+            answers.push(Answer::Body {
+                status: ok,
+                media: "text/plain",
+                schema: json!({ "type": "string", "description": "Prometheus text format 0.0.4." }),
+                description: "The metrics.",
+            });
+            answers.extend(refusals(&ADMIN_KEYED));
+        }
+        Endpoint::OpenApi => {
+            let document =
+                json!({ "type": "object", "description": "An OpenAPI 3.1 document: this one." });
+            answers.push(json_body(ok, document, "This document."));
+        }
+        Endpoint::CreateRun => answers.extend(start_answers(schemas)),
+        Endpoint::GetRun | Endpoint::SignalRun | Endpoint::CancelRun => {
+            answers.extend(run_answers(endpoint, schemas));
+        }
+    }
+    answers
+}
+
+/// The answers of the endpoints of one run, besides 429 and 431.
+fn run_answers(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
+    let mut answers: Vec<Answer> = refusals(&KEYED).collect();
+    answers.extend(refusals(&[Code::MissingTenant, Code::NotFound]));
+    match endpoint {
+        Endpoint::GetRun => {
+            let run = schemas.of::<RunSummary>();
+            answers.push(json_body(StatusCode::OK, run, "The run."));
+            answers.push(Answer::Refusal(Code::RunPurged));
+        }
+        Endpoint::SignalRun => {
+            let signal = schemas.of::<SignalAnswer>();
+            let (accepted, duplicate) = (
+                "The `wakeup.signal` input is on the wakeups topic (`status`: `accepted`).",
+                "The run has recorded this `signal_id` with the same name and payload (`status`: `duplicate`).",
+            );
+            answers.push(json_body(StatusCode::ACCEPTED, signal.clone(), accepted));
+            answers.push(json_body(StatusCode::OK, signal, duplicate));
+            answers.extend(body_refusals());
+            answers.extend(refusals(&[
+                Code::IdempotencyMismatch,
+                Code::SigningKeyMissing,
+            ]));
+        }
+        Endpoint::CancelRun => {
+            let cancel = schemas.of::<CancelAnswer>();
+            let accepted = "The `wakeup.cancel` input is on the wakeups topic.";
+            answers.push(json_body(StatusCode::ACCEPTED, cancel, accepted));
+            answers.extend(body_refusals());
+            answers.push(Answer::Refusal(Code::SigningKeyMissing));
+        }
+        _ => {}
+    }
+    answers
+}
+
+/// `POST /v1/runs`'s answers besides 429 and 431.
+fn start_answers(schemas: &mut Schemas) -> Vec<Answer> {
+    let decision = schemas.of::<RoutingDecision>();
+    let mut answers = vec![
+        json_body(
+            StatusCode::CREATED,
+            decision.clone(),
+            "A new decision: the run is created.",
+        ),
+        json_body(
+            StatusCode::OK,
+            decision,
+            "A duplicate: the first decision for this key, byte for byte.",
+        ),
+    ];
+    let own = [
+        Code::InvalidIdempotencyKey,
+        Code::InProgress,
+        Code::IdempotencyKeyMismatch,
+        Code::UnknownWorkflow,
+        Code::Contended,
+        Code::Internal,
+    ];
+    answers.extend(
+        refusals(&KEYED)
+            .chain(body_refusals())
+            .chain(refusals(&own)),
+    );
+    answers.push(Answer::Class {
+        status: StatusCode::UNPROCESSABLE_ENTITY,
+        class: InputErrorClass::PayloadTooLarge.as_str(),
+        meaning: "the input, written back, would not fit the effect that carries it (`kafka.message_max_bytes` less 16 KiB)",
+    });
+    answers.extend(ApplyFailure::CLASSES.map(|class| Answer::Class {
+        status: StatusCode::UNPROCESSABLE_ENTITY,
+        class,
+        meaning: "Postgres refuses the request itself (SQLSTATE class 22, 23 or 54), or its state does not encode or decode: the same request would fail again",
+    }));
+    answers
+}
+
+/// What a code means, for the answers' descriptions.
+fn meaning(code: Code) -> &'static str {
+    match code {
+        Code::Unauthenticated => {
+            "a missing, malformed, unknown, expired or revoked key, the same answer for each, with `WWW-Authenticate: Bearer`"
+        }
+        Code::InsufficientScope => "the key lacks the operation's scope",
+        Code::TenantMismatch => {
+            "the body's `tenant` or the `X-Ductor-Tenant` header names a tenant other than the key's"
+        }
+        Code::MissingTenant => {
+            "with `server.auth = \"disabled\"`, the request names no tenant (`X-Ductor-Tenant`)"
+        }
+        Code::RateLimited => {
+            "the key is past its rate (`server.requests_per_second` in bursts of `server.request_burst`), or the client's address past its failed authentications (`server.auth_failure_burst`, then `server.auth_failures_per_second`); `Retry-After` gives the seconds to wait"
+        }
+        Code::Overloaded => {
+            "more requests at once than `server.max_concurrent_requests`: shed, not queued, with `Retry-After: 1`"
+        }
+        Code::Timeout => {
+            "the request took longer than `server.request_timeout_ms`, with `Retry-After: 1`; retry with the same idempotency key"
+        }
+        Code::BodyTimeout => "the body did not arrive within `server.body_read_timeout_ms`",
+        Code::BodyTooLarge => "the body is over `routing.max_body_bytes`",
+        Code::BodyIncomplete => "the body ended before its `Content-Length`",
+        Code::UnsupportedMediaType => "a body without `Content-Type: application/json`",
+        Code::InvalidJson => "the body is not JSON",
+        Code::InvalidRequest => "the body is no JSON object, or sets a field the server sets",
+        Code::InvalidIdempotencyKey => {
+            "`Idempotency-Key` is not visible ASCII, or longer than 256 characters"
+        }
+        Code::InProgress => {
+            "another request with this key is still deciding: at once under the `reject` policy, or once a `wait` ran out"
+        }
+        Code::IdempotencyKeyMismatch => {
+            "the key was used for a different request (tenant, pool, workflow, requested version or input)"
+        }
+        Code::IdempotencyMismatch => {
+            "the run has recorded this `signal_id` with another name or payload"
+        }
+        Code::UnknownWorkflow => "no such workflow, or no such version of it, is defined",
+        Code::NotFound => "no such run, or another tenant's",
+        Code::RunPurged => "the run finished and retention deleted it (`runs.retention_ms`)",
+        Code::SigningKeyMissing => {
+            "every input must be signed (`signatures.all_inputs`) and the tenant has no key, so the ingress would refuse it"
+        }
+        Code::Unavailable => {
+            "the database, or for a signal or a cancel the broker, did not answer; retry (with the same idempotency key)"
+        }
+        Code::Contended => {
+            "the idempotency key changed hands too often while this request decided; retry"
+        }
+        Code::Internal => "the server broke a promise of its own; the request may be retried",
+    }
+}
+
+/// The answers of one status, gathered.
+#[derive(Default)]
+struct Reply {
+    /// Media type, schema and description of each body.
+    bodies: Vec<(&'static str, Value, &'static str)>,
+    /// Each refusal's code and meaning.
+    codes: Vec<(&'static str, &'static str)>,
+    head_too_large: bool,
+    retry_after: bool,
+    challenge: bool,
+}
+
+impl Answer {
+    fn status(&self) -> StatusCode {
+        match self {
+            Answer::Body { status, .. } | Answer::Class { status, .. } => *status,
+            Answer::Refusal(code) => code.status(),
+            Answer::HeadTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+        }
+    }
+}
+
+impl Reply {
+    fn add(&mut self, answer: Answer) {
+        match answer {
+            Answer::Body {
+                media,
+                schema,
+                description,
+                ..
+            } => {
+                if !self.bodies.iter().any(|b| b.0 == media && b.1 == schema) {
+                    self.bodies.push((media, schema, description));
+                }
+            }
+            Answer::Refusal(code) => {
+                self.retry_after |=
+                    matches!(code, Code::RateLimited | Code::Overloaded | Code::Timeout);
+                self.challenge |= code == Code::Unauthenticated;
+                self.codes.push((code.as_str(), meaning(code)));
+            }
+            Answer::Class { class, meaning, .. } => self.codes.push((class, meaning)),
+            Answer::HeadTooLarge => self.head_too_large = true,
+        }
+    }
+}
+
+/// The Responses Object of `answers`, by status.
+fn responses(answers: Vec<Answer>) -> Value {
+    let mut by_status: BTreeMap<u16, Reply> = BTreeMap::new();
+    for answer in answers {
+        let status = answer.status().as_u16();
+        by_status.entry(status).or_default().add(answer);
+    }
+    let mut out = Map::new();
+    for (status, mut reply) in by_status {
+        let mut seen = Vec::new();
+        reply.codes.retain(|(code, _)| {
+            let new = !seen.contains(code);
+            seen.push(*code);
+            new
+        });
+        out.insert(status.to_string(), response(reply));
+    }
+    Value::Object(out)
+}
+
+/// One Response Object.
+fn response(reply: Reply) -> Value {
+    let mut lines: Vec<String> = reply.bodies.iter().map(|b| b.2.to_owned()).collect();
+    if reply.head_too_large {
+        lines.push(format!(
+            "The request's head (request line and headers) is over {MAX_HEADER_BYTES} bytes: answered by the listener before any route, without a body."
+        ));
+    }
+    // Codes of one meaning (the screen's classes, say) share a line.
+    let mut groups: Vec<(Vec<&str>, &str)> = Vec::new();
+    for (code, meaning) in &reply.codes {
+        match groups.last_mut() {
+            Some((codes, last)) if last == meaning => codes.push(code),
+            _ => groups.push((vec![code], meaning)),
+        }
+    }
+    lines.extend(groups.iter().map(|(codes, meaning)| {
+        let codes: Vec<String> = codes.iter().map(|code| format!("`{code}`")).collect();
+        format!("{}: {meaning}.", codes.join(", "))
+    }));
+    let mut content: BTreeMap<&str, Vec<Value>> = BTreeMap::new();
+    for (media, schema, _) in &reply.bodies {
+        content.entry(media).or_default().push(schema.clone());
+    }
+    if !reply.codes.is_empty() {
+        let codes: Vec<&str> = reply.codes.iter().map(|(code, _)| *code).collect();
+        content.entry("application/json").or_default().push(json!({
+            "allOf": [
+                { "$ref": "#/components/schemas/Error" },
+                { "properties": { "error": { "properties": { "code": { "enum": codes } } } } },
+            ]
+        }));
+    }
+    let content: Map<String, Value> = content
+        .into_iter()
+        .map(|(media, mut schemas)| {
+            let schema = if schemas.len() == 1 {
+                schemas.remove(0)
+            } else {
+                json!({ "anyOf": schemas })
+            };
+            (media.to_owned(), json!({ "schema": schema }))
+        })
+        .collect();
+    let mut out = json!({ "description": lines.join("\n\n") });
+    if !content.is_empty() {
+        out["content"] = Value::Object(content);
+    }
+    let mut headers = Map::new();
+    if reply.challenge {
+        headers.insert(
+            "WWW-Authenticate".into(),
+            json!({
+                "description": "`Bearer`, with `unauthenticated`.",
+                "schema": { "const": "Bearer" },
+            }),
+        );
+    }
+    if reply.retry_after {
+        headers.insert("Retry-After".into(), json!({
+            "description": "The seconds to wait before a retry, with `rate_limited`, `overloaded` and `timeout`.",
+            "schema": { "type": "integer", "minimum": 1 },
+        }));
+    }
+    if !headers.is_empty() {
+        out["headers"] = Value::Object(headers);
+    }
+    out
+}
+
+/// The path and header parameters of `endpoint`.
+fn parameters(endpoint: Endpoint) -> Vec<Value> {
+    let run_id = json!({
+        "name": "run_id",
+        "in": "path",
+        "required": true,
+        "description": "The run's id, as its decision gave it.",
+        "schema": { "type": "string" },
+    });
+    let tenant = json!({
+        "name": "X-Ductor-Tenant",
+        "in": "header",
+        "required": false,
+        "description": "The tenant the request acts as: it must be the key's (403 `tenant_mismatch` otherwise); required with `server.auth = \"disabled\"`.",
+        "schema": { "$ref": "#/components/schemas/Id" },
+    });
+    match endpoint {
+        Endpoint::CreateRun => vec![json!({
+            "name": "Idempotency-Key",
+            "in": "header",
+            "required": false,
+            "description": "Requests with the same key (per tenant and pool) get the same decision; absent or empty, every request is a new run. Visible ASCII.",
+            "schema": { "type": "string", "maxLength": MAX_KEY_LEN },
+        })],
+        Endpoint::GetRun | Endpoint::SignalRun | Endpoint::CancelRun => vec![run_id, tenant],
+        _ => Vec::new(),
+    }
+}
+
+/// The request body of `endpoint`: a contract message less the fields the
+/// server sets, which are refused (400 `invalid_request`).
+fn request_body(endpoint: Endpoint, schemas: &mut Schemas) -> Option<Value> {
+    let (message, title, server_set, optional, required): (_, _, &[&str], &[&str], _) =
+        match endpoint {
+            Endpoint::CreateRun => (
+                "run.start",
+                "StartRun",
+                &super::start::SERVER_SET,
+                &[],
+                true,
+            ),
+            Endpoint::SignalRun => (
+                "wakeup.signal",
+                "Signal",
+                &super::runs::SERVER_SET,
+                &["signal_id"],
+                true,
+            ),
+            Endpoint::CancelRun => (
+                "wakeup.cancel",
+                "Cancel",
+                &super::runs::SERVER_SET,
+                &[],
+                false,
+            ),
+            _ => return None,
+        };
+    let schema = schemas.cut(message, title, server_set, optional);
+    let mut body = json!({
+        "description": format!(
+            "The fields of `{message}` (`schemas/messages/{message}.json`) the caller gives; `tenant`, if given, must be the key's."
+        ),
+        "required": required,
+        "content": { "application/json": { "schema": schema } },
+    });
+    if !required {
+        body["description"] = format!(
+            "Optional (an empty body is `{{}}`): the fields of `{message}` (`schemas/messages/{message}.json`) the caller gives; `tenant`, if given, must be the key's."
+        )
+        .into();
+    }
+    Some(body)
+}
+
+/// The document's schemas: the answers' types, generated, and the request
+/// bodies, cut from the contract's schemas; one set of definitions for
+/// both, under `#/components/schemas`.
+struct Schemas {
+    generator: SchemaGenerator,
+    /// The request bodies and the definitions their messages use.
+    cut: Map<String, Value>,
+}
+
+const COMPONENTS: &str = "#/components/schemas/";
+
+impl Schemas {
+    fn new() -> Self {
+        let settings = SchemaSettings::draft2020_12()
+            .with(|s| s.definitions_path = "/components/schemas".into());
+        Schemas {
+            generator: settings.into_generator(),
+            cut: Map::new(),
+        }
+    }
+
+    /// A reference to `T`'s schema.
+    fn of<T: JsonSchema>(&mut self) -> Value {
+        self.generator.subschema_for::<T>().to_value()
+    }
+
+    /// The schema of `message` as an HTTP body, named `title`: without the
+    /// fields in `server_set` (each refused), with `tenant` and those in
+    /// `optional` no longer required. A reference to it.
+    fn cut(&mut self, message: &str, title: &str, server_set: &[&str], optional: &[&str]) -> Value {
+        let path = crate::contract::schema::message_path(message);
+        let Some(file) = crate::contract::schema::catalogue()
+            .into_iter()
+            .find(|f| f.path == path)
+        else {
+            panic!("the contract has no schema {path}");
+        };
+        let Value::Object(mut schema) = file.schema else {
+            panic!("{path} is not an object");
+        };
+        schema.remove("$schema");
+        // A rule between two fields the server sets (a start's `run_id`
+        // and `idempotency_key`) says nothing about a body that has neither.
+        if server_set.contains(&"run_id") {
+            schema.remove("if");
+            schema.remove("then");
+        }
+        let defs = match schema.remove("$defs") {
+            Some(Value::Object(defs)) => defs,
+            _ => Map::new(),
+        };
+        if let Some(Value::Object(properties)) = schema.get_mut("properties") {
+            for field in server_set {
+                properties.insert((*field).to_owned(), Value::Bool(false));
+            }
+            if let Some(Value::Object(tenant)) = properties.get_mut("tenant") {
+                tenant.insert("description".into(), TENANT.into());
+            }
+        }
+        if let Some(Value::Array(required)) = schema.get_mut("required") {
+            required.retain(|name| {
+                let name = name.as_str().unwrap_or_default();
+                name != "tenant" && !server_set.contains(&name) && !optional.contains(&name)
+            });
+        }
+        schema.insert("title".into(), title.into());
+        let description = format!(
+            "The fields of `{message}` (`schemas/messages/{message}.json`) that a caller gives; those the server sets are refused (400 `invalid_request`)."
+        );
+        schema.insert("description".into(), description.into());
+        let mut schema = Value::Object(schema);
+        // The definitions the body still uses, and those they use.
+        let mut wanted = Vec::new();
+        refs_into(&schema, &mut wanted);
+        while let Some(name) = wanted.pop() {
+            if self.cut.contains_key(&name) {
+                continue;
+            }
+            if let Some(def) = defs.get(&name) {
+                refs_into(def, &mut wanted);
+                self.cut.insert(name, def.clone());
+            }
+        }
+        rebase(&mut schema);
+        self.cut.insert(title.to_owned(), schema);
+        json!({ "$ref": format!("{COMPONENTS}{title}") })
+    }
+
+    /// Every definition, the generated and the cut; one name is one schema.
+    fn finish(mut self) -> Value {
+        let mut all = self.generator.take_definitions(true);
+        for (name, mut schema) in std::mem::take(&mut self.cut) {
+            rebase(&mut schema);
+            match all.get(&name) {
+                Some(generated) if *generated != schema => {
+                    panic!("two schemas named {name}: {generated} and {schema}")
+                }
+                _ => {
+                    all.insert(name, schema);
+                }
+            }
+        }
+        all.sort_keys();
+        Value::Object(all)
+    }
+}
+
+/// What a body's `tenant` means over HTTP.
+const TENANT: &str = "Optional: the key's tenant (403 `tenant_mismatch` for another). With `server.auth = \"disabled\"`, the tenant the request acts as.";
+
+/// The names of the contract definitions (`#/$defs/X`) that `schema`
+/// refers to.
+fn refs_into(schema: &Value, names: &mut Vec<String>) {
+    match schema {
+        Value::Object(map) => {
+            for (key, value) in map {
+                match (key.as_str(), value) {
+                    ("$ref", Value::String(target)) => {
+                        if let Some(name) = target.strip_prefix("#/$defs/") {
+                            names.push(name.to_owned());
+                        }
+                    }
+                    (_, value) => refs_into(value, names),
+                }
+            }
+        }
+        Value::Array(items) => items.iter().for_each(|v| refs_into(v, names)),
+        _ => {}
+    }
+}
+
+/// Points a contract schema's references (`#/$defs/X`) at the document's
+/// definitions.
+fn rebase(schema: &mut Value) {
+    match schema {
+        Value::Object(map) => {
+            for (key, value) in map.iter_mut() {
+                match (key.as_str(), value) {
+                    ("$ref", Value::String(target)) => {
+                        if let Some(name) = target.strip_prefix("#/$defs/") {
+                            *target = format!("{COMPONENTS}{name}");
+                        }
+                    }
+                    (_, value) => rebase(value),
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(rebase),
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_document_is_made_and_names_every_route() {
+        let document = document();
+        for route in &ROUTES {
+            let operation = &document["paths"][route.path][route.verb.as_str()];
+            assert!(operation.is_object(), "{route:?}");
+            let servers = operation["servers"].as_array().unwrap();
+            assert!(
+                servers
+                    .iter()
+                    .any(|s| s["x-ductor-listener"] == route.listener.as_str()),
+                "{route:?}"
+            );
+        }
+        assert_eq!(text(), text(), "deterministic");
+    }
+
+    #[test]
+    fn every_reference_has_its_definition() {
+        let document = document();
+        let mut refs = Vec::new();
+        collect_refs(&document, &mut refs);
+        assert!(!refs.is_empty());
+        for target in refs {
+            let name = target
+                .strip_prefix(COMPONENTS)
+                .unwrap_or_else(|| panic!("{target}"));
+            assert!(
+                document["components"]["schemas"][name].is_object(),
+                "{target} has no definition"
+            );
+        }
+    }
+
+    fn collect_refs(value: &Value, refs: &mut Vec<String>) {
+        match value {
+            Value::Object(map) => {
+                for (key, value) in map {
+                    match (key.as_str(), value) {
+                        ("$ref", Value::String(target)) => refs.push(target.clone()),
+                        (_, value) => collect_refs(value, refs),
+                    }
+                }
+            }
+            Value::Array(items) => items.iter().for_each(|v| collect_refs(v, refs)),
+            _ => {}
+        }
+    }
+
+    #[test]
+    fn every_code_is_documented_with_its_status() {
+        let text = text();
+        for code in Code::ALL {
+            assert!(text.contains(&format!("\"{}\"", code.as_str())), "{code:?}");
+        }
+    }
+}

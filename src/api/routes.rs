@@ -1,0 +1,215 @@
+//! Every route of both HTTP listeners, one row each: which listener serves
+//! it, its method and path, what it is, and who may call it.
+//!
+//! In: nothing (a table). Out: [`ROUTES`], and [`add`], the one way a
+//! router registers a route. Guarantees: the routers register their routes
+//! through [`add`] alone, so a route is served only where it has a row, on
+//! the row's method and path; the API's description
+//! ([`super::openapi`]) is made from the same rows, so it lists every route
+//! the listeners serve and no other. `tests/openapi.rs` checks that no
+//! router registers a route another way, and that every row is served.
+
+use axum::Router;
+use axum::handler::Handler;
+use axum::routing::{MethodFilter, on};
+
+use crate::auth::Scope;
+
+/// The two listeners of `serve`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Listener {
+    /// `server.listen`: the API and what every client may ask.
+    Public,
+    /// `server.admin_listen`: what the operator and the scraper ask.
+    Admin,
+}
+
+impl Listener {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Listener::Public => "public",
+            Listener::Admin => "admin",
+        }
+    }
+}
+
+/// The methods the listeners serve.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Verb {
+    Get,
+    Post,
+}
+
+impl Verb {
+    /// Lower case, as an OpenAPI path item names it.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Verb::Get => "get",
+            Verb::Post => "post",
+        }
+    }
+
+    /// Upper case, as a request line names it.
+    #[cfg_attr(not(any(test, feature = "internals")), allow(dead_code))]
+    pub const fn method(self) -> &'static str {
+        match self {
+            Verb::Get => "GET",
+            Verb::Post => "POST",
+        }
+    }
+
+    const fn filter(self) -> MethodFilter {
+        match self {
+            Verb::Get => MethodFilter::GET,
+            Verb::Post => MethodFilter::POST,
+        }
+    }
+}
+
+/// Who may call a route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Anyone who can reach the listener.
+    Open,
+    /// An API key with this scope (`server.auth = "required"`, the
+    /// default; with `"disabled"` the request names its tenant instead).
+    Key(Scope),
+    /// Anyone who can reach the listener, or, with `server.admin_auth =
+    /// "key"`, an API key with the `admin` scope.
+    AdminKey,
+}
+
+/// What a route does: one handler each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Endpoint {
+    Healthz,
+    PublicReadyz,
+    OpenApi,
+    CreateRun,
+    GetRun,
+    SignalRun,
+    CancelRun,
+    AdminHealthz,
+    AdminReadyz,
+    Metrics,
+}
+
+/// One route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Route {
+    pub listener: Listener,
+    pub verb: Verb,
+    /// In axum's syntax, which is OpenAPI's: `/v1/runs/{run_id}`.
+    pub path: &'static str,
+    pub endpoint: Endpoint,
+    pub access: Access,
+}
+
+const fn route(
+    listener: Listener,
+    verb: Verb,
+    path: &'static str,
+    endpoint: Endpoint,
+    access: Access,
+) -> Route {
+    Route {
+        listener,
+        verb,
+        path,
+        endpoint,
+        access,
+    }
+}
+
+/// Every route of both listeners.
+pub const ROUTES: [Route; 10] = {
+    use Access::{AdminKey, Key, Open};
+    use Listener::{Admin, Public};
+    use Verb::{Get, Post};
+    [
+        route(Public, Get, "/healthz", Endpoint::Healthz, Open),
+        route(Public, Get, "/readyz", Endpoint::PublicReadyz, Open),
+        route(Public, Get, "/v1/openapi.json", Endpoint::OpenApi, Open),
+        route(
+            Public,
+            Post,
+            "/v1/runs",
+            Endpoint::CreateRun,
+            Key(Scope::RunsWrite),
+        ),
+        route(
+            Public,
+            Get,
+            "/v1/runs/{run_id}",
+            Endpoint::GetRun,
+            Key(Scope::RunsRead),
+        ),
+        route(
+            Public,
+            Post,
+            "/v1/runs/{run_id}/signals",
+            Endpoint::SignalRun,
+            Key(Scope::RunsWrite),
+        ),
+        route(
+            Public,
+            Post,
+            "/v1/runs/{run_id}/cancel",
+            Endpoint::CancelRun,
+            Key(Scope::RunsWrite),
+        ),
+        route(Admin, Get, "/healthz", Endpoint::AdminHealthz, Open),
+        route(Admin, Get, "/readyz", Endpoint::AdminReadyz, AdminKey),
+        route(Admin, Get, "/metrics", Endpoint::Metrics, AdminKey),
+    ]
+};
+
+/// The row of `endpoint`, if it has one.
+pub fn of(endpoint: Endpoint) -> Option<&'static Route> {
+    ROUTES.iter().find(|r| r.endpoint == endpoint)
+}
+
+/// `router` with `endpoint`'s route, on its row's method and path, served
+/// by `handler`.
+///
+/// # Panics
+///
+/// When `endpoint` has no row: a route must not be served without being
+/// described. Routers are built as `serve` starts, so every test that
+/// starts one would fail first.
+pub fn add<S, H, T>(router: Router<S>, endpoint: Endpoint, handler: H) -> Router<S>
+where
+    H: Handler<T, S>,
+    T: 'static,
+    S: Clone + Send + Sync + 'static,
+{
+    let Some(row) = of(endpoint) else {
+        panic!("{endpoint:?} has no row in api::routes::ROUTES");
+    };
+    router.route(row.path, on(row.verb.filter(), handler))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_endpoint_has_one_row_and_no_two_rows_share_a_route() {
+        for (i, row) in ROUTES.iter().enumerate() {
+            assert_eq!(
+                of(row.endpoint),
+                Some(row),
+                "{:?} has one row",
+                row.endpoint
+            );
+            for other in &ROUTES[i + 1..] {
+                assert!(
+                    (row.listener, row.verb, row.path) != (other.listener, other.verb, other.path),
+                    "{row:?} and {other:?}"
+                );
+            }
+        }
+        let endpoints: std::collections::HashSet<_> = ROUTES.iter().map(|r| r.endpoint).collect();
+        assert_eq!(endpoints.len(), ROUTES.len());
+    }
+}
