@@ -76,7 +76,8 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     let config = Config::load(args.config.as_deref()).context("loading configuration")?;
-    ductor::infra::telemetry::init_logging(&config.log);
+    // With `telemetry.otlp_endpoint` set, the handlers' spans are exported.
+    let telemetry = ductor::client::init_telemetry(&config.log, &config.telemetry);
 
     let mut options = WorkerOptions::from_config(&config, &args.pool);
     options.max_in_flight = args.max_in_flight;
@@ -94,7 +95,12 @@ async fn main() -> anyhow::Result<()> {
         work: Duration::from_millis(args.work_ms),
         payments: args.payments_url,
     };
-    ductor::client::worker::run(options, move |step| handler.clone().handle(step), shutdown).await
+    let ran =
+        ductor::client::worker::run(options, move |step| handler.clone().handle(step), shutdown)
+            .await;
+    // The last spans go out before the process does.
+    tokio::task::spawn_blocking(move || telemetry.shutdown()).await?;
+    ran
 }
 
 impl Handler {

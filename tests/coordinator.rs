@@ -337,6 +337,7 @@ fn pending(topic: InputTopic, value: serde_json::Value) -> PendingInput {
         )
         .expect("a valid input"),
         source: None,
+        trace: None,
     }
 }
 
@@ -953,6 +954,7 @@ async fn a_batch_with_an_input_postgres_refuses_commits_the_rest_and_isolates_it
             correlation_id: None,
         }),
         source: None,
+        trace: None,
     };
     let bad_a = unique("poison-a-");
     let bad_b = unique("poison-b-");

@@ -321,6 +321,22 @@ fn headers_of(m: &OwnedMessage) -> Vec<(String, Vec<u8>)> {
 
 /// An input some producer wrote (a result of the Python worker, a signal
 /// or a timer): on its schema, with the headers inputs take.
+/// The value of header `name`, as text.
+fn header(m: &OwnedMessage, name: &str) -> Option<String> {
+    headers_of(m)
+        .into_iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| String::from_utf8_lossy(&v).into_owned())
+}
+
+/// The trace id of the record's `traceparent`, when it has a valid one.
+fn trace_of(m: &OwnedMessage) -> Option<String> {
+    let value = header(m, ductor::contract::headers::TRACEPARENT)?;
+    let trace =
+        ductor::contract::TraceContext::from_values([value.as_bytes()], std::iter::empty())?;
+    Some(trace.trace_id_hex())
+}
+
 fn check_input(m: &OwnedMessage) -> Value {
     let where_ = format!("{} [{}] @{}", m.topic(), m.partition(), m.offset());
     let value: Value = serde_json::from_slice(m.payload().unwrap_or_default())
@@ -471,15 +487,18 @@ async fn python_worker_and_consumer_keep_the_contract_through_kills() {
         .lines()
         .map(|l| serde_json::from_str(l).expect("runs.py writes JSON lines"))
         .collect();
-    let run_ids: BTreeSet<String> = lines
+    // Each run was started in a trace of its own (runs.py's traceparent).
+    let traces: BTreeMap<String, String> = lines
         .iter()
         .filter(|l| l.get("run_id").is_some())
         .map(|l| {
             assert_eq!(l["status"], 201, "{l}");
             assert_eq!(l["signal_status"], 202, "{l}");
-            l["run_id"].as_str().unwrap().to_owned()
+            let trace = l["trace_id"].as_str().expect("runs.py names the trace");
+            (l["run_id"].as_str().unwrap().to_owned(), trace.to_owned())
         })
         .collect();
+    let run_ids: BTreeSet<String> = traces.keys().cloned().collect();
     assert_eq!(
         run_ids.len(),
         RUNS,
@@ -640,9 +659,19 @@ async fn python_worker_and_consumer_keep_the_contract_through_kills() {
     // results signed with the tenant's key at the time they reached Kafka
     // and on partition murmur2(run_id), and no dead letter.
     let names = serve.config.topic_names();
-    for topic in [names.steps(POOL), names.events()] {
+    for topic in [names.steps(POOL), names.events(), outputs_topic.clone()] {
         let (_, records) = read_topic(&serve.config, &topic).await;
         assert!(!records.is_empty(), "{topic} is empty");
+        // Every effect is a hop of its run's trace.
+        for m in &records {
+            let run_id =
+                header(m, ductor::contract::headers::RUN_ID).expect("an effect names its run");
+            assert_eq!(
+                trace_of(m).as_deref(),
+                Some(traces[&run_id].as_str()),
+                "{topic}: an effect of {run_id} is not in its run's trace"
+            );
+        }
     }
     let (partitions, results) = read_topic(&serve.config, &names.attempt_results()).await;
     assert!(results.len() >= 2 * RUNS, "{} results", results.len());
@@ -659,6 +688,13 @@ async fn python_worker_and_consumer_keep_the_contract_through_kills() {
             m.partition(),
             murmur2_partition(key, partitions),
             "{value}: not on murmur2's partition"
+        );
+        // The worker continued the dispatch's trace: the run's.
+        let run_id = value["run_id"].as_str().unwrap();
+        assert_eq!(
+            trace_of(m).as_deref(),
+            Some(traces[run_id].as_str()),
+            "{value}: the result is not in its run's trace"
         );
         let signature = headers_of(m)
             .into_iter()

@@ -175,6 +175,45 @@ fn header_schemas_hold_what_ductor_writes_and_refuse_what_it_does_not() {
     );
 }
 
+#[test]
+fn the_trace_context_is_optional_on_effects_and_inputs_and_checked_when_there() {
+    use ductor::contract::TraceContext;
+    let origin = ductor::contract::headers::EffectOrigin {
+        run_id: "r-1",
+        tenant: "acme",
+        workflow: "payments",
+        workflow_version: 3,
+        seq: 7,
+        at: chrono::Utc::now(),
+    };
+    let parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let trace =
+        TraceContext::from_values([parent.as_bytes()], [&b"vendor=abc"[..]]).expect("valid");
+    let mut written =
+        ductor::contract::headers::effect_headers(&origin, "r-1/7/0", "ductor.step.dispatch");
+    ductor::contract::headers::add_trace(&mut written, &trace.child([7; 8]));
+    let as_bytes = |headers: &serde_json::Map<String, Value>| -> Vec<(String, Vec<u8>)> {
+        headers
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_str().unwrap().as_bytes().to_vec()))
+            .collect()
+    };
+    check_headers("effect", &as_bytes(&written)).unwrap();
+    written.insert("traceparent".into(), json!("ff-nonsense"));
+    assert!(check_headers("effect", &as_bytes(&written)).is_err());
+    written.insert("traceparent".into(), json!(trace.traceparent()));
+    written.insert("tracestate".into(), json!("k=v,".repeat(200)));
+    assert!(
+        check_headers("effect", &as_bytes(&written)).is_err(),
+        "tracestate is bounded"
+    );
+    let traced_input = [
+        ("traceparent".to_owned(), parent.as_bytes().to_vec()),
+        ("tracestate".to_owned(), b"vendor=abc".to_vec()),
+    ];
+    check_headers("input", &traced_input).unwrap();
+}
+
 /// Every `$ref` in `value` that points at another file.
 fn file_refs(value: &Value, found: &mut Vec<String>) {
     match value {

@@ -49,6 +49,7 @@ fn start(run_id: &str, version: u32) -> PendingInput {
             correlation_id: None,
         }),
         source: None,
+        trace: None,
     }
 }
 

@@ -20,6 +20,8 @@ import hashlib
 import hmac
 import json
 import os
+import re
+import secrets
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -46,6 +48,9 @@ CONTENT_TYPE = "content-type"
 JSON_CONTENT = "application/json"
 # The header that carries a tenant's signature on an input.
 SIGNATURE = "ductor-signature"
+# W3C Trace Context, on effects and inputs alike (and on HTTP requests).
+TRACEPARENT = "traceparent"
+TRACESTATE = "tracestate"
 
 # Bounds the coordinator holds an input to (src/contract/input.rs and the
 # default configuration): a result over them is dead-lettered, so a worker
@@ -225,6 +230,46 @@ class StepDispatch:
             deadline=parse_time(value["deadline"]),
             input=value.get("input"),
         )
+
+
+# ---------------------------------------------------------------------------
+# Trace context: a worker continues the trace of the dispatch it answers.
+
+_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
+
+
+def new_traceparent(sampled: bool = True) -> str:
+    """A ``traceparent`` that starts a trace of its own."""
+    return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-{'01' if sampled else '00'}"
+
+
+def trace_id(traceparent: str | None) -> str | None:
+    """The trace id of a well-formed ``traceparent``, else None (W3C: version
+    ``ff`` and all-zero ids are invalid; a version 00 value has no suffix)."""
+    m = _TRACEPARENT.match(traceparent or "")
+    if m is None:
+        return None
+    version, trace, span, _, rest = m.groups()
+    if version == "ff" or trace == "0" * 32 or span == "0" * 16 or (version == "00" and rest):
+        return None
+    return trace
+
+
+def continue_trace(headers: Iterable[tuple[str, bytes | None]] | None) -> list[tuple[str, bytes]]:
+    """The trace headers of a result that continues ``headers``' trace: the
+    same trace id and flags under a span id of the result's own, and the
+    ``tracestate`` as it came. None when the dispatch carries no valid trace:
+    an untraced run stays untraced."""
+    parent = header(headers, TRACEPARENT)
+    trace = trace_id(parent)
+    if parent is None or trace is None:
+        return []
+    flags = parent[53:55]
+    out = [(TRACEPARENT, f"00-{trace}-{secrets.token_hex(8)}-{flags}".encode())]
+    state = header(headers, TRACESTATE)
+    if state:
+        out.append((TRACESTATE, state.encode()))
+    return out
 
 
 def parse_time(text: str) -> datetime:

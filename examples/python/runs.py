@@ -4,7 +4,8 @@
 In: the API's base URL (``--api``, default ``$DUCTOR_API_URL``) and a key
 made by ``ductor keys create`` (``$DUCTOR_API_KEY``: a key on the command
 line would show in the process list). Out: one JSON line per run started
-(its index, run id and HTTP status), then a summary line.
+(its index, run id, HTTP status and the trace id it was started in, sent as
+a W3C ``traceparent``), then a summary line.
 Guarantees: a start carries an ``Idempotency-Key`` and a signal a
 ``signal_id`` derived from it, so that retrying either after a lost answer,
 a 429 or a 503 gives the one run and the one signal, never a second.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import sys
 import time
 import urllib.error
@@ -83,11 +85,14 @@ class Api:
             wait = min(wait * 2, RETRY_MAX_S)
         raise AssertionError("unreachable")
 
-    def start(self, workflow: str, idempotency_key: str, run_input: Any, pool: str | None) -> tuple[int, dict]:
+    def start(
+        self, workflow: str, idempotency_key: str, run_input: Any, pool: str | None, traceparent: str
+    ) -> tuple[int, dict]:
         body: dict[str, Any] = {"workflow": workflow, "input": run_input}
         if pool:
             body["pool"] = pool
-        return self.request("POST", "/v1/runs", body, {"Idempotency-Key": idempotency_key})
+        headers = {"Idempotency-Key": idempotency_key, "traceparent": traceparent}
+        return self.request("POST", "/v1/runs", body, headers)
 
     def signal(self, run_id: str, name: str, signal_id: str, payload: Any) -> tuple[int, dict]:
         body = {"name": name, "signal_id": signal_id, "payload": payload}
@@ -104,8 +109,16 @@ def start_many(api: Api, args: argparse.Namespace) -> int:
     def one(index: int) -> dict[str, Any]:
         run_input = dict(base_input, order=index, amount=args.amount + index)
         key = f"{prefix}-{index}"
-        status, decision = api.start(args.workflow, key, run_input, args.pool)
-        line: dict[str, Any] = {"index": index, "run_id": decision["run_id"], "status": status}
+        # Each run is a trace of its own, rooted here: every hop in Ductor
+        # and the worker's results carry its trace id.
+        traceparent = f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
+        status, decision = api.start(args.workflow, key, run_input, args.pool, traceparent)
+        line: dict[str, Any] = {
+            "index": index,
+            "run_id": decision["run_id"],
+            "status": status,
+            "trace_id": traceparent.split("-")[1],
+        }
         if args.signal:
             signal_status, _ = api.signal(decision["run_id"], args.signal, f"{key}/{args.signal}", {"index": index})
             line["signal_status"] = signal_status

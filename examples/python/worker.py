@@ -4,8 +4,9 @@
 In: the pool's ``step.dispatch`` records (``<prefix>steps.<pool>``), read in
 the pool's consumer group (the one Ductor's Rust worker library uses).
 Out: one ``attempt.result`` per dispatch on ``<prefix>attempt-results``,
-keyed by its run, carrying the dispatch's stamp, signed when the tenant has
-a signing key; and, for the ``charge`` step, a charge in a payments ledger
+keyed by its run, carrying the dispatch's stamp and continuing its W3C
+trace (``traceparent``, ``tracestate``), signed when the tenant has a
+signing key; and, for the ``charge`` step, a charge in a payments ledger
 (a Postgres table standing in for a payment service) made with the step's
 ``step_key`` as its idempotency key.
 Guarantees: a dispatch's offset is committed only after the broker has
@@ -242,7 +243,7 @@ class Worker:
             return None
         return step
 
-    def answer(self, step: contract.StepDispatch) -> Pending:
+    def answer(self, step: contract.StepDispatch, dispatch_headers: list[tuple[str, bytes]] | None) -> Pending:
         try:
             result = self.handler(step)
         except Exception as e:  # the step failed: let its retry policy decide
@@ -250,6 +251,8 @@ class Worker:
             result = contract.result_failed(step, f"{type(e).__name__}: {e}", retryable=True)
         payload = contract.encode_result(step, result)
         headers = [(contract.CONTENT_TYPE, contract.JSON_CONTENT.encode())]
+        # The result is the next hop of the dispatch's trace.
+        headers.extend(contract.continue_trace(dispatch_headers))
         key = self.tenant_keys.get(step.tenant)
         if key is not None:
             headers.append((contract.SIGNATURE, contract.sign(key, payload).encode()))
@@ -339,7 +342,7 @@ class Worker:
                     continue
                 step = self.admit(msg)
                 if step is not None:
-                    pending = self.answer(step)
+                    pending = self.answer(step, msg.headers())
                     self.produce(pending)
                     round_.pending.append(pending)
                 round_.positions[(msg.topic(), msg.partition())] = msg.offset() + 1

@@ -2,7 +2,8 @@
 //! (the key, its scope, its rate), which tenant it acts as, and its body.
 //!
 //! In: the request's headers and body. Out: an [`Identity`], a tenant, the
-//! body's bytes, or the [`ApiError`] that answers instead. Guarantees: a
+//! body's bytes, the span of the request in the caller's trace, or the
+//! [`ApiError`] that answers instead. Guarantees: a
 //! body is read up to `routing.max_body_bytes` and within
 //! `server.body_read_timeout_ms`, and only when it says it is JSON; a
 //! key's rate is spent before any work is done for it.
@@ -13,6 +14,23 @@ use axum::http::{HeaderMap, HeaderValue, Request, header};
 use super::ApiState;
 use super::error::{ApiError, Code, database, refused};
 use crate::auth::{AuthError, Identity, Scope, TenantError};
+use crate::contract::TraceContext;
+use crate::contract::headers::{TRACEPARENT, TRACESTATE};
+use crate::infra::traces;
+
+/// The span of one API request, continuing the caller's W3C trace
+/// (`traceparent`, `tracestate`; a malformed one is ignored), and the
+/// context of the request's next hop: what the run or the input it makes
+/// carries on.
+pub(crate) fn traced(
+    headers: &HeaderMap,
+    span: tracing::Span,
+) -> (tracing::Span, Option<TraceContext>) {
+    let values = |name: &'static str| headers.get_all(name).into_iter().map(HeaderValue::as_bytes);
+    let caller = TraceContext::from_values(values(TRACEPARENT), values(TRACESTATE));
+    let hop = traces::hop(&span, caller.as_ref());
+    (span, hop)
+}
 
 /// Who sent `headers`, if it may do what needs `scope`.
 pub(crate) async fn authenticate(

@@ -7,7 +7,8 @@
 //! the run's one writer (the coordinator) folds it in order with the run's
 //! other inputs. 202 means the broker has it.
 //!
-//! In: a run id in the path, and a signal's JSON body. Out: the run's
+//! In: a run id in the path, a signal's JSON body, and the caller's trace
+//! context, which the input carries on to the run. Out: the run's
 //! summary (200), 404 for a run the caller's tenant does not have, 410 for
 //! one retention deleted, or 202 once the broker holds the input.
 //! Guarantees: a tenant never learns whether another tenant's run exists; a
@@ -24,13 +25,14 @@ use schemars::JsonSchema;
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 use sqlx::Row;
+use tracing::Instrument;
 
 use super::ApiState;
 use super::error::{ApiError, Code, body_error, database};
-use super::request::{authenticate, read_body, tenant};
+use super::request::{authenticate, read_body, tenant, traced};
 use crate::auth::Scope;
 use crate::contract::formats::{AnyValue, Id, Name, Timestamp};
-use crate::contract::{Input, InputTopic, SignalWakeup, decode_value, parse_value};
+use crate::contract::{Input, InputTopic, SignalWakeup, TraceContext, decode_value, parse_value};
 use crate::coordinator::state::RunStatus;
 use crate::routing;
 
@@ -165,6 +167,15 @@ pub(crate) async fn signal_run(
     Path(run_id): Path<String>,
     request: Request<Body>,
 ) -> Response {
+    let (span, trace) = traced(
+        request.headers(),
+        tracing::info_span!(
+            target: crate::infra::traces::TARGET,
+            parent: None,
+            "api.signal_run",
+            ductor.run_id = %run_id,
+        ),
+    );
     let answer = async {
         let (tenant, mut fields) = accept(&state, request, false).await?;
         fields
@@ -188,10 +199,10 @@ pub(crate) async fn signal_run(
             already_signalled(&signal, &record)?;
             return Ok((StatusCode::OK, answer(SignalStatus::Duplicate)));
         }
-        produce(&state, &tenant, &run_id, &input).await?;
+        produce(&state, &tenant, &run_id, &input, trace.as_ref()).await?;
         Ok((StatusCode::ACCEPTED, answer(SignalStatus::Accepted)))
     };
-    match answer.await {
+    match answer.instrument(span).await {
         Ok(answer) => (answer.0, axum::Json(answer.1)).into_response(),
         Err(e) => e.into_response(),
     }
@@ -240,15 +251,29 @@ pub(crate) async fn cancel_run(
     Path(run_id): Path<String>,
     request: Request<Body>,
 ) -> Response {
+    let (span, trace) = traced(
+        request.headers(),
+        tracing::info_span!(
+            target: crate::infra::traces::TARGET,
+            parent: None,
+            "api.cancel_run",
+            ductor.run_id = %run_id,
+        ),
+    );
     let answer = async {
         let (tenant, fields) = accept(&state, request, true).await?;
-        send(&state, &tenant, &run_id, "wakeup.cancel", fields).await?;
+        let input = Wakeup {
+            tenant: &tenant,
+            run_id: &run_id,
+            trace: trace.as_ref(),
+        };
+        send(&state, input, "wakeup.cancel", fields).await?;
         Ok::<_, ApiError>(CancelAnswer {
             run_id: run_id.clone(),
             status: CancelStatus::Accepted,
         })
     };
-    match answer.await {
+    match answer.instrument(span).await {
         Ok(body) => (StatusCode::ACCEPTED, axum::Json(body)).into_response(),
         Err(e) => e.into_response(),
     }
@@ -306,19 +331,26 @@ async fn accept(
 /// to be the tenant's.
 async fn send(
     state: &ApiState,
-    tenant: &str,
-    run_id: &str,
+    to: Wakeup<'_>,
     kind: &str,
     input: Map<String, Value>,
 ) -> Result<(), ApiError> {
-    let (input, _) = wakeup_input(tenant, run_id, kind, input)?;
-    if !run_exists(state.decider.pool(), run_id, tenant)
+    let (input, _) = wakeup_input(to.tenant, to.run_id, kind, input)?;
+    if !run_exists(state.decider.pool(), to.run_id, to.tenant)
         .await
         .map_err(database)?
     {
         return Err(not_found());
     }
-    produce(state, tenant, run_id, &input).await
+    produce(state, to.tenant, to.run_id, &input, to.trace).await
+}
+
+/// Where a wakeup made over HTTP goes, and the trace it continues.
+#[derive(Clone, Copy)]
+struct Wakeup<'a> {
+    tenant: &'a str,
+    run_id: &'a str,
+    trace: Option<&'a TraceContext>,
 }
 
 /// The wakeup input of `kind` for the run, from the body's `fields`, as
@@ -343,12 +375,14 @@ fn wakeup_input(
 }
 
 /// Puts `input` on the wakeups topic, keyed by the run, signed when the
-/// tenant has a key; returns once the broker has it.
+/// tenant has a key and with the request's trace context when it has one;
+/// returns once the broker has it.
 async fn produce(
     state: &ApiState,
     tenant: &str,
     run_id: &str,
     input: &Value,
+    trace: Option<&TraceContext>,
 ) -> Result<(), ApiError> {
     let bytes = serde_json::to_vec(input).expect("a JSON value serializes");
     let sink = &state.inputs;
@@ -366,14 +400,21 @@ async fn produce(
              this tenant has none (signatures.tenant_keys): ask the operator for one",
         ));
     }
+    let mut headers = Vec::new();
+    if let Some(signature) = signature {
+        headers.push((crate::contract::signature::SIGNATURE, signature));
+    }
+    headers.extend(trace.into_iter().flat_map(TraceContext::headers));
     let mut record = FutureRecord::to(&sink.topic).key(run_id).payload(&bytes);
-    if let Some(signature) = &signature {
-        record = record.headers(rdkafka::message::OwnedHeaders::new().insert(
-            rdkafka::message::Header {
-                key: crate::contract::signature::SIGNATURE,
-                value: Some(signature.as_str()),
-            },
-        ));
+    if !headers.is_empty() {
+        let mut owned = rdkafka::message::OwnedHeaders::new_with_capacity(headers.len());
+        for (key, value) in &headers {
+            owned = owned.insert(rdkafka::message::Header {
+                key,
+                value: Some(value.as_str()),
+            });
+        }
+        record = record.headers(owned);
     }
     sink.producer
         .send(record, sink.timeout)

@@ -4,8 +4,8 @@
 //! follows its pool's duplicate-waiter policy (`reject` at once, or `wait`
 //! for the decision within `wait_timeout_ms`).
 //!
-//! In: the request's key header and JSON body, bound to the caller's
-//! tenant. Out: [`Submitted`] (201 with a new decision, 200 with the same
+//! In: the request's key header, trace context and JSON body, bound to
+//! the caller's tenant. Out: [`Submitted`] (201 with a new decision, 200 with the same
 //! body for a duplicate) or an [`ApiError`]. Guarantees: one decision per
 //! `(tenant, pool, key)`, whoever asks and however often; a caller whose
 //! reservation was swept while it decided never answers over the new
@@ -19,10 +19,11 @@ use axum::http::{HeaderMap, Request, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::ApiState;
 use super::error::{ApiError, Code, body_error, database};
-use super::request::{authenticate, read_body, tenant};
+use super::request::{authenticate, read_body, tenant, traced};
 use crate::auth::{Identity, Scope};
 use crate::config::{DuplicatePolicy, RoutingConfig};
 use crate::contract::parse_value;
@@ -75,12 +76,36 @@ pub(super) async fn create_run(State(state): State<ApiState>, request: Request<B
 }
 
 async fn create_run_inner(state: &ApiState, request: Request<Body>) -> Result<Submitted, ApiError> {
+    let (span, trace) = traced(
+        request.headers(),
+        tracing::info_span!(
+            target: crate::infra::traces::TARGET,
+            parent: None,
+            "api.start_run",
+            ductor.run_id = tracing::field::Empty,
+        ),
+    );
+    let submitted = create_traced(state, request, trace)
+        .instrument(span.clone())
+        .await;
+    if let Ok(submitted) = &submitted {
+        span.record("ductor.run_id", submitted.decision().run_id.as_str());
+    }
+    submitted
+}
+
+async fn create_traced(
+    state: &ApiState,
+    request: Request<Body>,
+    trace: Option<crate::contract::TraceContext>,
+) -> Result<Submitted, ApiError> {
     let identity = authenticate(state, request.headers(), Scope::RunsWrite).await?;
     let key = idempotency_key(request.headers())?;
     let bytes = read_body(state, request).await?;
     let mut body = parse_value(&bytes, &state.limits).map_err(body_error)?;
     bind_tenant(&mut body, &identity)?;
-    let request = route_request_from_body(body, key)?;
+    let mut request = route_request_from_body(body, key)?;
+    request.trace = trace;
     crate::contract::bound_start(&request.start, bytes.len(), &state.limits).map_err(|e| {
         ApiError::class(
             StatusCode::UNPROCESSABLE_ENTITY,

@@ -1,28 +1,46 @@
 //! Fold: each input of a batch through the coordinator's fold, against the
 //! runs as loaded, and the rows its transition writes.
 //!
-//! In: one input (or a routed start) with where it came from, the batch's
-//! runs in memory and the time of the attempt. Out: the input's
-//! [`InputOutcome`]; for a transition, the run's new state in place of the
-//! old, and its transition, attempt and intent rows added to the batch's
-//! [`Writes`]. Guarantees: no database here; the inputs of a batch fold in
-//! order, each on the state the one before it left; a run retention deleted
-//! folds against its tombstone, never as a new run; every intent's
-//! idempotency key is its run, seq and effect index, the same at every
-//! recomputation.
+//! In: one input (or a routed start) with what its message carried (where
+//! it came from, its trace context), the batch's runs in memory and the
+//! time of the attempt. Out: the input's [`InputOutcome`]; for a
+//! transition, the run's new state in place of the old, and its
+//! transition, attempt and intent rows added to the batch's [`Writes`].
+//! Guarantees: no database here; the inputs of a batch fold in order, each
+//! on the state the one before it left; a run retention deleted folds
+//! against its tombstone, never as a new run; every intent's idempotency
+//! key is its run, seq and effect index, the same at every recomputation.
+//! A transition of a traced run is a hop of the run's trace: the input's
+//! context continues it when the input belongs to that trace (a worker's
+//! result, a timer, a signal of the same trace), the run's own otherwise
+//! (an input of another trace is linked, not followed); an input's
+//! tracestate replaces the run's only when it has one; the run keeps the
+//! hop, and its effects carry it.
 
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
+use tracing::field::Empty;
 use uuid::Uuid;
 
 use super::rows::{IntentRow, Loaded, TransitionRow, Writes};
 use super::{Applier, ApplyError, InputOutcome};
-use crate::contract::Source;
-use crate::contract::headers::{EffectOrigin, effect_headers};
-use crate::contract::{Effect, EffectTarget, Input, idempotency_key, timeout_cancel_key};
+use crate::contract::headers::{EffectOrigin, add_trace, effect_headers};
+use crate::contract::{
+    Effect, EffectTarget, Input, Source, TraceContext, idempotency_key, timeout_cancel_key,
+};
 use crate::coordinator::{Decision, Entropy, RunState, RunStatus, Transition, fold, fold_purged};
+use crate::infra::traces;
+
+/// What an input's message carried besides the input.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Carried<'a> {
+    /// Where it was read, kept on its transition.
+    pub(super) source: Option<&'a Source>,
+    /// Its trace context, if a valid one.
+    pub(super) trace: Option<&'a TraceContext>,
+}
 
 fn fresh_entropy() -> Entropy {
     Entropy {
@@ -37,11 +55,20 @@ impl Applier {
     pub(super) fn fold_one(
         &self,
         input: &Input,
-        source: Option<&Source>,
+        carried: Carried<'_>,
         runs: &mut HashMap<String, Loaded>,
         writes: &mut Writes,
         now: DateTime<Utc>,
     ) -> Result<(InputOutcome, usize), ApplyError> {
+        let span = tracing::info_span!(
+            target: traces::TARGET,
+            parent: None,
+            "fold",
+            ductor.run_id = input.run_id(),
+            ductor.input = input_kind(input),
+            ductor.step = Empty,
+            ductor.seq = Empty,
+        );
         let loaded = runs
             .get_mut(input.run_id())
             .expect("every input's run was looked up");
@@ -62,7 +89,24 @@ impl Applier {
             Decision::Rejection(rejection) => return Ok((InputOutcome::Rejected(rejection), 0)),
             Decision::Transition(transition) => *transition,
         };
-        let (seq, effects) = self.record(transition, source, loaded, writes)?;
+        let run_trace = loaded.state.as_ref().and_then(|s| s.trace.as_ref());
+        let parent = match (carried.trace, run_trace) {
+            (Some(own), Some(run)) if own.trace_id != run.trace_id => {
+                traces::link(&span, own);
+                Some(run.clone())
+            }
+            // An input of the run's trace without a tracestate of its own
+            // (a signal's caller that has none) keeps the run's.
+            (Some(own), Some(run)) if own.tracestate.is_none() => Some(TraceContext {
+                tracestate: run.tracestate.clone(),
+                ..own.clone()
+            }),
+            (own, run) => own.or(run).cloned(),
+        };
+        let hop = traces::hop(&span, parent.as_ref());
+        span.record("ductor.step", transition.record.step_index);
+        span.record("ductor.seq", transition.record.seq);
+        let (seq, effects) = self.record(transition, carried.source, hop, loaded, writes)?;
         Ok((InputOutcome::Applied { seq }, effects))
     }
 
@@ -72,10 +116,14 @@ impl Applier {
         &self,
         transition: Transition,
         source: Option<&Source>,
+        hop: Option<TraceContext>,
         loaded: &mut Loaded,
         writes: &mut Writes,
     ) -> Result<(i64, usize), ApplyError> {
-        let state = transition.state;
+        let mut state = transition.state;
+        if hop.is_some() {
+            state.trace = hop;
+        }
         let record = transition.record;
         let seq = record.seq;
         writes.transitions.push(TransitionRow {
@@ -122,7 +170,10 @@ impl Applier {
             seq,
             at,
         };
-        let headers = effect_headers(&origin, &key, effect.kind.ce_type());
+        let mut headers = effect_headers(&origin, &key, effect.kind.ce_type());
+        if let Some(trace) = &state.trace {
+            add_trace(&mut headers, trace);
+        }
         let cancel_key = match (&effect.target, effect.payload.get("timer")) {
             (EffectTarget::Wakeups, Some(timer)) if timer == "timeout" => effect
                 .payload
@@ -146,5 +197,16 @@ impl Applier {
             due: effect.not_before.is_none_or(|t| t <= at),
             not_before: effect.not_before.unwrap_or(at),
         })
+    }
+}
+
+/// The kind of an input, as its span names it.
+fn input_kind(input: &Input) -> &'static str {
+    match input {
+        Input::Start(_) => "run.start",
+        Input::Result(_) => "attempt.result",
+        Input::Timer(_) => "wakeup.timer",
+        Input::Signal(_) => "wakeup.signal",
+        Input::Cancel(_) => "wakeup.cancel",
     }
 }

@@ -127,7 +127,9 @@ impl Applier {
                     continue;
                 };
                 if let Some(transition) = fail_missing_workflow(state, &self.workflows, now) {
-                    self.record(transition, None, loaded, &mut writes)?;
+                    let hop =
+                        crate::infra::traces::hop(&tracing::Span::none(), state.trace.as_ref());
+                    self.record(transition, None, hop, loaded, &mut writes)?;
                     failed += 1;
                 }
             }

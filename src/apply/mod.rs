@@ -53,10 +53,12 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use sqlx::PgPool;
+use tracing::Instrument;
 
-use crate::contract::{Input, Source, TopicNames};
+use crate::contract::{Input, Source, TopicNames, TraceContext};
 use crate::coordinator::{NoOpReason, Rejection, Workflows};
 use crate::routing::{RouteOutcome, RouteRequest};
+use fold::Carried;
 use load::{load_runs, unsure};
 use routed::Routed;
 use rows::Writes;
@@ -68,6 +70,8 @@ use write::{Handed, write_all};
 pub struct PendingInput {
     pub input: Input,
     pub source: Option<Source>,
+    /// The trace context its message carried, if a valid one.
+    pub trace: Option<TraceContext>,
 }
 
 /// What happened to one input of a batch.
@@ -176,6 +180,20 @@ impl Applier {
     /// caller in flight fails the batch with [`ApplyError::RoutingInProgress`];
     /// retry it after a pause (the holder decides or is swept).
     pub async fn apply(
+        &self,
+        inputs: &[PendingInput],
+        routed: &[RouteRequest],
+    ) -> Result<BatchReport, ApplyError> {
+        let span = tracing::info_span!(
+            target: crate::infra::traces::TARGET,
+            "apply",
+            ductor.inputs = inputs.len(),
+            ductor.routed = routed.len(),
+        );
+        self.apply_all(inputs, routed).instrument(span).await
+    }
+
+    async fn apply_all(
         &self,
         inputs: &[PendingInput],
         routed: &[RouteRequest],
@@ -310,7 +328,10 @@ impl Applier {
         for pending in inputs {
             let (outcome, _) = self.fold_one(
                 &pending.input,
-                pending.source.as_ref(),
+                Carried {
+                    source: pending.source.as_ref(),
+                    trace: pending.trace.as_ref(),
+                },
                 &mut runs,
                 &mut writes,
                 now,

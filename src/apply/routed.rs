@@ -17,6 +17,7 @@ use std::collections::HashMap;
 use chrono::{DateTime, Utc};
 use sqlx::{Postgres, Transaction as PgTx};
 
+use super::fold::Carried;
 use super::rows::{Loaded, Writes};
 use super::session::Session;
 use super::{Applier, ApplyError, InputOutcome};
@@ -135,8 +136,11 @@ impl Applier {
             purged: None,
         });
         let input = Input::Start(start.clone());
-        let (outcome, effects) =
-            self.fold_one(&input, request.source.as_ref(), runs, writes, now)?;
+        let carried = Carried {
+            source: request.source.as_ref(),
+            trace: request.trace.as_ref(),
+        };
+        let (outcome, effects) = self.fold_one(&input, carried, runs, writes, now)?;
         let InputOutcome::Applied { seq } = outcome else {
             return Ok(Some(RouteOutcome::Rejected(match outcome {
                 InputOutcome::Rejected(r) => r.message,

@@ -21,8 +21,9 @@ use std::process::ExitCode;
 use crate::config::Config;
 
 /// The frame of every Ductor binary: loads the configuration (`path` over
-/// the built-in defaults, `DUCTOR__*` over both), starts logging and a
-/// multi-threaded runtime, and runs `main` on it. A configuration that does
+/// the built-in defaults, `DUCTOR__*` over both), starts logging (and the
+/// span exporter, when configured) and a multi-threaded runtime, and runs
+/// `main` on it; the exporter sends its last spans once `main` returns. A configuration that does
 /// not load, or a runtime that does not start, exits with status 2.
 pub fn run_binary<F, Fut>(path: Option<&Path>, main: F) -> ExitCode
 where
@@ -36,8 +37,8 @@ where
             return ExitCode::from(2);
         }
     };
-    crate::infra::telemetry::init_logging(&config.log);
-    match tokio::runtime::Builder::new_multi_thread()
+    let telemetry = crate::infra::telemetry::init(&config.log, &config.telemetry);
+    let code = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
     {
@@ -46,5 +47,8 @@ where
             eprintln!("error: starting the async runtime: {e}");
             ExitCode::from(2)
         }
-    }
+    };
+    // The last spans go out before the process does.
+    telemetry.shutdown();
+    code
 }

@@ -18,7 +18,7 @@
 //!
 //! Each section is a file of its own with the checks of its own values
 //! (`database`, `kafka`, `server`, `log`, `coordinator`, `drainer`,
-//! `routing`, `runs`, `signatures`); the types that redact themselves are
+//! `routing`, `runs`, `signatures`, `telemetry`); the types that redact themselves are
 //! in `secrets`. What relates two sections (an input against Kafka's
 //! message bound, a claim's lease against a publish's timeout) is checked
 //! here.
@@ -33,6 +33,7 @@ mod runs;
 mod secrets;
 mod server;
 mod signatures;
+mod telemetry;
 
 use std::path::{Path, PathBuf};
 
@@ -52,6 +53,7 @@ pub use runs::RunsConfig;
 pub use secrets::{DatabaseUrl, KafkaProperties, SigningKey};
 pub use server::{AdminAuth, AuthMode, ServerConfig};
 pub use signatures::{MIN_SIGNING_KEY_BYTES, SignaturesConfig};
+pub use telemetry::TelemetryConfig;
 
 /// Room an effect needs around the largest value it carries (a dispatch
 /// carries a run's input or a step's output): its envelope fields, its
@@ -94,6 +96,9 @@ pub struct Config {
     /// Off unless configured: inputs signed per tenant.
     #[serde(default)]
     pub signatures: SignaturesConfig,
+    /// Off unless configured: the OTLP exporter of the trace spans.
+    #[serde(default)]
+    pub telemetry: TelemetryConfig,
 }
 
 impl Config {
@@ -165,7 +170,8 @@ impl Config {
         self.drainer.validate()?;
         self.validate_drainer_lease()?;
         self.routing.validate()?;
-        self.runs.validate()
+        self.runs.validate()?;
+        self.telemetry.validate()
     }
 
     /// What this configuration leaves open that an operator should know

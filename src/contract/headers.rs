@@ -4,7 +4,8 @@
 //! Every effect carries an idempotency key (a consumer that honours it, as
 //! [`crate::client::dedup`] does, applies the effect once however often it is
 //! redelivered), the run it belongs to, and the CloudEvents attributes in
-//! Kafka's binary content mode (`ce_*`).
+//! Kafka's binary content mode (`ce_*`), and, for a traced run, the W3C
+//! trace context ([`TRACEPARENT`], [`TRACESTATE`]).
 //!
 //! In: an effect's [`EffectOrigin`], its idempotency key and CloudEvents
 //! type. Out: its headers, in the order they are published. Guarantees:
@@ -35,6 +36,16 @@ pub const CE_TIME: &str = "ce_time";
 /// The run id.
 pub const CE_SUBJECT: &str = "ce_subject";
 pub const CONTENT_TYPE: &str = "content-type";
+
+/// W3C Trace Context: the trace and the span of the hop that sent the
+/// record (or the HTTP request), `00-<trace id>-<span id>-<flags>`. Read on
+/// every input and on `POST /v1/runs`, signals and cancels; written on every
+/// effect of a traced run, with the span of the transition that made it
+/// (see [`super::trace`]). The same name on HTTP and on Kafka.
+pub const TRACEPARENT: &str = "traceparent";
+/// W3C Trace Context: the vendors' entries that travel with
+/// [`TRACEPARENT`], at most [`super::trace::MAX_TRACESTATE_LEN`] bytes.
+pub const TRACESTATE: &str = "tracestate";
 
 /// On a dead letter: the topic, partition and offset the input came from.
 pub const DLQ_TOPIC: &str = "ductor-dlq-topic";
@@ -104,6 +115,13 @@ pub struct EffectOrigin<'a> {
     pub seq: i64,
     /// When that transition committed.
     pub at: DateTime<Utc>,
+}
+
+/// Adds the trace context of the hop that made an effect to its headers.
+pub fn add_trace(headers: &mut Map<String, Value>, trace: &super::trace::TraceContext) {
+    for (name, value) in trace.headers() {
+        headers.insert(name.to_owned(), Value::String(value));
+    }
 }
 
 /// The headers of an effect with idempotency key `key` and CloudEvents type

@@ -10,6 +10,7 @@
 //!   `run.effect_parked`), as typed payloads;
 //! - [`headers`]: the header names of every published record and the
 //!   dead-letter topic;
+//! - [`trace`]: the W3C trace context on HTTP and Kafka headers;
 //! - [`names`]: topic names and the keys derived for effects;
 //! - [`partition`]: which partition a run's input belongs on (murmur2,
 //!   as the Java client);
@@ -33,6 +34,7 @@ pub mod partition;
 pub mod schema;
 pub mod screen;
 pub mod signature;
+pub mod trace;
 
 pub use effects::{
     DecodeError, Effect, EffectKind, EffectTarget, LATE_DISPATCH_MS, StepDispatch, TransitionKind,
@@ -44,3 +46,4 @@ pub use input::{
 };
 pub use names::{TopicNames, idempotency_key, timeout_cancel_key};
 pub use screen::{ShapeLimits, Violation};
+pub use trace::TraceContext;

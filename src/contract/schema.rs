@@ -219,12 +219,33 @@ fn effect_headers() -> Value {
         (h::CONTENT_TYPE, json!({ "const": "application/json" })),
     ];
     let required: Vec<&str> = props.iter().map(|(name, _)| *name).collect();
+    let traced = [
+        (
+            h::TRACEPARENT,
+            json!({
+                "type": "string",
+                "pattern": "^00-[0-9a-f]{32}-[0-9a-f]{16}-0[0-3]$",
+                "description": "Present on the effects of a traced run: W3C Trace Context, the run's trace id and the span of the transition that made the effect (version 00).",
+            }),
+        ),
+        (h::TRACESTATE, tracestate()),
+    ];
+    let props: Vec<(&str, Value)> = props.into_iter().chain(traced).collect();
     headers_schema(
         "effect headers",
         "The headers of every record the outbox publishes (dispatches, events, timers, outputs).",
         &props,
         &required,
     )
+}
+
+/// A W3C `tracestate`, as Ductor carries it on.
+fn tracestate() -> Value {
+    json!({
+        "type": "string",
+        "maxLength": super::trace::MAX_TRACESTATE_LEN,
+        "description": "W3C Trace Context: the vendors' entries that travel with traceparent, at most 512 bytes (a longer one loses whole entries).",
+    })
 }
 
 fn dead_letter_headers() -> Value {
@@ -293,6 +314,15 @@ fn input_headers() -> Value {
                 "description": "A tenant's signature, `t=<unix ms>,v2=<hex HMAC-SHA256 of \"<t>.\" and the value>`; required where the tenant's signatures are. Ductor's own timers carry `v1=<hex HMAC-SHA256 of the value>` under its timer key.",
             }),
         ),
+        (
+            h::TRACEPARENT,
+            json!({
+                "type": "string",
+                "pattern": "^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(-.*)?$",
+                "description": "Optional W3C Trace Context: the input's trace, which its run keeps (a start) or continues. A malformed one is ignored, never refused: the input is then applied untraced.",
+            }),
+        ),
+        (h::TRACESTATE, tracestate()),
     ];
     headers_schema(
         "input headers",

@@ -3,8 +3,8 @@
 //!
 //! In: a run's `runs.state` document as read back. Out: the [`RunState`]
 //! the fold reads, and the document to write. Guarantees: plain data; the
-//! optional fields (`waiting`, `start_fingerprint`, a signal's `payload`
-//! and `fingerprint`) default when absent, so a document written without
+//! optional fields (`waiting`, `start_fingerprint`, `trace`, a signal's
+//! `payload` and `fingerprint`) default when absent, so a document written without
 //! them still loads; a run records at most [`MAX_SIGNALS_PER_RUN`] signals,
 //! a bound the fold enforces.
 
@@ -177,6 +177,17 @@ pub struct RunState {
     pub attempts: Vec<AttemptRecord>,
     pub signals: Vec<SignalRecord>,
     pub correlation_id: Option<String>,
+    /// The W3C trace the run belongs to, as of its last transition: its
+    /// span id is that transition's, the parent of the next hop. The fold
+    /// keeps it as it is; the apply stage sets it. Absent in untraced runs
+    /// (and in runs started before traces were kept); one that no longer
+    /// parses is dropped, so that the state always loads.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "crate::contract::trace::deserialize_lenient"
+    )]
+    pub trace: Option<crate::contract::TraceContext>,
     /// [`crate::contract::fingerprint::start`] of the start that created
     /// the run: a later client-chosen start of the same run id must match
     /// it. Absent in runs started before fingerprints were kept.

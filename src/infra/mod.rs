@@ -1,12 +1,13 @@
 //! Infrastructure around the stages: Postgres and Kafka connections, the
-//! workflow catalogue on disk, telemetry, the health endpoints and the
+//! workflow catalogue on disk, telemetry (logs, metrics, the spans of a
+//! run's trace and their OTLP exporter), the health endpoints and the
 //! server of the HTTP listeners, the crash points of fault injection, and
 //! the crash hooks in-process tests stop one component with. Nothing here
 //! decides anything about a run.
 //!
-//! In: the `database`, `kafka`, `server` and `log` sections of the
+//! In: the `database`, `kafka`, `server`, `log` and `telemetry` sections of the
 //! configuration, and `coordinator.workflows_dir`. Out: pools, Kafka
-//! clients, the loaded workflows, the HTTP servers, logs and metrics.
+//! clients, the loaded workflows, the HTTP servers, logs, metrics and spans.
 //! Guarantees: every Kafka and Postgres client states the settings Ductor
 //! relies on instead of trusting a library default.
 
@@ -16,5 +17,7 @@ pub mod failpoints;
 pub mod health;
 pub mod http_server;
 pub mod kafka;
+pub mod otlp;
 pub mod telemetry;
+pub mod traces;
 pub mod workflows;

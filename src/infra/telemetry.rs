@@ -1,36 +1,121 @@
-//! Logging through `tracing` and metrics in the Prometheus text format.
+//! Logging through `tracing`, the spans of a run's trace and their OTLP
+//! exporter, and metrics in the Prometheus text format.
 //!
 //! In: the `log` configuration (`log.filter`, `log.format`; `RUST_LOG`
-//! wins) and what the stages record through `tracing` and `metrics`. Out:
-//! log lines on stderr, and the Prometheus recorder whose handle renders
-//! the metrics page. Guarantees: installing either twice keeps the first
-//! and never fails; a filter that does not parse falls back to `info`;
-//! once [`register_series`] ran, every series the dashboard and the alert
-//! rules under `deploy/` read is on the page, at zero until it is counted.
+//! wins), the `telemetry` section, and what the stages record through
+//! `tracing` and `metrics`. Out: log lines on stderr, spans of the
+//! [`traces::TARGET`] target sent to the collector when
+//! `telemetry.otlp_endpoint` is set, and the Prometheus recorder whose
+//! handle renders the metrics page. Guarantees: installing either twice
+//! keeps the first and never fails; a filter that does not parse falls
+//! back to `info`; trace spans never reach the log, and with the exporter
+//! off no layer wants them, so they cost a disabled callsite; once
+//! [`register_series`] ran, every series the dashboard and the alert rules
+//! under `deploy/` read is on the page, at zero until it is counted.
 
 use std::sync::OnceLock;
 
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use tracing_subscriber::EnvFilter;
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_sdk::trace::SdkTracerProvider;
+use tracing_subscriber::filter::{FilterExt, LevelFilter, Targets, filter_fn};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer, Registry};
 
-use crate::config::{LogConfig, LogFormat};
+use super::traces;
+use crate::config::{LogConfig, LogFormat, TelemetryConfig};
 
-/// Installs the global subscriber: readable text by default, one JSON object
-/// per line when configured. `RUST_LOG` overrides the configured filter.
-pub fn init_logging(config: &LogConfig) {
+/// What [`init`] installed: the exporter's provider, to flush at the end.
+#[must_use = "dropping it at once would end the exporter"]
+pub struct Telemetry {
+    provider: Option<SdkTracerProvider>,
+}
+
+impl Telemetry {
+    /// Whether spans are exported.
+    pub fn exporting(&self) -> bool {
+        self.provider.is_some()
+    }
+
+    /// Sends the spans still queued, within the export timeout. Blocks:
+    /// call it off the runtime's threads (or after the runtime).
+    pub fn flush(&self) {
+        if let Some(provider) = &self.provider
+            && let Err(e) = provider.force_flush()
+        {
+            tracing::warn!(error = %e, "exporting the last spans failed");
+        }
+    }
+
+    /// Sends the spans still queued and stops the exporter. Blocks, as
+    /// [`Telemetry::flush`].
+    pub fn shutdown(mut self) {
+        if let Some(provider) = self.provider.take()
+            && let Err(e) = provider.shutdown()
+        {
+            tracing::warn!(error = %e, "stopping the span exporter failed");
+        }
+    }
+}
+
+/// Installs the global subscriber: the log, readable text by default, one
+/// JSON object per line when configured (`RUST_LOG` overrides the
+/// configured filter); and with `telemetry.otlp_endpoint` set, the OTLP
+/// exporter of the trace spans. An exporter that cannot be built is
+/// reported, and the process goes on without it.
+pub fn init(log: &LogConfig, telemetry: &TelemetryConfig) -> Telemetry {
+    let provider = match super::otlp::provider(telemetry) {
+        Ok(provider) => provider,
+        Err(e) => {
+            eprintln!("warning: the OTLP exporter is off: {e:#}");
+            None
+        }
+    };
+    let installed = install(log, provider.as_ref());
+    if installed && let Some(url) = telemetry.traces_url() {
+        tracing::info!(endpoint = %url, "exporting trace spans over OTLP");
+    }
+    Telemetry {
+        provider: provider.filter(|_| installed),
+    }
+}
+
+/// Installs the subscriber; `false` when one was installed before.
+fn install(config: &LogConfig, provider: Option<&SdkTracerProvider>) -> bool {
     let filter = std::env::var("RUST_LOG")
         .ok()
         .filter(|s| !s.is_empty())
         .unwrap_or_else(|| config.filter.clone());
     let filter = EnvFilter::try_new(&filter).unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    // A second initialisation (tests, embedded use) keeps the first one.
-    let _ = match config.format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    // Trace spans are for the exporter; in the log they would cost every
+    // input a span's bookkeeping.
+    // The hint keeps the log's filter as the process's level bound (that of
+    // the `log` crate's records too): a filter without one would lift it
+    // to TRACE.
+    let not_traces = filter_fn(|meta| !meta.target().starts_with(traces::TARGET))
+        .with_max_level_hint(LevelFilter::TRACE);
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let log: Box<dyn Layer<Registry> + Send + Sync> = match config.format {
+        LogFormat::Text => fmt.with_filter(filter.and(not_traces)).boxed(),
+        LogFormat::Json => fmt
+            .json()
+            .flatten_event(true)
+            .with_filter(filter.and(not_traces))
+            .boxed(),
     };
+    let spans = provider.map(|provider| {
+        tracing_opentelemetry::layer()
+            .with_tracer(provider.tracer("ductor"))
+            .with_tracked_inactivity(false)
+            .with_filter(Targets::new().with_target(traces::TARGET, tracing::Level::INFO))
+    });
+    // A second initialisation (tests, embedded use) keeps the first one.
+    tracing_subscriber::registry()
+        .with(log)
+        .with(spans)
+        .try_init()
+        .is_ok()
 }
 
 static METRICS: OnceLock<PrometheusHandle> = OnceLock::new();

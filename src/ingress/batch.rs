@@ -16,6 +16,7 @@ use anyhow::Context;
 use rdkafka::message::{Message, OwnedMessage};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::misrouted::{forward, take_misrouted};
 use super::offsets::{last_offsets, store_offsets};
@@ -34,7 +35,15 @@ pub(super) async fn handle_batch(
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Option<StepReport>> {
     ctx.progress.began(lane);
-    let handled = handle_batch_in(ctx, lane, batch, shutdown).await;
+    let span = tracing::info_span!(
+        target: crate::infra::traces::TARGET,
+        "ingress.batch",
+        ductor.lane = lane,
+        messaging.batch.message_count = batch.len(),
+    );
+    let handled = handle_batch_in(ctx, lane, batch, shutdown)
+        .instrument(span)
+        .await;
     ctx.progress.finished(lane);
     if let Ok(Some(report)) = &handled {
         ctx.progress.handled(report);

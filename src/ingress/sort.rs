@@ -1,7 +1,8 @@
 //! A batch sorted by what each message is, and settled by what each came
 //! to.
 //!
-//! In: a batch's messages; later, what the apply path made of them
+//! In: a batch's messages (their values, and the signature and trace
+//! context headers); later, what the apply path made of them
 //! ([`IsolatedBatch`]). Out: [`Sorted`]: the inputs to apply, the starts
 //! for the routing plane, and the dead letters of messages that do not
 //! decode or whose signature does not hold, each beside its message; then
@@ -21,7 +22,7 @@ use super::dead_letter::{DeadLetter, Stage};
 use super::parked::ParkedStart;
 use super::{IngressContext, StepReport};
 use crate::apply::{InputOutcome, IsolatedBatch, PendingInput};
-use crate::contract::{Input, Source};
+use crate::contract::{Input, Source, TraceContext};
 use crate::coordinator::NoOpReason;
 use crate::coordinator::fold::RejectionClass;
 use crate::routing::{self, MismatchPath, RouteOutcome};
@@ -87,7 +88,7 @@ pub(super) fn sort<'m>(ctx: &IngressContext, batch: &'m [OwnedMessage]) -> Sorte
                 &ctx.signatures,
                 &c,
                 payload,
-                signature_header(msg),
+                header(msg, crate::contract::signature::SIGNATURE),
                 received,
             )?;
             Ok(c)
@@ -95,6 +96,7 @@ pub(super) fn sort<'m>(ctx: &IngressContext, batch: &'m [OwnedMessage]) -> Sorte
         match classified {
             Ok(Classified::Routed(mut request)) => {
                 request.source = Some(source);
+                request.trace = trace_context(msg);
                 sorted.routed.push(*request);
                 sorted.routed_msgs.push(msg);
             }
@@ -102,6 +104,7 @@ pub(super) fn sort<'m>(ctx: &IngressContext, batch: &'m [OwnedMessage]) -> Sorte
                 sorted.pending.push(PendingInput {
                     input,
                     source: Some(source),
+                    trace: trace_context(msg),
                 });
                 sorted.pending_msgs.push(msg);
             }
@@ -126,14 +129,27 @@ fn reached_kafka_ms(msg: &OwnedMessage) -> i64 {
     }
 }
 
-/// The `ductor-signature` header of a message, if it has one.
-fn signature_header(msg: &OwnedMessage) -> Option<&[u8]> {
+/// The first header `name` of a message, if it has one.
+fn header<'m>(msg: &'m OwnedMessage, name: &str) -> Option<&'m [u8]> {
     use rdkafka::message::Headers;
     let headers = msg.headers()?;
-    headers
-        .iter()
-        .find(|h| h.key == crate::contract::signature::SIGNATURE)
-        .and_then(|h| h.value)
+    headers.iter().find(|h| h.key == name).and_then(|h| h.value)
+}
+
+/// The W3C trace context of a message's `traceparent` and `tracestate`
+/// headers; `None` without a valid `traceparent` (the input is applied
+/// untraced, never refused for it).
+fn trace_context(msg: &OwnedMessage) -> Option<TraceContext> {
+    use crate::contract::headers::{TRACEPARENT, TRACESTATE};
+    use rdkafka::message::Headers;
+    let headers = msg.headers()?;
+    let values = |name: &'static str| {
+        headers
+            .iter()
+            .filter(move |h| h.key == name)
+            .filter_map(|h| h.value)
+    };
+    TraceContext::from_values(values(TRACEPARENT), values(TRACESTATE))
 }
 
 /// Counts what each input did, and dead-letters the rejected ones.

@@ -21,8 +21,12 @@ use futures::future::join_all;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
 use serde_json::Value;
+use tracing::Instrument;
 
 use super::{ClaimedIntent, Drainer};
+use crate::contract::TraceContext;
+use crate::contract::headers::{TRACEPARENT, TRACESTATE};
+use crate::infra::traces;
 
 /// An intent's headers in the order every delivery of it carries them:
 /// by name, byte for byte. The stored `jsonb` object keeps its own key
@@ -243,6 +247,11 @@ impl Drainer {
     /// intent that failed before goes through the solo producer. A failure
     /// comes back as the reason it stays undelivered.
     async fn publish_one(&self, intent: &ClaimedIntent) -> Result<(), Unpublished> {
+        let span = publish_span(intent);
+        self.publish_one_in(intent).instrument(span).await
+    }
+
+    async fn publish_one_in(&self, intent: &ClaimedIntent) -> Result<(), Unpublished> {
         let signature = self.timer_signature(intent);
         let record = effect_record(intent, signature.as_deref());
         let started = Instant::now();
@@ -264,4 +273,30 @@ impl Drainer {
             Err((e, _)) => Err(note_publish_failure(intent, e)),
         }
     }
+}
+
+/// The span of one publish, in the trace its headers carry: a child of
+/// the transition that made the effect.
+fn publish_span(intent: &ClaimedIntent) -> tracing::Span {
+    let span = tracing::info_span!(
+        target: traces::TARGET,
+        parent: None,
+        "publish",
+        ductor.run_id = %intent.run_id,
+        ductor.seq = intent.seq,
+        ductor.effect_index = intent.effect_index,
+        messaging.destination.name = %intent.topic,
+    );
+    if !span.is_disabled() {
+        let values = |name: &'static str| {
+            intent
+                .headers
+                .iter()
+                .filter(move |(k, _)| k == name)
+                .map(|(_, v)| v.as_bytes())
+        };
+        let carried = TraceContext::from_values(values(TRACEPARENT), values(TRACESTATE));
+        traces::continue_from(&span, carried.as_ref());
+    }
+    span
 }

@@ -85,6 +85,9 @@ pub struct RouteRequest {
     pub reservation: Reservation,
     /// Where a Kafka request came from; kept on the run's first transition.
     pub source: Option<crate::contract::Source>,
+    /// The trace context the request carried (its message's headers, or
+    /// the span of the HTTP request that made it).
+    pub trace: Option<crate::contract::TraceContext>,
 }
 
 #[cfg(test)]
@@ -105,6 +108,7 @@ impl RouteRequest {
             fingerprint: String::new(),
             reservation: Reservation::InTransaction,
             source: None,
+            trace: None,
         }
     }
 }
@@ -221,6 +225,7 @@ pub fn decode_route_request(
         fingerprint,
         reservation: Reservation::InTransaction,
         source: None,
+        trace: None,
     }))
 }
 

@@ -58,8 +58,10 @@ impl Worker {
                                 attempt = step.attempt,
                                 stamp = %step.stamp,
                             );
-                            self.tasks
-                                .spawn(attempt(shared.clone(), step, ticket).instrument(span));
+                            let trace = trace_context(&msg);
+                            self.tasks.spawn(
+                                attempt(shared.clone(), step, trace, ticket).instrument(span),
+                            );
                         } else {
                             self.done(ticket);
                         }
@@ -185,7 +187,11 @@ fn dispatch_delay(msg: &impl Message) -> chrono::TimeDelta {
     let produced = msg.timestamp().to_millis();
     let committed = msg
         .headers()
-        .and_then(|hs| hs.iter().find(|h| h.key == "ce_time").and_then(|h| h.value))
+        .and_then(|hs| {
+            hs.iter()
+                .find(|h| h.key == crate::contract::headers::CE_TIME)
+                .and_then(|h| h.value)
+        })
         .and_then(|v| std::str::from_utf8(v).ok())
         .and_then(|v| DateTime::parse_from_rfc3339(v).ok())
         .map(|t| t.timestamp_millis());
@@ -195,4 +201,18 @@ fn dispatch_delay(msg: &impl Message) -> chrono::TimeDelta {
         }
         _ => chrono::TimeDelta::zero(),
     }
+}
+
+/// The W3C trace context of a dispatch (its `traceparent` and
+/// `tracestate` headers), which the attempt's result continues.
+fn trace_context(msg: &impl Message) -> Option<crate::contract::TraceContext> {
+    use crate::contract::headers::{TRACEPARENT, TRACESTATE};
+    let headers = msg.headers()?;
+    let values = |name: &'static str| {
+        headers
+            .iter()
+            .filter(move |h| h.key == name)
+            .filter_map(|h| h.value)
+    };
+    crate::contract::TraceContext::from_values(values(TRACEPARENT), values(TRACESTATE))
 }

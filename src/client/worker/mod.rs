@@ -7,7 +7,10 @@
 //! [`StepOutcome`]. Out: an `attempt.result` for each dispatch it runs,
 //! keyed by run and carrying the dispatch's stamp, and the
 //! `ductor_worker_*` metrics. Guarantees: at most `max_in_flight` handlers
-//! at once; an offset is stored only once its result is acknowledged.
+//! at once; an offset is stored only once its result is acknowledged; a
+//! result continues its dispatch's W3C trace (`traceparent`, `tracestate`)
+//! from the span of its handler (`step.handle`, target `ductor::traces`),
+//! in which the handler runs.
 //!
 //! ```no_run
 //! use ductor::client::worker::{StepDispatch, StepOutcome, WorkerOptions};

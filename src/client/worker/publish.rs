@@ -1,11 +1,13 @@
 //! Publishing a result: one `attempt.result` to the coordinator's input topic.
 //!
-//! In: the result's bytes, its run and tenant. Out: `Ok` once the broker has
-//! acknowledged the record, or an error once shutdown has begun. Guarantees:
-//! the record is keyed by `run_id` (one run's results keep their order on one
-//! partition) and signed when the tenant has a signing key; retries back off
-//! between [`PUBLISH_RETRY_MIN`] and [`PUBLISH_RETRY_MAX`] and stop at
-//! shutdown, never sooner.
+//! In: the result's bytes, its run and tenant, and the trace context it
+//! continues. Out: `Ok` once the broker has acknowledged the record, or an
+//! error once shutdown has begun. Guarantees: the record is keyed by
+//! `run_id` (one run's results keep their order on one partition), signed
+//! when the tenant has a signing key, and carries the trace context of the
+//! attempt's handler when its dispatch had one; retries back off between
+//! [`PUBLISH_RETRY_MIN`] and [`PUBLISH_RETRY_MAX`] and stop at shutdown,
+//! never sooner.
 
 use std::time::Duration;
 
@@ -16,6 +18,7 @@ use rdkafka::producer::FutureRecord;
 use rdkafka::util::Timeout;
 
 use super::Shared;
+use crate::contract::TraceContext;
 
 /// Backoff bounds of result publishing.
 const PUBLISH_RETRY_MIN: Duration = Duration::from_millis(100);
@@ -28,11 +31,18 @@ pub(super) async fn publish<F>(
     run_id: &str,
     tenant: &str,
     payload: &[u8],
+    trace: Option<&TraceContext>,
 ) -> anyhow::Result<()> {
     let mut headers = OwnedHeaders::new().insert(Header {
-        key: "content-type",
+        key: crate::contract::headers::CONTENT_TYPE,
         value: Some("application/json"),
     });
+    for (key, value) in trace.into_iter().flat_map(TraceContext::headers) {
+        headers = headers.insert(Header {
+            key,
+            value: Some(value.as_str()),
+        });
+    }
     if let Some(key) = shared.signatures.key(tenant) {
         // Signed once: a retry of the same record carries the same time,
         // well within the window (retries stop at the publish timeout).

@@ -59,6 +59,7 @@ pub(super) fn on_start(
         attempts: Vec::new(),
         signals: Vec::new(),
         correlation_id: start.correlation_id.clone(),
+        trace: None,
         start_fingerprint: Some(fingerprint::start(start)),
         error: None,
         record_version: 0,
