@@ -554,6 +554,17 @@ async fn scopes_are_as_described(stage: &Stage, described: &mut Described) {
                 described.check(method, template, &answer);
                 (vec![Scope::RunsRead, Scope::RunsWrite], vec![Scope::Admin])
             }
+            Access::Reader => {
+                let either = json!([{ "apiKey": ["runs:read"] }, { "apiKey": ["admin"] }]);
+                assert_eq!(security, either, "{row:?}");
+                let answer = call(Some(api_key(&env.db, "ops", &[Scope::Admin]).await)).await;
+                assert!(
+                    !matches!(answer.status, 401 | 403),
+                    "{row:?} with an admin key"
+                );
+                described.check(method, template, &answer);
+                (vec![Scope::RunsWrite], vec![Scope::RunsRead])
+            }
         };
         let answer = call(Some(api_key(&env.db, "acme", &refused).await)).await;
         assert_eq!(
@@ -691,7 +702,10 @@ async fn refusals(stage: &Stage, described: &mut Described) {
     described.check("POST", "/v1/runs/{run_id}/signals", &refuse_signal);
 
     // Without a key, and about a run the tenant does not have.
-    for row in ROUTES.iter().filter(|r| matches!(r.access, Access::Key(_))) {
+    for row in ROUTES
+        .iter()
+        .filter(|r| matches!(r.access, Access::Key(_) | Access::Reader))
+    {
         let (method, template) = (row.verb.method(), row.path);
         let body = good_body(row.verb.as_str(), template);
         let answer = exchange(env.addr, request(method, &stage.path(template), &[], &body)).await;
@@ -710,6 +724,18 @@ async fn refusals(stage: &Stage, described: &mut Described) {
             );
             described.check(method, template, &answer);
         }
+    }
+
+    // A search with a parameter it does not know.
+    for template in ["/v1/runs", "/v1/runs/counts"] {
+        let answer = stage
+            .keyed("GET", &format!("{template}?colour=blue"), &[], b"")
+            .await;
+        assert_eq!(
+            (answer.status, answer.code().as_str()),
+            (400, "invalid_query")
+        );
+        described.check("GET", template, &answer);
     }
 
     // A key another caller holds, deciding, under the `reject` policy.

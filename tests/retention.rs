@@ -139,6 +139,12 @@ async fn finished_runs_are_purged_in_batches_and_stay_purged() {
     );
     let purged = metric(admin, &[], "ductor_runs_purged_total", "").await - purged_before;
     assert_eq!(purged, 5.0, "ductor_runs_purged_total moved by {purged}");
+    // The kept counts of runs by status lost the purged ones too.
+    let kept: i64 = sqlx::query_scalar("SELECT COALESCE(sum(n), 0)::int8 FROM run_counts")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(kept, 2, "run_counts after the purge");
 
     // Late inputs for a purged run: the same start, a signal, a cancel
     // change nothing; a start with another request is dead-lettered as

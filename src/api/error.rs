@@ -39,6 +39,8 @@ pub enum Code {
     InvalidJson,
     InvalidRequest,
     InvalidIdempotencyKey,
+    /// A query string parameter of an operator's view is wrong.
+    InvalidQuery,
     InProgress,
     IdempotencyKeyMismatch,
     IdempotencyMismatch,
@@ -54,7 +56,7 @@ pub enum Code {
 impl Code {
     /// Every code, for the tests of the API's description.
     #[cfg_attr(not(any(test, feature = "internals")), allow(dead_code))]
-    pub const ALL: [Code; 24] = [
+    pub const ALL: [Code; 25] = [
         Code::Unauthenticated,
         Code::InsufficientScope,
         Code::TenantMismatch,
@@ -69,6 +71,7 @@ impl Code {
         Code::InvalidJson,
         Code::InvalidRequest,
         Code::InvalidIdempotencyKey,
+        Code::InvalidQuery,
         Code::InProgress,
         Code::IdempotencyKeyMismatch,
         Code::IdempotencyMismatch,
@@ -98,6 +101,7 @@ impl Code {
             Code::InvalidJson => "invalid_json",
             Code::InvalidRequest => "invalid_request",
             Code::InvalidIdempotencyKey => "invalid_idempotency_key",
+            Code::InvalidQuery => "invalid_query",
             Code::InProgress => "in_progress",
             Code::IdempotencyKeyMismatch => "idempotency_key_mismatch",
             Code::IdempotencyMismatch => "idempotency_mismatch",
@@ -118,7 +122,8 @@ impl Code {
             | Code::BodyIncomplete
             | Code::InvalidJson
             | Code::InvalidRequest
-            | Code::InvalidIdempotencyKey => StatusCode::BAD_REQUEST,
+            | Code::InvalidIdempotencyKey
+            | Code::InvalidQuery => StatusCode::BAD_REQUEST,
             Code::Unauthenticated => StatusCode::UNAUTHORIZED,
             Code::InsufficientScope | Code::TenantMismatch | Code::SigningKeyMissing => {
                 StatusCode::FORBIDDEN

@@ -9,6 +9,9 @@
 //!   under the `reject` policy (or when a `wait` ran out), 422 when the key
 //!   was used for a different request or the workflow is unknown;
 //! - `GET /v1/runs/{id}` returns the run ([`runs`]);
+//! - `GET /v1/runs`, `GET /v1/runs/counts` and `GET /v1/runs/{id}/history`
+//!   list, count and trace runs for an operator ([`operator`]): a key with
+//!   `runs:read` sees its tenant's runs, one with `admin` every tenant's;
 //! - `POST /v1/runs/{id}/signals` and `POST /v1/runs/{id}/cancel` put a
 //!   signal or a cancel for the run on the wakeups topic ([`runs`]);
 //! - `GET /v1/openapi.json`, without a key, describes all of it
@@ -29,6 +32,7 @@
 pub mod error;
 pub mod guard;
 pub mod openapi;
+pub mod operator;
 mod request;
 pub mod routes;
 pub mod runs;
@@ -66,6 +70,8 @@ pub struct ApiState {
     pub body_read_timeout: Duration,
     /// Concurrency and time bounds of every request.
     pub guard: guard::Guard,
+    /// The bounds of the operator's views.
+    pub operator: operator::OperatorLimits,
 }
 
 /// Where the API puts the inputs it accepts for the coordinator.
@@ -89,6 +95,9 @@ pub fn router(state: ApiState) -> Router {
     let runs = add(Router::new(), Endpoint::CreateRun, start::create_run);
     let runs = add(runs, Endpoint::GetRun, runs::get_run);
     let runs = add(runs, Endpoint::SignalRun, runs::signal_run);
+    let runs = add(runs, Endpoint::ListRuns, operator::list_runs);
+    let runs = add(runs, Endpoint::CountRuns, operator::count_runs);
+    let runs = add(runs, Endpoint::RunHistory, operator::run_history);
     let runs = add(runs, Endpoint::CancelRun, runs::cancel_run)
         .with_state(state)
         .layer(axum::middleware::from_fn_with_state(guard, guard::guard));

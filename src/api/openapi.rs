@@ -199,6 +199,10 @@ fn security(rows: &[&Route]) -> Value {
                 json!({}),
                 json!({ SCHEME: [crate::auth::Scope::Admin.as_str()] }),
             ],
+            Access::Reader => vec![
+                json!({ SCHEME: [crate::auth::Scope::RunsRead.as_str()] }),
+                json!({ SCHEME: [crate::auth::Scope::Admin.as_str()] }),
+            ],
         };
         for need in needs {
             if !requirements.contains(need) {
@@ -264,6 +268,7 @@ fn about(endpoint: Endpoint) -> About {
             "runs",
             "The run's status, workflow, last transition, output or error. Another tenant's run answers exactly as a missing one does.",
         ),
+        Endpoint::ListRuns | Endpoint::CountRuns | Endpoint::RunHistory => operator_about(endpoint),
         Endpoint::SignalRun => (
             "signalRun",
             "Signal a run",
@@ -282,6 +287,30 @@ fn about(endpoint: Endpoint) -> About {
         summary,
         description,
         tag,
+    }
+}
+
+/// What the operator's views of runs are called and say of themselves.
+fn operator_about(endpoint: Endpoint) -> (&'static str, &'static str, &'static str, &'static str) {
+    match endpoint {
+        Endpoint::ListRuns => (
+            "listRuns",
+            "List and search runs",
+            "runs",
+            "A page of runs, newest first, filtered by any of the query's parameters. A key with `runs:read` sees its own tenant's runs; one with `admin` every tenant's, or the `tenant` it names. Each page is one keyset scan of an index of `runs`, so a page costs the same however many runs there are; `next` is the `after` of the following page.",
+        ),
+        Endpoint::CountRuns => (
+            "countRuns",
+            "Count runs by status",
+            "runs",
+            "How many runs the filter finds, by status. A filter of `tenant`, `workflow`, `version` and `status` is answered from the counts Ductor keeps as runs change status, without reading the runs; any other filter counts at most `server.count_scan_limit` runs, and says `\"exact\": false` when it stopped there.",
+        ),
+        _ => (
+            "getRunHistory",
+            "A run's whole history",
+            "runs",
+            "The run with its input, output and error, every attempt from dispatch to result, and every transition with the effects it produced and where each is on its way to Kafka (`delivered`, `due`, `scheduled`, `deferred`, `parked`). Delivered effects are listed until the outbox purges them (`drainer.retention_ms`). Another tenant's run answers as a missing one does, unless the key has the `admin` scope.",
+        ),
     }
 }
 
@@ -408,6 +437,9 @@ fn answers_of(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
             answers.push(json_body(ok, document, "This document."));
         }
         Endpoint::CreateRun => answers.extend(start_answers(schemas)),
+        Endpoint::ListRuns | Endpoint::CountRuns | Endpoint::RunHistory => {
+            answers.extend(operator_answers(endpoint, schemas));
+        }
         Endpoint::GetRun | Endpoint::SignalRun | Endpoint::CancelRun => {
             answers.extend(run_answers(endpoint, schemas));
         }
@@ -447,6 +479,30 @@ fn run_answers(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
             answers.push(Answer::Refusal(Code::SigningKeyMissing));
         }
         _ => {}
+    }
+    answers
+}
+
+/// The answers of the operator's views of runs, besides 429 and 431.
+fn operator_answers(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
+    use super::operator::views::{RunCounts, RunHistory, RunPage};
+    let mut answers: Vec<Answer> = refusals(&KEYED).collect();
+    match endpoint {
+        Endpoint::ListRuns => {
+            let page = schemas.of::<RunPage>();
+            answers.push(json_body(StatusCode::OK, page, "A page of runs."));
+            answers.push(Answer::Refusal(Code::InvalidQuery));
+        }
+        Endpoint::CountRuns => {
+            let counts = schemas.of::<RunCounts>();
+            answers.push(json_body(StatusCode::OK, counts, "The counts."));
+            answers.push(Answer::Refusal(Code::InvalidQuery));
+        }
+        _ => {
+            let history = schemas.of::<RunHistory>();
+            answers.push(json_body(StatusCode::OK, history, "The run's history."));
+            answers.push(Answer::Refusal(Code::NotFound));
+        }
     }
     answers
 }
@@ -522,6 +578,9 @@ fn meaning(code: Code) -> &'static str {
         Code::InvalidRequest => "the body is no JSON object, or sets a field the server sets",
         Code::InvalidIdempotencyKey => {
             "`Idempotency-Key` is not visible ASCII, or longer than 256 characters"
+        }
+        Code::InvalidQuery => {
+            "a query parameter is unknown, given twice, or out of its bounds; the message names it"
         }
         Code::InProgress => {
             "another request with this key is still deciding: at once under the `reject` policy, or once a `wait` ran out"
@@ -710,8 +769,70 @@ fn parameters(endpoint: Endpoint) -> Vec<Value> {
             "schema": { "type": "string", "maxLength": MAX_KEY_LEN },
         })],
         Endpoint::GetRun | Endpoint::SignalRun | Endpoint::CancelRun => vec![run_id, tenant],
+        Endpoint::RunHistory => vec![run_id],
+        Endpoint::ListRuns => {
+            let mut all = search_parameters();
+            all.push(query_parameter(
+                "limit",
+                "Runs in the page, 1 to `server.max_page_runs` (50 when absent).",
+                json!({ "type": "integer", "minimum": 1 }),
+            ));
+            all.push(query_parameter(
+                "after",
+                "The `next` of the previous page.",
+                json!({ "type": "string" }),
+            ));
+            all
+        }
+        Endpoint::CountRuns => search_parameters(),
         _ => Vec::new(),
     }
+}
+
+fn query_parameter(name: &str, description: &str, schema: Value) -> Value {
+    json!({ "name": name, "in": "query", "required": false, "description": description, "schema": schema })
+}
+
+/// The filters of a search of runs; an unknown parameter is refused (400
+/// `invalid_query`).
+fn search_parameters() -> Vec<Value> {
+    let text = json!({ "type": "string", "minLength": 1 });
+    let time = json!({ "$ref": "#/components/schemas/Timestamp" });
+    let statuses = crate::coordinator::state::RunStatus::ALL.map(|s| s.as_str());
+    vec![
+        query_parameter(
+            "tenant",
+            "Runs of this tenant: for a key with `runs:read` it must be the key's (403 `tenant_mismatch`); a key with `admin` sees every tenant without it.",
+            text.clone(),
+        ),
+        query_parameter("workflow", "Runs of this workflow.", text.clone()),
+        query_parameter(
+            "version",
+            "Runs of this version of `workflow` (which it needs).",
+            json!({ "type": "integer", "minimum": 1 }),
+        ),
+        query_parameter(
+            "status",
+            "Runs in this status.",
+            json!({ "type": "string", "enum": statuses }),
+        ),
+        query_parameter(
+            "step",
+            "Runs whose current step has this index (0-based).",
+            json!({ "type": "integer", "minimum": 0 }),
+        ),
+        query_parameter(
+            "correlation_id",
+            "Runs started with this correlation id.",
+            text,
+        ),
+        query_parameter(
+            "created_after",
+            "Runs created at or after this time.",
+            time.clone(),
+        ),
+        query_parameter("created_before", "Runs created before this time.", time),
+    ]
 }
 
 /// The request body of `endpoint`: a contract message less the fields the

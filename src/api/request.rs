@@ -38,12 +38,21 @@ pub(crate) async fn authenticate(
     headers: &HeaderMap,
     scope: Scope,
 ) -> Result<Identity, ApiError> {
+    authenticate_any(state, headers, &[scope]).await
+}
+
+/// Who sent `headers`, if its key has one of `scopes`.
+pub(crate) async fn authenticate_any(
+    state: &ApiState,
+    headers: &HeaderMap,
+    scopes: &[Scope],
+) -> Result<Identity, ApiError> {
     let authorization = headers
         .get(header::AUTHORIZATION)
         .map(HeaderValue::as_bytes);
     let identity = state
         .auth
-        .authenticate(authorization, scope)
+        .authenticate_any(authorization, scopes)
         .await
         .map_err(|e| match e {
             AuthError::Unauthenticated(_) => ApiError::new(
@@ -84,7 +93,20 @@ pub(crate) fn tenant(
     named: Option<&str>,
     default: Option<&str>,
 ) -> Result<String, ApiError> {
-    crate::auth::tenant_for(identity, named, default).map_err(|e| match e {
+    crate::auth::tenant_for(identity, named, default).map_err(tenant_refusal)
+}
+
+/// The tenants an operator's request sees (see [`crate::auth::tenants_seen`]):
+/// one, or every one (`None`).
+pub(crate) fn tenants_seen(
+    identity: &Identity,
+    named: Option<&str>,
+) -> Result<Option<String>, ApiError> {
+    crate::auth::tenants_seen(identity, named).map_err(tenant_refusal)
+}
+
+fn tenant_refusal(e: TenantError) -> ApiError {
+    match e {
         TenantError::Mismatch => ApiError::new(
             Code::TenantMismatch,
             "the request names a tenant other than its API key's",
@@ -93,7 +115,7 @@ pub(crate) fn tenant(
             Code::MissingTenant,
             "the X-Ductor-Tenant header is required",
         ),
-    })
+    }
 }
 
 /// A request's body, up to `routing.max_body_bytes` and within

@@ -77,6 +77,9 @@ pub enum Access {
     /// Anyone who can reach the listener, or, with `server.admin_auth =
     /// "key"`, an API key with the `admin` scope.
     AdminKey,
+    /// An API key with `runs:read`, which sees its own tenant's runs, or
+    /// one with `admin`, which sees every tenant's.
+    Reader,
 }
 
 /// What a route does: one handler each.
@@ -86,7 +89,10 @@ pub enum Endpoint {
     PublicReadyz,
     OpenApi,
     CreateRun,
+    ListRuns,
+    CountRuns,
     GetRun,
+    RunHistory,
     SignalRun,
     CancelRun,
     AdminHealthz,
@@ -122,8 +128,8 @@ const fn route(
 }
 
 /// Every route of both listeners.
-pub const ROUTES: [Route; 10] = {
-    use Access::{AdminKey, Key, Open};
+pub const ROUTES: [Route; 13] = {
+    use Access::{AdminKey, Key, Open, Reader};
     use Listener::{Admin, Public};
     use Verb::{Get, Post};
     [
@@ -137,12 +143,21 @@ pub const ROUTES: [Route; 10] = {
             Endpoint::CreateRun,
             Key(Scope::RunsWrite),
         ),
+        route(Public, Get, "/v1/runs", Endpoint::ListRuns, Reader),
+        route(Public, Get, "/v1/runs/counts", Endpoint::CountRuns, Reader),
         route(
             Public,
             Get,
             "/v1/runs/{run_id}",
             Endpoint::GetRun,
             Key(Scope::RunsRead),
+        ),
+        route(
+            Public,
+            Get,
+            "/v1/runs/{run_id}/history",
+            Endpoint::RunHistory,
+            Reader,
         ),
         route(
             Public,

@@ -70,6 +70,16 @@ impl Authenticator {
         authorization: Option<&[u8]>,
         scope: Scope,
     ) -> Result<Identity, AuthError> {
+        self.authenticate_any(authorization, &[scope]).await
+    }
+
+    /// Who sent a request with this `Authorization` header, if its key has
+    /// one of `scopes` (the first is the one a refusal names).
+    pub async fn authenticate_any(
+        &self,
+        authorization: Option<&[u8]>,
+        scopes: &[Scope],
+    ) -> Result<Identity, AuthError> {
         if self.mode == AuthMode::Disabled {
             return Ok(Identity::Anonymous);
         }
@@ -79,10 +89,10 @@ impl Authenticator {
                     .increment(1);
             }
         })?;
-        if !caller.allows(scope) {
+        if !scopes.iter().any(|&scope| caller.allows(scope)) {
             metrics::counter!("ductor_api_auth_failures_total", "reason" => "missing_scope")
                 .increment(1);
-            return Err(AuthError::MissingScope(scope));
+            return Err(AuthError::MissingScope(scopes[0]));
         }
         Ok(Identity::Key(caller))
     }
@@ -141,6 +151,22 @@ pub fn tenant_for(
     }
 }
 
+/// The tenants an operator's request sees: one, or all of them (`None`).
+/// A key with the `admin` scope sees every tenant, or the one the request
+/// names; any other key sees its own tenant only, and naming another is a
+/// mismatch; without authentication (local development) the request sees
+/// what it names, or everything.
+pub fn tenants_seen(
+    identity: &Identity,
+    named: Option<&str>,
+) -> Result<Option<String>, TenantError> {
+    match identity {
+        Identity::Key(caller) if caller.allows(Scope::Admin) => Ok(named.map(str::to_owned)),
+        Identity::Key(_) => tenant_for(identity, named, None).map(Some),
+        Identity::Anonymous => Ok(named.map(str::to_owned)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -163,6 +189,27 @@ mod tests {
             tenant_for(&acme, Some("globex"), Some("default")),
             Err(TenantError::Mismatch)
         );
+    }
+
+    #[test]
+    fn an_admin_key_sees_every_tenant_and_a_tenant_key_its_own() {
+        let acme = caller("acme");
+        assert_eq!(tenants_seen(&acme, None), Ok(Some("acme".into())));
+        assert_eq!(
+            tenants_seen(&acme, Some("globex")),
+            Err(TenantError::Mismatch)
+        );
+        let Identity::Key(mut admin) = caller("ops") else {
+            unreachable!()
+        };
+        admin.scopes = vec![Scope::Admin];
+        let admin = Identity::Key(admin);
+        assert_eq!(tenants_seen(&admin, None), Ok(None));
+        assert_eq!(
+            tenants_seen(&admin, Some("globex")),
+            Ok(Some("globex".into()))
+        );
+        assert_eq!(tenants_seen(&Identity::Anonymous, None), Ok(None));
     }
 
     #[test]

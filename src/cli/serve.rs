@@ -398,6 +398,10 @@ async fn api_state(
         )),
         body_read_timeout: Duration::from_millis(config.server.body_read_timeout_ms),
         guard: crate::api::guard::Guard::new(&config.server),
+        operator: crate::api::operator::OperatorLimits {
+            max_page_runs: config.server.max_page_runs,
+            count_scan_limit: config.server.count_scan_limit,
+        },
         inputs: crate::api::InputSink {
             producer: crate::infra::kafka::producer(&config.kafka, "api")?,
             topic: config.topic_names().wakeups(),

@@ -115,6 +115,14 @@ pub struct ServerConfig {
     /// A change loads the new pair for new connections (open ones keep
     /// theirs); a pair that does not load is logged and the old one kept.
     pub tls_check_interval_ms: u64,
+    /// Most runs one page of `GET /v1/runs` (and `ductor runs list`)
+    /// holds; a request's `limit` may ask for fewer (50 when it names
+    /// none).
+    pub max_page_runs: usize,
+    /// Most runs `GET /v1/runs/counts` counts one by one, for a filter the
+    /// kept counts do not answer (a step, a correlation id, a time range):
+    /// past it the counts say `"exact": false`.
+    pub count_scan_limit: u64,
     /// Whether the public API requires an API key (`Authorization: Bearer
     /// <key>`, made with `ductor keys create`): `required` (the default),
     /// or `disabled`, for local development only, where every request names
@@ -236,6 +244,8 @@ impl ServerConfig {
             ("server.readiness_interval_ms", self.readiness_interval_ms),
             ("server.readiness_timeout_ms", self.readiness_timeout_ms),
             ("server.max_connections", self.max_connections as u64),
+            ("server.max_page_runs", self.max_page_runs as u64),
+            ("server.count_scan_limit", self.count_scan_limit),
         ] {
             if value == 0 {
                 return Err(invalid(key, "must be at least 1"));

@@ -1,0 +1,108 @@
+//! The operator's views of runs, beside the run endpoints: list and search
+//! runs (`GET /v1/runs`), count them by status (`GET /v1/runs/counts`),
+//! and read one run's whole history (`GET /v1/runs/{run_id}/history`).
+//!
+//! A key with `runs:read` sees its own tenant's runs; a key with the
+//! `admin` scope sees every tenant's, or the one its request names. The CLI
+//! (`ductor runs`) and the web console read these same routes.
+//!
+//! In: the request's key and query. Out: JSON ([`views`]), or the API's
+//! error shape: 400 `invalid_query` for a parameter that is wrong, named.
+//! Guarantees: only reads; every answer is bounded (a page to
+//! `server.max_page_runs` runs, a count to `server.count_scan_limit` runs
+//! scanned); another tenant's run answers exactly as a missing one.
+
+pub mod query;
+mod store;
+pub mod views;
+
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+
+use super::ApiState;
+use super::error::{ApiError, Code, database};
+use super::request::{authenticate_any, tenants_seen};
+use crate::auth::Scope;
+use query::RunQuery;
+
+/// Who may read: a tenant's reader, or an operator.
+const READERS: [Scope; 2] = [Scope::RunsRead, Scope::Admin];
+
+/// `GET /v1/runs`: a page of the runs the query finds, newest first.
+pub(crate) async fn list_runs(
+    State(state): State<ApiState>,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
+) -> Response {
+    let answer = async {
+        let query = seen_query(&state, &headers, raw.as_deref()).await?;
+        store::page(state.decider.pool(), &query)
+            .await
+            .map_err(database)
+    };
+    respond(answer.await)
+}
+
+/// `GET /v1/runs/counts`: how many runs the query's filter finds, by status.
+pub(crate) async fn count_runs(
+    State(state): State<ApiState>,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
+) -> Response {
+    let answer = async {
+        let query = seen_query(&state, &headers, raw.as_deref()).await?;
+        let scan_limit = i64::try_from(state.operator.count_scan_limit).unwrap_or(i64::MAX);
+        store::counts(state.decider.pool(), &query.filter, scan_limit)
+            .await
+            .map_err(database)
+    };
+    respond(answer.await)
+}
+
+/// `GET /v1/runs/{run_id}/history`: the run, its attempts, and its
+/// transitions with the effects each produced and where each is.
+pub(crate) async fn run_history(
+    State(state): State<ApiState>,
+    Path(run_id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let answer = async {
+        let identity = authenticate_any(&state, &headers, &READERS).await?;
+        let tenant = tenants_seen(&identity, None)?;
+        let pool = state.decider.pool();
+        store::history(pool, &run_id, tenant.as_deref(), chrono::Utc::now())
+            .await
+            .map_err(database)?
+            .ok_or_else(|| ApiError::new(Code::NotFound, "no such run"))
+    };
+    respond(answer.await)
+}
+
+/// The caller's query, its tenant filter set to what the caller sees.
+async fn seen_query(
+    state: &ApiState,
+    headers: &HeaderMap,
+    raw: Option<&str>,
+) -> Result<RunQuery, ApiError> {
+    let identity = authenticate_any(state, headers, &READERS).await?;
+    let mut query = RunQuery::parse(raw, state.operator.max_page_runs)
+        .map_err(|message| ApiError::new(Code::InvalidQuery, message))?;
+    query.filter.tenant = tenants_seen(&identity, query.filter.tenant.as_deref())?;
+    Ok(query)
+}
+
+fn respond<T: serde::Serialize>(answer: Result<T, ApiError>) -> Response {
+    match answer {
+        Ok(body) => (StatusCode::OK, axum::Json(body)).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The bounds of the operator's views (`server.max_page_runs`,
+/// `server.count_scan_limit`).
+#[derive(Debug, Clone, Copy)]
+pub struct OperatorLimits {
+    pub max_page_runs: usize,
+    pub count_scan_limit: u64,
+}

@@ -1,0 +1,295 @@
+//! The operator's views of runs against the real Postgres and Kafka: runs
+//! listed, searched and paged newest first, counted by status without
+//! reading them, and one run's history with its attempts and the effects
+//! of each transition; a tenant's key sees its own runs only, an `admin`
+//! key every tenant's.
+
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, from its setup to its last assertion"
+)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::Serve as Env;
+use common::*;
+use ductor::auth::Scope;
+use rdkafka::producer::FutureProducer;
+use serde_json::{Value, json};
+
+const WAIT: Duration = Duration::from_secs(60);
+const BOTH: [Scope; 2] = [Scope::RunsWrite, Scope::RunsRead];
+
+struct Views {
+    env: Env,
+    producer: FutureProducer,
+}
+
+impl Views {
+    async fn get(&self, token: &str, path: &str) -> (u16, Value) {
+        let auth = bearer(token);
+        let headers = [(auth.0, auth.1.as_str())];
+        let (status, raw) = http(self.env.addr, "GET", path, &headers, &[]).await;
+        (status, serde_json::from_slice(&raw).unwrap_or(Value::Null))
+    }
+
+    async fn post(&self, token: &str, path: &str, body: &Value) -> (u16, Value) {
+        let auth = bearer(token);
+        let headers = [
+            (auth.0, auth.1.as_str()),
+            ("Content-Type", "application/json"),
+        ];
+        let bytes = body.to_string().into_bytes();
+        let (status, raw) = http(self.env.addr, "POST", path, &headers, &bytes).await;
+        (status, serde_json::from_slice(&raw).unwrap_or(Value::Null))
+    }
+
+    async fn start(&self, token: &str, correlation_id: &str) -> String {
+        let body =
+            json!({"workflow": "example", "correlation_id": correlation_id, "input": {"n": 1}});
+        let (status, answer) = self.post(token, "/v1/runs", &body).await;
+        assert_eq!(status, 201, "{answer}");
+        answer["run_id"].as_str().unwrap().to_owned()
+    }
+
+    /// Answers the dispatched attempt of `run_id`'s step `step` with
+    /// `outcome` (the fields of an `attempt.result` after its stamp).
+    async fn answer(&self, run_id: &str, tenant: &str, step: i32, outcome: Value) {
+        let pool = &self.env.db.pool;
+        let stamp = eventually("the step is dispatched", WAIT, || async {
+            dispatched_attempt(pool, run_id, step).await
+        })
+        .await;
+        let mut value = json!({"type": "attempt.result", "schema_version": 1,
+            "run_id": run_id, "tenant": tenant, "stamp": stamp});
+        for (k, v) in outcome.as_object().unwrap() {
+            value[k] = v.clone();
+        }
+        let topic = self.env.config.topic_names().attempt_results();
+        produce(
+            &self.producer,
+            &topic,
+            run_id,
+            value.to_string().as_bytes(),
+            &[],
+        )
+        .await;
+    }
+
+    async fn status_of(&self, run_id: &str) -> String {
+        sqlx::query_scalar("SELECT status FROM runs WHERE run_id = $1")
+            .bind(run_id)
+            .fetch_one(&self.env.db.pool)
+            .await
+            .unwrap()
+    }
+
+    async fn settle(&self, run_id: &str, status: &str) {
+        eventually(&format!("{run_id} is {status}"), WAIT, || async {
+            (self.status_of(run_id).await == status).then_some(())
+        })
+        .await;
+    }
+
+    /// The kept counts, key by key, against a count of the runs.
+    async fn counts_match_the_runs(&self) {
+        let kept: Vec<(String, String, i32, String, i64)> = sqlx::query_as(
+            "SELECT tenant_scope, workflow_name, workflow_version, status, n FROM run_counts \
+             WHERE n <> 0 ORDER BY 1, 2, 3, 4",
+        )
+        .fetch_all(&self.env.db.pool)
+        .await
+        .unwrap();
+        let counted: Vec<(String, String, i32, String, i64)> = sqlx::query_as(
+            "SELECT tenant_scope, workflow_name, workflow_version, status, count(*) FROM runs \
+             GROUP BY 1, 2, 3, 4 ORDER BY 1, 2, 3, 4",
+        )
+        .fetch_all(&self.env.db.pool)
+        .await
+        .unwrap();
+        assert_eq!(kept, counted);
+    }
+}
+
+fn ids(page: &Value) -> Vec<&str> {
+    page["runs"]
+        .as_array()
+        .unwrap_or_else(|| panic!("a page: {page}"))
+        .iter()
+        .map(|r| r["run_id"].as_str().unwrap())
+        .collect()
+}
+
+fn code(answer: &Value) -> &str {
+    answer["error"]["code"].as_str().unwrap_or("")
+}
+
+#[tokio::test]
+async fn runs_are_listed_searched_counted_and_traced_per_tenant() {
+    let env = Env::start(|_| {}).await;
+    let v = Views {
+        env,
+        producer: producer(),
+    };
+    let acme = api_key(&v.env.db, "acme", &BOTH).await;
+    let globex = api_key(&v.env.db, "globex", &BOTH).await;
+    let ops = api_key(&v.env.db, "ops", &[Scope::Admin]).await;
+
+    // Three runs of acme's, ended three ways, and one of globex's left running.
+    let done = v.start(&acme, "order-1").await;
+    let broken = v.start(&acme, "order-2").await;
+    let stopped = v.start(&acme, "order-3").await;
+    let theirs = v.start(&globex, "order-1").await;
+    for step in 0..3 {
+        let ok = json!({"outcome": "succeeded", "output": {"step": step}});
+        v.answer(done.as_str(), "acme", step, ok).await;
+    }
+    let no =
+        json!({"outcome": "failed", "error": {"message": "card declined", "retryable": false}});
+    v.answer(broken.as_str(), "acme", 0, no).await;
+    let (status, answer) = v
+        .post(
+            &acme,
+            &format!("/v1/runs/{stopped}/cancel"),
+            &json!({"reason": "test"}),
+        )
+        .await;
+    assert_eq!(status, 202, "{answer}");
+    v.settle(done.as_str(), "succeeded").await;
+    v.settle(broken.as_str(), "failed").await;
+    v.settle(stopped.as_str(), "cancelled").await;
+    assert_eq!(v.status_of(&theirs).await, "running");
+
+    // acme's list: its own runs only, newest first, in pages.
+    let (status, page) = v.get(&acme, "/v1/runs").await;
+    assert_eq!(status, 200, "{page}");
+    assert_eq!(
+        ids(&page),
+        [stopped.as_str(), broken.as_str(), done.as_str()]
+    );
+    assert!(page["next"].is_null());
+    let first = page["runs"][2].clone();
+    assert_eq!(
+        (first["tenant"].as_str(), first["status"].as_str()),
+        (Some("acme"), Some("succeeded"))
+    );
+    assert_eq!(
+        (
+            first["step_index"].as_i64(),
+            first["correlation_id"].as_str()
+        ),
+        (Some(2), Some("order-1"))
+    );
+    let (_, one) = v.get(&acme, "/v1/runs?limit=2").await;
+    assert_eq!(ids(&one), [stopped.as_str(), broken.as_str()]);
+    let after = one["next"].as_str().expect("a next page");
+    let (_, two) = v
+        .get(&acme, &format!("/v1/runs?limit=2&after={after}"))
+        .await;
+    assert_eq!(ids(&two), [done.as_str()]);
+    assert!(two["next"].is_null());
+
+    // Searches.
+    for (query, found) in [
+        ("status=failed", vec![broken.as_str()]),
+        ("correlation_id=order-1", vec![done.as_str()]),
+        (
+            "workflow=example&version=1&status=cancelled",
+            vec![stopped.as_str()],
+        ),
+        ("status=running", Vec::<&str>::new()),
+        ("step=2", vec![done.as_str()]),
+        (
+            "created_after=2000-01-01T00:00:00Z&created_before=2001-01-01T00:00:00Z",
+            Vec::<&str>::new(),
+        ),
+        ("workflow=other", Vec::<&str>::new()),
+    ] {
+        let (status, page) = v.get(&acme, &format!("/v1/runs?{query}")).await;
+        assert_eq!(status, 200, "{query}: {page}");
+        assert_eq!(ids(&page), found, "{query}");
+    }
+
+    // A tenant's key cannot look at another tenant; an admin key sees all.
+    let (status, answer) = v.get(&acme, "/v1/runs?tenant=globex").await;
+    assert_eq!((status, code(&answer)), (403, "tenant_mismatch"));
+    let (_, all) = v.get(&ops, "/v1/runs?correlation_id=order-1").await;
+    assert_eq!(ids(&all), [theirs.as_str(), done.as_str()]);
+    let (_, globex_only) = v.get(&ops, "/v1/runs?tenant=globex").await;
+    assert_eq!(ids(&globex_only), [theirs.as_str()]);
+    for query in ["status=finished", "limit=0", "colour=blue", "version=1"] {
+        let (status, answer) = v.get(&ops, &format!("/v1/runs?{query}")).await;
+        assert_eq!((status, code(&answer)), (400, "invalid_query"), "{query}");
+    }
+
+    // Counts: kept ones for tenant, workflow and status; counted ones
+    // otherwise; the same numbers either way.
+    let (status, kept) = v.get(&acme, "/v1/runs/counts").await;
+    assert_eq!(status, 200, "{kept}");
+    assert_eq!(
+        kept,
+        json!({"running": 0, "succeeded": 1, "failed": 1, "cancelled": 1, "total": 3, "exact": true})
+    );
+    let (_, counted) = v
+        .get(&acme, "/v1/runs/counts?created_after=2000-01-01T00:00:00Z")
+        .await;
+    assert_eq!(counted, kept);
+    let (_, everyone) = v.get(&ops, "/v1/runs/counts?workflow=example").await;
+    assert_eq!(
+        (everyone["running"].as_i64(), everyone["total"].as_i64()),
+        (Some(1), Some(4))
+    );
+    let (_, failed) = v.get(&ops, "/v1/runs/counts?status=failed").await;
+    assert_eq!(
+        (failed["failed"].as_i64(), failed["total"].as_i64()),
+        (Some(1), Some(1))
+    );
+    v.counts_match_the_runs().await;
+
+    // One run's history: every attempt, every transition, each effect
+    // where it is (no drainer runs here: every effect is due).
+    let path = format!("/v1/runs/{done}/history");
+    let (status, history) = v.get(&acme, &path).await;
+    assert_eq!(status, 200, "{history}");
+    assert_eq!(history["run"]["status"], "succeeded");
+    assert_eq!(history["input"], json!({"n": 1}));
+    assert_eq!(history["output"], json!({"step": 2}));
+    let attempts = history["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 3, "{history}");
+    assert!(attempts.iter().all(|a| a["status"] == "succeeded"));
+    let transitions = history["transitions"].as_array().unwrap();
+    let seqs: Vec<i64> = transitions
+        .iter()
+        .map(|t| t["seq"].as_i64().unwrap())
+        .collect();
+    assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>());
+    assert_eq!(transitions[0]["from_status"], Value::Null);
+    assert_eq!(transitions.last().unwrap()["to_status"], "succeeded");
+    let effects: Vec<&Value> = transitions
+        .iter()
+        .flat_map(|t| t["effects"].as_array().unwrap())
+        .collect();
+    let dispatches = effects
+        .iter()
+        .filter(|e| e["ce_type"] == "ductor.step.dispatch")
+        .count();
+    assert_eq!(dispatches, 3, "{history}");
+    assert!(
+        effects.iter().any(|e| e["ce_type"] == "ductor.run.output"),
+        "{history}"
+    );
+    assert!(
+        effects.iter().all(|e| e["publish_status"] == "due"),
+        "{history}"
+    );
+    let (status, answer) = v.get(&globex, &path).await;
+    assert_eq!((status, code(&answer)), (404, "not_found"));
+    let (status, answer) = v.get(&ops, &path).await;
+    assert_eq!(
+        (status, answer["run"]["run_id"].as_str()),
+        (200, Some(done.as_str()))
+    );
+    v.env.stop().await;
+}
