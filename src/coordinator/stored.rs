@@ -237,6 +237,27 @@ mod tests {
         ));
     }
 
+    /// Every state of `tests/fixtures/stored/`, the shapes that shipped,
+    /// loads as the current version (the integration test `upgrades` runs
+    /// them to their end).
+    #[test]
+    fn every_stored_shape_that_shipped_loads() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/stored");
+        let mut states = 0;
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            let fixture: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+            for run in fixture["rows"]["runs"].as_array().unwrap() {
+                let state = decode(&bytes(&run["state"]))
+                    .unwrap_or_else(|e| panic!("{}: {}: {e}", path.display(), run["run_id"]));
+                assert_eq!(state.encoding_version, STATE_VERSION);
+                assert_eq!(state.run_id, run["run_id"].as_str().unwrap());
+                states += 1;
+            }
+        }
+        assert!(states >= 10, "{states} states");
+    }
+
     #[test]
     fn the_current_version_is_read_as_written() {
         let mut current = version_1();
