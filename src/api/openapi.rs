@@ -543,7 +543,7 @@ fn start_answers(schemas: &mut Schemas) -> Vec<Answer> {
     answers.extend(ApplyFailure::CLASSES.map(|class| Answer::Class {
         status: StatusCode::UNPROCESSABLE_ENTITY,
         class,
-        meaning: "Postgres refuses the request itself (SQLSTATE class 22, 23 or 54), or its state does not encode or decode: the same request would fail again",
+        meaning: "Postgres refuses the request itself (SQLSTATE class 22, 23 or 54), or its state does not encode or decode, or is of a newer version than this binary reads: the same request would fail again",
     }));
     answers
 }

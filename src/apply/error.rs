@@ -11,6 +11,8 @@
 //! failure's class is stable and its message bounded
 //! ([`MAX_FAILURE_MESSAGE_LEN`] characters).
 
+use crate::coordinator::StateDecodeError;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ApplyError {
     #[error("the commit's reply was lost (injected fault)")]
@@ -26,6 +28,9 @@ pub enum ApplyError {
     Database(#[from] sqlx::Error),
     #[error("encoding state: {0}")]
     Encode(#[from] serde_json::Error),
+    /// A run's stored state that gives no state of this binary's version.
+    #[error("loading a stored state: {0}")]
+    StoredState(#[from] crate::coordinator::StateDecodeError),
 }
 
 /// A failure that retrying cannot mend: what the database refused in the
@@ -46,15 +51,20 @@ impl ApplyFailure {
     pub const PROGRAM_LIMIT_EXCEEDED: &str = "program_limit_exceeded";
     /// A stored row that does not decode.
     pub const UNDECODABLE_STATE: &str = "undecodable_state";
+    /// A stored state of a newer version than this binary reads: a newer
+    /// binary wrote it, and this one leaves the run alone rather than
+    /// write it back in an older shape.
+    pub const NEWER_STATE_VERSION: &str = "newer_state_version";
     /// A state that does not encode.
     pub const UNENCODABLE_STATE: &str = "unencodable_state";
     /// Every class [`ApplyError::permanent`] gives, for the HTTP API's
     /// description.
-    pub const CLASSES: [&str; 5] = [
+    pub const CLASSES: [&str; 6] = [
         Self::DATA_EXCEPTION,
         Self::INTEGRITY_CONSTRAINT_VIOLATION,
         Self::PROGRAM_LIMIT_EXCEEDED,
         Self::UNDECODABLE_STATE,
+        Self::NEWER_STATE_VERSION,
         Self::UNENCODABLE_STATE,
     ];
     /// An input that failed alone, again and again, while the database
@@ -63,11 +73,12 @@ impl ApplyFailure {
     /// Every class an isolated input may have: [`Self::CLASSES`] and
     /// [`Self::TRANSIENT_EXHAUSTED`]. The isolation and dead-letter
     /// counters start each at zero.
-    pub const ISOLATED_CLASSES: [&str; 6] = [
+    pub const ISOLATED_CLASSES: [&str; 7] = [
         Self::DATA_EXCEPTION,
         Self::INTEGRITY_CONSTRAINT_VIOLATION,
         Self::PROGRAM_LIMIT_EXCEEDED,
         Self::UNDECODABLE_STATE,
+        Self::NEWER_STATE_VERSION,
         Self::UNENCODABLE_STATE,
         Self::TRANSIENT_EXHAUSTED,
     ];
@@ -82,7 +93,8 @@ impl ApplyError {
     /// exception (SQLSTATE class 22, such as U+0000 in `jsonb`), an
     /// integrity violation (class 23) other than the lost races the apply
     /// path expects, a program limit (class 54), a stored state that does
-    /// not decode, or a state that does not encode. `None` for everything
+    /// not decode or is of a newer version than this binary reads, or a
+    /// state that does not encode. `None` for everything
     /// transient: connections, timeouts and cancels, serialization
     /// failures, deadlocks, lock waits, shutdowns, lost races, and any error
     /// that is no one input's fault (privileges, a missing table), which
@@ -115,6 +127,12 @@ impl ApplyError {
             ),
             ApplyError::Encode(e) => {
                 failure(ApplyFailure::UNENCODABLE_STATE, format!("encoding: {e}"))
+            }
+            ApplyError::StoredState(e @ StateDecodeError::Newer { .. }) => {
+                failure(ApplyFailure::NEWER_STATE_VERSION, e.to_string())
+            }
+            ApplyError::StoredState(e @ StateDecodeError::Malformed(_)) => {
+                failure(ApplyFailure::UNDECODABLE_STATE, e.to_string())
             }
             _ => None,
         }

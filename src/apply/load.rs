@@ -9,11 +9,16 @@
 //! query, is only a guess that the write checks: the write lands only on
 //! the version loaded, and a verdict that writes nothing on a guess
 //! ([`unsure`]) is recomputed from the database. The cache is bounded in
-//! entries and in bytes.
+//! entries and in bytes. A stored state of an older version loads
+//! upgraded; one of a newer version than this binary reads fails the batch
+//! as [`ApplyError::StoredState`], a permanent failure, so the isolation
+//! sets the input that names its run apart (class `newer_state_version`)
+//! and the run's state is never written back in an older shape.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 
+use sqlx::postgres::{PgValueFormat, PgValueRef};
 use sqlx::{PgConnection, Row};
 
 use super::rows::Loaded;
@@ -240,8 +245,7 @@ async fn read_states(
     for row in rows {
         let run_id: String = row.try_get("run_id")?;
         let version: i64 = row.try_get("record_version")?;
-        let state: sqlx::types::Json<RunState> = row.try_get("state")?;
-        let mut state = state.0;
+        let mut state = crate::coordinator::stored::decode(jsonb_text(row.try_get_raw("state")?)?)?;
         state.record_version = version;
         if let Some(slot) = runs.get_mut(&run_id) {
             slot.state = Some(state);
@@ -249,6 +253,20 @@ async fn read_states(
         }
     }
     Ok(())
+}
+
+/// The text of a `jsonb` value as Postgres sent it, without the version
+/// byte (1) that leads it in the binary format, for the stored state's own
+/// decoding ([`crate::coordinator::stored::decode`]).
+fn jsonb_text(value: PgValueRef<'_>) -> Result<&[u8], sqlx::Error> {
+    let bytes = value.as_bytes().map_err(sqlx::Error::Decode)?;
+    match (value.format(), bytes) {
+        (PgValueFormat::Text, text) => Ok(text),
+        (PgValueFormat::Binary, [1, text @ ..]) => Ok(text),
+        (PgValueFormat::Binary, _) => Err(sqlx::Error::Decode(
+            "a jsonb value of an unknown binary format version".into(),
+        )),
+    }
 }
 
 /// The tombstones of `ids`, runs that do not exist: finished runs that

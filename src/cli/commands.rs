@@ -8,7 +8,9 @@
 //! (without a key: the operator names the tenant); `topics create` fails
 //! when the input topics' partition counts differ (unless
 //! `kafka.require_copartitioned = false`) or a topic takes smaller records
-//! than `kafka.message_max_bytes`.
+//! than `kafka.message_max_bytes`; `submit` and `outbox redrive` write
+//! only on a schema whose migrations are exactly this binary's, and
+//! `migrate` leaves a newer binary's schema alone.
 
 use anyhow::Context;
 
@@ -58,6 +60,7 @@ pub async fn redrive(
     topic: Option<&str>,
 ) -> anyhow::Result<u64> {
     let pool = crate::infra::db::connect(&config.database).await?;
+    crate::infra::db::check_migrated(&pool).await?;
     crate::outbox::Drainer::redrive_parked(&pool, run, topic).await
 }
 
@@ -107,6 +110,7 @@ pub async fn submit(args: SubmitArgs, config: &Config) -> anyhow::Result<serde_j
     let workflows = crate::infra::workflows::load_dir(&config.coordinator.workflows_dir)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let pool = crate::infra::db::connect(&config.database).await?;
+    crate::infra::db::check_migrated(&pool).await?;
     let mut applier = crate::apply::Applier::new(config, pool, workflows);
     applier.writer = std::sync::Arc::new(crate::apply::Writer::new("submit"));
     // No drainer runs in this process: the drainers of the `serve`

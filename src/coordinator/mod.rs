@@ -31,6 +31,10 @@
 //! a transition that would leave it over `max_state_bytes` fails the run instead
 //! ([`STATE_TOO_LARGE`]).
 //!
+//! A run's state is stored as one document whose shape carries its version
+//! ([`STATE_VERSION`]); [`stored`] loads every older version and refuses a
+//! newer one.
+//!
 //! A run whose workflow version is no longer defined can apply no input;
 //! [`fail_missing_workflow`] fails it from no input at all, which `serve`
 //! does at start when told to (see [`versions`]).
@@ -41,6 +45,7 @@
 pub mod definition;
 pub mod fold;
 pub mod state;
+pub mod stored;
 pub mod versions;
 
 pub use definition::Workflows;
@@ -48,7 +53,8 @@ pub use fold::{
     AttemptWrite, Decision, Entropy, NoOpReason, Rejection, Transition, fail_missing_workflow,
     fold, fold_purged,
 };
-pub use state::{AttemptRecord, AttemptStatus, Purged, RunState, RunStatus};
+pub use state::{AttemptRecord, AttemptStatus, Purged, RunState, RunStatus, STATE_VERSION};
+pub use stored::StateDecodeError;
 // The rest of the fold's vocabulary, for the harnesses and the tests.
 #[cfg(any(test, feature = "internals"))]
 pub use definition::{

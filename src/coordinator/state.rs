@@ -3,10 +3,12 @@
 //!
 //! In: a run's `runs.state` document as read back. Out: the [`RunState`]
 //! the fold reads, and the document to write. Guarantees: plain data; the
-//! optional fields (`waiting`, `start_fingerprint`, `trace`, a signal's
-//! `payload` and `fingerprint`) default when absent, so a document written without
-//! them still loads; a run records at most [`MAX_SIGNALS_PER_RUN`] signals,
-//! a bound the fold enforces.
+//! document carries the version of its shape (`v`, [`STATE_VERSION`] when
+//! written; see [`super::stored`] for how older ones load and newer ones
+//! are refused); the optional fields (`waiting`, `start_fingerprint`,
+//! `trace`, a signal's `payload` and `fingerprint`) default when absent, so
+//! a document written without them still loads; a run records at most
+//! [`MAX_SIGNALS_PER_RUN`] signals, a bound the fold enforces.
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -150,8 +152,23 @@ pub struct Purged {
     pub start_fingerprint: Option<String>,
 }
 
+/// The version of the stored state's shape that this binary writes. A
+/// document without `v` is version 1, the shape of every state written
+/// before the version was kept.
+pub const STATE_VERSION: u32 = 2;
+
+/// The version of a document that has no `v`.
+pub(super) fn unversioned() -> u32 {
+    1
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunState {
+    /// The version of the shape of this document (`v`): [`STATE_VERSION`]
+    /// in every state the fold makes or the store hands it, since loading
+    /// upgrades an older one ([`super::stored::decode`]).
+    #[serde(rename = "v", default = "unversioned")]
+    pub encoding_version: u32,
     pub run_id: String,
     pub tenant: String,
     /// Routing pool owning the run (not the pool of a step).

@@ -5,7 +5,8 @@
 //! `ductor-readiness`, `ductor-keys`); the applied migrations and the
 //! roles' grants. Guarantees: every session runs under
 //! `database.statement_timeout_ms`; [`check_migrated`] refuses a schema
-//! that lacks a migration of this binary; a role is granted exactly its
+//! that lacks a migration of this binary or has one it does not know, and
+//! `ductor migrate` refuses the latter too; a role is granted exactly its
 //! list of rights, what it held before revoked in the same transaction.
 
 use std::time::Duration;
@@ -163,6 +164,7 @@ pub async fn migrate_database(config: &DatabaseConfig) -> anyhow::Result<()> {
     as_migrator.min_connections = 0;
     let pool = connect(&as_migrator).await?;
     let result = async {
+        refuse_newer_schema(&pool).await?;
         migrate(&pool).await?;
         grant_app_role(&pool, &app_role).await?;
         match &keys_role {
@@ -432,34 +434,229 @@ fn quote_ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
-/// Fails unless every migration of this binary is applied, naming the
-/// first one missing: a `serve` that does not migrate must not run on an
-/// older schema. Migrations applied by a newer binary are fine.
-pub async fn check_migrated(pool: &PgPool) -> anyhow::Result<()> {
-    const HINT: &str = "run `ductor migrate` as the migrator (database.migrate_url), \
-                        or set database.migrate_on_start = true";
-    let applied: Vec<i64> =
-        sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success")
-            .fetch_all(pool)
-            .await
-            .with_context(|| format!("reading the applied migrations: {HINT}"))?;
-    let mut missing = MIGRATOR
-        .iter()
-        .filter(|m| !m.migration_type.is_down_migration() && !applied.contains(&m.version));
-    if let Some(first) = missing.next() {
-        anyhow::bail!(
-            "the database schema lacks {} migration(s), from {} {}: {HINT}",
-            1 + missing.count(),
-            first.version,
-            first.description
-        );
+/// What `ductor migrate` and `serve` tell an operator whose schema lacks
+/// migrations.
+const PENDING_HINT: &str = "run `ductor migrate` as the migrator (database.migrate_url), \
+                            or set database.migrate_on_start = true";
+
+/// A migration, as this binary compiles it in and as `_sqlx_migrations`
+/// records it.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct MigrationId {
+    pub version: i64,
+    pub description: String,
+}
+
+impl std::fmt::Display for MigrationId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.version, self.description)
     }
-    Ok(())
+}
+
+/// A row of `_sqlx_migrations`: a migration applied, or one whose
+/// application failed.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct AppliedMigration {
+    pub version: i64,
+    pub description: String,
+    pub success: bool,
+}
+
+/// How a database's migrations stand against this binary's, when they do
+/// not match.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SchemaMismatch {
+    /// The database has a migration this binary does not know: a newer
+    /// binary migrated it, and this one could write what the newer ones
+    /// cannot read (or fail on what they changed).
+    #[error(
+        "the database schema has migration {found}, which this binary does not know; the newest \
+         it knows is {known}: a newer Ductor has migrated this database, so run the newer \
+         binary (serve, submit, outbox redrive and migrate alike) instead of this one"
+    )]
+    Newer {
+        found: MigrationId,
+        known: MigrationId,
+    },
+    /// Migrations of this binary not (successfully) applied yet.
+    #[error("the database schema lacks {count} migration(s), from {first}: {PENDING_HINT}")]
+    Pending { first: MigrationId, count: usize },
+}
+
+/// The migrations compiled into this binary, oldest first.
+pub fn known_migrations() -> Vec<MigrationId> {
+    MIGRATOR
+        .iter()
+        .filter(|m| !m.migration_type.is_down_migration())
+        .map(|m| MigrationId {
+            version: m.version,
+            description: m.description.to_string(),
+        })
+        .collect()
+}
+
+/// Whether a database with the `applied` migrations is one this binary
+/// may write, knowing the migrations `known` (oldest first). Pure. A
+/// migration the binary does not know, applied or failed, is the newest
+/// such one (a newer binary's schema: refused first, since migrating
+/// cannot mend it); else the first of its own not applied.
+pub fn schema_mismatch(
+    known: &[MigrationId],
+    applied: &[AppliedMigration],
+) -> Option<SchemaMismatch> {
+    let newest_unknown = applied
+        .iter()
+        .filter(|a| known.iter().all(|k| k.version != a.version))
+        .max_by_key(|a| a.version);
+    if let (Some(found), Some(newest)) = (newest_unknown, known.iter().max_by_key(|k| k.version)) {
+        return Some(SchemaMismatch::Newer {
+            found: MigrationId {
+                version: found.version,
+                description: found.description.clone(),
+            },
+            known: newest.clone(),
+        });
+    }
+    let mut pending = known
+        .iter()
+        .filter(|k| !applied.iter().any(|a| a.version == k.version && a.success));
+    let first = pending.next()?;
+    Some(SchemaMismatch::Pending {
+        first: first.clone(),
+        count: 1 + pending.count(),
+    })
+}
+
+/// The rows of `_sqlx_migrations`.
+async fn applied_migrations(pool: &PgPool) -> Result<Vec<AppliedMigration>, sqlx::Error> {
+    sqlx::query_as("SELECT version, description, success FROM _sqlx_migrations ORDER BY version")
+        .fetch_all(pool)
+        .await
+}
+
+/// Fails unless the database's migrations are exactly this binary's:
+/// naming the first one missing (a binary that does not migrate must not
+/// run on an older schema), or a migration it does not know together with
+/// the newest it knows (a binary must not run on a newer binary's schema,
+/// whose states and rows it could misread and write back in older shapes).
+/// Run by `serve` (unless it migrates itself), `submit` and `outbox
+/// redrive` before they write.
+pub async fn check_migrated(pool: &PgPool) -> anyhow::Result<()> {
+    let applied = applied_migrations(pool)
+        .await
+        .with_context(|| format!("reading the applied migrations: {PENDING_HINT}"))?;
+    match schema_mismatch(&known_migrations(), &applied) {
+        Some(mismatch) => Err(mismatch.into()),
+        None => Ok(()),
+    }
+}
+
+/// Fails when the database has a migration this binary does not know,
+/// before `ductor migrate` (or `serve` migrating itself) applies its own:
+/// an older binary leaves a newer schema alone. A database without
+/// migrations yet passes.
+async fn refuse_newer_schema(pool: &PgPool) -> anyhow::Result<()> {
+    let applied = match applied_migrations(pool).await {
+        Ok(applied) => applied,
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P01") => return Ok(()),
+        Err(e) => return Err(e).context("reading the applied migrations"),
+    };
+    match schema_mismatch(&known_migrations(), &applied) {
+        Some(newer @ SchemaMismatch::Newer { .. }) => Err(newer.into()),
+        _ => Ok(()),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn known(versions: &[i64]) -> Vec<MigrationId> {
+        versions
+            .iter()
+            .map(|&version| MigrationId {
+                version,
+                description: format!("m{version}"),
+            })
+            .collect()
+    }
+
+    fn applied(versions: &[(i64, bool)]) -> Vec<AppliedMigration> {
+        versions
+            .iter()
+            .map(|&(version, success)| AppliedMigration {
+                version,
+                description: format!("m{version}"),
+                success,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_schema_of_exactly_the_known_migrations_matches() {
+        let ours = known(&[1, 2, 3]);
+        assert_eq!(
+            schema_mismatch(&ours, &applied(&[(1, true), (2, true), (3, true)])),
+            None
+        );
+    }
+
+    #[test]
+    fn missing_or_failed_migrations_are_pending_from_the_first() {
+        let ours = known(&[1, 2, 3]);
+        assert_eq!(
+            schema_mismatch(&ours, &applied(&[(1, true), (2, false)])),
+            Some(SchemaMismatch::Pending {
+                first: ours[1].clone(),
+                count: 2
+            })
+        );
+        let none = schema_mismatch(&ours, &[]).unwrap();
+        let message = none.to_string();
+        assert!(
+            message.contains("lacks 3 migration(s), from 1 (m1)")
+                && message.contains("ductor migrate"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn a_migration_this_binary_does_not_know_is_a_newer_schema_named_with_the_newest_known() {
+        let ours = known(&[1, 2, 3]);
+        let newer = applied(&[(1, true), (2, true), (3, true), (4, true), (5, false)]);
+        let mismatch = schema_mismatch(&ours, &newer).unwrap();
+        assert_eq!(
+            mismatch,
+            SchemaMismatch::Newer {
+                found: MigrationId {
+                    version: 5,
+                    description: "m5".into()
+                },
+                known: ours[2].clone(),
+            }
+        );
+        let message = mismatch.to_string();
+        assert!(
+            message.contains("migration 5 (m5)")
+                && message.contains("newest it knows is 3 (m3)")
+                && message.contains("run the newer binary"),
+            "{message}"
+        );
+        // Even with one of its own missing: migrating cannot mend a newer
+        // schema, so that is what is said.
+        let gap = applied(&[(1, true), (4, true)]);
+        assert!(matches!(
+            schema_mismatch(&ours, &gap),
+            Some(SchemaMismatch::Newer { .. })
+        ));
+    }
+
+    #[test]
+    fn the_compiled_migrations_are_ordered_and_distinct() {
+        let ours = known_migrations();
+        assert!(ours.windows(2).all(|w| w[0].version < w[1].version));
+        assert_eq!(ours[0].version, 20261130000001);
+    }
 
     #[test]
     fn names_in_the_grants_are_quoted_identifiers() {

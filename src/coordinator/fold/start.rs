@@ -18,7 +18,7 @@ use super::{Builder, Decision, Entropy, NoOpReason, RejectionClass, reject};
 use crate::contract::input::RunStart;
 use crate::contract::{TransitionKind, fingerprint};
 use crate::coordinator::definition::Workflows;
-use crate::coordinator::state::{RunState, RunStatus};
+use crate::coordinator::state::{RunState, RunStatus, STATE_VERSION};
 
 pub(super) fn on_start(
     start: &RunStart,
@@ -43,6 +43,7 @@ pub(super) fn on_start(
         );
     };
     let state = RunState {
+        encoding_version: STATE_VERSION,
         run_id: start.run_id.clone(),
         tenant: start.tenant.clone(),
         pool: start.pool.clone(),
