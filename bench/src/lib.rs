@@ -32,6 +32,7 @@ pub mod passthrough;
 pub mod pipeline;
 pub mod scale;
 pub mod stats;
+pub mod views;
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;

@@ -13,7 +13,7 @@
 //! scanned); another tenant's run answers exactly as a missing one.
 
 pub mod query;
-mod store;
+pub mod store;
 pub mod views;
 
 use axum::extract::{Path, RawQuery, State};
@@ -53,7 +53,7 @@ pub(crate) async fn count_runs(
     let answer = async {
         let query = seen_query(&state, &headers, raw.as_deref()).await?;
         let scan_limit = i64::try_from(state.operator.count_scan_limit).unwrap_or(i64::MAX);
-        store::counts(state.decider.pool(), &query.filter, scan_limit)
+        store::counts(state.decider.pool(), &query, scan_limit)
             .await
             .map_err(database)
     };

@@ -23,17 +23,71 @@ const RUN_COLUMNS: &str = "run_id, tenant_scope, pool_id, workflow_name, workflo
     status, (state->>'step_index')::int AS step_index, (state->>'attempt')::int AS attempt, \
     correlation_id, last_transition_seq, created_at, updated_at, finished_at";
 
+/// Which statement of the views.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Statement {
+    /// A page of runs.
+    Page,
+    /// Counts by status.
+    Counts,
+}
+
+/// The statement of `query`'s page (one more run than the page holds,
+/// which tells whether another page follows) or of its filter's counts
+/// (from the kept counts where they answer, else at most `scan_limit`
+/// runs counted), after `prefix`.
+fn statement<'a>(
+    prefix: &str,
+    which: Statement,
+    query: &'a RunQuery,
+    scan_limit: i64,
+) -> QueryBuilder<'a, Postgres> {
+    let filter = &query.filter;
+    let mut sql = QueryBuilder::<Postgres>::new(prefix);
+    match which {
+        Statement::Page => {
+            sql.push(format!("SELECT {RUN_COLUMNS} FROM runs"));
+            push_filter(&mut sql, filter, query.after.as_ref());
+            let limit = i64::try_from(query.limit).unwrap_or(i64::MAX);
+            sql.push(" ORDER BY created_at DESC, run_id DESC LIMIT ")
+                .push_bind(limit.saturating_add(1));
+        }
+        Statement::Counts if filter.counted_exactly() => {
+            sql.push("SELECT status, sum(n)::int8 AS n FROM run_counts WHERE true");
+            push_eq(&mut sql, "tenant_scope", filter.tenant.as_deref());
+            push_eq(&mut sql, "workflow_name", filter.workflow.as_deref());
+            if let Some(version) = filter.version {
+                sql.push(" AND workflow_version = ").push_bind(version);
+            }
+            push_eq(&mut sql, "status", filter.status.map(|s| s.as_str()));
+            sql.push(" GROUP BY status");
+        }
+        Statement::Counts => {
+            sql.push("SELECT status, count(*) AS n FROM (SELECT status FROM runs");
+            push_filter(&mut sql, filter, None);
+            sql.push(" LIMIT ")
+                .push_bind(scan_limit)
+                .push(") s GROUP BY status");
+        }
+    }
+    sql
+}
+
+/// Postgres's plan (`EXPLAIN (FORMAT JSON)`) of a statement of the views:
+/// what shows that it does not read the whole table.
+pub async fn explain(
+    pool: &PgPool,
+    which: Statement,
+    query: &RunQuery,
+    scan_limit: i64,
+) -> sqlx::Result<Value> {
+    let mut sql = statement("EXPLAIN (FORMAT JSON) ", which, query, scan_limit);
+    sql.build().fetch_one(pool).await?.try_get(0)
+}
+
 /// One page of the runs `query` finds, newest first.
 pub async fn page(pool: &PgPool, query: &RunQuery) -> sqlx::Result<RunPage> {
-    let mut sql = QueryBuilder::<Postgres>::new(format!("SELECT {RUN_COLUMNS} FROM runs"));
-    push_filter(&mut sql, &query.filter, query.after.as_ref());
-    sql.push(" ORDER BY created_at DESC, run_id DESC LIMIT ");
-    // One more than the page: whether another page follows.
-    sql.push_bind(
-        i64::try_from(query.limit)
-            .unwrap_or(i64::MAX)
-            .saturating_add(1),
-    );
+    let mut sql = statement("", Statement::Page, query, 0);
     let rows = sql.build().fetch_all(pool).await?;
     let mut runs = rows
         .iter()
@@ -54,32 +108,13 @@ pub async fn page(pool: &PgPool, query: &RunQuery) -> sqlx::Result<RunPage> {
     Ok(RunPage { runs, next })
 }
 
-/// The runs `filter` finds, by status: from the kept counts when the
-/// filter is one of tenant, workflow and version (and status), else by
+/// The runs `query`'s filter finds, by status: from the kept counts when
+/// the filter is one of tenant, workflow, version and status, else by
 /// counting at most `scan_limit` runs.
-pub async fn counts(pool: &PgPool, filter: &RunFilter, scan_limit: i64) -> sqlx::Result<RunCounts> {
-    let rows = if filter.counted_exactly() {
-        let mut sql = QueryBuilder::<Postgres>::new(
-            "SELECT status, sum(n)::int8 AS n FROM run_counts WHERE true",
-        );
-        push_eq(&mut sql, "tenant_scope", filter.tenant.as_deref());
-        push_eq(&mut sql, "workflow_name", filter.workflow.as_deref());
-        if let Some(version) = filter.version {
-            sql.push(" AND workflow_version = ").push_bind(version);
-        }
-        push_eq(&mut sql, "status", filter.status.map(|s| s.as_str()));
-        sql.push(" GROUP BY status");
-        sql.build().fetch_all(pool).await?
-    } else {
-        let mut sql = QueryBuilder::<Postgres>::new(
-            "SELECT status, count(*) AS n FROM (SELECT status FROM runs",
-        );
-        push_filter(&mut sql, filter, None);
-        sql.push(" LIMIT ")
-            .push_bind(scan_limit)
-            .push(") s GROUP BY status");
-        sql.build().fetch_all(pool).await?
-    };
+pub async fn counts(pool: &PgPool, query: &RunQuery, scan_limit: i64) -> sqlx::Result<RunCounts> {
+    let mut sql = statement("", Statement::Counts, query, scan_limit);
+    let rows = sql.build().fetch_all(pool).await?;
+    let filter = &query.filter;
     let mut counts = RunCounts::default();
     for row in &rows {
         let status: String = row.try_get("status")?;
