@@ -726,6 +726,34 @@ async fn refusals(stage: &Stage, described: &mut Described) {
         }
     }
 
+    // A redrive's body: refused before it is read as one.
+    let redrive = "/v1/outbox/redrive";
+    for (headers, body, status, code) in [
+        (vec![], b"[1]".to_vec(), 400, "invalid_request"),
+        (vec![], b"{\"colour\": 1}".to_vec(), 400, "invalid_request"),
+        (vec![], vec![b' '; 5000], 413, "body_too_large"),
+        (
+            vec![("Content-Type", "text/plain")],
+            b"{}".to_vec(),
+            415,
+            "unsupported_media_type",
+        ),
+    ] {
+        let answer = stage.keyed("POST", redrive, &headers, &body).await;
+        assert_eq!(
+            (answer.status, answer.code().as_str()),
+            (status, code),
+            "{redrive}"
+        );
+        described.check("POST", redrive, &answer);
+    }
+    let answer = exchange(env.addr, slow(redrive, &stage.all)).await;
+    assert_eq!(
+        (answer.status, answer.code().as_str()),
+        (408, "body_timeout")
+    );
+    described.check("POST", redrive, &answer);
+
     // A search with a parameter it does not know.
     for template in ["/v1/runs", "/v1/runs/counts"] {
         let answer = stage

@@ -293,3 +293,87 @@ async fn runs_are_listed_searched_counted_and_traced_per_tenant() {
     );
     v.env.stop().await;
 }
+
+#[tokio::test]
+async fn an_operator_sees_the_outbox_redrives_what_is_parked_and_sees_what_retention_deletes() {
+    let env = Env::start(|_| {}).await;
+    let v = Views {
+        env,
+        producer: producer(),
+    };
+    let acme = api_key(&v.env.db, "acme", &BOTH).await;
+    let ops = api_key(&v.env.db, "ops", &[Scope::Admin]).await;
+    let run = v.start(&acme, "order-9").await;
+
+    // No drainer runs here: the start's effects wait, due. Park them, as
+    // failed publishes would have.
+    let (status, before) = v.get(&ops, "/v1/outbox").await;
+    assert_eq!(status, 200, "{before}");
+    let waiting = before["backlog"].as_i64().unwrap();
+    assert!(waiting >= 2, "{before}");
+    assert_eq!(before["parked"], 0);
+    let parked = sqlx::query(
+        "UPDATE eec_effect_intent SET status = 'parked', parked_at = now(), \
+             publish_failures = 5, last_error = 'the topic is too small' \
+         WHERE run_id = $1 AND not_before <= now()",
+    )
+    .bind(&run)
+    .execute(&v.env.db.pool)
+    .await
+    .unwrap()
+    .rows_affected();
+    assert!(parked >= 2);
+    let (_, picture) = v.get(&ops, "/v1/outbox").await;
+    assert_eq!(picture["parked"].as_u64(), Some(parked), "{picture}");
+    let listed = picture["parked_intents"].as_array().unwrap();
+    assert_eq!(listed.len() as u64, parked);
+    assert!(
+        listed
+            .iter()
+            .all(|p| p["run_id"] == run.as_str() && p["last_error"] == "the topic is too small")
+    );
+    let by_topic: i64 = picture["topics"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["parked"].as_i64().unwrap())
+        .sum();
+    assert_eq!(by_topic as u64, parked);
+
+    // Only an operator sees it and redrives.
+    let (status, answer) = v.get(&acme, "/v1/outbox").await;
+    assert_eq!((status, code(&answer)), (403, "insufficient_scope"));
+    let (status, answer) = v.post(&acme, "/v1/outbox/redrive", &json!({})).await;
+    assert_eq!((status, code(&answer)), (403, "insufficient_scope"));
+    let (_, none) = v
+        .post(&ops, "/v1/outbox/redrive", &json!({"run_id": "another"}))
+        .await;
+    assert_eq!(none, json!({"redriven": 0}));
+    let (status, redriven) = v
+        .post(&ops, "/v1/outbox/redrive", &json!({"run_id": run}))
+        .await;
+    assert_eq!((status, redriven["redriven"].as_u64()), (200, Some(parked)));
+    let (_, after) = v.get(&ops, "/v1/outbox").await;
+    assert_eq!(
+        (after["parked"].as_i64(), after["backlog"].as_i64()),
+        (Some(0), Some(waiting))
+    );
+    assert!(after["oldest_due_age_s"].as_f64().is_some(), "{after}");
+
+    // Retention: nothing is old enough yet, and the settings are shown.
+    let (status, retention) = v.get(&ops, "/v1/retention").await;
+    assert_eq!(status, 200, "{retention}");
+    assert_eq!(
+        (
+            retention["runs_due"].as_i64(),
+            retention["tombstones"].as_i64()
+        ),
+        (Some(0), Some(0))
+    );
+    assert_eq!(
+        retention["runs_retention_ms"].as_u64(),
+        Some(v.env.config.runs.retention_ms)
+    );
+    assert_eq!(retention["exact"], true);
+    v.env.stop().await;
+}

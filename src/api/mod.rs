@@ -98,6 +98,9 @@ pub fn router(state: ApiState) -> Router {
     let runs = add(runs, Endpoint::ListRuns, operator::list_runs);
     let runs = add(runs, Endpoint::CountRuns, operator::count_runs);
     let runs = add(runs, Endpoint::RunHistory, operator::run_history);
+    let runs = add(runs, Endpoint::OutboxStatus, operator::outbox_status);
+    let runs = add(runs, Endpoint::RedriveOutbox, operator::redrive);
+    let runs = add(runs, Endpoint::RetentionStatus, operator::retention_status);
     let runs = add(runs, Endpoint::CancelRun, runs::cancel_run)
         .with_state(state)
         .layer(axum::middleware::from_fn_with_state(guard, guard::guard));

@@ -269,6 +269,9 @@ fn about(endpoint: Endpoint) -> About {
             "The run's status, workflow, last transition, output or error. Another tenant's run answers exactly as a missing one does.",
         ),
         Endpoint::ListRuns | Endpoint::CountRuns | Endpoint::RunHistory => operator_about(endpoint),
+        Endpoint::OutboxStatus | Endpoint::RedriveOutbox | Endpoint::RetentionStatus => {
+            outbox_about(endpoint)
+        }
         Endpoint::SignalRun => (
             "signalRun",
             "Signal a run",
@@ -287,6 +290,31 @@ fn about(endpoint: Endpoint) -> About {
         summary,
         description,
         tag,
+    }
+}
+
+/// What the operator's pictures of the outbox and retention are called and
+/// say of themselves.
+fn outbox_about(endpoint: Endpoint) -> (&'static str, &'static str, &'static str, &'static str) {
+    match endpoint {
+        Endpoint::OutboxStatus => (
+            "getOutbox",
+            "The outbox",
+            "operator",
+            "What waits to be published, in all and per topic: the backlog, what of it is due now, scheduled for later (timers) or deferred after failed publishes, the parked intents, and how long the oldest due intent has waited; with the 100 oldest parked intents and their errors. Reads only undelivered intents. Takes a key with the `admin` scope.",
+        ),
+        Endpoint::RedriveOutbox => (
+            "redriveOutbox",
+            "Redrive parked intents",
+            "operator",
+            "Puts parked intents (all, or one run's, or those bound for one topic) back into the claim rounds once the cause is fixed, and wakes the drainers; answers how many. A redriven intent keeps its idempotency key. Takes a key with the `admin` scope.",
+        ),
+        _ => (
+            "getRetention",
+            "What retention deletes next",
+            "operator",
+            "The retention settings, the finished runs past `runs.retention_ms` and the tombstones past `runs.tombstone_retention_ms` due to be purged, and the oldest of each (counts bounded by `server.count_scan_limit`). Takes a key with the `admin` scope.",
+        ),
     }
 }
 
@@ -440,6 +468,9 @@ fn answers_of(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
         Endpoint::ListRuns | Endpoint::CountRuns | Endpoint::RunHistory => {
             answers.extend(operator_answers(endpoint, schemas));
         }
+        Endpoint::OutboxStatus | Endpoint::RedriveOutbox | Endpoint::RetentionStatus => {
+            answers.extend(outbox_answers(endpoint, schemas));
+        }
         Endpoint::GetRun | Endpoint::SignalRun | Endpoint::CancelRun => {
             answers.extend(run_answers(endpoint, schemas));
         }
@@ -502,6 +533,41 @@ fn operator_answers(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
             let history = schemas.of::<RunHistory>();
             answers.push(json_body(StatusCode::OK, history, "The run's history."));
             answers.push(Answer::Refusal(Code::NotFound));
+        }
+    }
+    answers
+}
+
+/// The answers of the outbox's and retention's pictures, besides 429 and
+/// 431.
+fn outbox_answers(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
+    use super::operator::outbox::{OutboxPicture, Redriven, RetentionPicture};
+    let mut answers: Vec<Answer> = refusals(&KEYED)
+        .filter(|a| !matches!(a, Answer::Refusal(Code::TenantMismatch)))
+        .collect();
+    match endpoint {
+        Endpoint::OutboxStatus => {
+            let picture = schemas.of::<OutboxPicture>();
+            answers.push(json_body(StatusCode::OK, picture, "The outbox now."));
+        }
+        Endpoint::RedriveOutbox => {
+            let redriven = schemas.of::<Redriven>();
+            answers.push(json_body(
+                StatusCode::OK,
+                redriven,
+                "How many parked intents were redriven.",
+            ));
+            answers.extend(
+                refusals(&BODY).filter(|a| !matches!(a, Answer::Refusal(Code::InvalidJson))),
+            );
+        }
+        _ => {
+            let picture = schemas.of::<RetentionPicture>();
+            answers.push(json_body(
+                StatusCode::OK,
+                picture,
+                "What retention deletes next.",
+            ));
         }
     }
     answers
@@ -838,6 +904,14 @@ fn search_parameters() -> Vec<Value> {
 /// The request body of `endpoint`: a contract message less the fields the
 /// server sets, which are refused (400 `invalid_request`).
 fn request_body(endpoint: Endpoint, schemas: &mut Schemas) -> Option<Value> {
+    if endpoint == Endpoint::RedriveOutbox {
+        let schema = schemas.of::<super::operator::outbox::RedriveRequest>();
+        return Some(json!({
+            "description": "Optional (an empty body redrives every parked intent): only the run's, or only those bound for the topic.",
+            "required": false,
+            "content": { "application/json": { "schema": schema } },
+        }));
+    }
     let (message, title, server_set, optional, required): (_, _, &[&str], &[&str], _) =
         match endpoint {
             Endpoint::CreateRun => (

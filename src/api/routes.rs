@@ -93,6 +93,9 @@ pub enum Endpoint {
     CountRuns,
     GetRun,
     RunHistory,
+    OutboxStatus,
+    RedriveOutbox,
+    RetentionStatus,
     SignalRun,
     CancelRun,
     AdminHealthz,
@@ -128,7 +131,7 @@ const fn route(
 }
 
 /// Every route of both listeners.
-pub const ROUTES: [Route; 13] = {
+pub const ROUTES: [Route; 16] = {
     use Access::{AdminKey, Key, Open, Reader};
     use Listener::{Admin, Public};
     use Verb::{Get, Post};
@@ -172,6 +175,27 @@ pub const ROUTES: [Route; 13] = {
             "/v1/runs/{run_id}/cancel",
             Endpoint::CancelRun,
             Key(Scope::RunsWrite),
+        ),
+        route(
+            Public,
+            Get,
+            "/v1/outbox",
+            Endpoint::OutboxStatus,
+            Key(Scope::Admin),
+        ),
+        route(
+            Public,
+            Post,
+            "/v1/outbox/redrive",
+            Endpoint::RedriveOutbox,
+            Key(Scope::Admin),
+        ),
+        route(
+            Public,
+            Get,
+            "/v1/retention",
+            Endpoint::RetentionStatus,
+            Key(Scope::Admin),
         ),
         route(Admin, Get, "/healthz", Endpoint::AdminHealthz, Open),
         route(Admin, Get, "/readyz", Endpoint::AdminReadyz, AdminKey),

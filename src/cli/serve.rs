@@ -401,6 +401,8 @@ async fn api_state(
         operator: crate::api::operator::OperatorLimits {
             max_page_runs: config.server.max_page_runs,
             count_scan_limit: config.server.count_scan_limit,
+            runs_retention_ms: config.runs.retention_ms,
+            tombstone_retention_ms: config.runs.tombstone_retention_ms,
         },
         inputs: crate::api::InputSink {
             producer: crate::infra::kafka::producer(&config.kafka, "api")?,

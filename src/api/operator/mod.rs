@@ -1,6 +1,8 @@
-//! The operator's views of runs, beside the run endpoints: list and search
-//! runs (`GET /v1/runs`), count them by status (`GET /v1/runs/counts`),
-//! and read one run's whole history (`GET /v1/runs/{run_id}/history`).
+//! The operator's views, beside the run endpoints: list and search runs
+//! (`GET /v1/runs`), count them by status (`GET /v1/runs/counts`), read
+//! one run's whole history (`GET /v1/runs/{run_id}/history`); and, for an
+//! `admin` key only, the outbox (`GET /v1/outbox`, `POST
+//! /v1/outbox/redrive`) and retention (`GET /v1/retention`).
 //!
 //! A key with `runs:read` sees its own tenant's runs; a key with the
 //! `admin` scope sees every tenant's, or the one its request names. The CLI
@@ -12,17 +14,19 @@
 //! `server.max_page_runs` runs, a count to `server.count_scan_limit` runs
 //! scanned); another tenant's run answers exactly as a missing one.
 
+pub mod outbox;
 pub mod query;
 pub mod store;
 pub mod views;
 
+use axum::body::Body;
 use axum::extract::{Path, RawQuery, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, Request, StatusCode};
 use axum::response::{IntoResponse, Response};
 
 use super::ApiState;
 use super::error::{ApiError, Code, database};
-use super::request::{authenticate_any, tenants_seen};
+use super::request::{authenticate, authenticate_any, read_body, tenants_seen};
 use crate::auth::Scope;
 use query::RunQuery;
 
@@ -79,6 +83,71 @@ pub(crate) async fn run_history(
     respond(answer.await)
 }
 
+/// `GET /v1/outbox`: what waits to be published, and what is parked.
+pub(crate) async fn outbox_status(State(state): State<ApiState>, headers: HeaderMap) -> Response {
+    let answer = async {
+        authenticate(&state, &headers, Scope::Admin).await?;
+        outbox::picture(state.decider.pool())
+            .await
+            .map_err(database)
+    };
+    respond(answer.await)
+}
+
+/// `POST /v1/outbox/redrive` with an optional `{"run_id", "topic"}`: puts
+/// the parked intents it names (all, without either) back into the claim
+/// rounds.
+pub(crate) async fn redrive(State(state): State<ApiState>, request: Request<Body>) -> Response {
+    let answer = async {
+        authenticate(&state, request.headers(), Scope::Admin).await?;
+        let bytes = read_body(&state, request).await?;
+        let which: outbox::RedriveRequest = if bytes.is_empty() {
+            outbox::RedriveRequest::default()
+        } else {
+            serde_json::from_slice(&bytes).map_err(|e| {
+                ApiError::new(
+                    Code::InvalidRequest,
+                    format!("the body is not {{\"run_id\", \"topic\"}}: {e}"),
+                )
+            })?
+        };
+        let pool = state.decider.pool();
+        let redriven = crate::outbox::Drainer::redrive_parked(
+            pool,
+            which.run_id.as_deref(),
+            which.topic.as_deref(),
+        )
+        .await
+        .map_err(|e| {
+            tracing::warn!(error = format!("{e:#}"), "a redrive failed");
+            ApiError::new(Code::Unavailable, "the database did not answer; retry")
+        })?;
+        Ok(outbox::Redriven { redriven })
+    };
+    respond(answer.await)
+}
+
+/// `GET /v1/retention`: what retention will delete next.
+pub(crate) async fn retention_status(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+) -> Response {
+    let answer = async {
+        authenticate(&state, &headers, Scope::Admin).await?;
+        let o = state.operator;
+        let scan_limit = i64::try_from(o.count_scan_limit).unwrap_or(i64::MAX);
+        outbox::retention(
+            state.decider.pool(),
+            o.runs_retention_ms,
+            o.tombstone_retention_ms,
+            scan_limit,
+        )
+        .await
+        .map_err(database)
+    };
+    respond(answer.await)
+}
+
 /// The caller's query, its tenant filter set to what the caller sees.
 async fn seen_query(
     state: &ApiState,
@@ -100,9 +169,12 @@ fn respond<T: serde::Serialize>(answer: Result<T, ApiError>) -> Response {
 }
 
 /// The bounds of the operator's views (`server.max_page_runs`,
-/// `server.count_scan_limit`).
+/// `server.count_scan_limit`) and the retention they show
+/// (`runs.retention_ms`, `runs.tombstone_retention_ms`).
 #[derive(Debug, Clone, Copy)]
 pub struct OperatorLimits {
     pub max_page_runs: usize,
     pub count_scan_limit: u64,
+    pub runs_retention_ms: u64,
+    pub tombstone_retention_ms: u64,
 }
