@@ -3,15 +3,18 @@
 //! In: the arguments, and the configuration file of `--config` (or
 //! `DUCTOR_CONFIG`). Out: the command's result on stdout (JSON for
 //! `submit`, `inspect`, `keys` and `outbox redrive`), errors on stderr.
-//! Guarantees: exit status 0 on success, 1 when the command failed, 2 when
-//! the arguments or the configuration do not parse; every command is
-//! `ductor::cli`'s, this file only parses and prints.
+//! Guarantees: exit status 0 on success, 1 when the command failed (for
+//! the commands over the HTTP API, `runs` and `outbox`: when the API
+//! refused it), 2 when the arguments or the configuration do not parse, 3
+//! when the API could not be reached or failed (a retry may help); every
+//! command is `ductor::cli`'s, this file only parses and prints.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use ductor::cli::commands;
+use ductor::cli::client::{ApiClient, CliError};
+use ductor::cli::{commands, operator};
 use ductor::config::Config;
 use tokio_util::sync::CancellationToken;
 
@@ -41,10 +44,19 @@ enum Command {
     },
     /// Run the coordinator, its ingress and the HTTP endpoints until SIGINT/SIGTERM.
     Serve,
-    /// Operate the outbox.
+    /// Operate the outbox, over the HTTP API (a key with the admin scope).
     Outbox {
+        #[command(flatten)]
+        api: ApiArgs,
         #[command(subcommand)]
         command: OutboxCommand,
+    },
+    /// List, search, count, show and cancel runs, over the HTTP API.
+    Runs {
+        #[command(flatten)]
+        api: ApiArgs,
+        #[command(subcommand)]
+        command: RunsCommand,
     },
     /// Look at durable state.
     Inspect {
@@ -131,8 +143,82 @@ enum TopicsCommand {
     Create,
 }
 
+/// Where the HTTP API is. The key is read from `DUCTOR_API_KEY` only, so
+/// that it never shows in a process list.
+#[derive(clap::Args)]
+struct ApiArgs {
+    /// The public listener's URL; default: `server.listen` of the
+    /// configuration (https when `server.tls_cert_file` is set).
+    #[arg(long, global = true, env = "DUCTOR_URL")]
+    url: Option<String>,
+    /// PEM file of the CA that signed the server's certificate, for
+    /// https (default: the system's bundle).
+    #[arg(long, global = true, env = "DUCTOR_CA_FILE")]
+    ca_file: Option<PathBuf>,
+    /// A readable table, or the API's JSON.
+    #[arg(long, global = true, value_enum, default_value = "table")]
+    output: operator::Output,
+}
+
+impl ApiArgs {
+    fn client(&self, config: &Config) -> anyhow::Result<ApiClient> {
+        let url = self.url.clone().unwrap_or_else(|| default_url(config));
+        let key = std::env::var("DUCTOR_API_KEY").ok();
+        let timeout = std::time::Duration::from_millis(config.server.request_timeout_ms)
+            + std::time::Duration::from_secs(5);
+        ApiClient::new(&url, key, self.ca_file.clone(), timeout)
+    }
+}
+
+/// The public listener as a client on this host reaches it.
+fn default_url(config: &Config) -> String {
+    let scheme = if config.server.tls_cert_file.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    let mut listen = config.server.listen;
+    if listen.ip().is_unspecified() {
+        listen.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+    }
+    format!("{scheme}://{listen}")
+}
+
+#[derive(Subcommand)]
+enum RunsCommand {
+    /// A page of runs, newest first (every page with --all).
+    List {
+        #[command(flatten)]
+        filter: operator::RunFilterArgs,
+        /// Runs in a page (the server's default, 50, without it).
+        #[arg(long)]
+        limit: Option<u32>,
+        /// Start after this cursor (the `more: --after` of a page).
+        #[arg(long)]
+        after: Option<String>,
+        /// Follow every page to the last.
+        #[arg(long)]
+        all: bool,
+    },
+    /// How many runs the filters find, by status.
+    Counts {
+        #[command(flatten)]
+        filter: operator::RunFilterArgs,
+    },
+    /// One run: its attempts and its transitions with their effects.
+    Show { run_id: String },
+    /// Cancel a run (a `wakeup.cancel` through the coordinator).
+    Cancel {
+        run_id: String,
+        #[arg(long)]
+        reason: Option<String>,
+    },
+}
+
 #[derive(Subcommand)]
 enum OutboxCommand {
+    /// What waits to be published, per topic, and the parked intents.
+    Status,
     /// Put parked intents (effects that could not be published: too large,
     /// an unknown topic, no authorisation) back into the claim rounds, once
     /// the cause is fixed; prints how many.
@@ -163,10 +249,32 @@ fn main() -> ExitCode {
             Err(e) => {
                 tracing::error!(error = format!("{e:#}"), "ductor failed");
                 eprintln!("error: {e:#}");
-                ExitCode::FAILURE
+                // A refusal of the API (1) or an API out of reach (3).
+                e.downcast_ref::<CliError>()
+                    .map_or(ExitCode::FAILURE, |c| ExitCode::from(c.exit_status()))
             }
         }
     })
+}
+
+async fn runs(
+    client: &ApiClient,
+    command: RunsCommand,
+    output: operator::Output,
+) -> Result<String, CliError> {
+    match command {
+        RunsCommand::List {
+            filter,
+            limit,
+            after,
+            all,
+        } => operator::list_runs(client, &filter, limit, after, all, output).await,
+        RunsCommand::Counts { filter } => operator::count_runs(client, &filter, output).await,
+        RunsCommand::Show { run_id } => operator::show_run(client, &run_id, output).await,
+        RunsCommand::Cancel { run_id, reason } => {
+            operator::cancel_run(client, &run_id, reason).await
+        }
+    }
 }
 
 async fn run(command: Command, config: Config) -> anyhow::Result<()> {
@@ -182,11 +290,19 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
                 println!("{line}");
             }
         }
-        Command::Outbox {
-            command: OutboxCommand::Redrive { run, topic },
-        } => {
-            let redriven = commands::redrive(&config, run.as_deref(), topic.as_deref()).await?;
-            println!("{}", serde_json::json!({ "redriven": redriven }));
+        Command::Outbox { api, command } => {
+            let client = api.client(&config)?;
+            let printed = match command {
+                OutboxCommand::Status => operator::outbox_status(&client, api.output).await?,
+                OutboxCommand::Redrive { run, topic } => {
+                    operator::redrive(&client, run, topic).await?
+                }
+            };
+            println!("{printed}");
+        }
+        Command::Runs { api, command } => {
+            let client = api.client(&config)?;
+            println!("{}", runs(&client, command, api.output).await?);
         }
         Command::Serve => {
             let shutdown = CancellationToken::new();

@@ -377,3 +377,121 @@ async fn an_operator_sees_the_outbox_redrives_what_is_parked_and_sees_what_reten
     assert_eq!(retention["exact"], true);
     v.env.stop().await;
 }
+
+/// `ductor` with `args` against the API of `env` as `key`: its exit
+/// status, stdout and stderr.
+async fn cli(
+    env: &Env,
+    key: Option<&str>,
+    url: Option<String>,
+    args: &[&str],
+) -> (i32, String, String) {
+    let mut command = tokio::process::Command::new(ductor_bin());
+    command
+        .args(args)
+        .env("DATABASE_URL", env.config.database.url.expose())
+        .env(
+            "DUCTOR_URL",
+            url.unwrap_or_else(|| format!("http://{}", env.addr)),
+        )
+        .env_remove("DUCTOR_API_KEY");
+    if let Some(key) = key {
+        command.env("DUCTOR_API_KEY", key);
+    }
+    let out = command.output().await.expect("running ductor");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn the_cli_lists_shows_counts_and_cancels_over_the_api_with_exit_statuses_scripts_can_use() {
+    let env = Env::start(|_| {}).await;
+    let v = Views {
+        env,
+        producer: producer(),
+    };
+    let acme = api_key(&v.env.db, "acme", &BOTH).await;
+    let ops = api_key(&v.env.db, "ops", &[Scope::Admin]).await;
+    let first = v.start(&acme, "cli-1").await;
+    let second = v.start(&acme, "cli-2").await;
+
+    // A table for people, JSON for scripts, pages followed with --all.
+    let (status, table, err) = cli(&v.env, Some(&ops), None, &["runs", "list"]).await;
+    assert_eq!(status, 0, "{err}");
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(lines[0].starts_with("RUN"), "{table}");
+    assert!(
+        lines[1].starts_with(second.as_str()) && lines[2].starts_with(first.as_str()),
+        "{table}"
+    );
+    let (status, json, err) = cli(
+        &v.env,
+        Some(&ops),
+        None,
+        &[
+            "runs", "list", "--limit", "1", "--all", "--output", "json", "--tenant", "acme",
+        ],
+    )
+    .await;
+    assert_eq!(status, 0, "{err}");
+    let page: Value = serde_json::from_str(&json).expect("JSON");
+    assert_eq!(ids(&page), [second.as_str(), first.as_str()]);
+    let (_, counts, _) = cli(
+        &v.env,
+        Some(&acme),
+        None,
+        &["runs", "counts", "--output", "json"],
+    )
+    .await;
+    let counts: Value = serde_json::from_str(&counts).unwrap();
+    assert_eq!(
+        (counts["running"].as_i64(), counts["total"].as_i64()),
+        (Some(2), Some(2))
+    );
+
+    // Cancel, then see it in the run's history.
+    let (status, _, err) = cli(
+        &v.env,
+        Some(&acme),
+        None,
+        &["runs", "cancel", &first, "--reason", "cli"],
+    )
+    .await;
+    assert_eq!(status, 0, "{err}");
+    v.settle(&first, "cancelled").await;
+    let (status, shown, err) = cli(&v.env, Some(&acme), None, &["runs", "show", &first]).await;
+    assert_eq!(status, 0, "{err}");
+    assert!(shown.contains("status     cancelled"), "{shown}");
+    assert!(shown.contains("run.cancelled"), "{shown}");
+    let (status, outbox, err) = cli(&v.env, Some(&ops), None, &["outbox", "status"]).await;
+    assert_eq!(status, 0, "{err}");
+    assert!(outbox.contains("(all)"), "{outbox}");
+
+    // Exit statuses: 1 refused (no such run, no key, no scope), 3 out of
+    // reach.
+    let (status, _, err) = cli(&v.env, Some(&acme), None, &["runs", "show", "nope"]).await;
+    assert_eq!(status, 1, "{err}");
+    assert!(err.contains("not_found (404)"), "{err}");
+    let (status, _, err) = cli(&v.env, None, None, &["runs", "list"]).await;
+    assert_eq!(status, 1, "{err}");
+    assert!(err.contains("unauthenticated"), "{err}");
+    let (status, _, err) = cli(&v.env, Some(&acme), None, &["outbox", "status"]).await;
+    assert_eq!(status, 1, "{err}");
+    assert!(err.contains("insufficient_scope"), "{err}");
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let (status, _, err) = cli(
+        &v.env,
+        Some(&acme),
+        Some(format!("http://{closed}")),
+        &["runs", "list"],
+    )
+    .await;
+    assert_eq!(status, 3, "{err}");
+    v.env.stop().await;
+}

@@ -8,9 +8,11 @@
 //! does not load, or a runtime that does not start, ends the binary with
 //! status 2 before any command runs ([`run_binary`]).
 
+pub mod client;
 pub mod commands;
 pub mod inspect;
 pub mod keys;
+pub mod operator;
 pub mod serve;
 mod versions;
 

@@ -472,7 +472,7 @@ pub enum SchemaMismatch {
     #[error(
         "the database schema has migration {found}, which this binary does not know; the newest \
          it knows is {known}: a newer Ductor has migrated this database, so run the newer \
-         binary (serve, submit, outbox redrive and migrate alike) instead of this one"
+         binary (serve, submit and migrate alike) instead of this one"
     )]
     Newer {
         found: MigrationId,
