@@ -1190,16 +1190,20 @@ async fn hostile_json_on_kafka_is_dead_lettered_with_its_class_and_good_inputs_b
     h.db.drop_db().await;
 }
 
-/// An input that fit the broker only because its producer compressed it
-/// (2 MiB of value, lz4) is dead-lettered cut to the producer's limit, with
-/// a header that says so, and the partition moves on; so is one whose
-/// headers alone are over the limit.
+/// An input the dead-letter topic cannot take whole even compressed (2 MiB
+/// of random text, on a requests topic that takes 8 MiB) is dead-lettered
+/// cut, with a header that says so, and recorded whole in Postgres; one
+/// whose headers alone are over the topic's limit loses them on the topic
+/// only; and the partition moves on. (A compressible one arrives whole:
+/// tests/dead_letters.rs.)
 #[tokio::test]
 async fn an_input_too_large_to_dead_letter_whole_is_cut_to_fit_and_the_partition_moves_on() {
+    use rand::Rng;
     let h = Harness::new().await;
-    let coordinator = h.start_coordinator(CrashHooks::default());
     let names = h.config.topic_names();
     let requests = names.requests();
+    set_topic_limit(&h.config.kafka, &requests, 8 << 20).await;
+    let coordinator = h.start_coordinator(CrashHooks::default());
     let big_producer: FutureProducer = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", bootstrap_servers())
         .set("compression.type", "lz4")
@@ -1207,12 +1211,19 @@ async fn an_input_too_large_to_dead_letter_whole_is_cut_to_fit_and_the_partition
         .set("linger.ms", "0")
         .create()
         .expect("creating a compressing producer");
+    let noise = |n: usize| -> String {
+        rand::rng()
+            .sample_iter(&rand::distr::Alphanumeric)
+            .take(n)
+            .map(char::from)
+            .collect()
+    };
     let key = unique("same-partition-");
     let value = json!({"type": "run.start", "schema_version": 1, "run_id": unique("big-"),
-        "tenant": "acme", "workflow": "example", "input": "x".repeat(2 << 20)})
+        "tenant": "acme", "workflow": "example", "input": noise(2 << 20)})
     .to_string();
     let (_, big_offset) = produce(&big_producer, &requests, &key, value.as_bytes(), &[]).await;
-    let huge_header = "h".repeat(2 << 20);
+    let huge_header = noise(2 << 20);
     let (_, header_offset) = produce(
         &big_producer,
         &requests,
@@ -1256,7 +1267,7 @@ async fn an_input_too_large_to_dead_letter_whole_is_cut_to_fit_and_the_partition
     );
     let kept = big.payload().unwrap();
     assert!(
-        kept.len() < limit && kept.len() > limit / 2,
+        kept.len() < limit && kept.len() > limit / 8,
         "{}",
         kept.len()
     );
@@ -1273,6 +1284,19 @@ async fn an_input_too_large_to_dead_letter_whole_is_cut_to_fit_and_the_partition
     );
     assert_eq!(header(headers_letter, "garbage"), None);
     assert_eq!(headers_letter.payload(), Some(&b"{}"[..]));
+    // The rows keep what the topic could not: the value and the headers.
+    let recorded: Vec<(i64, i32, i32, i32)> = sqlx::query_as(
+        "SELECT source_offset, length(value), value_bytes, jsonb_array_length(headers) \
+         FROM dead_letters ORDER BY source_offset",
+    )
+    .fetch_all(&h.db.pool)
+    .await
+    .unwrap();
+    let whole = value.len() as i32;
+    assert_eq!(
+        recorded,
+        [(big_offset, whole, whole, 0), (header_offset, 2, 2, 1)]
+    );
     assert_eq!(h.db.count("runs").await, 1);
     coordinator.stop().await.expect("clean stop");
     h.db.drop_db().await;

@@ -225,7 +225,7 @@ async fn the_purge_functions_are_pinned_and_check_their_arguments() {
     .fetch_all(&db.pool)
     .await
     .unwrap();
-    assert_eq!(pinned.len(), 2, "{pinned:?}");
+    assert_eq!(pinned.len(), 3, "{pinned:?}");
     for (name, definer, config) in &pinned {
         assert!(definer, "{name} runs as its owner");
         assert_eq!(config, &["search_path=public, pg_temp"], "{name}");
@@ -236,6 +236,8 @@ async fn the_purge_functions_are_pinned_and_check_their_arguments() {
         "SELECT * FROM ductor_purge_finished_runs(0, 0)",
         "SELECT * FROM ductor_purge_tombstones(-1, 10)",
         "SELECT * FROM ductor_purge_tombstones(0, 0)",
+        "SELECT * FROM ductor_purge_dead_letters(-1, 10)",
+        "SELECT * FROM ductor_purge_dead_letters(0, 0)",
     ] {
         let err = sqlx::raw_sql(sql).execute(&db.pool).await.expect_err(sql);
         assert_eq!(sql_state(&err).as_deref(), Some("22023"), "{sql}: {err}");

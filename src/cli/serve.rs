@@ -172,9 +172,7 @@ pub async fn run_on(
     };
     spawn_http(&tasks, &config.server, listeners, tls, routers)?;
     spawn_routing_maintenance(&tasks, &pool, &config);
-    let (retention, shutdown) = (config.runs.clone(), tasks.shutdown.clone());
-    let run_retention = crate::apply::retention::run(pool.clone(), retention, shutdown);
-    tasks.tracker.spawn(run_retention);
+    spawn_retention(&tasks, &pool, &config);
     if let Some(local) = drainer {
         spawn_drainer(&tasks, local, &wakeup);
     }
@@ -519,6 +517,17 @@ fn spawn_routing_maintenance(tasks: &Tasks, pool: &PgPool, config: &Config) {
     let shutdown = tasks.shutdown.clone();
     let maintenance = crate::routing::retention::run(pool, routing, shutdown);
     tasks.tracker.spawn(maintenance);
+}
+
+/// Runs the retention of finished runs and of recorded dead letters until
+/// shutdown.
+fn spawn_retention(tasks: &Tasks, pool: &PgPool, config: &Config) {
+    let shutdown = tasks.shutdown.clone();
+    let runs = crate::apply::retention::run(pool.clone(), config.runs.clone(), shutdown.clone());
+    tasks.tracker.spawn(runs);
+    let letters = config.dead_letters.clone();
+    let letters = crate::ingress::dead_letters::retention::run(pool.clone(), letters, shutdown);
+    tasks.tracker.spawn(letters);
 }
 
 /// Starts publishing the outbox. The lane ends when the last handoff (the

@@ -18,13 +18,15 @@
 //!
 //! Each section is a file of its own with the checks of its own values
 //! (`database`, `kafka`, `server`, `log`, `coordinator`, `drainer`,
-//! `routing`, `runs`, `signatures`, `telemetry`); the types that redact themselves are
+//! `routing`, `runs`, `dead_letters`, `signatures`, `telemetry`); the types
+//! that redact themselves are
 //! in `secrets`. What relates two sections (an input against Kafka's
 //! message bound, a claim's lease against a publish's timeout) is checked
 //! here.
 
 mod coordinator;
 mod database;
+mod dead_letters;
 mod drainer;
 mod kafka;
 mod log;
@@ -45,6 +47,7 @@ use serde::{Deserialize, Serialize};
 
 pub use coordinator::CoordinatorConfig;
 pub use database::DatabaseConfig;
+pub use dead_letters::{DEAD_LETTER_CODECS, DeadLettersConfig, MAX_DEAD_LETTER_VALUE_BYTES};
 pub use drainer::DrainerConfig;
 pub use kafka::{CONSUMER_GUARANTEES, KafkaConfig, PRODUCER_GUARANTEES};
 pub use log::{LogConfig, LogFormat};
@@ -64,6 +67,9 @@ pub const EFFECT_ENVELOPE_BYTES: u64 = 16_384;
 /// and its newest output): ids, times, and the records of its attempts
 /// and signals. `coordinator.max_state_bytes` must leave at least this.
 pub const STATE_ENVELOPE_BYTES: u64 = 65_536;
+
+/// librdkafka's ceiling on `message.max.bytes`.
+pub const LIBRDKAFKA_MAX_MESSAGE_BYTES: u64 = 1_000_000_000;
 
 /// The defaults, compiled in so the binary runs from any directory.
 pub const DEFAULT_TOML: &str = include_str!("../../config/default.toml");
@@ -93,6 +99,10 @@ pub struct Config {
     /// Retention of finished runs.
     #[serde(default)]
     pub runs: RunsConfig,
+    /// Dead letters: recorded in Postgres, compressed on the topic, kept
+    /// for a retention.
+    #[serde(default)]
+    pub dead_letters: DeadLettersConfig,
     /// Off unless configured: inputs signed per tenant.
     #[serde(default)]
     pub signatures: SignaturesConfig,
@@ -171,6 +181,8 @@ impl Config {
         self.validate_drainer_lease()?;
         self.routing.validate()?;
         self.runs.validate()?;
+        self.dead_letters.validate()?;
+        self.validate_dead_letter_bound()?;
         self.telemetry.validate()
     }
 
@@ -229,6 +241,45 @@ impl Config {
             ));
         }
         Ok(())
+    }
+
+    /// A recorded letter keeps at least what the broker takes uncompressed,
+    /// and the dead-letter producer's limit stays within librdkafka's.
+    fn validate_dead_letter_bound(&self) -> Result<(), ConfigError> {
+        let bound = self.dead_letters.max_value_bytes;
+        if bound < self.kafka.message_max_bytes {
+            return Err(invalid(
+                "dead_letters.max_value_bytes",
+                format!(
+                    "{bound} is below kafka.message_max_bytes ({}): a recorded letter must keep \
+                     at least an input the broker takes uncompressed, and more for one that \
+                     reached it compressed",
+                    self.kafka.message_max_bytes
+                ),
+            ));
+        }
+        if self.dead_letter_record_bytes() > LIBRDKAFKA_MAX_MESSAGE_BYTES {
+            return Err(invalid(
+                "dead_letters.max_value_bytes",
+                format!(
+                    "with kafka.message_max_bytes it makes the dead-letter producer's \
+                     message.max.bytes {}, over librdkafka's ceiling {LIBRDKAFKA_MAX_MESSAGE_BYTES}",
+                    self.dead_letter_record_bytes()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `message.max.bytes` of the dead-letter producer (and of a replay's):
+    /// a value of `dead_letters.max_value_bytes`, and a record's worth of
+    /// key and headers besides. librdkafka holds a record to it before
+    /// compressing; the broker judges the compressed batch against the
+    /// topic's `max.message.bytes`. See [`crate::ingress::dead_letter`].
+    pub fn dead_letter_record_bytes(&self) -> u64 {
+        self.dead_letters
+            .max_value_bytes
+            .saturating_add(self.kafka.message_max_bytes)
     }
 
     /// A claim outlives the publish it covers.

@@ -116,7 +116,7 @@ fn topics() -> Vec<Topic> {
         Topic {
             id: "dlq",
             address: Some(names.dead_letters()),
-            description: "Inputs that could not be applied: the original key, value and headers (cut to fit if they must be), and headers that say where each came from and why.",
+            description: "Inputs that could not be applied: the original key, value and headers (compressed, and cut only when the broker refuses the letter whole; Ductor also records each letter, whole, in Postgres), and headers that say where each came from and why.",
             messages: &["dead-letter"],
             action: "send",
             producers: "Ductor's ingress.",

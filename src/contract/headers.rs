@@ -70,6 +70,13 @@ pub const FORWARDED_FROM: &str = "ductor-forwarded-from";
 /// On a forwarded input: how many times it has been forwarded, in decimal.
 pub const FORWARDS: &str = "ductor-forwards";
 
+/// On an input an operator replayed from its recorded dead letter (see
+/// [`crate::ingress::dead_letters`]): the replay's id, a UUID, the same on
+/// every copy one replay produces. A start that names neither its run nor
+/// an idempotency key is keyed by it, not by its offset, so that copies of
+/// one replay decide one run.
+pub const REPLAY_ID: &str = "ductor-replay-id";
+
 /// Where in the pipeline an input failed: the value of [`DLQ_STAGE`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeadLetterStage {

@@ -307,6 +307,10 @@ fn input_headers() -> Value {
             json!({ "type": "string", "pattern": "^[0-9]+$", "description": "On a forwarded input: how many times it has been forwarded." }),
         ),
         (
+            h::REPLAY_ID,
+            json!({ "type": "string", "format": "uuid", "description": "On an input an operator replayed from its recorded dead letter: the replay's id, the same on every copy of one replay. A start without run_id or idempotency_key is keyed by it instead of its offset." }),
+        ),
+        (
             SIGNATURE,
             json!({
                 "type": "string",

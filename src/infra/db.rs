@@ -256,6 +256,18 @@ const SERVE_GRANTS: Grants = Grants {
             "eec_drainer_member",
             "SELECT, INSERT, DELETE, UPDATE (heartbeat_at)",
         ),
+        // Recorded dead letters: the ingress inserts one per refused input
+        // (`ON CONFLICT DO NOTHING`: a redelivery adds none); what was read
+        // and why it failed never changes. An operator's replay claims and
+        // records, a discard notes its reason; only retention's function
+        // deletes a letter.
+        (
+            "dead_letters",
+            "SELECT, INSERT (source_topic, source_partition, source_offset, stage, class, error, \
+             record_key, key_dropped, headers, headers_dropped, value, value_bytes, input_type, \
+             tenant_scope, run_id), UPDATE (replay_id, replay_claimed_at, replayed_at, \
+             replayed_partition, replayed_offset, replay_signed, discarded_at, discard_reason)",
+        ),
         // Serve checks keys and notes their use. Making, moving, widening
         // and revoking one is `ductor keys`' (the keys role's).
         ("api_keys", "SELECT, UPDATE (last_used_at)"),
@@ -268,6 +280,7 @@ const SERVE_GRANTS: Grants = Grants {
         // SECURITY DEFINER: retention's only way to delete history.
         "ductor_purge_finished_runs(double precision, bigint)",
         "ductor_purge_tombstones(double precision, bigint)",
+        "ductor_purge_dead_letters(double precision, bigint)",
     ],
     sequences: true,
 };
@@ -299,14 +312,15 @@ const KEYS_GRANTS: Grants = Grants {
 ///   of the columns it changes (`FOR UPDATE SKIP LOCKED` needs UPDATE of
 ///   one); DELETE only on the outbox, the routing keys and the drainer
 ///   members. No DELETE on `runs`, `run_transitions`, `run_attempts` or
-///   `run_tombstones`, no UPDATE of the history: retention deletes
-///   finished runs and expired tombstones through two SECURITY DEFINER
-///   functions of the migrator, which delete nothing else. On `api_keys`,
+///   `run_tombstones` or `dead_letters`, no UPDATE of the history:
+///   retention deletes finished runs, expired tombstones and old dead
+///   letters through SECURITY DEFINER functions of the migrator, which
+///   delete nothing else. On `api_keys`,
 ///   SELECT and UPDATE of `last_used_at` only: serve cannot make a key,
 ///   move one to another tenant, widen it or un-revoke it. No TRUNCATE,
 ///   REFERENCES or TRIGGER anywhere.
 /// - the identity sequence of `eec_effect_intent`: USAGE, SELECT.
-/// - EXECUTE on `ductor_write_guard` and on the two purge functions.
+/// - EXECUTE on `ductor_write_guard` and on the three purge functions.
 /// - `LISTEN`/`NOTIFY` (`pg_notify`) need no grant.
 /// - CONNECT on the database; no CREATE on it or on the schema, so no DDL.
 ///
@@ -686,7 +700,13 @@ mod tests {
                 .map(|(_, p)| *p)
                 .unwrap_or_default()
         };
-        for table in ["runs", "run_transitions", "run_attempts", "run_tombstones"] {
+        for table in [
+            "runs",
+            "run_transitions",
+            "run_attempts",
+            "run_tombstones",
+            "dead_letters",
+        ] {
             assert!(!granted(&SERVE_GRANTS, table).contains("DELETE"), "{table}");
         }
         assert!(!granted(&SERVE_GRANTS, "run_transitions").contains("UPDATE"));

@@ -6,7 +6,7 @@
 //! dead-lettered or parked and the offsets stored, counted in the lane's
 //! [`super::Progress`]; `None` when shutdown interrupted the batch.
 //! Guarantees: offsets are stored only after the batch's commit and its
-//! dead letters' acknowledgements, and never past a parked start, so a
+//! dead letters' rows and acknowledgements, and never past a parked start, so a
 //! crash anywhere redelivers what was not durably handled, which the
 //! coordinator turns into zero new rows; a transient failure is retried
 //! until it passes or the process shuts down, and an input that fails on
@@ -191,8 +191,8 @@ async fn process_batch(
         .await?;
     }
     step.forwarded = misrouted.len();
+    ctx.dead_letters.write(&sorted.dead, shutdown).await?;
     for letter in &sorted.dead {
-        ctx.dead_letters.publish(letter, shutdown).await?;
         metrics::counter!("ductor_inputs_total", "topic" => letter.message.topic().to_string(), "outcome" => "dead_lettered")
             .increment(1);
     }

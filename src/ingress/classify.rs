@@ -7,9 +7,9 @@
 //! [`Classified`] input or routed start, or an [`InputError`] with its
 //! class. Guarantees: it never panics, whatever the bytes; what it passes
 //! keeps the size and shape bounds; a start that names neither its run nor
-//! a key is keyed by its Kafka position, so a redelivery is never a second
-//! run; an input the policy wants signed passes only if its tenant's key
-//! verifies it within the window.
+//! a key is keyed by its Kafka position (an operator's replay by its replay
+//! id), so a redelivery is never a second run; an input the policy wants
+//! signed passes only if its tenant's key verifies it within the window.
 
 use crate::config::SignaturesConfig;
 use crate::contract::signature;
@@ -30,15 +30,27 @@ pub enum Classified {
 /// Decodes one message read from an input topic of `kind`: pure, and
 /// never panics. A start without `run_id` and without a key of its own is
 /// keyed by its position in Kafka, so a redelivery is never a second run.
+#[cfg(any(test, feature = "internals"))]
 pub fn classify(
     kind: InputTopic,
     payload: &[u8],
     source: &Source,
     limits: &InputLimits,
 ) -> Result<Classified, InputError> {
+    classify_keyed(kind, payload, default_key(source, None), limits)
+}
+
+/// [`classify`], a start that names no key of its own keyed by
+/// `default_key` ([`default_key`]).
+pub fn classify_keyed(
+    kind: InputTopic,
+    payload: &[u8],
+    default_key: String,
+    limits: &InputLimits,
+) -> Result<Classified, InputError> {
     let value = parse_value(payload, limits)?;
     if kind == InputTopic::Requests
-        && let Some(request) = routing::decode_route_request(&value, Some(default_key(source)))?
+        && let Some(request) = routing::decode_route_request(&value, Some(default_key))?
     {
         bound_start(&request.start, payload.len(), limits)?;
         return Ok(Classified::Routed(Box::new(request)));
@@ -48,11 +60,12 @@ pub fn classify(
 }
 
 /// Where a message's signature is checked against: when it reached
-/// Kafka (`reference_ms`, Unix ms) and where it was read.
+/// Kafka (`reference_ms`, Unix ms), and the key a start that names none
+/// gets ([`default_key`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Received<'a> {
     pub reference_ms: i64,
-    pub source: &'a Source,
+    pub default_key: &'a str,
 }
 
 /// Checks the signature of a classified input where `policy` requires one:
@@ -108,7 +121,7 @@ pub fn check_signature(
         && request
             .key
             .as_deref()
-            .is_none_or(|key| key == default_key(received.source))
+            .is_none_or(|key| key == received.default_key)
     {
         return refuse(
             "a signed run.start must carry an idempotency_key or a run_id: without one, each \
@@ -118,12 +131,24 @@ pub fn check_signature(
     Ok(())
 }
 
-/// The idempotency key of a Kafka start that names none: its position.
-fn default_key(source: &Source) -> String {
-    format!(
-        "kafka:{}:{}:{}",
-        source.topic, source.partition, source.offset
-    )
+/// The idempotency key of a Kafka start that names none: its position;
+/// or, for an operator's replay (`replay_id`, the [`REPLAY_ID`] header, a
+/// UUID), the replay's id, which every copy of that replay shares, so that
+/// a replay produced twice (a crash before it was recorded, two operators
+/// at once) still makes one run. A header that is no UUID is ignored.
+///
+/// [`REPLAY_ID`]: crate::contract::headers::REPLAY_ID
+pub fn default_key(source: &Source, replay_id: Option<&[u8]>) -> String {
+    let replay = replay_id
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .and_then(|v| uuid::Uuid::parse_str(v).ok());
+    match replay {
+        Some(id) => format!("replay:{id}"),
+        None => format!(
+            "kafka:{}:{}:{}",
+            source.topic, source.partition, source.offset
+        ),
+    }
 }
 
 #[cfg(test)]
@@ -169,10 +194,10 @@ mod tests {
         payload: &[u8],
         header: Option<&str>,
     ) -> Option<&'static str> {
-        let source = source();
+        let key = default_key(&source(), None);
         let received = Received {
             reference_ms: AT,
-            source: &source,
+            default_key: &key,
         };
         let input = classified(kind, payload);
         check_signature(policy, &input, payload, header.map(str::as_bytes), received)
@@ -279,6 +304,43 @@ mod tests {
                 "{header:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_replayed_start_is_keyed_by_its_replay_id_and_still_refused_signed() {
+        let replay = b"0b7f1f5e-51c4-4c8e-9d3a-6a1f0f2b9c11";
+        let at = source();
+        assert_eq!(
+            default_key(&at, Some(replay)),
+            "replay:0b7f1f5e-51c4-4c8e-9d3a-6a1f0f2b9c11"
+        );
+        for garbage in [&b"not-a-uuid"[..], b"", b"\xff"] {
+            assert_eq!(default_key(&at, Some(garbage)), "kafka:t:0:0");
+        }
+        let key = default_key(&at, Some(replay));
+        let limits = InputLimits::sized(1 << 20);
+        let Ok(Classified::Routed(request)) =
+            classify_keyed(InputTopic::Requests, ROUTED, key.clone(), &limits)
+        else {
+            panic!("a routed start");
+        };
+        assert_eq!(request.key.as_deref(), Some(key.as_str()));
+        // Signed, a start keyed by no key of its own is refused, replay or
+        // not: the header is not signed, so each copy could name another.
+        let received = Received {
+            reference_ms: AT,
+            default_key: &key,
+        };
+        let classified = Classified::Routed(request);
+        let signed = signature::sign(KEY, ROUTED, AT);
+        let verdict = check_signature(
+            &policy(&["payments"], false),
+            &classified,
+            ROUTED,
+            Some(signed.as_bytes()),
+            received,
+        );
+        assert_eq!(verdict.unwrap_err().class, InputErrorClass::Unauthenticated);
     }
 
     #[test]

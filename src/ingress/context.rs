@@ -3,7 +3,7 @@
 //! In: the configuration, the pool and the workflows. Out: an
 //! [`IngressContext`]: the consumer of the input topics in the ingress's
 //! group, the applier that writes as this ingress, the dead-letter
-//! publisher, the batch bounds, and each lane's progress and parked starts.
+//! writer (its compressing producer, and the pool it records letters in), the batch bounds, and each lane's progress and parked starts.
 //! Guarantees: the consumer stores offsets only when told to
 //! (`enable.auto.offset.store=false`, see
 //! [`crate::infra::kafka::consumer_config`]); every assignment of its
@@ -135,8 +135,8 @@ impl IngressContext {
         let consumer: StreamConsumer<IngressConsumerContext> = consumer_config
             .create_with_context(context)
             .context("creating ingress consumer")?;
-        let producer: FutureProducer = crate::infra::kafka::producer(&config.kafka, "dlq")?;
-        let mut applier = Applier::new(config, pool, workflows);
+        let producer: FutureProducer = super::dead_letter::producer(config, "dlq")?;
+        let mut applier = Applier::new(config, pool.clone(), workflows);
         applier.writer = writer;
         Ok(Self {
             applier,
@@ -150,8 +150,13 @@ impl IngressContext {
             dead_letters: DeadLetterPublisher {
                 producer,
                 topic: names.dead_letters(),
+                pool,
                 max_message_bytes: config.coordinator.max_error_message_bytes,
-                max_record_bytes: usize::try_from(config.kafka.message_max_bytes)
+                max_record_bytes: usize::try_from(config.dead_letter_record_bytes())
+                    .unwrap_or(usize::MAX),
+                cut_record_bytes: usize::try_from(config.kafka.message_max_bytes)
+                    .unwrap_or(usize::MAX),
+                max_value_bytes: usize::try_from(config.dead_letters.max_value_bytes)
                     .unwrap_or(usize::MAX),
                 timeout: Duration::from_millis(config.kafka.delivery_timeout_ms),
             },

@@ -1,22 +1,57 @@
-//! The dead-letter topic. A dead letter keeps the original key, value and
-//! headers (all but its signature), and adds headers that say where it came
-//! from and why it failed.
+//! The dead-letter writer. A dead letter is recorded in Postgres
+//! (`dead_letters`, owned by [`super::dead_letters`]) with its input's
+//! whole value, and published to the dead-letter topic with the original
+//! key, value and headers (all but its signature) and headers that say
+//! where it came from and why it failed.
 //!
-//! In: a message that failed, with the stage that refused it ([`Stage`]),
-//! a class and an error. Out: one record on the dead-letter topic, counted.
-//! Guarantees: publishing is retried until it succeeds or the process
-//! shuts down, and the input's offset is stored only after its dead letter
-//! is acknowledged; a letter fits the producer's `message.max.bytes`
-//! however large the input was ([`Fit`]: the value is cut first, then the
-//! original headers go, then the key), and says what was cut; the error
-//! header is bounded; a signed input's signature is never copied, so a dead
-//! letter cannot be replayed as the input.
+//! In: the letters of a batch: each a message that failed, with the stage
+//! that refused it ([`Stage`]), a class and an error. Out: one row per
+//! letter, one record per letter on the topic, counted. Guarantees: an
+//! input has one row per stage however often it is redelivered and
+//! refused again; the batch's offsets are stored only after every letter's
+//! row is committed and its record acknowledged; recording and publishing
+//! are retried until they succeed or the process shuts down; the error is
+//! bounded; a signed input's signature is never kept, so neither the topic
+//! nor the table holds a signed input to replay.
+//!
+//! Postgres first, then the topic, then the offset. The row is the letter
+//! an operator acts on (whole, replayable); the topic's copy is for
+//! whoever reads Kafka. A crash after the row and before the topic's
+//! acknowledgement redelivers the input, which finds its row (`ON CONFLICT
+//! DO NOTHING` on the input's topic, partition, offset and stage) and is
+//! published then. A crash after the acknowledgement and before the offset
+//! is stored publishes it a second time: the table holds a letter once,
+//! the topic at least once. The other order would leave a letter on the
+//! topic only, for as long as Postgres is away.
+//!
+//! Size. librdkafka holds a record to its producer's `message.max.bytes`
+//! when it is produced, before compressing it (key, value, headers and the
+//! record's framing: `rd_kafka_msg_new0`), and fills a batch up to the
+//! smaller of that and `batch.size`; the broker holds the compressed batch
+//! to the topic's `max.message.bytes`. So an input that its producer
+//! compressed can be on the topic although no producer limited to
+//! `kafka.message_max_bytes` could send it uncompressed: a 2 MiB value of
+//! one repeated byte is a few kilobytes of lz4. The dead-letter producer
+//! therefore compresses (`dead_letters.compression`) and takes records up
+//! to `dead_letters.max_value_bytes` plus `kafka.message_max_bytes`
+//! ([`crate::config::Config::dead_letter_record_bytes`]): a letter is sent
+//! whole, and the broker judges its compressed size. Small letters still
+//! batch within `batch.size`. Only a letter the broker refuses is cut
+//! ([`Fit`]: the value first, then the original headers, then the key),
+//! first to `kafka.message_max_bytes`, which the topics take uncompressed
+//! (serve checks their `max.message.bytes` at start), then harder by
+//! quarters; the letter says what was cut, and its row keeps the value.
 
 use std::time::Duration;
 
+use anyhow::Context;
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
+use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
+
+use super::dead_letters::{LetterRow, Refused, store};
+use crate::config::Config;
 
 use crate::contract::headers::{
     DLQ_CLASS, DLQ_DROPPED, DLQ_MESSAGE, DLQ_OFFSET, DLQ_PARTITION, DLQ_STAGE, DLQ_TOPIC,
@@ -88,20 +123,116 @@ impl Fit {
     }
 }
 
+/// The dead-letter producer of `config`, as `role`: Ductor's producer
+/// (idempotent, the Java client's partitioner), compressed with
+/// `dead_letters.compression`, taking records up to
+/// [`Config::dead_letter_record_bytes`] before compression. A replay of a
+/// recorded letter goes out through one too, so that an input that
+/// reached the broker compressed goes back whole.
+pub fn producer(config: &Config, role: &str) -> anyhow::Result<FutureProducer> {
+    let mut producer = crate::infra::kafka::producer_config(&config.kafka, role);
+    producer
+        .set("compression.type", &config.dead_letters.compression)
+        .set(
+            "message.max.bytes",
+            config.dead_letter_record_bytes().to_string(),
+        );
+    producer
+        .create()
+        .context("creating the dead-letter producer")
+}
+
 pub struct DeadLetterPublisher {
     pub producer: FutureProducer,
     pub topic: String,
+    /// Where every letter is recorded first.
+    pub pool: PgPool,
     /// Bound on the error message header.
     pub max_message_bytes: usize,
-    /// The producer's `message.max.bytes`: every letter is cut to fit it.
+    /// The producer's `message.max.bytes`: a letter is sent whole up to it.
     pub max_record_bytes: usize,
+    /// `kafka.message_max_bytes`: what a letter the broker refused is cut
+    /// to first.
+    pub cut_record_bytes: usize,
+    /// `dead_letters.max_value_bytes`: what a row keeps of a value.
+    pub max_value_bytes: usize,
     pub timeout: Duration,
 }
 
 impl DeadLetterPublisher {
+    /// Records every letter of a batch in Postgres, then publishes each,
+    /// each step retried until it holds or the process shuts down.
+    pub async fn write(
+        &self,
+        letters: &[DeadLetter<'_>],
+        shutdown: &CancellationToken,
+    ) -> anyhow::Result<()> {
+        if letters.is_empty() {
+            return Ok(());
+        }
+        let rows: Vec<LetterRow> = letters.iter().map(|l| self.row(l)).collect();
+        self.record_until_stored(&rows, shutdown).await?;
+        for letter in letters {
+            self.publish(letter, shutdown).await?;
+        }
+        Ok(())
+    }
+
+    /// The row of `letter`.
+    fn row(&self, letter: &DeadLetter<'_>) -> LetterRow {
+        let msg = letter.message;
+        let headers: Vec<(&str, Option<&[u8]>)> = msg
+            .headers()
+            .map(|hs| hs.iter().map(|h| (h.key, h.value)).collect())
+            .unwrap_or_default();
+        LetterRow::of(
+            Refused {
+                topic: msg.topic(),
+                partition: msg.partition(),
+                offset: msg.offset(),
+                key: msg.key(),
+                headers: &headers,
+                value: msg.payload(),
+            },
+            letter.stage.as_str(),
+            &letter.class,
+            truncate(&letter.error, self.max_message_bytes),
+            self.max_value_bytes,
+        )
+    }
+
+    /// Inserts `rows` until Postgres has them (those recorded already, by
+    /// an earlier delivery of their inputs, are left as they are).
+    async fn record_until_stored(
+        &self,
+        rows: &[LetterRow],
+        shutdown: &CancellationToken,
+    ) -> anyhow::Result<()> {
+        let mut pause = Duration::from_millis(100);
+        loop {
+            let error = match store::insert(&self.pool, rows).await {
+                Ok(new) => {
+                    if (new as usize) < rows.len() {
+                        tracing::info!(
+                            letters = rows.len(),
+                            recorded_before = rows.len() - new as usize,
+                            "dead letters of redelivered inputs were recorded already"
+                        );
+                    }
+                    return Ok(());
+                }
+                Err(e) => e,
+            };
+            tracing::warn!(error = %error, retry_in_ms = pause.as_millis() as u64, "recording dead letters failed, retrying");
+            if !pause_unless_shutdown(&mut pause, shutdown).await {
+                return Err(anyhow::Error::new(error).context("recording dead letters"));
+            }
+        }
+    }
+
     /// Publishes `letter`, retrying until the broker acknowledges it or the
     /// process shuts down, then counts it.
-    pub async fn publish(
+    async fn publish(
         &self,
         letter: &DeadLetter<'_>,
         shutdown: &CancellationToken,
@@ -114,9 +245,10 @@ impl DeadLetterPublisher {
         Ok(())
     }
 
-    /// Sends the letter until it is acknowledged. A letter refused for its
-    /// size is cut harder at once; any other failure is retried with a
-    /// growing pause, unless the process is shutting down.
+    /// Sends the letter until it is acknowledged: whole first; a letter
+    /// refused for its size is cut at once, to `cut_record_bytes`, then by
+    /// quarters; any other failure is retried with a growing pause, unless
+    /// the process is shutting down.
     async fn send_until_acknowledged(
         &self,
         parts: &Parts<'_>,
@@ -130,24 +262,17 @@ impl DeadLetterPublisher {
                 Err(e) => e,
             };
             if is_too_large(&error) && max_record > RECORD_OVERHEAD_BYTES + parts.own_bytes {
-                // A limit below ours (the topic's or the broker's): cut
-                // harder, down to the letter's own headers alone.
+                // The broker's limit on the compressed batch, or the
+                // topic's below it: cut, down to the letter's own headers
+                // alone.
+                max_record = next_cut(max_record, self.cut_record_bytes);
                 tracing::warn!(error = %error, max_record, "dead letter too large for the broker, cutting it");
-                max_record /= 4;
                 continue;
             }
-            if shutdown.is_cancelled() {
+            tracing::warn!(error = %error, retry_in_ms = pause.as_millis() as u64, "dead-letter publish failed, retrying");
+            if !pause_unless_shutdown(&mut pause, shutdown).await {
                 return Err(anyhow::Error::new(error).context("publishing dead letter"));
             }
-            tracing::warn!(error = %error, retry_in_ms = pause.as_millis() as u64, "dead-letter publish failed, retrying");
-            tokio::select! {
-                biased;
-                _ = shutdown.cancelled() => {
-                    return Err(anyhow::Error::new(error).context("publishing dead letter"));
-                }
-                _ = tokio::time::sleep(pause) => {}
-            }
-            pause = (pause * 2).min(Duration::from_secs(5));
         }
     }
 
@@ -171,6 +296,31 @@ impl DeadLetterPublisher {
             Err((e, _)) => Err(e),
         }
     }
+}
+
+/// The limit a letter refused at `max_record` bytes is tried at next: the
+/// uncompressed size the topics take (`cut`), then a quarter each time.
+fn next_cut(max_record: usize, cut: usize) -> usize {
+    if max_record > cut {
+        cut
+    } else {
+        max_record / 4
+    }
+}
+
+/// Waits `pause`, doubled for the next time up to 5 s; false when the
+/// process began shutting down (now or meanwhile).
+async fn pause_unless_shutdown(pause: &mut Duration, shutdown: &CancellationToken) -> bool {
+    if shutdown.is_cancelled() {
+        return false;
+    }
+    tokio::select! {
+        biased;
+        _ = shutdown.cancelled() => return false,
+        _ = tokio::time::sleep(*pause) => {}
+    }
+    *pause = (*pause * 2).min(Duration::from_secs(5));
+    true
 }
 
 /// A dead letter's parts, measured once for every cut that may be tried.
@@ -348,6 +498,15 @@ mod tests {
             + fit.value_bytes
             + usize::from(fit.keep_key) * key
             + usize::from(fit.keep_headers) * headers
+    }
+
+    #[test]
+    fn a_refused_letter_is_cut_to_what_the_topics_take_then_by_quarters() {
+        let whole = 17 << 20;
+        let cut = 1 << 20;
+        assert_eq!(next_cut(whole, cut), cut);
+        assert_eq!(next_cut(cut, cut), cut / 4);
+        assert_eq!(next_cut(cut / 4, cut), cut / 16);
     }
 
     #[test]

@@ -1,8 +1,8 @@
 //! A batch sorted by what each message is, and settled by what each came
 //! to.
 //!
-//! In: a batch's messages (their values, and the signature and trace
-//! context headers); later, what the apply path made of them
+//! In: a batch's messages (their values, and the signature, replay id and
+//! trace context headers); later, what the apply path made of them
 //! ([`IsolatedBatch`]). Out: [`Sorted`]: the inputs to apply, the starts
 //! for the routing plane, and the dead letters of messages that do not
 //! decode or whose signature does not hold, each beside its message; then
@@ -17,7 +17,7 @@
 
 use rdkafka::message::{Message, OwnedMessage};
 
-use super::classify::{Classified, Received, check_signature, classify};
+use super::classify::{Classified, Received, check_signature, classify_keyed, default_key};
 use super::dead_letter::{DeadLetter, Stage};
 use super::parked::ParkedStart;
 use super::{IngressContext, StepReport};
@@ -79,11 +79,12 @@ pub(super) fn sort<'m>(ctx: &IngressContext, batch: &'m [OwnedMessage]) -> Sorte
             offset: msg.offset(),
         };
         let payload = msg.payload().unwrap_or_default();
+        let key = default_key(&source, header(msg, crate::contract::headers::REPLAY_ID));
         let received = Received {
             reference_ms: reached_kafka_ms(msg),
-            source: &source,
+            default_key: &key,
         };
-        let classified = classify(kind, payload, &source, &ctx.limits).and_then(|c| {
+        let classified = classify_keyed(kind, payload, key.clone(), &ctx.limits).and_then(|c| {
             check_signature(
                 &ctx.signatures,
                 &c,
