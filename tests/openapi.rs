@@ -30,14 +30,24 @@ const WAIT: Duration = Duration::from_secs(60);
 /// The test fails when a documented status is neither produced nor listed
 /// here, and when one listed here is produced after all: the list is
 /// exactly what is not provoked.
-const UNPROVOKABLE: [(&str, &str, u16, &str); 1] = [(
-    "post",
-    "/v1/runs",
-    500,
-    "`internal`: answered only when the routing plane breaks a promise of its own (a \
-     completed key without a decision, a decider that commits without an outcome); no \
-     request can make a correct server do that",
-)];
+const UNPROVOKABLE: [(&str, &str, u16, &str); 2] = [
+    (
+        "post",
+        "/v1/runs",
+        500,
+        "`internal`: answered only when the routing plane breaks a promise of its own (a \
+         completed key without a decision, a decider that commits without an outcome); no \
+         request can make a correct server do that",
+    ),
+    (
+        "post",
+        "/v1/dead-letters/{letter_id}/replay",
+        422,
+        "`not_replayable`: only for a letter whose input was over `dead_letters.max_value_bytes`, \
+         which the configuration keeps above `kafka.message_max_bytes`; tests/dead_letters.rs \
+         records such a letter and sees its replay refused",
+    ),
+];
 
 /// The committed document.
 fn committed() -> String {
@@ -313,6 +323,9 @@ struct Stage {
     run: String,
     /// A run of `acme` for the cancels.
     victim: String,
+    /// Dead letters of `acme`: one to replay, one to discard.
+    replayed: i64,
+    discarded: i64,
 }
 
 impl Stage {
@@ -331,7 +344,14 @@ impl Stage {
         } else {
             &self.run
         };
-        template.replace("{run_id}", run)
+        let letter = if template.ends_with("/discard") {
+            self.discarded
+        } else {
+            self.replayed
+        };
+        template
+            .replace("{run_id}", run)
+            .replace("{letter_id}", &letter.to_string())
     }
 
     /// A request of `method path` with `all`'s key and `headers`.
@@ -354,8 +374,40 @@ fn good_body(verb: &str, template: &str) -> Vec<u8> {
     match (verb, template) {
         ("post", "/v1/runs") => json!({"workflow": "example"}).to_string().into_bytes(),
         ("post", "/v1/runs/{run_id}/signals") => json!({"name": "poke"}).to_string().into_bytes(),
+        // A set that matches no letter: the stage's letters are replayed
+        // and discarded one by one.
+        ("post", "/v1/dead-letters/replay") => json!({"filter": {"class": "none-such"}})
+            .to_string()
+            .into_bytes(),
+        ("post", "/v1/dead-letters/{letter_id}/discard") => {
+            json!({"reason": "tested"}).to_string().into_bytes()
+        }
         _ => Vec::new(),
     }
+}
+
+/// The id of the dead letter of a signal of `acme` for `run_id`, which no
+/// run has: produced to the wakeups topic, refused, recorded.
+async fn dead_letter(env: &Env, run_id: &str) -> i64 {
+    let signal = json!({"type": "wakeup.signal", "schema_version": 1, "run_id": run_id,
+        "tenant": "acme", "signal_id": "s", "name": "poke", "payload": null});
+    let topic = env.config.topic_names().wakeups();
+    produce(
+        &producer(),
+        &topic,
+        run_id,
+        signal.to_string().as_bytes(),
+        &[],
+    )
+    .await;
+    eventually("the signal is dead-lettered", WAIT, || async {
+        sqlx::query_scalar("SELECT id FROM dead_letters WHERE run_id = $1")
+            .bind(run_id)
+            .fetch_optional(&env.db.pool)
+            .await
+            .unwrap()
+    })
+    .await
 }
 
 #[tokio::test]
@@ -393,12 +445,18 @@ async fn every_route_is_described_and_each_described_status_is_produced() {
         let decision: Value = serde_json::from_slice(&body).unwrap();
         runs.push(decision["run_id"].as_str().unwrap().to_owned());
     }
+    let (replayed, discarded) = (
+        dead_letter(&env, "gone-a").await,
+        dead_letter(&env, "gone-b").await,
+    );
     let stage = Stage {
         env,
         all,
         admin,
         victim: runs.pop().unwrap(),
         run: runs.pop().unwrap(),
+        replayed,
+        discarded,
     };
 
     served_document(&stage, &mut described).await;
@@ -554,6 +612,11 @@ async fn scopes_are_as_described(stage: &Stage, described: &mut Described) {
                 described.check(method, template, &answer);
                 (vec![Scope::RunsRead, Scope::RunsWrite], vec![Scope::Admin])
             }
+            Access::Writer => {
+                let either = json!([{ "apiKey": ["runs:write"] }, { "apiKey": ["admin"] }]);
+                assert_eq!(security, either, "{row:?}");
+                (vec![Scope::RunsRead], vec![Scope::RunsWrite])
+            }
             Access::Reader => {
                 let either = json!([{ "apiKey": ["runs:read"] }, { "apiKey": ["admin"] }]);
                 assert_eq!(security, either, "{row:?}");
@@ -704,7 +767,7 @@ async fn refusals(stage: &Stage, described: &mut Described) {
     // Without a key, and about a run the tenant does not have.
     for row in ROUTES
         .iter()
-        .filter(|r| matches!(r.access, Access::Key(_) | Access::Reader))
+        .filter(|r| matches!(r.access, Access::Key(_) | Access::Reader | Access::Writer))
     {
         let (method, template) = (row.verb.method(), row.path);
         let body = good_body(row.verb.as_str(), template);
@@ -714,8 +777,10 @@ async fn refusals(stage: &Stage, described: &mut Described) {
             (401, "unauthenticated")
         );
         described.check(method, template, &answer);
-        if template.contains("{run_id}") {
-            let path = template.replace("{run_id}", "nope");
+        if template.contains("{run_id}") || template.contains("{letter_id}") {
+            let path = template
+                .replace("{run_id}", "nope")
+                .replace("{letter_id}", "999999999");
             let answer = stage.keyed(method, &path, &[], &body).await;
             assert_eq!(
                 (answer.status, answer.code().as_str()),
@@ -753,6 +818,69 @@ async fn refusals(stage: &Stage, described: &mut Described) {
         (408, "body_timeout")
     );
     described.check("POST", redrive, &answer);
+
+    // Dead letters: a replayed one is not discarded, a discarded one not
+    // replayed; bodies refused before they are read.
+    let settled = [
+        (
+            format!("/v1/dead-letters/{}/discard", stage.replayed),
+            "/v1/dead-letters/{letter_id}/discard",
+        ),
+        (
+            format!("/v1/dead-letters/{}/replay", stage.discarded),
+            "/v1/dead-letters/{letter_id}/replay",
+        ),
+    ];
+    for (path, template) in settled {
+        let body = json!({"reason": "again"}).to_string();
+        let answer = stage.keyed("POST", &path, &[], body.as_bytes()).await;
+        assert_eq!(
+            (answer.status, answer.code().as_str()),
+            (409, "letter_settled"),
+            "{path}"
+        );
+        described.check("POST", template, &answer);
+    }
+    for template in [
+        "/v1/dead-letters/replay",
+        "/v1/dead-letters/{letter_id}/discard",
+    ] {
+        let path = stage.path(template);
+        for (headers, body, status, code) in [
+            (vec![], b"[1]".to_vec(), 400, "invalid_request"),
+            (vec![], vec![b' '; 5000], 413, "body_too_large"),
+            (
+                vec![("Content-Type", "text/plain")],
+                b"{}".to_vec(),
+                415,
+                "unsupported_media_type",
+            ),
+        ] {
+            let answer = stage.keyed("POST", &path, &headers, &body).await;
+            assert_eq!(
+                (answer.status, answer.code().as_str()),
+                (status, code),
+                "{path}"
+            );
+            described.check("POST", template, &answer);
+        }
+        let answer = exchange(env.addr, slow(&path, &stage.all)).await;
+        assert_eq!(
+            (answer.status, answer.code().as_str()),
+            (408, "body_timeout")
+        );
+        described.check("POST", template, &answer);
+    }
+    for template in ["/v1/dead-letters", "/v1/dead-letters/counts"] {
+        let answer = stage
+            .keyed("GET", &format!("{template}?colour=blue"), &[], b"")
+            .await;
+        assert_eq!(
+            (answer.status, answer.code().as_str()),
+            (400, "invalid_query")
+        );
+        described.check("GET", template, &answer);
+    }
 
     // A search with a parameter it does not know.
     for template in ["/v1/runs", "/v1/runs/counts"] {

@@ -495,3 +495,107 @@ async fn the_cli_lists_shows_counts_and_cancels_over_the_api_with_exit_statuses_
     assert_eq!(status, 3, "{err}");
     v.env.stop().await;
 }
+
+#[tokio::test]
+async fn dead_letters_are_listed_per_tenant_replayed_once_and_discarded_with_a_reason() {
+    let env = Env::start(|_| {}).await;
+    let v = Views {
+        env,
+        producer: producer(),
+    };
+    let acme = api_key(&v.env.db, "acme", &BOTH).await;
+    let globex = api_key(&v.env.db, "globex", &BOTH).await;
+    let ops = api_key(&v.env.db, "ops", &[Scope::Admin]).await;
+    // A signal of acme's for a run that does not exist yet is refused.
+    let signal = json!({"type": "wakeup.signal", "schema_version": 1, "run_id": "later-1",
+        "tenant": "acme", "signal_id": "s-1", "name": "poke", "payload": {"n": 1}});
+    let topic = v.env.config.topic_names().wakeups();
+    produce(
+        &v.producer,
+        &topic,
+        "later-1",
+        signal.to_string().as_bytes(),
+        &[],
+    )
+    .await;
+    let pool = &v.env.db.pool;
+    let id: i64 = eventually("the signal is dead-lettered", WAIT, || async {
+        sqlx::query_scalar("SELECT id FROM dead_letters WHERE run_id = 'later-1'")
+            .fetch_optional(pool)
+            .await
+            .unwrap()
+    })
+    .await;
+
+    // acme and an operator see it; globex does not.
+    let (status, page) = v.get(&acme, "/v1/dead-letters").await;
+    assert_eq!(status, 200, "{page}");
+    assert_eq!(page["letters"][0]["id"].as_i64(), Some(id), "{page}");
+    let (_, theirs) = v.get(&globex, "/v1/dead-letters").await;
+    assert_eq!(theirs["letters"], json!([]));
+    let (status, answer) = v.get(&globex, &format!("/v1/dead-letters/{id}")).await;
+    assert_eq!((status, code(&answer)), (404, "not_found"));
+    let (status, letter) = v.get(&ops, &format!("/v1/dead-letters/{id}")).await;
+    assert_eq!(status, 200, "{letter}");
+    let value: Value = serde_json::from_str(letter["value"]["utf8"].as_str().unwrap()).unwrap();
+    assert_eq!(value, signal, "the letter holds the input whole");
+    let (_, counts) = v.get(&acme, "/v1/dead-letters/counts").await;
+    let class = letter["class"].as_str().unwrap();
+    assert_eq!(counts["counts"][0]["class"], class, "{counts}");
+
+    // Replayed once, however often asked; then it cannot be discarded.
+    let replay = format!("/v1/dead-letters/{id}/replay");
+    let (status, first) = v.post(&acme, &replay, &json!({})).await;
+    assert_eq!(
+        (status, first["status"].as_str()),
+        (200, Some("replayed")),
+        "{first}"
+    );
+    let (_, again) = v.post(&acme, &replay, &json!({})).await;
+    assert_eq!(again["status"], "already_replayed");
+    assert_eq!(again["replay_id"], first["replay_id"]);
+    assert_eq!(again["offset"], first["offset"]);
+    let (status, answer) = v
+        .post(
+            &acme,
+            &format!("/v1/dead-letters/{id}/discard"),
+            &json!({"reason": "x"}),
+        )
+        .await;
+    assert_eq!((status, code(&answer)), (409, "letter_settled"));
+
+    // The replayed input is refused again (still no such run): a second
+    // letter, which acme discards with a reason, and which then is never
+    // replayed.
+    let second: i64 = eventually("the replay is dead-lettered again", WAIT, || async {
+        sqlx::query_scalar("SELECT id FROM dead_letters WHERE run_id = 'later-1' AND id <> $1")
+            .bind(id)
+            .fetch_optional(pool)
+            .await
+            .unwrap()
+    })
+    .await;
+    let (status, discarded) = v
+        .post(
+            &acme,
+            &format!("/v1/dead-letters/{second}/discard"),
+            &json!({"reason": "no such run"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{discarded}");
+    let (status, answer) = v
+        .post(
+            &ops,
+            &format!("/v1/dead-letters/{second}/replay"),
+            &json!({}),
+        )
+        .await;
+    assert_eq!((status, code(&answer)), (409, "letter_settled"));
+    let (_, batch) = v.post(&ops, "/v1/dead-letters/replay", &json!({})).await;
+    assert_eq!(
+        batch["replayed"],
+        json!([]),
+        "nothing is left to replay: {batch}"
+    );
+    v.env.stop().await;
+}

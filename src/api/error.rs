@@ -50,13 +50,18 @@ pub enum Code {
     SigningKeyMissing,
     Unavailable,
     Contended,
+    /// A dead letter already discarded (not replayed) or replayed (not
+    /// discarded).
+    LetterSettled,
+    /// A dead letter whose record does not hold what a replay sends.
+    NotReplayable,
     Internal,
 }
 
 impl Code {
     /// Every code, for the tests of the API's description.
     #[cfg_attr(not(any(test, feature = "internals")), allow(dead_code))]
-    pub const ALL: [Code; 25] = [
+    pub const ALL: [Code; 27] = [
         Code::Unauthenticated,
         Code::InsufficientScope,
         Code::TenantMismatch,
@@ -81,6 +86,8 @@ impl Code {
         Code::SigningKeyMissing,
         Code::Unavailable,
         Code::Contended,
+        Code::LetterSettled,
+        Code::NotReplayable,
         Code::Internal,
     ];
 
@@ -111,6 +118,8 @@ impl Code {
             Code::SigningKeyMissing => "signing_key_missing",
             Code::Unavailable => "unavailable",
             Code::Contended => "contended",
+            Code::LetterSettled => "letter_settled",
+            Code::NotReplayable => "not_replayable",
             Code::Internal => "internal",
         }
     }
@@ -130,13 +139,14 @@ impl Code {
             }
             Code::NotFound => StatusCode::NOT_FOUND,
             Code::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
-            Code::InProgress => StatusCode::CONFLICT,
+            Code::InProgress | Code::LetterSettled => StatusCode::CONFLICT,
             Code::RunPurged => StatusCode::GONE,
             Code::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Code::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            Code::IdempotencyKeyMismatch | Code::IdempotencyMismatch | Code::UnknownWorkflow => {
-                StatusCode::UNPROCESSABLE_ENTITY
-            }
+            Code::IdempotencyKeyMismatch
+            | Code::IdempotencyMismatch
+            | Code::UnknownWorkflow
+            | Code::NotReplayable => StatusCode::UNPROCESSABLE_ENTITY,
             Code::RateLimited => StatusCode::TOO_MANY_REQUESTS,
             Code::Internal => StatusCode::INTERNAL_SERVER_ERROR,
             Code::Overloaded | Code::Timeout | Code::Unavailable | Code::Contended => {

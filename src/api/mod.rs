@@ -72,6 +72,20 @@ pub struct ApiState {
     pub guard: guard::Guard,
     /// The bounds of the operator's views.
     pub operator: operator::OperatorLimits,
+    /// The recorded dead letters' operations (`None` where no serve runs
+    /// them).
+    pub dead_letters: Option<crate::ingress::dead_letters::DeadLetters>,
+}
+
+impl ApiState {
+    /// The dead letters' operations, or 503 where this process has none.
+    pub(crate) fn letters(
+        &self,
+    ) -> Result<&crate::ingress::dead_letters::DeadLetters, error::ApiError> {
+        self.dead_letters.as_ref().ok_or_else(|| {
+            error::ApiError::new(error::Code::Unavailable, "dead letters are not served here")
+        })
+    }
 }
 
 /// Where the API puts the inputs it accepts for the coordinator.
@@ -101,6 +115,16 @@ pub fn router(state: ApiState) -> Router {
     let runs = add(runs, Endpoint::OutboxStatus, operator::outbox_status);
     let runs = add(runs, Endpoint::RedriveOutbox, operator::redrive);
     let runs = add(runs, Endpoint::RetentionStatus, operator::retention_status);
+    let runs = add(runs, Endpoint::ListLetters, operator::letters::list);
+    let runs = add(runs, Endpoint::CountLetters, operator::letters::counts);
+    let runs = add(runs, Endpoint::GetLetter, operator::letters::show);
+    let runs = add(runs, Endpoint::ReplayLetter, operator::letters::replay);
+    let runs = add(
+        runs,
+        Endpoint::ReplayLetters,
+        operator::letters::replay_matching,
+    );
+    let runs = add(runs, Endpoint::DiscardLetter, operator::letters::discard);
     let runs = add(runs, Endpoint::CancelRun, runs::cancel_run)
         .with_state(state)
         .layer(axum::middleware::from_fn_with_state(guard, guard::guard));

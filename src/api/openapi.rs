@@ -81,6 +81,7 @@ pub fn document() -> Value {
             { "name": "runs", "description": "Start runs and read, signal and cancel them, as the key's tenant." },
             { "name": "health", "description": "Liveness and readiness, on both listeners." },
             { "name": "operator", "description": "What the operator and the scraper read, on the admin listener." },
+            { "name": "dead-letters", "description": "The recorded dead letters: list, read, replay, discard." },
             { "name": "meta", "description": "This description." },
         ],
         "paths": paths,
@@ -203,6 +204,10 @@ fn security(rows: &[&Route]) -> Value {
                 json!({ SCHEME: [crate::auth::Scope::RunsRead.as_str()] }),
                 json!({ SCHEME: [crate::auth::Scope::Admin.as_str()] }),
             ],
+            Access::Writer => vec![
+                json!({ SCHEME: [crate::auth::Scope::RunsWrite.as_str()] }),
+                json!({ SCHEME: [crate::auth::Scope::Admin.as_str()] }),
+            ],
         };
         for need in needs {
             if !requirements.contains(need) {
@@ -256,22 +261,17 @@ fn about(endpoint: Endpoint) -> About {
             "meta",
             "This document, as committed in `schemas/openapi.json`; no key needed.",
         ),
-        Endpoint::CreateRun => (
-            "createRun",
-            "Start a run",
-            "runs",
-            "Routes a start request to exactly one decision per tenant, pool and `Idempotency-Key`: 201 with a new decision, 200 with the byte-identical body for a duplicate. A duplicate that arrives while the first caller decides follows the pool's `routing.duplicate_policy`: `wait` (up to `wait_timeout_ms`) for the decision, or `reject` at once with 409. A body over `routing.max_body_bytes` is 413; valid JSON that cannot be kept as sent is 422 with the screen's class.",
-        ),
-        Endpoint::GetRun => (
-            "getRun",
-            "Read a run",
-            "runs",
-            "The run's status, workflow, last transition, output or error. Another tenant's run answers exactly as a missing one does.",
-        ),
+        Endpoint::CreateRun | Endpoint::GetRun => runs_about(endpoint),
         Endpoint::ListRuns | Endpoint::CountRuns | Endpoint::RunHistory => operator_about(endpoint),
         Endpoint::OutboxStatus | Endpoint::RedriveOutbox | Endpoint::RetentionStatus => {
             outbox_about(endpoint)
         }
+        Endpoint::ListLetters
+        | Endpoint::CountLetters
+        | Endpoint::GetLetter
+        | Endpoint::ReplayLetter
+        | Endpoint::ReplayLetters
+        | Endpoint::DiscardLetter => letters_about(endpoint),
         Endpoint::SignalRun => (
             "signalRun",
             "Signal a run",
@@ -290,6 +290,66 @@ fn about(endpoint: Endpoint) -> About {
         summary,
         description,
         tag,
+    }
+}
+
+/// What the start and the read of a run are called and say of themselves.
+fn runs_about(endpoint: Endpoint) -> (&'static str, &'static str, &'static str, &'static str) {
+    match endpoint {
+        Endpoint::CreateRun => (
+            "createRun",
+            "Start a run",
+            "runs",
+            "Routes a start request to exactly one decision per tenant, pool and `Idempotency-Key`: 201 with a new decision, 200 with the byte-identical body for a duplicate. A duplicate that arrives while the first caller decides follows the pool's `routing.duplicate_policy`: `wait` (up to `wait_timeout_ms`) for the decision, or `reject` at once with 409. A body over `routing.max_body_bytes` is 413; valid JSON that cannot be kept as sent is 422 with the screen's class.",
+        ),
+        _ => (
+            "getRun",
+            "Read a run",
+            "runs",
+            "The run's status, workflow, last transition, output or error. Another tenant's run answers exactly as a missing one does.",
+        ),
+    }
+}
+
+/// What the dead letters' routes are called and say of themselves.
+fn letters_about(endpoint: Endpoint) -> (&'static str, &'static str, &'static str, &'static str) {
+    match endpoint {
+        Endpoint::ListLetters => (
+            "listDeadLetters",
+            "List dead letters",
+            "dead-letters",
+            "The recorded dead letters, newest first, filtered by class, stage, source topic, status and time; `next` is the `after` of the following page. A key with `runs:read` sees the letters of its tenant (those whose input named it); one with `admin` every letter.",
+        ),
+        Endpoint::CountLetters => (
+            "countDeadLetters",
+            "Count dead letters by class",
+            "dead-letters",
+            "The letters the filter finds, counted by stage and class, the most numerous first.",
+        ),
+        Endpoint::GetLetter => (
+            "getDeadLetter",
+            "Read a dead letter",
+            "dead-letters",
+            "One letter whole: where it was read from, why it was refused, its key, headers and value as recorded (text when UTF-8, else base64), and its replay or discard.",
+        ),
+        Endpoint::ReplayLetter => (
+            "replayDeadLetter",
+            "Replay a dead letter",
+            "dead-letters",
+            "Produces the letter's input again, byte for byte and signed again with its tenant's key, to the topic it was read from, once: a second replay answers with the first one's outcome (`already_replayed`) and produces nothing. The outcome names the run the input starts or reaches. A discarded letter is refused (409 `letter_settled`); one whose record was cut is refused (422 `not_replayable`). Takes `runs:write` for the tenant's own letters, `admin` for any.",
+        ),
+        Endpoint::ReplayLetters => (
+            "replayDeadLetters",
+            "Replay the dead letters a filter finds",
+            "dead-letters",
+            "Replays, oldest first, one page of the letters the filter finds that are still to be replayed; a letter that cannot be replayed is listed with its reason and the others go on. `next` is the page's cursor for the rest.",
+        ),
+        _ => (
+            "discardDeadLetter",
+            "Discard a dead letter",
+            "dead-letters",
+            "Sets the letter aside with a reason, kept with it: it is never replayed. A replayed letter is refused (409 `letter_settled`); a second discard keeps the first reason.",
+        ),
     }
 }
 
@@ -471,6 +531,12 @@ fn answers_of(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
         Endpoint::OutboxStatus | Endpoint::RedriveOutbox | Endpoint::RetentionStatus => {
             answers.extend(outbox_answers(endpoint, schemas));
         }
+        Endpoint::ListLetters
+        | Endpoint::CountLetters
+        | Endpoint::GetLetter
+        | Endpoint::ReplayLetter
+        | Endpoint::ReplayLetters
+        | Endpoint::DiscardLetter => answers.extend(letters_answers(endpoint, schemas)),
         Endpoint::GetRun | Endpoint::SignalRun | Endpoint::CancelRun => {
             answers.extend(run_answers(endpoint, schemas));
         }
@@ -533,6 +599,69 @@ fn operator_answers(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
             let history = schemas.of::<RunHistory>();
             answers.push(json_body(StatusCode::OK, history, "The run's history."));
             answers.push(Answer::Refusal(Code::NotFound));
+        }
+    }
+    answers
+}
+
+/// The answers of the dead letters' routes, besides 429 and 431.
+fn letters_answers(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
+    use crate::ingress::dead_letters::{
+        ClassCount, DiscardOutcome, Letter, LetterPage, ReplayBatch, ReplayOutcome,
+    };
+    let mut answers: Vec<Answer> = refusals(&KEYED).collect();
+    let ok = StatusCode::OK;
+    match endpoint {
+        Endpoint::ListLetters => {
+            answers.push(json_body(
+                ok,
+                schemas.of::<LetterPage>(),
+                "A page of letters.",
+            ));
+            answers.push(Answer::Refusal(Code::InvalidQuery));
+        }
+        Endpoint::CountLetters => {
+            let item = schemas.of::<ClassCount>();
+            let counts = json!({ "type": "object", "required": ["counts"], "properties": { "counts": { "type": "array", "items": item } } });
+            answers.push(json_body(ok, counts, "The counts by stage and class."));
+            answers.push(Answer::Refusal(Code::InvalidQuery));
+        }
+        Endpoint::GetLetter => {
+            answers.push(json_body(ok, schemas.of::<Letter>(), "The letter."));
+            answers.push(Answer::Refusal(Code::NotFound));
+        }
+        Endpoint::ReplayLetter => {
+            let outcome = schemas.of::<ReplayOutcome>();
+            answers.push(json_body(
+                ok,
+                outcome,
+                "The replay's outcome, first or repeated.",
+            ));
+            answers.extend(refusals(&[
+                Code::NotFound,
+                Code::LetterSettled,
+                Code::NotReplayable,
+                Code::Contended,
+            ]));
+        }
+        Endpoint::ReplayLetters => {
+            let batch = schemas.of::<ReplayBatch>();
+            answers.push(json_body(
+                ok,
+                batch,
+                "The letters replayed and those refused.",
+            ));
+            answers.extend(
+                refusals(&BODY).filter(|a| !matches!(a, Answer::Refusal(Code::InvalidJson))),
+            );
+        }
+        _ => {
+            let outcome = schemas.of::<DiscardOutcome>();
+            answers.push(json_body(ok, outcome, "The discard, first or repeated."));
+            answers.extend(refusals(&[Code::NotFound, Code::LetterSettled]));
+            answers.extend(
+                refusals(&BODY).filter(|a| !matches!(a, Answer::Refusal(Code::InvalidJson))),
+            );
         }
     }
     answers
@@ -668,6 +797,12 @@ fn meaning(code: Code) -> &'static str {
         }
         Code::Contended => {
             "the idempotency key changed hands too often while this request decided; retry"
+        }
+        Code::LetterSettled => {
+            "the dead letter was discarded (it is not replayed) or replayed (it is not discarded)"
+        }
+        Code::NotReplayable => {
+            "the dead letter's record does not hold what a replay sends: its value, key or headers were over `dead_letters.max_value_bytes`"
         }
         Code::Internal => "the server broke a promise of its own; the request may be retried",
     }
@@ -836,6 +971,16 @@ fn parameters(endpoint: Endpoint) -> Vec<Value> {
         })],
         Endpoint::GetRun | Endpoint::SignalRun | Endpoint::CancelRun => vec![run_id, tenant],
         Endpoint::RunHistory => vec![run_id],
+        Endpoint::GetLetter | Endpoint::ReplayLetter | Endpoint::DiscardLetter => {
+            vec![json!({
+                "name": "letter_id",
+                "in": "path",
+                "required": true,
+                "description": "The letter's id, as its listing gives it.",
+                "schema": { "type": "integer", "minimum": 1 },
+            })]
+        }
+        Endpoint::ListLetters | Endpoint::CountLetters => letter_parameters(endpoint),
         Endpoint::ListRuns => {
             let mut all = search_parameters();
             all.push(query_parameter(
@@ -853,6 +998,55 @@ fn parameters(endpoint: Endpoint) -> Vec<Value> {
         Endpoint::CountRuns => search_parameters(),
         _ => Vec::new(),
     }
+}
+
+/// The filters of a listing of dead letters (and its page).
+fn letter_parameters(endpoint: Endpoint) -> Vec<Value> {
+    let text = json!({ "type": "string", "minLength": 1 });
+    let time = json!({ "$ref": "#/components/schemas/Timestamp" });
+    let statuses = crate::ingress::dead_letters::LetterStatus::ALL.map(|s| s.as_str());
+    let mut all = vec![
+        query_parameter(
+            "tenant",
+            "Letters of this tenant: for a key without `admin` it must be the key's (403 `tenant_mismatch`).",
+            text.clone(),
+        ),
+        query_parameter(
+            "class",
+            "Letters of this class (`malformed`, `unknown_run`, ...).",
+            text.clone(),
+        ),
+        query_parameter(
+            "stage",
+            "Letters refused at this stage (`decode`, `validate`, `route`, `apply`).",
+            text.clone(),
+        ),
+        query_parameter("source_topic", "Letters read from this topic.", text),
+        query_parameter(
+            "status",
+            "Letters in this status.",
+            json!({ "type": "string", "enum": statuses }),
+        ),
+        query_parameter(
+            "since",
+            "Dead-lettered at or after this time.",
+            time.clone(),
+        ),
+        query_parameter("until", "Dead-lettered before this time.", time),
+    ];
+    if endpoint == Endpoint::ListLetters {
+        all.push(query_parameter(
+            "limit",
+            "Letters in the page, up to `dead_letters.max_page_rows`.",
+            json!({ "type": "integer", "minimum": 1 }),
+        ));
+        all.push(query_parameter(
+            "after",
+            "The `next` of the previous page.",
+            json!({ "type": "integer", "minimum": 0 }),
+        ));
+    }
+    all
 }
 
 fn query_parameter(name: &str, description: &str, schema: Value) -> Value {
@@ -901,9 +1095,35 @@ fn search_parameters() -> Vec<Value> {
     ]
 }
 
+/// The request body of the dead letters' routes that take one.
+fn letters_body(endpoint: Endpoint, schemas: &mut Schemas) -> Option<Value> {
+    use super::operator::letters::{DiscardRequest, ReplayRequest};
+    let (schema, required, description) = match endpoint {
+        Endpoint::ReplayLetters => (
+            schemas.of::<ReplayRequest>(),
+            true,
+            "Which letters: an admin's `tenant`, the `filter` and the `page` (`cursor`: the `next` of the page before; `limit`). Required, so that a set is always named: `{}` is every letter of the caller's scope still to be replayed, one page.",
+        ),
+        Endpoint::DiscardLetter => (
+            schemas.of::<DiscardRequest>(),
+            true,
+            "Why the letter is discarded.",
+        ),
+        _ => return None,
+    };
+    Some(json!({
+        "description": description,
+        "required": required,
+        "content": { "application/json": { "schema": schema } },
+    }))
+}
+
 /// The request body of `endpoint`: a contract message less the fields the
 /// server sets, which are refused (400 `invalid_request`).
 fn request_body(endpoint: Endpoint, schemas: &mut Schemas) -> Option<Value> {
+    if let Some(body) = letters_body(endpoint, schemas) {
+        return Some(body);
+    }
     if endpoint == Endpoint::RedriveOutbox {
         let schema = schemas.of::<super::operator::outbox::RedriveRequest>();
         return Some(json!({

@@ -80,6 +80,9 @@ pub enum Access {
     /// An API key with `runs:read`, which sees its own tenant's runs, or
     /// one with `admin`, which sees every tenant's.
     Reader,
+    /// An API key with `runs:write`, which acts on its own tenant's, or
+    /// one with `admin`, on every tenant's.
+    Writer,
 }
 
 /// What a route does: one handler each.
@@ -96,6 +99,12 @@ pub enum Endpoint {
     OutboxStatus,
     RedriveOutbox,
     RetentionStatus,
+    ListLetters,
+    CountLetters,
+    GetLetter,
+    ReplayLetter,
+    ReplayLetters,
+    DiscardLetter,
     SignalRun,
     CancelRun,
     AdminHealthz,
@@ -131,8 +140,8 @@ const fn route(
 }
 
 /// Every route of both listeners.
-pub const ROUTES: [Route; 16] = {
-    use Access::{AdminKey, Key, Open, Reader};
+pub const ROUTES: [Route; 22] = {
+    use Access::{AdminKey, Key, Open, Reader, Writer};
     use Listener::{Admin, Public};
     use Verb::{Get, Post};
     [
@@ -196,6 +205,48 @@ pub const ROUTES: [Route; 16] = {
             "/v1/retention",
             Endpoint::RetentionStatus,
             Key(Scope::Admin),
+        ),
+        route(
+            Public,
+            Get,
+            "/v1/dead-letters",
+            Endpoint::ListLetters,
+            Reader,
+        ),
+        route(
+            Public,
+            Get,
+            "/v1/dead-letters/counts",
+            Endpoint::CountLetters,
+            Reader,
+        ),
+        route(
+            Public,
+            Get,
+            "/v1/dead-letters/{letter_id}",
+            Endpoint::GetLetter,
+            Reader,
+        ),
+        route(
+            Public,
+            Post,
+            "/v1/dead-letters/{letter_id}/replay",
+            Endpoint::ReplayLetter,
+            Writer,
+        ),
+        route(
+            Public,
+            Post,
+            "/v1/dead-letters/replay",
+            Endpoint::ReplayLetters,
+            Writer,
+        ),
+        route(
+            Public,
+            Post,
+            "/v1/dead-letters/{letter_id}/discard",
+            Endpoint::DiscardLetter,
+            Writer,
         ),
         route(Admin, Get, "/healthz", Endpoint::AdminHealthz, Open),
         route(Admin, Get, "/readyz", Endpoint::AdminReadyz, AdminKey),

@@ -380,6 +380,7 @@ async fn api_state(
             config.server.listen
         );
     }
+    let letters = crate::ingress::dead_letters::DeadLetters::new(config, pool.clone())?;
     Ok(crate::api::ApiState {
         decider: Arc::new(api_applier),
         routing: config.routing.clone(),
@@ -396,6 +397,7 @@ async fn api_state(
         )),
         body_read_timeout: Duration::from_millis(config.server.body_read_timeout_ms),
         guard: crate::api::guard::Guard::new(&config.server),
+        dead_letters: Some(letters),
         operator: crate::api::operator::OperatorLimits {
             max_page_runs: config.server.max_page_runs,
             count_scan_limit: config.server.count_scan_limit,

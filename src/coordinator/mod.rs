@@ -53,7 +53,11 @@ pub use fold::{
     AttemptWrite, Decision, Entropy, NoOpReason, Rejection, Transition, fail_missing_workflow,
     fold, fold_purged,
 };
-pub use state::{AttemptRecord, AttemptStatus, Purged, RunState, RunStatus, STATE_VERSION};
+/// The version of the state document this binary writes (for the
+/// harnesses: the upgrade tests write one newer).
+#[cfg(any(test, feature = "internals"))]
+pub use state::STATE_VERSION;
+pub use state::{AttemptRecord, AttemptStatus, Purged, RunState, RunStatus};
 pub use stored::StateDecodeError;
 // The rest of the fold's vocabulary, for the harnesses and the tests.
 #[cfg(any(test, feature = "internals"))]

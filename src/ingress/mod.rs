@@ -46,10 +46,6 @@ mod batch;
 pub mod classify;
 mod context;
 pub mod dead_letter;
-// The operations on recorded letters are for the operator API, the CLI and
-// the console; a build without `internals` that uses none of them yet would
-// call them dead. Take this away once one of them calls them.
-#[cfg_attr(not(feature = "internals"), allow(dead_code, unused_imports))]
 pub mod dead_letters;
 mod lag;
 mod lane;

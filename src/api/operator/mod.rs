@@ -14,6 +14,7 @@
 //! `server.max_page_runs` runs, a count to `server.count_scan_limit` runs
 //! scanned); another tenant's run answers exactly as a missing one.
 
+pub mod letters;
 pub mod outbox;
 pub mod query;
 pub mod store;
@@ -31,7 +32,7 @@ use crate::auth::Scope;
 use query::RunQuery;
 
 /// Who may read: a tenant's reader, or an operator.
-const READERS: [Scope; 2] = [Scope::RunsRead, Scope::Admin];
+pub(crate) const READERS: [Scope; 2] = [Scope::RunsRead, Scope::Admin];
 
 /// `GET /v1/runs`: a page of the runs the query finds, newest first.
 pub(crate) async fn list_runs(
@@ -161,7 +162,7 @@ async fn seen_query(
     Ok(query)
 }
 
-fn respond<T: serde::Serialize>(answer: Result<T, ApiError>) -> Response {
+pub(crate) fn respond<T: serde::Serialize>(answer: Result<T, ApiError>) -> Response {
     match answer {
         Ok(body) => (StatusCode::OK, axum::Json(body)).into_response(),
         Err(e) => e.into_response(),

@@ -75,6 +75,7 @@ fn statement<'a>(
 
 /// Postgres's plan (`EXPLAIN (FORMAT JSON)`) of a statement of the views:
 /// what shows that it does not read the whole table.
+#[cfg_attr(not(any(test, feature = "internals")), allow(dead_code))]
 pub async fn explain(
     pool: &PgPool,
     which: Statement,

@@ -51,11 +51,14 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use sqlx::PgPool;
 
 pub use query::{LetterFilter, LetterStatus, Order, Page};
+// What the answers are made of, for the harnesses and the API's schemas.
+#[cfg_attr(not(any(test, feature = "internals")), allow(unused_imports))]
 pub use record::{Bytes, Header, LetterRow, Refused};
 pub use replay::{
     DiscardOutcome, DiscardStatus, NotReplayable, ReplayBatch, ReplayOutcome, ReplayRefusal,
     ReplayStatus, RunReached,
 };
+#[cfg_attr(not(any(test, feature = "internals")), allow(unused_imports))]
 pub use view::{ClassCount, DiscardState, Letter, LetterPage, LetterSummary, ReplayState};
 
 use crate::config::{Config, SignaturesConfig};

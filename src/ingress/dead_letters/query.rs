@@ -123,6 +123,7 @@ pub enum Order {
     /// Newest first: a listing.
     NewestFirst,
     /// Oldest first: a replay, in the order the inputs were refused.
+    #[cfg_attr(not(any(test, feature = "internals")), allow(dead_code))]
     OldestFirst,
 }
 
