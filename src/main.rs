@@ -51,6 +51,13 @@ enum Command {
         #[command(subcommand)]
         command: OutboxCommand,
     },
+    /// List, read, replay and discard dead letters, over the HTTP API.
+    Dlq {
+        #[command(flatten)]
+        api: ApiArgs,
+        #[command(subcommand)]
+        command: DlqCommand,
+    },
     /// List, search, count, show and cancel runs, over the HTTP API.
     Runs {
         #[command(flatten)]
@@ -216,6 +223,35 @@ enum RunsCommand {
 }
 
 #[derive(Subcommand)]
+enum DlqCommand {
+    /// A page of dead letters, newest first.
+    List {
+        #[command(flatten)]
+        filter: operator::LetterFilterArgs,
+        #[arg(long)]
+        limit: Option<u32>,
+        /// Start after this id (the `more: --after` of a page).
+        #[arg(long)]
+        after: Option<i64>,
+    },
+    /// One letter whole: its key, headers and value, and its replay or discard.
+    Show { id: i64 },
+    /// Produce a letter's input again to the topic it came from, once;
+    /// without an id, the letters the filters find (one page).
+    Replay {
+        id: Option<i64>,
+        #[command(flatten)]
+        filter: operator::LetterFilterArgs,
+    },
+    /// Set a letter aside with a reason: it is never replayed.
+    Discard {
+        id: i64,
+        #[arg(long)]
+        reason: String,
+    },
+}
+
+#[derive(Subcommand)]
 enum OutboxCommand {
     /// What waits to be published, per topic, and the parked intents.
     Status,
@@ -296,6 +332,24 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
                 OutboxCommand::Status => operator::outbox_status(&client, api.output).await?,
                 OutboxCommand::Redrive { run, topic } => {
                     operator::redrive(&client, run, topic).await?
+                }
+            };
+            println!("{printed}");
+        }
+        Command::Dlq { api, command } => {
+            let client = api.client(&config)?;
+            let printed = match command {
+                DlqCommand::List {
+                    filter,
+                    limit,
+                    after,
+                } => operator::list_letters(&client, &filter, limit, after, api.output).await?,
+                DlqCommand::Show { id } => operator::show_letter(&client, id).await?,
+                DlqCommand::Replay { id, filter } => {
+                    operator::replay_letters(&client, id, &filter).await?
+                }
+                DlqCommand::Discard { id, reason } => {
+                    operator::discard_letter(&client, id, &reason).await?
                 }
             };
             println!("{printed}");

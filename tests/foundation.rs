@@ -557,7 +557,8 @@ async fn serve_keeps_metrics_and_readiness_detail_on_the_admin_listener() {
         metrics.lines().any(|l| l.starts_with("# TYPE ductor_")),
         "a Prometheus text exposition: {metrics}"
     );
-    // The API is on the public listener only.
+    // The API's starts are on the public listener only: the admin one
+    // serves the operator's views of /v1/runs, never a start.
     let (status, _) = http(
         admin,
         "POST",
@@ -566,7 +567,7 @@ async fn serve_keeps_metrics_and_readiness_detail_on_the_admin_listener() {
         b"{\"workflow\":\"example\"}",
     )
     .await;
-    assert_eq!(status, 404, "the admin listener does not take requests");
+    assert_eq!(status, 405, "the admin listener takes no start");
 
     serve.stop().await;
     db.drop_db().await;

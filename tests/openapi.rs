@@ -1,10 +1,10 @@
 //! The HTTP API's OpenAPI document (`schemas/openapi.json`) against the
 //! real stack: it lists every route both listeners serve and no other; each
 //! status it documents for an operation is one a request here makes that
-//! operation answer (but the few listed in [`UNPROVOKABLE`], each with its
-//! reason); every answer here is one it documents, with a body its schema
-//! takes; each operation needs the scope it says; and `serve` serves the
-//! committed file.
+//! operation answer on each listener that the document says gives it (but
+//! the few listed in [`UNPROVOKABLE`], each with its reason); every answer
+//! here is one it documents, with a body its schema takes; each operation
+//! needs the scope it says; and `serve` serves the committed file.
 
 #![allow(
     clippy::too_many_lines,
@@ -30,8 +30,9 @@ const WAIT: Duration = Duration::from_secs(60);
 /// The test fails when a documented status is neither produced nor listed
 /// here, and when one listed here is produced after all: the list is
 /// exactly what is not provoked.
-const UNPROVOKABLE: [(&str, &str, u16, &str); 2] = [
+const UNPROVOKABLE: [(&str, &str, &str, u16, &str); 2] = [
     (
+        "public",
         "post",
         "/v1/runs",
         500,
@@ -40,6 +41,7 @@ const UNPROVOKABLE: [(&str, &str, u16, &str); 2] = [
          request can make a correct server do that",
     ),
     (
+        "public",
         "post",
         "/v1/dead-letters/{letter_id}/replay",
         422,
@@ -203,11 +205,14 @@ async fn exchange(addr: SocketAddr, bytes: Vec<u8>) -> Answer {
     }
 }
 
-/// The document, and the statuses each operation was seen to answer.
+/// (listener, method, path template, status).
+type Seen = (String, String, String, u16);
+
+/// The document, and the statuses each operation was seen to answer on
+/// each listener.
 struct Described {
     doc: Value,
-    /// (method, path template, status).
-    seen: BTreeSet<(String, String, u16)>,
+    seen: BTreeSet<Seen>,
 }
 
 impl Described {
@@ -218,10 +223,16 @@ impl Described {
         }
     }
 
-    /// Checks `answer` of `method template` against the document (its
-    /// status is documented, its body is what the status's schema takes,
-    /// the headers it promises are there) and notes its status.
+    /// [`Described::check_on`] the public listener.
     fn check(&mut self, method: &str, template: &str, answer: &Answer) {
+        self.check_on("public", method, template, answer);
+    }
+
+    /// Checks `answer` of `method template` on `listener` against the
+    /// document (its status is documented, for that listener, its body is
+    /// what the status's schema takes, the headers it promises are there)
+    /// and notes its status.
+    fn check_on(&mut self, listener: &str, method: &str, template: &str, answer: &Answer) {
         let verb = method.to_ascii_lowercase();
         let op = &self.doc["paths"][template][&verb];
         assert!(op.is_object(), "{method} {template} is not described");
@@ -231,6 +242,13 @@ impl Described {
         assert!(
             response.is_object(),
             "{method} {template} answered {status}, which its description does not list: {text}"
+        );
+        assert!(
+            self.givers(&verb, template, &status)
+                .contains(&listener.to_owned()),
+            "{method} {template} answered {status} on the {listener} listener, which its \
+             description says only the {:?} give",
+            self.givers(&verb, template, &status)
         );
         match response.get("content") {
             Some(content) => {
@@ -271,7 +289,24 @@ impl Described {
                 );
             }
         }
-        self.seen.insert((verb, template.to_owned(), answer.status));
+        self.seen.insert((
+            listener.to_owned(),
+            verb,
+            template.to_owned(),
+            answer.status,
+        ));
+    }
+
+    /// The listeners that give `status` to `verb template`: those its
+    /// response names, or else every listener of the operation.
+    fn givers(&self, verb: &str, template: &str, status: &str) -> Vec<String> {
+        match self.doc["paths"][template][verb]["responses"][status].get("x-ductor-listeners") {
+            Some(Value::Array(names)) => names
+                .iter()
+                .map(|n| n.as_str().unwrap().to_owned())
+                .collect(),
+            _ => self.listeners(verb, template),
+        }
     }
 
     fn validate(&self, schema: &Value, instance: &Value) -> Result<(), String> {
@@ -288,13 +323,16 @@ impl Described {
         }
     }
 
-    /// Every documented (method, template, status).
-    fn documented(&self) -> BTreeSet<(String, String, u16)> {
+    /// Every documented (listener, method, template, status).
+    fn documented(&self) -> BTreeSet<Seen> {
         let mut all = BTreeSet::new();
         for (template, item) in self.doc["paths"].as_object().unwrap() {
             for (verb, op) in item.as_object().unwrap() {
                 for status in op["responses"].as_object().unwrap().keys() {
-                    all.insert((verb.clone(), template.clone(), status.parse().unwrap()));
+                    for listener in self.givers(verb, template, status) {
+                        let code = status.parse().unwrap();
+                        all.insert((listener, verb.clone(), template.clone(), code));
+                    }
                 }
             }
         }
@@ -362,10 +400,33 @@ impl Stage {
         headers: &[(&str, &str)],
         body: &[u8],
     ) -> Answer {
-        let auth = bearer(&self.all);
+        self.keyed_on("public", method, path, headers, body).await
+    }
+
+    /// A request of `method path` on `listener` with `headers` and the key
+    /// that listener's run routes take: `all`'s on the public one, the
+    /// operator's on the admin one.
+    async fn keyed_on(
+        &self,
+        listener: &str,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Answer {
+        let auth = bearer(self.token(listener));
         let mut headers = headers.to_vec();
         headers.push((auth.0, &auth.1));
-        exchange(self.env.addr, request(method, path, &headers, body)).await
+        exchange(self.addr(listener), request(method, path, &headers, body)).await
+    }
+
+    /// The key the run routes of `listener` take.
+    fn token(&self, listener: &str) -> &str {
+        if listener == "admin" {
+            &self.admin
+        } else {
+            &self.all
+        }
     }
 }
 
@@ -475,7 +536,10 @@ async fn every_route_is_described_and_each_described_status_is_produced() {
     let unprovoked: BTreeSet<_> = documented.difference(&described.seen).cloned().collect();
     let listed: BTreeSet<_> = UNPROVOKABLE
         .iter()
-        .map(|(verb, path, status, _)| ((*verb).to_owned(), (*path).to_owned(), *status))
+        .map(|(listener, verb, path, status, _)| {
+            let (listener, verb, path) = ((*listener).to_owned(), (*verb).to_owned(), *path);
+            (listener, verb, path.to_owned(), *status)
+        })
         .collect();
     assert!(
         listed.is_subset(&documented),
@@ -594,13 +658,23 @@ async fn scopes_are_as_described(stage: &Stage, described: &mut Described) {
                     "{row:?}: {}",
                     answer.status
                 );
-                described.check(method, template, &answer);
+                described.check_on(row.listener.as_str(), method, template, &answer);
                 continue;
             }
             Access::Key(scope) => {
-                assert_eq!(security, json!([{ "apiKey": [scope.as_str()] }]), "{row:?}");
+                let needed = json!({ "apiKey": [scope.as_str()] });
+                assert!(requirements.contains(&needed), "{row:?}: {security}");
                 let others: Vec<Scope> = Scope::ALL.into_iter().filter(|s| *s != scope).collect();
                 (others, vec![scope])
+            }
+            Access::Admin => {
+                let needed = json!({ "apiKey": ["admin"] });
+                assert!(requirements.contains(&needed), "{row:?}: {security}");
+                assert!(!requirements.contains(&json!({})), "{row:?}: {security}");
+                let answer = call(None).await;
+                assert_eq!(answer.status, 401, "{row:?} without a key");
+                described.check_on(row.listener.as_str(), method, template, &answer);
+                (vec![Scope::RunsRead, Scope::RunsWrite], vec![Scope::Admin])
             }
             Access::AdminKey => {
                 assert!(
@@ -609,7 +683,7 @@ async fn scopes_are_as_described(stage: &Stage, described: &mut Described) {
                 );
                 let answer = call(None).await;
                 assert_eq!(answer.status, 401, "{row:?} without a key");
-                described.check(method, template, &answer);
+                described.check_on(row.listener.as_str(), method, template, &answer);
                 (vec![Scope::RunsRead, Scope::RunsWrite], vec![Scope::Admin])
             }
             Access::Writer => {
@@ -625,7 +699,7 @@ async fn scopes_are_as_described(stage: &Stage, described: &mut Described) {
                     !matches!(answer.status, 401 | 403),
                     "{row:?} with an admin key"
                 );
-                described.check(method, template, &answer);
+                described.check_on(row.listener.as_str(), method, template, &answer);
                 (vec![Scope::RunsWrite], vec![Scope::RunsRead])
             }
         };
@@ -635,14 +709,14 @@ async fn scopes_are_as_described(stage: &Stage, described: &mut Described) {
             (403, "insufficient_scope"),
             "{row:?} with a key of {refused:?}"
         );
-        described.check(method, template, &answer);
+        described.check_on(row.listener.as_str(), method, template, &answer);
         let answer = call(Some(api_key(&env.db, "acme", &passing).await)).await;
         assert!(
             !matches!(answer.status, 401 | 403),
             "{row:?} with a key of {passing:?} only: {}",
             answer.status
         );
-        described.check(method, template, &answer);
+        described.check_on(row.listener.as_str(), method, template, &answer);
     }
 }
 
@@ -713,20 +787,33 @@ fn slow(path: &str, token: &str) -> Vec<u8> {
 async fn refusals(stage: &Stage, described: &mut Described) {
     let env = &stage.env;
     let writes = [
-        ("/v1/runs", json!({"workflow": "example"})),
-        ("/v1/runs/{run_id}/signals", json!({"name": "poke"})),
-        ("/v1/runs/{run_id}/cancel", json!({"reason": "done"})),
+        ("public", "/v1/runs", json!({"workflow": "example"})),
+        (
+            "public",
+            "/v1/runs/{run_id}/signals",
+            json!({"name": "poke"}),
+        ),
+        (
+            "public",
+            "/v1/runs/{run_id}/cancel",
+            json!({"reason": "done"}),
+        ),
+        (
+            "admin",
+            "/v1/runs/{run_id}/cancel",
+            json!({"reason": "done"}),
+        ),
     ];
-    for (template, good) in writes {
+    for (listener, template, good) in writes {
         let path = stage.path(template);
         let mut refuse = async |headers: &[(&str, &str)], body: &[u8], status: u16, code: &str| {
-            let answer = stage.keyed("POST", &path, headers, body).await;
+            let answer = stage.keyed_on(listener, "POST", &path, headers, body).await;
             assert_eq!(
                 (answer.status, answer.code().as_str()),
                 (status, code),
-                "POST {path}"
+                "POST {path} on the {listener} listener"
             );
-            described.check("POST", template, &answer);
+            described.check_on(listener, "POST", template, &answer);
         };
         refuse(&[], b"[1]", 400, "invalid_request").await;
         refuse(&[], b"{\"a\": 1, \"a\": 2}", 422, "duplicate_key").await;
@@ -743,12 +830,12 @@ async fn refusals(stage: &Stage, described: &mut Described) {
         theirs["tenant"] = "globex".into();
         refuse(&[], theirs.to_string().as_bytes(), 403, "tenant_mismatch").await;
 
-        let answer = exchange(env.addr, slow(&path, &stage.all)).await;
+        let answer = exchange(stage.addr(listener), slow(&path, stage.token(listener))).await;
         assert_eq!(
             (answer.status, answer.code().as_str()),
             (408, "body_timeout")
         );
-        described.check("POST", template, &answer);
+        described.check_on(listener, "POST", template, &answer);
     }
     let refuse_signal = stage
         .keyed(
@@ -765,29 +852,33 @@ async fn refusals(stage: &Stage, described: &mut Described) {
     described.check("POST", "/v1/runs/{run_id}/signals", &refuse_signal);
 
     // Without a key, and about a run the tenant does not have.
-    for row in ROUTES
-        .iter()
-        .filter(|r| matches!(r.access, Access::Key(_) | Access::Reader | Access::Writer))
-    {
+    for row in ROUTES.iter().filter(|r| {
+        matches!(
+            r.access,
+            Access::Key(_) | Access::Reader | Access::Writer | Access::Admin
+        )
+    }) {
         let (method, template) = (row.verb.method(), row.path);
+        let listener = row.listener.as_str();
         let body = good_body(row.verb.as_str(), template);
-        let answer = exchange(env.addr, request(method, &stage.path(template), &[], &body)).await;
+        let bytes = request(method, &stage.path(template), &[], &body);
+        let answer = exchange(stage.addr(listener), bytes).await;
         assert_eq!(
             (answer.status, answer.code().as_str()),
             (401, "unauthenticated")
         );
-        described.check(method, template, &answer);
+        described.check_on(row.listener.as_str(), method, template, &answer);
         if template.contains("{run_id}") || template.contains("{letter_id}") {
             let path = template
                 .replace("{run_id}", "nope")
                 .replace("{letter_id}", "999999999");
-            let answer = stage.keyed(method, &path, &[], &body).await;
+            let answer = stage.keyed_on(listener, method, &path, &[], &body).await;
             assert_eq!(
                 (answer.status, answer.code().as_str()),
                 (404, "not_found"),
                 "{path}"
             );
-            described.check(method, template, &answer);
+            described.check_on(row.listener.as_str(), method, template, &answer);
         }
     }
 
@@ -882,16 +973,17 @@ async fn refusals(stage: &Stage, described: &mut Described) {
         described.check("GET", template, &answer);
     }
 
-    // A search with a parameter it does not know.
-    for template in ["/v1/runs", "/v1/runs/counts"] {
-        let answer = stage
-            .keyed("GET", &format!("{template}?colour=blue"), &[], b"")
-            .await;
-        assert_eq!(
-            (answer.status, answer.code().as_str()),
-            (400, "invalid_query")
-        );
-        described.check("GET", template, &answer);
+    // A search with a parameter it does not know, on either listener.
+    for listener in ["public", "admin"] {
+        for template in ["/v1/runs", "/v1/runs/counts"] {
+            let path = format!("{template}?colour=blue");
+            let answer = stage.keyed_on(listener, "GET", &path, &[], b"").await;
+            assert_eq!(
+                (answer.status, answer.code().as_str()),
+                (400, "invalid_query")
+            );
+            described.check_on(listener, "GET", template, &answer);
+        }
     }
 
     // A key another caller holds, deciding, under the `reject` policy.
@@ -945,7 +1037,7 @@ async fn heads_too_large(stage: &Stage, described: &mut Described) {
         let bytes = request(method, &stage.path(template), &[("X-Pad", &pad)], b"");
         let answer = exchange(stage.addr(row.listener.as_str()), bytes).await;
         assert_eq!(answer.status, 431, "{row:?}");
-        described.check(method, template, &answer);
+        described.check_on(row.listener.as_str(), method, template, &answer);
     }
 }
 
@@ -963,7 +1055,7 @@ async fn unavailable(stage: &Stage, described: &mut Described) {
         .unwrap();
     for row in ROUTES.iter().filter(|r| r.access != Access::Open) {
         let (method, template) = (row.verb.method(), row.path);
-        let token = if row.access == Access::AdminKey {
+        let token = if matches!(row.access, Access::AdminKey | Access::Admin) {
             &stage.admin
         } else {
             &stage.all
@@ -977,7 +1069,7 @@ async fn unavailable(stage: &Stage, described: &mut Described) {
             (503, "unavailable"),
             "{row:?}"
         );
-        described.check(method, template, &answer);
+        described.check_on(row.listener.as_str(), method, template, &answer);
     }
     sqlx::query(&format!("GRANT SELECT ON api_keys TO \"{role}\""))
         .execute(&env.db.owner)
@@ -1026,7 +1118,7 @@ async fn not_ready(stage: &Stage, described: &mut Described) {
     })
     .await;
     assert_eq!(answer.json()["ingress"]["ok"], false);
-    described.check("GET", "/readyz", &answer);
+    described.check_on("admin", "GET", "/readyz", &answer);
     let answer = exchange(env.addr, request("GET", "/readyz", &[], b"")).await;
     assert_eq!(answer.status, 503);
     described.check("GET", "/readyz", &answer);
@@ -1067,7 +1159,7 @@ async fn rate_limited(stage: &Stage, described: &mut Described) {
         })
         .await;
         assert_eq!(answer.code(), "rate_limited", "{row:?}");
-        described.check(method, template, &answer);
+        described.check_on(row.listener.as_str(), method, template, &answer);
     }
 }
 

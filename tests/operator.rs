@@ -575,14 +575,31 @@ async fn dead_letters_are_listed_per_tenant_replayed_once_and_discarded_with_a_r
             .unwrap()
     })
     .await;
-    let (status, discarded) = v
-        .post(
-            &acme,
-            &format!("/v1/dead-letters/{second}/discard"),
-            &json!({"reason": "no such run"}),
-        )
-        .await;
-    assert_eq!(status, 200, "{discarded}");
+    // From the CLI: listed, then discarded with a reason.
+    let (status, listed, err) = cli(
+        &v.env,
+        Some(&acme),
+        None,
+        &["dlq", "list", "--status", "pending", "--output", "json"],
+    )
+    .await;
+    assert_eq!(status, 0, "{err}");
+    let listed: Value = serde_json::from_str(&listed).unwrap();
+    assert_eq!(
+        listed["letters"][0]["id"].as_i64(),
+        Some(second),
+        "{listed}"
+    );
+    let second_text = second.to_string();
+    let (status, discarded, err) = cli(
+        &v.env,
+        Some(&acme),
+        None,
+        &["dlq", "discard", &second_text, "--reason", "no such run"],
+    )
+    .await;
+    assert_eq!(status, 0, "{err}");
+    assert!(discarded.contains("no such run"), "{discarded}");
     let (status, answer) = v
         .post(
             &ops,

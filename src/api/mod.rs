@@ -17,6 +17,11 @@
 //! - `GET /v1/openapi.json`, without a key, describes all of it
 //!   ([`openapi`]), from the one table of routes ([`routes`]).
 //!
+//! The admin listener serves the operator's views and the cancel again, at
+//! the same paths, to a key with the `admin` scope alone, the description,
+//! and the web console at `/ui` ([`console`]), whose pages call those
+//! routes ([`admin_router`]).
+//!
 //! Errors are JSON, `{"error": {"code": "...", "message": "..."}}`, with a
 //! stable `code` ([`error`]): 401 `unauthenticated` for a missing, unknown,
 //! expired or revoked key (which one is not said), 403 `insufficient_scope`
@@ -29,6 +34,7 @@
 //! in size and read time before its body is parsed (`request`), and its
 //! tenant is its key's, never one it names.
 
+pub mod console;
 pub mod error;
 pub mod guard;
 pub mod openapi;
@@ -129,4 +135,25 @@ pub fn router(state: ApiState) -> Router {
         .with_state(state)
         .layer(axum::middleware::from_fn_with_state(guard, guard::guard));
     add(Router::new(), Endpoint::OpenApi, openapi::serve).merge(runs)
+}
+
+/// The admin listener's share of the API: the operator's views and the
+/// cancel, each of which takes a key with the `admin` scope, behind the
+/// same guard as the public routes; the description; and the console,
+/// whose pages and scripts carry no data and so take no key.
+pub fn admin_router(state: ApiState) -> Router {
+    use routes::{Endpoint, add};
+    let guard = state.guard.clone();
+    let ops = add(
+        Router::new(),
+        Endpoint::AdminListRuns,
+        operator::admin_list_runs,
+    );
+    let ops = add(ops, Endpoint::AdminCountRuns, operator::admin_count_runs);
+    let ops = add(ops, Endpoint::AdminRunHistory, operator::admin_run_history);
+    let ops = add(ops, Endpoint::AdminCancelRun, runs::admin_cancel_run)
+        .with_state(state)
+        .layer(axum::middleware::from_fn_with_state(guard, guard::guard));
+    let open = add(Router::new(), Endpoint::AdminOpenApi, openapi::serve);
+    console::router().merge(open).merge(ops)
 }

@@ -12,8 +12,10 @@
 //! per method and path, naming the listeners that serve it; a code or a
 //! class is spelled only by the type that owns it.
 //!
-//! `/healthz` and `/readyz` are on both listeners: each is one operation
-//! with both listeners as its servers and the answers of both.
+//! `/healthz`, `/readyz`, this description and the operator's views of runs
+//! and cancel are on both listeners: each is one operation with both
+//! listeners as its servers and the answers of both; an answer only one
+//! listener gives names it (`x-ductor-listeners`).
 
 use std::collections::BTreeMap;
 use std::sync::LazyLock;
@@ -82,6 +84,7 @@ pub fn document() -> Value {
             { "name": "health", "description": "Liveness and readiness, on both listeners." },
             { "name": "operator", "description": "What the operator and the scraper read, on the admin listener." },
             { "name": "dead-letters", "description": "The recorded dead letters: list, read, replay, discard." },
+            { "name": "console", "description": "The web console's page and files, on the admin listener; its data comes from the operator's routes." },
             { "name": "meta", "description": "This description." },
         ],
         "paths": paths,
@@ -113,7 +116,9 @@ fn info() -> Value {
             "`ductor serve` listens twice: the public listener (`server.listen`) carries the run ",
             "endpoints, `/healthz`, a `/readyz` that tells only the verdict, and this document; the ",
             "admin listener (`server.admin_listen`, loopback by default) carries `/healthz`, the ",
-            "detailed `/readyz` and `/metrics`. Each operation names the listeners that serve it.\n\n",
+            "detailed `/readyz`, `/metrics`, this document, the operator's views of runs and the ",
+            "cancel (for a key with the `admin` scope, whatever `server.admin_auth` says), and the ",
+            "web console at `/ui`. Each operation names the listeners that serve it.\n\n",
             "Every run endpoint takes an API key, `Authorization: Bearer <key>` (`ductor keys create`), ",
             "and acts as the key's tenant; the scope each needs is its security requirement. A refusal ",
             "is `{\"error\": {\"code\": ..., \"message\": ...}}` with a stable `code`, listed with each ",
@@ -148,8 +153,9 @@ fn security_scheme() -> Value {
         "description": concat!(
             "An API key made by `ductor keys create --tenant T --scopes ...`. A requirement names ",
             "the scope the operation needs: `runs:write` to start, signal and cancel, `runs:read` ",
-            "to read, `admin` for the admin listener's `/readyz` and `/metrics` under ",
-            "`server.admin_auth = \"key\"`. With `server.auth = \"disabled\"` (local development ",
+            "to read, `admin` to read and cancel every tenant's runs, on the admin listener always ",
+            "and for its `/readyz` and `/metrics` under `server.admin_auth = \"key\"`. With ",
+            "`server.auth = \"disabled\"` (local development ",
             "only) the run endpoints take no key and a request names its tenant: the body's ",
             "`tenant`, or the `X-Ductor-Tenant` header.",
         ),
@@ -161,8 +167,17 @@ fn security_scheme() -> Value {
 fn operation(rows: &[&Route], schemas: &mut Schemas) -> Value {
     let mut answers = Vec::new();
     let mut descriptions = Vec::new();
+    // The listeners that give each status.
+    let mut given: BTreeMap<u16, Vec<&'static str>> = BTreeMap::new();
     for row in rows {
-        answers.extend(answers_of(row.endpoint, schemas));
+        let theirs = answers_of(row.endpoint, schemas);
+        for answer in &theirs {
+            let listeners = given.entry(answer.status().as_u16()).or_default();
+            if !listeners.contains(&row.listener.as_str()) {
+                listeners.push(row.listener.as_str());
+            }
+        }
+        answers.extend(theirs);
         let text = about(row.endpoint).description;
         if !descriptions.contains(&text) {
             descriptions.push(text);
@@ -178,6 +193,11 @@ fn operation(rows: &[&Route], schemas: &mut Schemas) -> Value {
         "security": security(rows),
         "responses": responses(answers),
     });
+    for (status, listeners) in given {
+        if listeners.len() < rows.len() {
+            op["responses"][status.to_string()]["x-ductor-listeners"] = json!(listeners);
+        }
+    }
     let parameters = parameters(rows[0].endpoint);
     if !parameters.is_empty() {
         op["parameters"] = parameters.into();
@@ -208,6 +228,7 @@ fn security(rows: &[&Route]) -> Value {
                 json!({ SCHEME: [crate::auth::Scope::RunsWrite.as_str()] }),
                 json!({ SCHEME: [crate::auth::Scope::Admin.as_str()] }),
             ],
+            Access::Admin => vec![json!({ SCHEME: [crate::auth::Scope::Admin.as_str()] })],
         };
         for need in needs {
             if !requirements.contains(need) {
@@ -255,13 +276,20 @@ fn about(endpoint: Endpoint) -> About {
             "operator",
             "Every counter, gauge and histogram of the process, in Prometheus's text format. Under `server.admin_auth = \"key\"` it takes a key with the `admin` scope.",
         ),
-        Endpoint::OpenApi => (
+        Endpoint::OpenApi | Endpoint::AdminOpenApi => (
             "openapi",
             "This description",
             "meta",
             "This document, as committed in `schemas/openapi.json`; no key needed.",
         ),
         Endpoint::CreateRun | Endpoint::GetRun => runs_about(endpoint),
+        Endpoint::Console | Endpoint::ConsoleScript | Endpoint::ConsoleStyle => {
+            console_about(endpoint)
+        }
+        Endpoint::AdminListRuns
+        | Endpoint::AdminCountRuns
+        | Endpoint::AdminRunHistory
+        | Endpoint::AdminCancelRun => admin_about(endpoint),
         Endpoint::ListRuns | Endpoint::CountRuns | Endpoint::RunHistory => operator_about(endpoint),
         Endpoint::OutboxStatus | Endpoint::RedriveOutbox | Endpoint::RetentionStatus => {
             outbox_about(endpoint)
@@ -378,16 +406,60 @@ fn outbox_about(endpoint: Endpoint) -> (&'static str, &'static str, &'static str
     }
 }
 
+/// What the admin listener's views of runs add to the public ones'.
+const ADMIN_VIEWS: &str = "On the admin listener it takes a key with the `admin` scope, whatever `server.admin_auth` says (the operator's views of every tenant are never open to whoever reaches the port), and sees every tenant's runs, or the `tenant` it names.";
+
+/// What the operator's routes on the admin listener are called and say of
+/// themselves, beside their public twins.
+fn admin_about(endpoint: Endpoint) -> (&'static str, &'static str, &'static str, &'static str) {
+    match endpoint {
+        Endpoint::AdminCancelRun => (
+            "cancelRun",
+            "Cancel a run",
+            "runs",
+            "On the admin listener, a key with the `admin` scope cancels any tenant's run: the wakeup carries the run's tenant, and a tenant the request names must be the run's (403 `tenant_mismatch`).",
+        ),
+        _ => {
+            let (id, summary, tag, _) = operator_about(endpoint);
+            (id, summary, tag, ADMIN_VIEWS)
+        }
+    }
+}
+
+/// What the console's files are called and say of themselves.
+fn console_about(endpoint: Endpoint) -> (&'static str, &'static str, &'static str, &'static str) {
+    match endpoint {
+        Endpoint::ConsoleScript => (
+            "consoleScript",
+            "The console's script",
+            "console",
+            "The web console's script, shipped in the binary.",
+        ),
+        Endpoint::ConsoleStyle => (
+            "consoleStyle",
+            "The console's style sheet",
+            "console",
+            "The web console's style sheet, shipped in the binary.",
+        ),
+        _ => (
+            "console",
+            "The web console",
+            "console",
+            "The web console: runs with live counts by status, one run's timeline, and an overview of the metrics. The page carries no data and takes no key; its script asks the operator for a key with the `admin` scope once, keeps it in the tab's session storage, and calls this listener's operator routes with it.",
+        ),
+    }
+}
+
 /// What the operator's views of runs are called and say of themselves.
 fn operator_about(endpoint: Endpoint) -> (&'static str, &'static str, &'static str, &'static str) {
     match endpoint {
-        Endpoint::ListRuns => (
+        Endpoint::ListRuns | Endpoint::AdminListRuns => (
             "listRuns",
             "List and search runs",
             "runs",
             "A page of runs, newest first, filtered by any of the query's parameters. A key with `runs:read` sees its own tenant's runs; one with `admin` every tenant's, or the `tenant` it names. Each page is one keyset scan of an index of `runs`, so a page costs the same however many runs there are; `next` is the `after` of the following page.",
         ),
-        Endpoint::CountRuns => (
+        Endpoint::CountRuns | Endpoint::AdminCountRuns => (
             "countRuns",
             "Count runs by status",
             "runs",
@@ -423,6 +495,11 @@ enum Answer {
     /// 431 from the listener, before any route, without a body: the
     /// request's head is over [`MAX_HEADER_BYTES`].
     HeadTooLarge,
+    /// A file of the console, with its Content-Security-Policy.
+    ConsoleFile {
+        media: &'static str,
+        description: &'static str,
+    },
 }
 
 fn json_body(status: StatusCode, schema: Value, description: &'static str) -> Answer {
@@ -519,7 +596,20 @@ fn answers_of(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
             });
             answers.extend(refusals(&ADMIN_KEYED));
         }
-        Endpoint::OpenApi => {
+        Endpoint::Console | Endpoint::ConsoleScript | Endpoint::ConsoleStyle => {
+            answers.push(console_answer(endpoint));
+        }
+        Endpoint::AdminListRuns | Endpoint::AdminCountRuns | Endpoint::AdminRunHistory => {
+            // An operator sees every tenant: no tenant is another's.
+            let theirs = operator_answers(endpoint, schemas);
+            answers.extend(without(theirs, &[Code::TenantMismatch]));
+        }
+        Endpoint::AdminCancelRun => {
+            // The tenant is the run's: none is missing.
+            let theirs = run_answers(Endpoint::CancelRun, schemas);
+            answers.extend(without(theirs, &[Code::MissingTenant]));
+        }
+        Endpoint::OpenApi | Endpoint::AdminOpenApi => {
             let document =
                 json!({ "type": "object", "description": "An OpenAPI 3.1 document: this one." });
             answers.push(json_body(ok, document, "This document."));
@@ -542,6 +632,13 @@ fn answers_of(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
         }
     }
     answers
+}
+
+/// `answers` but the refusals with one of `codes`.
+fn without(answers: Vec<Answer>, codes: &[Code]) -> impl Iterator<Item = Answer> + '_ {
+    answers
+        .into_iter()
+        .filter(move |answer| !matches!(answer, Answer::Refusal(code) if codes.contains(code)))
 }
 
 /// The answers of the endpoints of one run, besides 429 and 431.
@@ -585,12 +682,12 @@ fn operator_answers(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
     use super::operator::views::{RunCounts, RunHistory, RunPage};
     let mut answers: Vec<Answer> = refusals(&KEYED).collect();
     match endpoint {
-        Endpoint::ListRuns => {
+        Endpoint::ListRuns | Endpoint::AdminListRuns => {
             let page = schemas.of::<RunPage>();
             answers.push(json_body(StatusCode::OK, page, "A page of runs."));
             answers.push(Answer::Refusal(Code::InvalidQuery));
         }
-        Endpoint::CountRuns => {
+        Endpoint::CountRuns | Endpoint::AdminCountRuns => {
             let counts = schemas.of::<RunCounts>();
             answers.push(json_body(StatusCode::OK, counts, "The counts."));
             answers.push(Answer::Refusal(Code::InvalidQuery));
@@ -602,6 +699,16 @@ fn operator_answers(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
         }
     }
     answers
+}
+
+/// The one answer of a file of the console.
+fn console_answer(endpoint: Endpoint) -> Answer {
+    let (media, description) = match endpoint {
+        Endpoint::ConsoleScript => ("text/javascript", "The script."),
+        Endpoint::ConsoleStyle => ("text/css", "The style sheet."),
+        _ => ("text/html", "The page."),
+    };
+    Answer::ConsoleFile { media, description }
 }
 
 /// The answers of the dead letters' routes, besides 429 and 431.
@@ -818,6 +925,8 @@ struct Reply {
     head_too_large: bool,
     retry_after: bool,
     challenge: bool,
+    /// A console file's Content-Security-Policy.
+    policy: bool,
 }
 
 impl Answer {
@@ -826,6 +935,7 @@ impl Answer {
             Answer::Body { status, .. } | Answer::Class { status, .. } => *status,
             Answer::Refusal(code) => code.status(),
             Answer::HeadTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            Answer::ConsoleFile { .. } => StatusCode::OK,
         }
     }
 }
@@ -851,6 +961,11 @@ impl Reply {
             }
             Answer::Class { class, meaning, .. } => self.codes.push((class, meaning)),
             Answer::HeadTooLarge => self.head_too_large = true,
+            Answer::ConsoleFile { media, description } => {
+                let text = json!({ "type": "string" });
+                self.bodies.push((media, text, description));
+                self.policy = true;
+            }
         }
     }
 }
@@ -923,6 +1038,15 @@ fn response(reply: Reply) -> Value {
     if !content.is_empty() {
         out["content"] = Value::Object(content);
     }
+    let headers = headers_of(&reply);
+    if !headers.is_empty() {
+        out["headers"] = Value::Object(headers);
+    }
+    out
+}
+
+/// The headers a response promises.
+fn headers_of(reply: &Reply) -> Map<String, Value> {
     let mut headers = Map::new();
     if reply.challenge {
         headers.insert(
@@ -939,10 +1063,16 @@ fn response(reply: Reply) -> Value {
             "schema": { "type": "integer", "minimum": 1 },
         }));
     }
-    if !headers.is_empty() {
-        out["headers"] = Value::Object(headers);
+    if reply.policy {
+        headers.insert(
+            "Content-Security-Policy".into(),
+            json!({
+                "description": "Only this listener's own script, style and API: no inline script or style, no other origin, no frame.",
+                "schema": { "const": super::console::CONTENT_SECURITY_POLICY },
+            }),
+        );
     }
-    out
+    headers
 }
 
 /// The path and header parameters of `endpoint`.

@@ -83,6 +83,11 @@ pub enum Access {
     /// An API key with `runs:write`, which acts on its own tenant's, or
     /// one with `admin`, on every tenant's.
     Writer,
+    /// An API key with the `admin` scope, whatever `server.admin_auth`
+    /// says: what acts on every tenant's runs is never open to whoever
+    /// reaches the listener. (With `server.auth = "disabled"`, for local
+    /// development only, no request takes a key.)
+    Admin,
 }
 
 /// What a route does: one handler each.
@@ -110,6 +115,14 @@ pub enum Endpoint {
     AdminHealthz,
     AdminReadyz,
     Metrics,
+    AdminOpenApi,
+    AdminListRuns,
+    AdminCountRuns,
+    AdminRunHistory,
+    AdminCancelRun,
+    Console,
+    ConsoleScript,
+    ConsoleStyle,
 }
 
 /// One route.
@@ -139,9 +152,12 @@ const fn route(
     }
 }
 
-/// Every route of both listeners.
-pub const ROUTES: [Route; 22] = {
-    use Access::{AdminKey, Key, Open, Reader, Writer};
+/// Every route of both listeners. The operator's views and actions are on
+/// both: on the public one for a tenant's key (and an operator's), on the
+/// admin one for an operator's key alone, beside the console that calls
+/// them.
+pub const ROUTES: [Route; 30] = {
+    use Access::{Admin as Operator, AdminKey, Key, Open, Reader, Writer};
     use Listener::{Admin, Public};
     use Verb::{Get, Post};
     [
@@ -251,6 +267,32 @@ pub const ROUTES: [Route; 22] = {
         route(Admin, Get, "/healthz", Endpoint::AdminHealthz, Open),
         route(Admin, Get, "/readyz", Endpoint::AdminReadyz, AdminKey),
         route(Admin, Get, "/metrics", Endpoint::Metrics, AdminKey),
+        route(Admin, Get, "/v1/openapi.json", Endpoint::AdminOpenApi, Open),
+        route(Admin, Get, "/v1/runs", Endpoint::AdminListRuns, Operator),
+        route(
+            Admin,
+            Get,
+            "/v1/runs/counts",
+            Endpoint::AdminCountRuns,
+            Operator,
+        ),
+        route(
+            Admin,
+            Get,
+            "/v1/runs/{run_id}/history",
+            Endpoint::AdminRunHistory,
+            Operator,
+        ),
+        route(
+            Admin,
+            Post,
+            "/v1/runs/{run_id}/cancel",
+            Endpoint::AdminCancelRun,
+            Operator,
+        ),
+        route(Admin, Get, "/ui", Endpoint::Console, Open),
+        route(Admin, Get, "/ui/console.js", Endpoint::ConsoleScript, Open),
+        route(Admin, Get, "/ui/console.css", Endpoint::ConsoleStyle, Open),
     ]
 };
 

@@ -1,6 +1,7 @@
 //! The run endpoints beside the start: read a run, signal it, cancel it.
 //! Each acts only on runs of the caller's tenant: another tenant's run
-//! answers exactly as a missing one does (404).
+//! answers exactly as a missing one does (404). On the admin listener an
+//! operator's key (the `admin` scope) cancels any tenant's run.
 //!
 //! A signal or a cancel is not applied here: it goes on the wakeups topic
 //! as the same input a Kafka producer would send, keyed by the run, so that
@@ -251,29 +252,75 @@ pub(crate) async fn cancel_run(
     Path(run_id): Path<String>,
     request: Request<Body>,
 ) -> Response {
-    let (span, trace) = traced(
-        request.headers(),
+    let (span, trace) = cancel_span(request.headers(), &run_id);
+    let answer = async {
+        let (tenant, fields) = accept(&state, request, true).await?;
+        cancel(&state, &tenant, &run_id, trace.as_ref(), fields).await
+    };
+    cancelled(answer.instrument(span).await)
+}
+
+/// `POST /v1/runs/{id}/cancel` on the admin listener: an operator's key
+/// cancels any tenant's run, and the wakeup carries the run's tenant, as
+/// its own producer's would. A tenant the request names must be the run's.
+pub(crate) async fn admin_cancel_run(
+    State(state): State<ApiState>,
+    Path(run_id): Path<String>,
+    request: Request<Body>,
+) -> Response {
+    let (span, trace) = cancel_span(request.headers(), &run_id);
+    let answer = async {
+        authenticate(&state, request.headers(), Scope::Admin).await?;
+        let (named, fields) = read_fields(&state, request, true).await?;
+        let tenant = run_tenant(state.decider.pool(), &run_id)
+            .await
+            .map_err(database)?
+            .ok_or_else(not_found)?;
+        if named.as_ref().is_some_and(|named| *named != tenant) {
+            return Err(ApiError::new(
+                Code::TenantMismatch,
+                "the request names a tenant other than the run's",
+            ));
+        }
+        cancel(&state, &tenant, &run_id, trace.as_ref(), fields).await
+    };
+    cancelled(answer.instrument(span).await)
+}
+
+fn cancel_span(headers: &HeaderMap, run_id: &str) -> (tracing::Span, Option<TraceContext>) {
+    traced(
+        headers,
         tracing::info_span!(
             target: crate::infra::traces::TARGET,
             parent: None,
             "api.cancel_run",
             ductor.run_id = %run_id,
         ),
-    );
-    let answer = async {
-        let (tenant, fields) = accept(&state, request, true).await?;
-        let input = Wakeup {
-            tenant: &tenant,
-            run_id: &run_id,
-            trace: trace.as_ref(),
-        };
-        send(&state, input, "wakeup.cancel", fields).await?;
-        Ok::<_, ApiError>(CancelAnswer {
-            run_id: run_id.clone(),
-            status: CancelStatus::Accepted,
-        })
+    )
+}
+
+/// Puts the cancel of the tenant's run on the wakeups topic.
+async fn cancel(
+    state: &ApiState,
+    tenant: &str,
+    run_id: &str,
+    trace: Option<&TraceContext>,
+    fields: Map<String, Value>,
+) -> Result<CancelAnswer, ApiError> {
+    let input = Wakeup {
+        tenant,
+        run_id,
+        trace,
     };
-    match answer.instrument(span).await {
+    send(state, input, "wakeup.cancel", fields).await?;
+    Ok(CancelAnswer {
+        run_id: run_id.to_owned(),
+        status: CancelStatus::Accepted,
+    })
+}
+
+fn cancelled(answer: Result<CancelAnswer, ApiError>) -> Response {
+    match answer {
         Ok(body) => (StatusCode::ACCEPTED, axum::Json(body)).into_response(),
         Err(e) => e.into_response(),
     }
@@ -292,6 +339,19 @@ async fn accept(
     empty_ok: bool,
 ) -> Result<(String, Map<String, Value>), ApiError> {
     let identity = authenticate(state, request.headers(), Scope::RunsWrite).await?;
+    let (named, fields) = read_fields(state, request, empty_ok).await?;
+    Ok((tenant(&identity, named.as_deref(), None)?, fields))
+}
+
+/// A write's body's fields (an empty body is `{}` where `empty_ok`), less
+/// the tenant it names, by its body or its `X-Ductor-Tenant` header, which
+/// is returned apart. The fields that name the input itself are the
+/// server's to set.
+async fn read_fields(
+    state: &ApiState,
+    request: Request<Body>,
+    empty_ok: bool,
+) -> Result<(Option<String>, Map<String, Value>), ApiError> {
     let header = named_tenant(request.headers()).map(str::to_owned);
     let bytes = read_body(state, request).await?;
     let body = if bytes.is_empty() && empty_ok {
@@ -323,7 +383,7 @@ async fn accept(
         }
         (body, header) => body.or(header),
     };
-    Ok((tenant(&identity, named.as_deref(), None)?, fields))
+    Ok((named, fields))
 }
 
 /// Builds the input of `kind` for the run from `fields`, checks it as the
@@ -427,6 +487,14 @@ async fn produce(
             )
         })?;
     Ok(())
+}
+
+/// The tenant of the run `run_id`, whoever's it is.
+async fn run_tenant(pool: &sqlx::PgPool, run_id: &str) -> sqlx::Result<Option<String>> {
+    sqlx::query_scalar("SELECT tenant_scope FROM runs WHERE run_id = $1")
+        .bind(run_id)
+        .fetch_optional(pool)
+        .await
 }
 
 async fn run_exists(pool: &sqlx::PgPool, run_id: &str, tenant: &str) -> sqlx::Result<bool> {

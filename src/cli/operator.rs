@@ -1,4 +1,5 @@
-//! `ductor runs list|counts|show|cancel` and `ductor outbox status|redrive`:
+//! `ductor runs list|counts|show|cancel`, `ductor dlq
+//! list|show|replay|discard` and `ductor outbox status|redrive`:
 //! the operator's views and actions from a terminal or a script, over the
 //! same HTTP API the console uses (see [`crate::api::operator`]).
 //!
@@ -174,6 +175,160 @@ pub async fn redrive(
 ) -> Result<String, CliError> {
     let body = json!({ "run_id": run_id, "topic": topic });
     Ok(client.post("/v1/outbox/redrive", &body).await?.to_string())
+}
+
+/// The filters of `dlq list`, as the API's query parameters.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct LetterFilterArgs {
+    /// Letters of this tenant (a key with the admin scope sees every
+    /// tenant's without it).
+    #[arg(long)]
+    pub tenant: Option<String>,
+    /// The error class (malformed, unknown_run, ...).
+    #[arg(long)]
+    pub class: Option<String>,
+    /// The stage that refused the input (decode, validate, route, apply).
+    #[arg(long)]
+    pub stage: Option<String>,
+    #[arg(long)]
+    pub source_topic: Option<String>,
+    /// pending, replaying, replayed or discarded.
+    #[arg(long)]
+    pub status: Option<String>,
+    /// Dead-lettered at or after this RFC 3339 time.
+    #[arg(long)]
+    pub since: Option<String>,
+    /// Dead-lettered before this RFC 3339 time.
+    #[arg(long)]
+    pub until: Option<String>,
+}
+
+impl LetterFilterArgs {
+    fn pairs(&self) -> Vec<(&'static str, String)> {
+        [
+            ("tenant", &self.tenant),
+            ("class", &self.class),
+            ("stage", &self.stage),
+            ("source_topic", &self.source_topic),
+            ("status", &self.status),
+            ("since", &self.since),
+            ("until", &self.until),
+        ]
+        .into_iter()
+        .filter_map(|(name, value)| value.clone().map(|v| (name, v)))
+        .collect()
+    }
+
+    /// The API's `filter` object of these filters (the tenant apart).
+    fn filter(&self) -> Value {
+        let mut filter = serde_json::Map::new();
+        for (name, value) in self.pairs() {
+            if name != "tenant" {
+                filter.insert(name.to_owned(), Value::String(value));
+            }
+        }
+        Value::Object(filter)
+    }
+}
+
+/// `ductor dlq list`: a page of dead letters, newest first.
+pub async fn list_letters(
+    client: &ApiClient,
+    filter: &LetterFilterArgs,
+    limit: Option<u32>,
+    after: Option<i64>,
+    output: Output,
+) -> Result<String, CliError> {
+    let mut pairs = url::form_urlencoded::Serializer::new(String::new());
+    for (name, value) in filter.pairs() {
+        pairs.append_pair(name, &value);
+    }
+    if let Some(limit) = limit {
+        pairs.append_pair("limit", &limit.to_string());
+    }
+    if let Some(after) = after {
+        pairs.append_pair("after", &after.to_string());
+    }
+    let page = client
+        .get(&format!("/v1/dead-letters?{}", pairs.finish()))
+        .await?;
+    Ok(match output {
+        Output::Json => page.to_string(),
+        Output::Table => letters_table(&page),
+    })
+}
+
+/// `ductor dlq show`: one letter, whole, as JSON.
+pub async fn show_letter(client: &ApiClient, id: i64) -> Result<String, CliError> {
+    let letter = client.get(&format!("/v1/dead-letters/{id}")).await?;
+    Ok(serde_json::to_string_pretty(&letter).unwrap_or_default())
+}
+
+/// `ductor dlq replay ID`, or with filters and no id, the letters they
+/// find (one page; `{}` for all).
+pub async fn replay_letters(
+    client: &ApiClient,
+    id: Option<i64>,
+    filter: &LetterFilterArgs,
+) -> Result<String, CliError> {
+    let answer = match id {
+        Some(id) => {
+            client
+                .post(&format!("/v1/dead-letters/{id}/replay"), &json!({}))
+                .await?
+        }
+        None => {
+            let body = json!({ "tenant": filter.tenant, "filter": filter.filter() });
+            client.post("/v1/dead-letters/replay", &body).await?
+        }
+    };
+    Ok(answer.to_string())
+}
+
+/// `ductor dlq discard ID --reason R`.
+pub async fn discard_letter(client: &ApiClient, id: i64, reason: &str) -> Result<String, CliError> {
+    let path = format!("/v1/dead-letters/{id}/discard");
+    Ok(client
+        .post(&path, &json!({ "reason": reason }))
+        .await?
+        .to_string())
+}
+
+/// `dlq list`'s table.
+pub fn letters_table(page: &Value) -> String {
+    let rows: Vec<Vec<String>> = page["letters"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+        .iter()
+        .map(|l| {
+            vec![
+                text(&l["id"]),
+                text(&l["dead_lettered_at"]),
+                format!("{}/{}", text(&l["stage"]), text(&l["class"])),
+                text(&l["tenant"]),
+                text(&l["run_id"]),
+                text(&l["status"]),
+                text(&l["error"]),
+            ]
+        })
+        .collect();
+    let mut out = table(
+        &[
+            "ID",
+            "AT",
+            "STAGE/CLASS",
+            "TENANT",
+            "RUN",
+            "STATUS",
+            "ERROR",
+        ],
+        &rows,
+    );
+    if let Some(next) = page["next"].as_i64() {
+        out.push_str(&format!("\nmore: --after {next}"));
+    }
+    out
 }
 
 /// A run id as one path segment.
@@ -460,6 +615,22 @@ mod tests {
             "total": 3, "exact": false});
         let c = counts_table(&counts);
         assert!(c.contains("succeeded  2") && c.contains("at least"), "{c}");
+    }
+
+    #[test]
+    fn dead_letters_are_a_table_and_their_filters_a_query_or_a_body() {
+        let f = LetterFilterArgs {
+            tenant: Some("acme".into()),
+            class: Some("malformed".into()),
+            ..LetterFilterArgs::default()
+        };
+        assert_eq!(f.filter(), json!({"class": "malformed"}));
+        let page = json!({"letters": [{"id": 7, "dead_lettered_at": "2026-12-05T10:00:00Z",
+            "stage": "decode", "class": "malformed", "tenant": null, "run_id": null,
+            "status": "pending", "error": "not JSON"}], "next": 7});
+        let t = letters_table(&page);
+        assert!(t.contains("decode/malformed"), "{t}");
+        assert!(t.ends_with("more: --after 7"), "{t}");
     }
 
     #[test]

@@ -166,9 +166,12 @@ pub async fn run_on(
     let routers = Routers {
         public: limit_failures(
             crate::infra::health::public_router(http_state.clone())
-                .merge(crate::api::router(api_state)),
+                .merge(crate::api::router(api_state.clone())),
         ),
-        admin: limit_failures(crate::infra::health::admin_router(http_state, admin_keys)),
+        admin: limit_failures(
+            crate::infra::health::admin_router(http_state, admin_keys)
+                .merge(crate::api::admin_router(api_state)),
+        ),
     };
     spawn_http(&tasks, &config.server, listeners, tls, routers)?;
     spawn_routing_maintenance(&tasks, &pool, &config);

@@ -13,7 +13,9 @@
 //! The admin listener (`server.admin_listen`, loopback by default) serves
 //! [`admin_router`]: `/healthz` (the process runs), the detailed `/readyz`
 //! (each check with its error, and the warnings of the configuration) and
-//! `/metrics` (Prometheus text); the operator's endpoints join it. The
+//! `/metrics` (Prometheus text); the operator's endpoints and the web
+//! console join it from [`crate::api::admin_router`], and take a key with
+//! the `admin` scope whatever `server.admin_auth` says. The
 //! public listener (`server.listen`) serves [`public_router`] beside the
 //! routing API: `/healthz` and a `/readyz` that says ready or not and
 //! nothing more, since an error text names hosts, ports, users and lanes,
@@ -176,8 +178,9 @@ pub fn public_router(state: HttpState) -> Router {
 /// The admin listener's routes: liveness, readiness with each check's
 /// result, and the metrics. With `admin_keys` (`server.admin_auth =
 /// "key"`), every route but `/healthz` takes an API key with the `admin`
-/// scope. Operator endpoints join `guarded` below, so that the key holds
-/// for them too.
+/// scope. The operator's endpoints are not among them: they check their
+/// key themselves, under every `server.admin_auth`
+/// ([`crate::api::admin_router`]).
 pub fn admin_router(state: HttpState, admin_keys: Option<Authenticator>) -> Router {
     let guarded = add(Router::new(), Endpoint::AdminReadyz, admin_readyz);
     let guarded = add(guarded, Endpoint::Metrics, metrics);

@@ -5,8 +5,11 @@
 //! /v1/outbox/redrive`) and retention (`GET /v1/retention`).
 //!
 //! A key with `runs:read` sees its own tenant's runs; a key with the
-//! `admin` scope sees every tenant's, or the one its request names. The CLI
-//! (`ductor runs`) and the web console read these same routes.
+//! `admin` scope sees every tenant's, or the one its request names. The
+//! admin listener serves the same views at the same paths to a key with the
+//! `admin` scope alone, whatever `server.admin_auth` says. The CLI
+//! (`ductor runs`) and the web console ([`super::console`]) read these
+//! same routes.
 //!
 //! In: the request's key and query. Out: JSON ([`views`]), or the API's
 //! error shape: 400 `invalid_query` for a parameter that is wrong, named.
@@ -31,8 +34,12 @@ use super::request::{authenticate, authenticate_any, read_body, tenants_seen};
 use crate::auth::Scope;
 use query::RunQuery;
 
-/// Who may read: a tenant's reader, or an operator.
+/// Who may read on the public listener: a tenant's reader, or an
+/// operator.
 pub(crate) const READERS: [Scope; 2] = [Scope::RunsRead, Scope::Admin];
+
+/// Who may read on the admin listener: an operator alone.
+const OPERATORS: [Scope; 1] = [Scope::Admin];
 
 /// `GET /v1/runs`: a page of the runs the query finds, newest first.
 pub(crate) async fn list_runs(
@@ -40,13 +47,16 @@ pub(crate) async fn list_runs(
     RawQuery(raw): RawQuery,
     headers: HeaderMap,
 ) -> Response {
-    let answer = async {
-        let query = seen_query(&state, &headers, raw.as_deref()).await?;
-        store::page(state.decider.pool(), &query)
-            .await
-            .map_err(database)
-    };
-    respond(answer.await)
+    respond(page(&state, &headers, raw.as_deref(), &READERS).await)
+}
+
+/// `GET /v1/runs` on the admin listener.
+pub(crate) async fn admin_list_runs(
+    State(state): State<ApiState>,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
+) -> Response {
+    respond(page(&state, &headers, raw.as_deref(), &OPERATORS).await)
 }
 
 /// `GET /v1/runs/counts`: how many runs the query's filter finds, by status.
@@ -55,14 +65,16 @@ pub(crate) async fn count_runs(
     RawQuery(raw): RawQuery,
     headers: HeaderMap,
 ) -> Response {
-    let answer = async {
-        let query = seen_query(&state, &headers, raw.as_deref()).await?;
-        let scan_limit = i64::try_from(state.operator.count_scan_limit).unwrap_or(i64::MAX);
-        store::counts(state.decider.pool(), &query, scan_limit)
-            .await
-            .map_err(database)
-    };
-    respond(answer.await)
+    respond(counts(&state, &headers, raw.as_deref(), &READERS).await)
+}
+
+/// `GET /v1/runs/counts` on the admin listener.
+pub(crate) async fn admin_count_runs(
+    State(state): State<ApiState>,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
+) -> Response {
+    respond(counts(&state, &headers, raw.as_deref(), &OPERATORS).await)
 }
 
 /// `GET /v1/runs/{run_id}/history`: the run, its attempts, and its
@@ -72,16 +84,56 @@ pub(crate) async fn run_history(
     Path(run_id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    let answer = async {
-        let identity = authenticate_any(&state, &headers, &READERS).await?;
-        let tenant = tenants_seen(&identity, None)?;
-        let pool = state.decider.pool();
-        store::history(pool, &run_id, tenant.as_deref(), chrono::Utc::now())
-            .await
-            .map_err(database)?
-            .ok_or_else(|| ApiError::new(Code::NotFound, "no such run"))
-    };
-    respond(answer.await)
+    respond(history(&state, &headers, &run_id, &READERS).await)
+}
+
+/// `GET /v1/runs/{run_id}/history` on the admin listener.
+pub(crate) async fn admin_run_history(
+    State(state): State<ApiState>,
+    Path(run_id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    respond(history(&state, &headers, &run_id, &OPERATORS).await)
+}
+
+async fn page(
+    state: &ApiState,
+    headers: &HeaderMap,
+    raw: Option<&str>,
+    scopes: &[Scope],
+) -> Result<views::RunPage, ApiError> {
+    let query = seen_query(state, headers, raw, scopes).await?;
+    store::page(state.decider.pool(), &query)
+        .await
+        .map_err(database)
+}
+
+async fn counts(
+    state: &ApiState,
+    headers: &HeaderMap,
+    raw: Option<&str>,
+    scopes: &[Scope],
+) -> Result<views::RunCounts, ApiError> {
+    let query = seen_query(state, headers, raw, scopes).await?;
+    let scan_limit = i64::try_from(state.operator.count_scan_limit).unwrap_or(i64::MAX);
+    store::counts(state.decider.pool(), &query, scan_limit)
+        .await
+        .map_err(database)
+}
+
+async fn history(
+    state: &ApiState,
+    headers: &HeaderMap,
+    run_id: &str,
+    scopes: &[Scope],
+) -> Result<views::RunHistory, ApiError> {
+    let identity = authenticate_any(state, headers, scopes).await?;
+    let tenant = tenants_seen(&identity, None)?;
+    let pool = state.decider.pool();
+    store::history(pool, run_id, tenant.as_deref(), chrono::Utc::now())
+        .await
+        .map_err(database)?
+        .ok_or_else(|| ApiError::new(Code::NotFound, "no such run"))
 }
 
 /// `GET /v1/outbox`: what waits to be published, and what is parked.
@@ -154,8 +206,9 @@ async fn seen_query(
     state: &ApiState,
     headers: &HeaderMap,
     raw: Option<&str>,
+    scopes: &[Scope],
 ) -> Result<RunQuery, ApiError> {
-    let identity = authenticate_any(state, headers, &READERS).await?;
+    let identity = authenticate_any(state, headers, scopes).await?;
     let mut query = RunQuery::parse(raw, state.operator.max_page_runs)
         .map_err(|message| ApiError::new(Code::InvalidQuery, message))?;
     query.filter.tenant = tenants_seen(&identity, query.filter.tenant.as_deref())?;
