@@ -67,6 +67,10 @@ struct Scenario {
     /// (signal id index, delivery time in ms); ids repeat on purpose.
     signals: Vec<(u8, i64)>,
     cancel_at: Option<i64>,
+    /// (action id index, delay in ms) of the retries sent after each
+    /// failure of the run, naming it; ids repeat on purpose, so that a run
+    /// is retried at most three times.
+    retries: Vec<(u8, i64)>,
 }
 
 fn behaviour() -> impl Strategy<Value = Behaviour> {
@@ -87,14 +91,19 @@ fn scenario() -> impl Strategy<Value = Scenario> {
         prop::collection::vec(behaviour(), 0..12),
         prop::collection::vec((0u8..4, 0i64..30_000), 0..6),
         prop_oneof![3 => Just(None), 1 => (0i64..30_000).prop_map(Some)],
+        prop_oneof![
+            1 => Just(Vec::new()),
+            1 => prop::collection::vec((0u8..3, 0i64..5_000), 1..4),
+        ],
     )
         .prop_map(
-            |(steps, output_topic, script, signals, cancel_at)| Scenario {
+            |(steps, output_topic, script, signals, cancel_at, retries)| Scenario {
                 steps,
                 output_topic,
                 script,
                 signals,
                 cancel_at,
+                retries,
             },
         )
 }
@@ -297,9 +306,19 @@ fn simulate_capped(
             run_id: run_id.to_owned(),
             tenant: tenant.to_owned(),
             reason: Some("test".to_owned()),
+            action_id: None,
         });
         push(&mut queue, ms, cancel);
     }
+    let retry = |id: u8, failed_seq: i64| {
+        Input::Retry(RetryWakeup {
+            run_id: run_id.to_owned(),
+            tenant: tenant.to_owned(),
+            action_id: format!("retry-{id}"),
+            failed_seq,
+            reason: None,
+        })
+    };
     let mut out = Outcome {
         applied: Vec::new(),
         decisions: Vec::new(),
@@ -350,6 +369,11 @@ fn simulate_capped(
                     }
                     EffectTarget::Output { .. } => {}
                     EffectTarget::Events => panic!("only the first effect goes to events"),
+                }
+            }
+            if tr.record.kind == TransitionKind::RunFailed {
+                for &(id, delay) in &scn.retries {
+                    push(&mut queue, ms + delay, retry(id, tr.record.seq));
                 }
             }
             out.state = Some(tr.state.clone());
@@ -496,8 +520,11 @@ proptest! {
     }
 
     /// Transition seqs are 1, 2, 3, ... and end at `last_transition_seq`; attempts per
-    /// step never exceed `max_attempts`; a terminal run never transitions again; every
-    /// run terminates; every effect is valid against its type's committed schema.
+    /// step never exceed `max_attempts` and one more for each retry of the run from
+    /// that step, numbered 1, 2, 3, ...; a run that succeeded or was cancelled never
+    /// transitions again, and a failed one only for a retry (of an action id it has
+    /// not applied), a signal or a cancel; every run terminates; every effect is
+    /// valid against its type's committed schema.
     #[test]
     fn seqs_are_gap_free_and_bounds_hold(scn in scenario()) {
         let (wf, once) = solo(&scn);
@@ -521,19 +548,31 @@ proptest! {
         prop_assert!(last.outstanding.is_none() && last.pending_retry.is_none() && last.waiting.is_none());
         let def = wf.get("wf", 1).unwrap();
         for (i, step) in def.steps.iter().enumerate() {
-            let attempts: Vec<u32> = last.attempts.iter().filter(|a| a.step_index as usize == i).map(|a| a.attempt).collect();
-            prop_assert!(attempts.len() as u32 <= step.retry.max_attempts);
-            prop_assert!(attempts.iter().all(|&a| a >= 1 && a <= step.retry.max_attempts));
+            let retried = last.retries.iter().filter(|r| r.step_index as usize == i).count() as u32;
+            let mut attempts: Vec<u32> = last.attempts.iter().filter(|a| a.step_index as usize == i).map(|a| a.attempt).collect();
+            prop_assert!(attempts.len() as u32 <= step.retry.max_attempts + retried);
+            attempts.sort_unstable();
+            let numbered: Vec<u32> = (1..=attempts.len() as u32).collect();
+            prop_assert_eq!(attempts, numbered);
         }
-        let mut terminal = false;
-        for d in &once.decisions {
-            if terminal {
-                prop_assert!(!matches!(d, Decision::Transition(_)), "terminal run transitioned: {:?}", d);
+        let mut finished: Option<RunStatus> = None;
+        for (delivery, d) in once.applied.iter().zip(&once.decisions) {
+            if let (Some(status), Decision::Transition(_)) = (finished, d) {
+                let after_failure = matches!(&delivery.input, Input::Retry(_) | Input::Signal(_) | Input::Cancel(_));
+                prop_assert!(status == RunStatus::Failed && after_failure, "a {:?} run transitioned on {:?}: {:?}", status, delivery.input, d);
             }
             if let Decision::Transition(t) = d {
-                terminal = t.state.status.is_terminal();
+                finished = t.state.status.is_terminal().then_some(t.state.status);
             }
         }
+        // Each action id revives the run once at most.
+        let mut ids: Vec<&str> = last.retries.iter().map(|r| r.action_id.as_str()).collect();
+        let n = ids.len();
+        ids.sort_unstable();
+        ids.dedup();
+        prop_assert_eq!(ids.len(), n);
+        let retried = once.transitions().iter().filter(|t| t.record.input_ref.starts_with("retry:")).count();
+        prop_assert_eq!(retried, n);
     }
 
     /// The state keeps only the newest output, and a signal's payload only
@@ -589,7 +628,15 @@ proptest! {
         }
         let encoded = serde_json::to_value(&last).unwrap();
         prop_assert!(encoded.get("outputs").is_none());
-        let awaits_left = def.steps.iter().skip(last.step_index as usize + 1).filter(|s| s.kind == StepKind::AwaitSignal).count();
+        // A failed run keeps signals for the step it failed in too: a retry
+        // starts that step again.
+        // A cancelled one keeps none.
+        let first = match last.status {
+            RunStatus::Failed => last.step_index as usize,
+            RunStatus::Cancelled => def.steps.len(),
+            _ => last.step_index as usize + 1,
+        };
+        let awaits_left = def.steps.iter().skip(first).filter(|s| s.kind == StepKind::AwaitSignal).count();
         let kept = last.signals.iter().filter(|s| s.kept).count();
         prop_assert!(kept <= awaits_left, "{} signals kept for {} awaits", kept, awaits_left);
         prop_assert!(encoded["signals"].as_array().unwrap().iter().all(|s| s.get("payload").is_none() || s["kept"] == json!(true)));
@@ -597,10 +644,14 @@ proptest! {
 
     /// Under any state cap a run goes exactly as it goes uncapped until the first
     /// transition whose state would be over the cap; that one fails the run with
-    /// `state_too_large` instead (a start is refused), and nothing follows it. Every
-    /// other state stays within the cap.
+    /// `state_too_large` instead (a start is refused). What follows changes nothing
+    /// or, as for any failed run, records a signal or cancels it, within the cap: an
+    /// input to the failed run that would not fit is refused. Every other state stays
+    /// within the cap.
     #[test]
     fn a_state_over_the_cap_fails_the_run_there(scn in scenario(), cap in 200usize..6_000) {
+        // A retry would start a run failed for its size again.
+        let scn = Scenario { retries: Vec::new(), ..scn };
         let (wf, uncapped) = solo(&scn);
         let capped = simulate_capped(&scn, "run-0", "tenant-0", "wf", &wf, cap);
         let size = |d: &Decision| match d {
@@ -612,9 +663,9 @@ proptest! {
             return Ok(());
         };
         prop_assert_eq!(&capped.decisions[..k], &uncapped.decisions[..k]);
+        let failed_before = transitions(&capped.decisions[..k]).last().is_some_and(|t| t.state.status == RunStatus::Failed);
         match &capped.decisions[k] {
-            Decision::Rejection(r) => {
-                prop_assert_eq!(k, 0);
+            Decision::Rejection(r) if k == 0 => {
                 prop_assert_eq!(r.class, RejectionClass::StateTooLarge);
                 prop_assert!(capped.state.is_none());
                 // The signals and the cancel then name a run that does not exist.
@@ -622,17 +673,33 @@ proptest! {
                 prop_assert!(rest);
                 return Ok(());
             }
+            Decision::Rejection(r) => {
+                // The run had failed: the input to it that did not fit is
+                // refused, and the run stays as it failed.
+                prop_assert_eq!(r.class, RejectionClass::StateTooLarge);
+                prop_assert!(failed_before, "a running run's input was refused for its size");
+            }
             Decision::Transition(t) => {
+                prop_assert!(!failed_before);
                 prop_assert_eq!(t.record.kind, TransitionKind::RunFailed);
                 prop_assert_eq!(&t.record.detail["cause"], &json!(STATE_TOO_LARGE));
                 prop_assert!(t.state.outstanding.is_none() && t.state.pending_retry.is_none());
-                let last = capped.state.as_ref().unwrap();
-                prop_assert_eq!(last, &t.state);
-                prop_assert!(last.error.as_deref().unwrap().starts_with(STATE_TOO_LARGE));
+                prop_assert!(t.state.error.as_deref().unwrap().starts_with(STATE_TOO_LARGE));
             }
             Decision::NoOp(r) => prop_assert!(false, "the transition over the cap became a no-op ({:?})", r),
         }
-        prop_assert!(capped.decisions[k + 1..].iter().all(|d| matches!(d, Decision::NoOp(_))));
+        let last = capped.state.as_ref().unwrap();
+        prop_assert!(matches!(last.status, RunStatus::Failed | RunStatus::Cancelled), "{:?}", last.status);
+        for (delivery, d) in capped.applied[k + 1..].iter().zip(&capped.decisions[k + 1..]) {
+            match d {
+                Decision::NoOp(_) => {}
+                Decision::Rejection(r) => prop_assert_eq!(r.class, RejectionClass::StateTooLarge),
+                Decision::Transition(t) => {
+                    prop_assert!(matches!(delivery.input, Input::Signal(_) | Input::Cancel(_)), "{:?} after the failure", t.record.kind);
+                    prop_assert!(size(d) <= cap);
+                }
+            }
+        }
         prop_assert!(capped.decisions[..k].iter().all(|d| size(d) <= cap));
     }
 
@@ -701,7 +768,9 @@ proptest! {
                     prop_assert_eq!(t.state.run_id.as_str(), input.run_id());
                     prop_assert_eq!(t.state.tenant.as_str(), input.tenant());
                     if let Some(s) = &state {
-                        prop_assert!(!s.status.is_terminal());
+                        let after_failure = s.status == RunStatus::Failed
+                            && matches!(input, Input::Retry(_) | Input::Signal(_) | Input::Cancel(_));
+                        prop_assert!(!s.status.is_terminal() || after_failure);
                         prop_assert_eq!(t.state.record_version, s.record_version);
                     }
                     prop_assert!(t.record.detail.to_string().len() < 2_048);
@@ -772,7 +841,7 @@ fn nonsense(rng: &mut StdRng, known: &[Uuid]) -> Input {
     } else {
         Uuid::from_u128(rng.random())
     };
-    match rng.random_range(0..6) {
+    match rng.random_range(0..7) {
         0 => Input::Start(RunStart {
             run_id,
             tenant,
@@ -804,10 +873,18 @@ fn nonsense(rng: &mut StdRng, known: &[Uuid]) -> Input {
             name: "n".to_owned(),
             payload: Value::Null,
         }),
+        5 => Input::Retry(RetryWakeup {
+            run_id,
+            tenant,
+            action_id: format!("retry-{}", rng.random_range(0..3)),
+            failed_seq: rng.random_range(1..12),
+            reason: None,
+        }),
         _ => Input::Cancel(CancelWakeup {
             run_id,
             tenant,
             reason: None,
+            action_id: None,
         }),
     }
 }
@@ -932,13 +1009,35 @@ fn valid_input() -> impl Strategy<Value = Input> {
             })
         },
     );
-    let cancel =
-        (id(), id(), prop::option::of("\\PC{0,64}")).prop_map(|(run_id, tenant, reason)| {
+    let cancel = (
+        id(),
+        id(),
+        prop::option::of("\\PC{0,64}"),
+        prop::option::of(id()),
+    )
+        .prop_map(|(run_id, tenant, reason, action_id)| {
             Input::Cancel(CancelWakeup {
                 run_id,
                 tenant,
                 reason,
+                action_id,
             })
         });
-    prop_oneof![start, attempt_result, timer, signal, cancel]
+    let retry = (
+        id(),
+        id(),
+        id(),
+        1..=i64::MAX,
+        prop::option::of("\\PC{0,64}"),
+    )
+        .prop_map(|(run_id, tenant, action_id, failed_seq, reason)| {
+            Input::Retry(RetryWakeup {
+                run_id,
+                tenant,
+                action_id,
+                failed_seq,
+                reason,
+            })
+        });
+    prop_oneof![start, attempt_result, timer, signal, cancel, retry]
 }

@@ -18,7 +18,8 @@
 //!    status equals the last transition's `to_status` and the step index its
 //!    `step_index`; the first transition is `run.started` from `start` with
 //!    no `from_status`, each later one starts from the previous `to_status`,
-//!    and nothing follows a terminal transition; the attempts in `state` are
+//!    and nothing follows a terminal transition but, after a failure, a
+//!    signal, a cancel or a retry; the attempts in `state` are
 //!    exactly the `run_attempts` rows (stamp, step, number, status, times to
 //!    the microsecond, error); every attempt's status is explained by the
 //!    history (succeeded/failed: a `result:<stamp>` transition; timed out: a
@@ -338,9 +339,24 @@ fn chain_agrees(ts: &[TransitionRow], shape: &mut Vec<String>) {
                 t.seq, t.from_status, prev.seq, prev.to_status
             ));
         }
-        if prev.to_status != "running" {
+        if !may_follow(prev, t) {
             shape.push(format!("seq {} follows a terminal transition", t.seq));
         }
+    }
+}
+
+/// Whether `t` may follow `prev`: anything follows a transition that left
+/// the run running; a failed run records signals, and is cancelled or
+/// retried; nothing follows a success or a cancel.
+fn may_follow(prev: &TransitionRow, t: &TransitionRow) -> bool {
+    match prev.to_status.as_str() {
+        "running" => true,
+        "failed" => {
+            t.input_ref == "cancel"
+                || t.input_ref.starts_with("signal:")
+                || t.input_ref.starts_with("retry:")
+        }
+        _ => false,
     }
 }
 
@@ -805,6 +821,38 @@ mod tests {
             output_topic: None,
         }])
         .unwrap()
+    }
+
+    #[test]
+    fn after_a_failure_only_a_signal_a_cancel_or_a_retry_follows() {
+        let row = |input_ref: &str, to: &str| TransitionRow {
+            run_id: "r".into(),
+            seq: 1,
+            input_ref: input_ref.into(),
+            kind: "run.signalled".into(),
+            from_status: None,
+            to_status: to.into(),
+            step_index: 0,
+            detail: Value::Null,
+            source: None,
+            created_at: at(0),
+        };
+        let failed = row("result:x", "failed");
+        for next in ["signal:s", "cancel", "retry:a"] {
+            assert!(may_follow(&failed, &row(next, "failed")), "{next}");
+        }
+        assert!(!may_follow(&failed, &row("result:y", "running")));
+        assert!(!may_follow(&failed, &row("start", "running")));
+        for ended in ["succeeded", "cancelled"] {
+            assert!(!may_follow(
+                &row("cancel", ended),
+                &row("retry:a", "running")
+            ));
+        }
+        assert!(may_follow(
+            &row("start", "running"),
+            &row("result:x", "running")
+        ));
     }
 
     fn transition_row(t: &Transition) -> TransitionRow {

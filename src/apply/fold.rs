@@ -208,5 +208,6 @@ fn input_kind(input: &Input) -> &'static str {
         Input::Timer(_) => "wakeup.timer",
         Input::Signal(_) => "wakeup.signal",
         Input::Cancel(_) => "wakeup.cancel",
+        Input::Retry(_) => "wakeup.retry",
     }
 }

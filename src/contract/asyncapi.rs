@@ -54,6 +54,14 @@ struct Topic {
     headers: &'static str,
 }
 
+/// What the wakeups topic carries.
+const WAKEUP_MESSAGES: [&str; 4] = [
+    "wakeup.timer",
+    "wakeup.signal",
+    "wakeup.cancel",
+    "wakeup.retry",
+];
+
 fn topics() -> Vec<Topic> {
     let names = TopicNames {
         prefix: "{prefix}".into(),
@@ -71,10 +79,10 @@ fn topics() -> Vec<Topic> {
         Topic {
             id: "wakeups",
             address: Some(names.wakeups()),
-            description: "Durable timers, signals and cancels of runs.",
-            messages: &["wakeup.timer", "wakeup.signal", "wakeup.cancel"],
+            description: "Durable timers, signals, cancels and retries of runs.",
+            messages: &WAKEUP_MESSAGES,
             action: "receive",
-            producers: "Ductor's outbox (timers, at their due time), users' services and the HTTP API (signals, cancels).",
+            producers: "Ductor's outbox (timers, at their due time), users' services and the HTTP API (signals, cancels, retries).",
             headers: "input",
         },
         Topic {

@@ -171,10 +171,12 @@ pub enum TransitionKind {
     RunFailed,
     RunSignalled,
     RunCancelled,
+    /// A failed run started again from the step it failed in.
+    RunRetried,
 }
 
 impl TransitionKind {
-    pub const ALL: [TransitionKind; 9] = [
+    pub const ALL: [TransitionKind; 10] = [
         TransitionKind::RunStarted,
         TransitionKind::StepSucceeded,
         TransitionKind::StepRetryScheduled,
@@ -184,6 +186,7 @@ impl TransitionKind {
         TransitionKind::RunFailed,
         TransitionKind::RunSignalled,
         TransitionKind::RunCancelled,
+        TransitionKind::RunRetried,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -197,6 +200,7 @@ impl TransitionKind {
             TransitionKind::RunFailed => "run.failed",
             TransitionKind::RunSignalled => "run.signalled",
             TransitionKind::RunCancelled => "run.cancelled",
+            TransitionKind::RunRetried => "run.retried",
         }
     }
 

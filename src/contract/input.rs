@@ -85,6 +85,7 @@ pub enum Input {
     Timer(TimerWakeup),
     Signal(SignalWakeup),
     Cancel(CancelWakeup),
+    Retry(RetryWakeup),
 }
 
 /// `run.start`: create a run.
@@ -159,6 +160,27 @@ pub struct SignalWakeup {
 pub struct CancelWakeup {
     pub run_id: String,
     pub tenant: String,
+    pub reason: Option<String>,
+    /// The caller's name for this cancel ([`is_id`]), kept in the detail of
+    /// the transition it makes. A run is cancelled once, so any second
+    /// cancel, under this id or another, changes nothing.
+    pub action_id: Option<String>,
+}
+
+/// `wakeup.retry`: start a failed run again from the step it failed in,
+/// with a fresh attempt. A run applies each `action_id` once: the same
+/// retry delivered again, even after the run failed anew, changes nothing.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RetryWakeup {
+    pub run_id: String,
+    pub tenant: String,
+    /// The caller's name for this retry ([`is_id`]): the idempotency key.
+    pub action_id: String,
+    /// The failure it retries: the seq of the `run.failed` transition (its
+    /// `run.event`'s `seq`). A retry naming another changes nothing, so
+    /// that one delivered again after the run failed anew cannot retry
+    /// that new failure.
+    pub failed_seq: i64,
     pub reason: Option<String>,
 }
 
@@ -316,6 +338,7 @@ impl Input {
             Input::Timer(x) => &x.run_id,
             Input::Signal(x) => &x.run_id,
             Input::Cancel(x) => &x.run_id,
+            Input::Retry(x) => &x.run_id,
         }
     }
 
@@ -326,6 +349,7 @@ impl Input {
             Input::Timer(x) => &x.tenant,
             Input::Signal(x) => &x.tenant,
             Input::Cancel(x) => &x.tenant,
+            Input::Retry(x) => &x.tenant,
         }
     }
 
@@ -339,7 +363,8 @@ impl Input {
     }
 
     /// Names the input within its run, for the transition record:
-    /// `start`, `result:<stamp>`, `timer:<retry|timeout>:<stamp>`, `signal:<signal_id>`, `cancel`
+    /// `start`, `result:<stamp>`, `timer:<retry|timeout>:<stamp>`, `signal:<signal_id>`, `cancel`,
+    /// `retry:<action_id>`
     /// (and, from no input, [`MISSING_WORKFLOW_REF`]).
     pub fn dedup_ref(&self) -> String {
         match self {
@@ -348,6 +373,7 @@ impl Input {
             Input::Timer(t) => format!("timer:{}:{}", t.timer.as_str(), t.stamp),
             Input::Signal(s) => format!("signal:{}", s.signal_id),
             Input::Cancel(_) => "cancel".to_owned(),
+            Input::Retry(r) => format!("retry:{}", r.action_id),
         }
     }
 }

@@ -18,7 +18,8 @@ use serde_json::{Map, Value, json};
 use super::effects::{EffectParked, RunAccepted, RunEvent, RunOutput, StepDispatch};
 use super::headers::{self as h, DeadLetterStage};
 use super::input::form::{
-    AttemptResultForm, CancelWakeupForm, RunStartForm, SignalWakeupForm, TimerWakeupForm,
+    AttemptResultForm, CancelWakeupForm, RetryWakeupForm, RunStartForm, SignalWakeupForm,
+    TimerWakeupForm,
 };
 use super::signature::SIGNATURE;
 
@@ -41,12 +42,13 @@ impl SchemaFile {
 
 /// Every message type on the wire and who writes it, in the order the
 /// catalogue lists them.
-pub const MESSAGE_TYPES: [&str; 10] = [
+pub const MESSAGE_TYPES: [&str; 11] = [
     "run.start",
     "attempt.result",
     "wakeup.timer",
     "wakeup.signal",
     "wakeup.cancel",
+    "wakeup.retry",
     "step.dispatch",
     "run.event",
     "run.output",
@@ -62,6 +64,7 @@ pub fn catalogue() -> Vec<SchemaFile> {
         message::<TimerWakeupForm<'_>>("wakeup.timer"),
         message::<SignalWakeupForm<'_>>("wakeup.signal"),
         message::<CancelWakeupForm<'_>>("wakeup.cancel"),
+        message::<RetryWakeupForm<'_>>("wakeup.retry"),
         message::<StepDispatch>("step.dispatch"),
         message::<RunEvent<'_>>("run.event"),
         message::<RunOutput<'_>>("run.output"),

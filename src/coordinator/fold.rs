@@ -17,7 +17,8 @@
 //! existing run passes first (its run, its tenant). Each kind of input is decided
 //! in a file of its own: `start`, `attempts` (results, timeouts, retries),
 //! `signals`, `waits` (sleeps and waits for a signal, and moving from one step
-//! to the next), `halt` (a cancel, and the failures from outside a run's steps);
+//! to the next), `halt` (a cancel, and the failures from outside a run's steps),
+//! `retry` (a failed run started again from the step it failed in);
 //! `builder` accumulates what any of them writes.
 
 use chrono::{DateTime, TimeDelta, Utc};
@@ -32,6 +33,7 @@ use crate::contract::{Effect, TransitionKind, fingerprint};
 mod attempts;
 mod builder;
 mod halt;
+mod retry;
 mod signals;
 mod start;
 mod waits;
@@ -77,6 +79,13 @@ pub enum NoOpReason {
     /// A timer for something no longer pending.
     DuplicateTimer,
     DuplicateSignal,
+    /// A retry whose `action_id` the run applied already.
+    DuplicateRetry,
+    /// A retry of a run that is not failed: running (a retry of it was
+    /// applied first, or it never failed), succeeded or cancelled.
+    RunNotFailed,
+    /// A retry naming another failure than the one the run is failed by.
+    StaleRetry,
     /// Any non-duplicate input to a finished run, including a second cancel.
     RunTerminal,
     /// Any input to a finished run that retention deleted (but a start
@@ -92,6 +101,9 @@ impl NoOpReason {
             NoOpReason::StaleResult => "stale_result",
             NoOpReason::DuplicateTimer => "duplicate_timer",
             NoOpReason::DuplicateSignal => "duplicate_signal",
+            NoOpReason::DuplicateRetry => "duplicate_retry",
+            NoOpReason::RunNotFailed => "run_not_failed",
+            NoOpReason::StaleRetry => "stale_retry",
             NoOpReason::RunTerminal => "run_terminal",
             NoOpReason::RunPurged => "run_purged",
         }
@@ -117,11 +129,13 @@ pub enum RejectionClass {
     /// A client-chosen start of an existing run, or a signal under a
     /// recorded `signal_id`, that means something else than the first one.
     IdempotencyMismatch,
+    /// A retry of a run that has applied `MAX_RETRIES_PER_RUN` already.
+    TooManyRetries,
 }
 
 impl RejectionClass {
     /// Every class: the dead-letter counter starts each at zero.
-    pub const ALL: [RejectionClass; 7] = [
+    pub const ALL: [RejectionClass; 8] = [
         RejectionClass::UnknownRun,
         RejectionClass::TenantMismatch,
         RejectionClass::UnknownStamp,
@@ -129,6 +143,7 @@ impl RejectionClass {
         RejectionClass::TooManySignals,
         RejectionClass::StateTooLarge,
         RejectionClass::IdempotencyMismatch,
+        RejectionClass::TooManyRetries,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -140,6 +155,7 @@ impl RejectionClass {
             RejectionClass::TooManySignals => "too_many_signals",
             RejectionClass::StateTooLarge => STATE_TOO_LARGE,
             RejectionClass::IdempotencyMismatch => "idempotency_mismatch",
+            RejectionClass::TooManyRetries => "too_many_retries",
         }
     }
 }
@@ -240,6 +256,7 @@ fn decide(
         Input::Timer(timer) => ctx.on_timer(timer),
         Input::Signal(signal) => ctx.on_signal(signal),
         Input::Cancel(cancel) => ctx.on_cancel(cancel),
+        Input::Retry(retry) => ctx.on_retry(retry),
     }
 }
 

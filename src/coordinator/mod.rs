@@ -67,7 +67,12 @@ pub use definition::{
 #[cfg(any(test, feature = "internals"))]
 pub use fold::{RejectionClass, STATE_TOO_LARGE, TransitionRecord, WORKFLOW_MISSING};
 #[cfg(any(test, feature = "internals"))]
-pub use state::{MAX_SIGNALS_PER_RUN, Outstanding, PendingRetry, SignalRecord, Waiting};
+pub use state::{
+    MAX_RETRIES_PER_RUN, MAX_SIGNALS_PER_RUN, Outstanding, PendingRetry, RetryRecord, SignalRecord,
+    Waiting,
+};
 
+#[cfg(test)]
+mod retry_tests;
 #[cfg(test)]
 mod tests;

@@ -19,6 +19,10 @@ use uuid::Uuid;
 /// small (its id, name and time): the payload is kept in the history.
 pub const MAX_SIGNALS_PER_RUN: usize = 256;
 
+/// Most retries one run applies; more are rejected. Each is remembered (its
+/// action id and time) so that it applies once.
+pub const MAX_RETRIES_PER_RUN: usize = 64;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RunStatus {
@@ -46,7 +50,9 @@ impl RunStatus {
         }
     }
 
-    /// A terminal run never transitions again.
+    /// A finished run: one that succeeded or was cancelled never
+    /// transitions again; a failed one records signals, and is cancelled
+    /// or retried (`wakeup.retry`).
     pub fn is_terminal(self) -> bool {
         self != RunStatus::Running
     }
@@ -144,6 +150,15 @@ pub struct SignalRecord {
     pub fingerprint: Option<String>,
 }
 
+/// A retry the run applied, kept to apply each `action_id` once.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RetryRecord {
+    pub action_id: String,
+    pub at: DateTime<Utc>,
+    /// The step the run was started again from.
+    pub step_index: u32,
+}
+
 /// What retention left of a finished run it deleted: its tombstone.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Purged {
@@ -193,6 +208,14 @@ pub struct RunState {
     pub waiting: Option<Waiting>,
     pub attempts: Vec<AttemptRecord>,
     pub signals: Vec<SignalRecord>,
+    /// The retries the run applied, oldest first. Absent while there are none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub retries: Vec<RetryRecord>,
+    /// While the run is failed: the seq of the transition that failed it,
+    /// which a retry names ([`RunState::failure_seq`]). Absent otherwise,
+    /// and in runs that failed before it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed_seq: Option<i64>,
     pub correlation_id: Option<String>,
     /// The W3C trace the run belongs to, as of its last transition: its
     /// span id is that transition's, the parent of the next hop. The fold
@@ -220,6 +243,15 @@ pub struct RunState {
 }
 
 impl RunState {
+    /// The seq of the transition that failed the run, if it is failed: a
+    /// retry must name it. A run that failed before the seq was kept made
+    /// no transition since (a failed run then took none), so its last one
+    /// failed it.
+    pub fn failure_seq(&self) -> Option<i64> {
+        (self.status == RunStatus::Failed)
+            .then(|| self.failed_seq.unwrap_or(self.last_transition_seq))
+    }
+
     /// The attempt with this stamp, if the run ever dispatched it.
     pub fn attempt_by_stamp(&self, stamp: Uuid) -> Option<&AttemptRecord> {
         self.attempts.iter().find(|a| a.stamp == stamp)

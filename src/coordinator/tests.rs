@@ -116,6 +116,7 @@ fn cancel() -> Input {
         run_id: "r1".into(),
         tenant: "t1".into(),
         reason: Some("user".into()),
+        action_id: None,
     })
 }
 
@@ -1787,17 +1788,20 @@ fn a_run_whose_workflow_is_gone_while_it_waits_ends_its_wait() {
         assert_eq!(tr.state.waiting, None, "the wait is over");
         assert!(tr.attempt_writes.is_empty(), "no attempt was outstanding");
         assert_eq!(tr.effects.len(), 1, "the lifecycle event alone");
-        // The wait's wake timer and its signal, when they come, change nothing.
+        // The wait's wake timer changes nothing; its signal, when it comes,
+        // is recorded, as a failed run records every signal, and the run
+        // stays failed.
         let fold_at =
             |input: &Input| fold(Some(&tr.state), input, &wf, STATE_CAP, t(1100), &entropy(4));
         assert_eq!(
             fold_at(&timer(TimerKind::Wake, stamp(2))),
             Decision::NoOp(NoOpReason::DuplicateTimer)
         );
-        assert_eq!(
-            fold_at(&named_signal("s", "ok", json!(1))),
-            Decision::NoOp(NoOpReason::RunTerminal)
-        );
+        let signalled = transition(fold_at(&named_signal("s", "ok", json!(1))));
+        assert_eq!(signalled.record.kind, TransitionKind::RunSignalled);
+        assert_eq!(signalled.state.status, RunStatus::Failed);
+        assert_eq!(signalled.state.waiting, None);
+        assert_eq!(signalled.state.failure_seq(), Some(3));
     }
 }
 

@@ -99,6 +99,7 @@ pub fn check_signature(
         Classified::Input(Input::Result(r)) => (&r.tenant, None),
         Classified::Input(Input::Signal(s)) => (&s.tenant, None),
         Classified::Input(Input::Cancel(c)) => (&c.tenant, None),
+        Classified::Input(Input::Retry(r)) => (&r.tenant, None),
     };
     if !policy.required(start_pool) {
         return Ok(());

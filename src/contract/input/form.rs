@@ -157,6 +157,33 @@ pub struct CancelWakeupForm<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schemars(with = "Option<Text<0, MAX_REASON_LEN>>")]
     pub reason: Option<&'a str>,
+    /// The caller's name for this cancel, kept in the transition's detail.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<Id>")]
+    pub action_id: Option<&'a str>,
+}
+
+/// `wakeup.retry`, on the wakeups topic: start a failed run again from the
+/// step it failed in, once per `action_id`.
+#[derive(Serialize, JsonSchema)]
+#[serde(tag = "type", rename = "wakeup.retry")]
+pub struct RetryWakeupForm<'a> {
+    #[schemars(with = "Version")]
+    pub schema_version: u64,
+    #[schemars(with = "Id")]
+    pub run_id: &'a str,
+    #[schemars(with = "Id")]
+    pub tenant: &'a str,
+    /// The retry's idempotency key: a run applies each one once.
+    #[schemars(with = "Id")]
+    pub action_id: &'a str,
+    /// The failure it retries: the seq of the run's `run.failed`
+    /// transition (the `seq` of its `run.event`).
+    #[schemars(range(min = 1))]
+    pub failed_seq: i64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<Text<0, MAX_REASON_LEN>>")]
+    pub reason: Option<&'a str>,
 }
 
 impl From<TimerKind> for TimerName {
@@ -221,6 +248,15 @@ impl Input {
                 run_id,
                 tenant,
                 reason: c.reason.as_deref(),
+                action_id: c.action_id.as_deref(),
+            }),
+            Input::Retry(r) => serde_json::to_value(RetryWakeupForm {
+                schema_version,
+                run_id,
+                tenant,
+                action_id: &r.action_id,
+                failed_seq: r.failed_seq,
+                reason: r.reason.as_deref(),
             }),
         };
         // The forms hold only strings, numbers, booleans and JSON values:

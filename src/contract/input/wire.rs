@@ -16,8 +16,8 @@ use uuid::Uuid;
 use super::{
     AttemptOutcome, AttemptResult, CancelWakeup, DEFAULT_POOL, Input, InputError, InputErrorClass,
     InputLimits, InputTopic, MAX_CORRELATION_ID_LEN, MAX_ERROR_MESSAGE_LEN, MAX_REASON_LEN,
-    MAX_SIGNAL_FIELD_LEN, RunStart, SCHEMA_VERSION, SignalWakeup, TimerKind, TimerWakeup, is_id,
-    truncate,
+    MAX_SIGNAL_FIELD_LEN, RetryWakeup, RunStart, SCHEMA_VERSION, SignalWakeup, TimerKind,
+    TimerWakeup, is_id, truncate,
 };
 use crate::contract::names::{MAX_NAME_LEN, is_name};
 use crate::contract::screen::screen;
@@ -27,6 +27,7 @@ const TYPE_ATTEMPT_RESULT: &str = "attempt.result";
 const TYPE_WAKEUP_TIMER: &str = "wakeup.timer";
 const TYPE_WAKEUP_SIGNAL: &str = "wakeup.signal";
 const TYPE_WAKEUP_CANCEL: &str = "wakeup.cancel";
+const TYPE_WAKEUP_RETRY: &str = "wakeup.retry";
 
 /// Parses one message's bytes into JSON: within the size limit, UTF-8, past
 /// the shape screen, and well-formed, in that order. Never panics.
@@ -80,7 +81,9 @@ fn check_envelope(topic: InputTopic, obj: &Map<String, Value>) -> Result<&str, I
     let expected_topic = match kind {
         TYPE_RUN_START => InputTopic::Requests,
         TYPE_ATTEMPT_RESULT => InputTopic::AttemptResults,
-        TYPE_WAKEUP_TIMER | TYPE_WAKEUP_SIGNAL | TYPE_WAKEUP_CANCEL => InputTopic::Wakeups,
+        TYPE_WAKEUP_TIMER | TYPE_WAKEUP_SIGNAL | TYPE_WAKEUP_CANCEL | TYPE_WAKEUP_RETRY => {
+            InputTopic::Wakeups
+        }
         other => {
             return Err(InputError::new(
                 InputErrorClass::UnknownType,
@@ -157,16 +160,7 @@ fn decode_fields(kind: &str, f: &Fields<'_>) -> Result<Input, InputError> {
         TYPE_WAKEUP_TIMER => Input::Timer(TimerWakeup {
             run_id,
             tenant,
-            timer: match f.str("timer")? {
-                "retry" => TimerKind::Retry,
-                "timeout" => TimerKind::Timeout,
-                "wake" => TimerKind::Wake,
-                _ => {
-                    return Err(InputError::invalid(
-                        "timer: must be \"retry\", \"timeout\" or \"wake\"",
-                    ));
-                }
-            },
+            timer: f.timer()?,
             stamp: f.uuid("stamp")?,
         }),
         TYPE_WAKEUP_SIGNAL => Input::Signal(SignalWakeup {
@@ -180,14 +174,18 @@ fn decode_fields(kind: &str, f: &Fields<'_>) -> Result<Input, InputError> {
             name: f.required("name", bounded(MAX_SIGNAL_FIELD_LEN), "1 to 128 characters")?,
             payload: f.any("payload"),
         }),
+        TYPE_WAKEUP_RETRY => Input::Retry(RetryWakeup {
+            run_id,
+            tenant,
+            action_id: f.id("action_id")?,
+            failed_seq: f.seq("failed_seq")?,
+            reason: f.reason()?,
+        }),
         _ => Input::Cancel(CancelWakeup {
             run_id,
             tenant,
-            reason: f.optional(
-                "reason",
-                |s| s.chars().count() <= MAX_REASON_LEN,
-                "at most 1024 characters",
-            )?,
+            reason: f.reason()?,
+            action_id: f.optional("action_id", is_id, "1 to 128 characters of [A-Za-z0-9_.:-]")?,
         }),
     })
 }
@@ -239,6 +237,14 @@ impl Fields<'_> {
         }
     }
 
+    fn reason(&self) -> Result<Option<String>, InputError> {
+        self.optional(
+            "reason",
+            |s| s.chars().count() <= MAX_REASON_LEN,
+            "at most 1024 characters",
+        )
+    }
+
     fn id(&self, name: &str) -> Result<String, InputError> {
         self.required(name, is_id, "1 to 128 characters of [A-Za-z0-9_.:-]")
     }
@@ -258,6 +264,28 @@ impl Fields<'_> {
                 .ok_or_else(|| {
                     InputError::invalid(format!("{name}: must be an integer in 0..=4294967295"))
                 }),
+        }
+    }
+
+    fn timer(&self) -> Result<TimerKind, InputError> {
+        match self.str("timer")? {
+            "retry" => Ok(TimerKind::Retry),
+            "timeout" => Ok(TimerKind::Timeout),
+            "wake" => Ok(TimerKind::Wake),
+            _ => Err(InputError::invalid(
+                "timer: must be \"retry\", \"timeout\" or \"wake\"",
+            )),
+        }
+    }
+
+    /// A transition's seq: an integer from 1.
+    fn seq(&self, name: &str) -> Result<i64, InputError> {
+        match self.get(name) {
+            None => Err(InputError::invalid(format!("{name}: missing"))),
+            Some(v) => v
+                .as_i64()
+                .filter(|n| *n >= 1)
+                .ok_or_else(|| InputError::invalid(format!("{name}: must be an integer from 1"))),
         }
     }
 
@@ -312,6 +340,7 @@ impl Input {
             Input::Timer(_) => TYPE_WAKEUP_TIMER,
             Input::Signal(_) => TYPE_WAKEUP_SIGNAL,
             Input::Cancel(_) => TYPE_WAKEUP_CANCEL,
+            Input::Retry(_) => TYPE_WAKEUP_RETRY,
         }
     }
 }

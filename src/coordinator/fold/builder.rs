@@ -231,6 +231,13 @@ impl<'a> Builder<'a> {
     /// Numbers the transition, prepends the lifecycle event and seals it.
     pub(super) fn finish(mut self, kind: TransitionKind, input_ref: String) -> Decision {
         let seq = self.state.last_transition_seq.saturating_add(1);
+        self.state.failed_seq = match self.state.status {
+            RunStatus::Failed if kind == TransitionKind::RunFailed => Some(seq),
+            // A signal or a cancel of a failed run keeps the failure it
+            // names; one that failed before it was kept failed last.
+            RunStatus::Failed => self.state.failure_seq(),
+            _ => None,
+        };
         self.state.last_transition_seq = seq;
         self.state.updated_at = self.now;
         let s = &self.state;

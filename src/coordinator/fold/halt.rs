@@ -29,7 +29,8 @@ use crate::coordinator::state::{AttemptStatus, RunState, RunStatus};
 /// fails instead, for good, with class [`STATE_TOO_LARGE`] (a start has no
 /// run to fail, and is refused with that class). The failure is taken
 /// whatever its own size: it adds one error text to the state the run
-/// had, and the run grows no more.
+/// had, and the run grows no more. An input to a failed run (a retry, a
+/// signal, a cancel) that would not fit is refused with that class instead.
 pub(super) fn bound_state(
     decision: Decision,
     state: Option<&RunState>,
@@ -47,9 +48,16 @@ pub(super) fn bound_state(
     }
     let error =
         format!("{STATE_TOO_LARGE}: the run's state would be {len} bytes, over the limit of {max}");
-    match state {
-        None => reject(RejectionClass::StateTooLarge, error),
-        Some(state) => fail_too_large(state, input, error, now, entropy),
+    match (state, input) {
+        (None, _) => reject(RejectionClass::StateTooLarge, error),
+        // An input to a failed run (a retry, a signal, a cancel) that does
+        // not fit is refused, and the run stays as it failed: failing it
+        // again would record nothing of the input, so that the same input,
+        // delivered again, would fail it once more.
+        (Some(state), _) if state.status == RunStatus::Failed => {
+            reject(RejectionClass::StateTooLarge, error)
+        }
+        (Some(state), _) => fail_too_large(state, input, error, now, entropy),
     }
 }
 
@@ -159,8 +167,10 @@ fn fail_run(
 }
 
 impl Ctx<'_> {
+    /// A running run is cancelled, and so is a failed one, which then is
+    /// never retried; one that succeeded or was cancelled stays as it is.
     pub(super) fn on_cancel(&self, cancel: &CancelWakeup) -> Decision {
-        if self.state.status.is_terminal() {
+        if self.state.status.is_terminal() && self.state.status != RunStatus::Failed {
             return Decision::NoOp(NoOpReason::RunTerminal);
         }
         let mut b = self.builder();
@@ -178,11 +188,20 @@ impl Ctx<'_> {
         }
         b.state.pending_retry = None;
         b.state.waiting = None;
+        // No step will consume a signal kept for it: the history has its
+        // payload.
+        for signal in b.state.signals.iter_mut().filter(|s| s.kept) {
+            signal.kept = false;
+            signal.payload = None;
+        }
         b.state.status = RunStatus::Cancelled;
         b.detail(
             "reason",
             truncate(reason.clone(), MAX_DETAIL_ERROR_LEN).into(),
         );
+        if let Some(action_id) = &cancel.action_id {
+            b.detail("action_id", action_id.clone().into());
+        }
         b.state.error = Some(reason);
         b.finish(TransitionKind::RunCancelled, self.input.dedup_ref())
     }

@@ -3,7 +3,10 @@
 //! In: a signal with its producer-chosen `signal_id`. Out: the transition that
 //! records it (`run.signalled`), or, when the step the run waits in awaits it,
 //! the transition that consumes it and moves the run on; a no-op for the same
-//! signal again or a finished run. Guarantees: a signal is recorded once per
+//! signal again or a run that succeeded or was cancelled. A failed run
+//! records signals as a running one does, so that a retry finds them and a
+//! signal delivered again after the retry is a duplicate, not a new one.
+//! Guarantees: a signal is recorded once per
 //! `signal_id`, and another name or payload under a recorded id is refused
 //! (`idempotency_mismatch`); a run holds at most `MAX_SIGNALS_PER_RUN`, and
 //! keeps the payload only of those a later step will await. Pure: no database,
@@ -15,7 +18,7 @@ use super::waits::keeps_signal;
 use super::{Ctx, Decision, NoOpReason, RejectionClass, reject};
 use crate::contract::input::SignalWakeup;
 use crate::contract::{TransitionKind, fingerprint};
-use crate::coordinator::state::{MAX_SIGNALS_PER_RUN, SignalRecord};
+use crate::coordinator::state::{MAX_SIGNALS_PER_RUN, RunStatus, SignalRecord};
 
 impl Ctx<'_> {
     pub(super) fn on_signal(&self, signal: &SignalWakeup) -> Decision {
@@ -30,7 +33,7 @@ impl Ctx<'_> {
                 "wakeup.signal: signal_id already recorded with another name or payload",
             );
         }
-        if s.status.is_terminal() {
+        if s.status.is_terminal() && s.status != RunStatus::Failed {
             return Decision::NoOp(NoOpReason::RunTerminal);
         }
         if recorded.is_some() {
@@ -70,7 +73,13 @@ impl Ctx<'_> {
                 Err(rejection) => rejection,
             };
         }
-        if def.is_some_and(|def| keeps_signal(def, s.step_index, &s.signals, &signal.name)) {
+        // A retry of a failed run starts the step it failed in again: that
+        // step may await the signal too.
+        let first = match s.status {
+            RunStatus::Failed => s.step_index,
+            _ => s.step_index.saturating_add(1),
+        };
+        if def.is_some_and(|def| keeps_signal(def, first, &s.signals, &signal.name)) {
             record.kept = true;
             record.payload = Some(signal.payload.clone());
         }

@@ -59,6 +59,8 @@ pub(super) fn on_start(
         waiting: None,
         attempts: Vec::new(),
         signals: Vec::new(),
+        retries: Vec::new(),
+        failed_seq: None,
         correlation_id: start.correlation_id.clone(),
         trace: None,
         start_fingerprint: Some(fingerprint::start(start)),

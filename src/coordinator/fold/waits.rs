@@ -265,20 +265,21 @@ impl Ctx<'_> {
     }
 }
 
-/// Whether a signal of `name` that arrives now is kept for a step: a later
-/// `await_signal` step of the run waits for that name, and fewer signals of
-/// it are kept than such steps remain. The rest are recorded without their
-/// payload, so what the state keeps is bounded by the definition.
+/// Whether a signal of `name` that arrives now is kept for a step: an
+/// `await_signal` step of the run from step `first` on waits for that name,
+/// and fewer signals of it are kept than such steps remain. The rest are
+/// recorded without their payload, so what the state keeps is bounded by the
+/// definition.
 pub(super) fn keeps_signal(
     def: &WorkflowDefinition,
-    current: u32,
+    first: u32,
     kept: &[crate::coordinator::state::SignalRecord],
     name: &str,
 ) -> bool {
     let awaiting = def
         .steps
         .iter()
-        .skip(current as usize + 1)
+        .skip(first as usize)
         .filter(|s| s.kind == StepKind::AwaitSignal && s.signal.as_deref() == Some(name))
         .count();
     let already = kept.iter().filter(|r| r.kept && r.name == name).count();
