@@ -58,7 +58,7 @@ enum Command {
         #[command(subcommand)]
         command: DlqCommand,
     },
-    /// List, search, count, show and cancel runs, over the HTTP API.
+    /// List, search, count, show, cancel and retry runs, over the HTTP API.
     Runs {
         #[command(flatten)]
         api: ApiArgs,
@@ -219,6 +219,20 @@ enum RunsCommand {
         run_id: String,
         #[arg(long)]
         reason: Option<String>,
+        /// The cancel's name, recorded in the run's history.
+        #[arg(long)]
+        action_id: Option<String>,
+    },
+    /// Retry a failed run from the step it failed in (a `wakeup.retry`
+    /// through the coordinator).
+    Retry {
+        run_id: String,
+        #[arg(long)]
+        reason: Option<String>,
+        /// The retry's idempotency key: sent again with the same one, the
+        /// run is retried at most once. The server picks one when absent.
+        #[arg(long)]
+        action_id: Option<String>,
     },
 }
 
@@ -307,8 +321,21 @@ async fn runs(
         } => operator::list_runs(client, &filter, limit, after, all, output).await,
         RunsCommand::Counts { filter } => operator::count_runs(client, &filter, output).await,
         RunsCommand::Show { run_id } => operator::show_run(client, &run_id, output).await,
-        RunsCommand::Cancel { run_id, reason } => {
-            operator::cancel_run(client, &run_id, reason).await
+        RunsCommand::Cancel {
+            run_id,
+            reason,
+            action_id,
+        } => {
+            let args = operator::ActionArgs { reason, action_id };
+            operator::cancel_run(client, &run_id, args).await
+        }
+        RunsCommand::Retry {
+            run_id,
+            reason,
+            action_id,
+        } => {
+            let args = operator::ActionArgs { reason, action_id };
+            operator::retry_run(client, &run_id, args).await
         }
     }
 }

@@ -361,6 +361,9 @@ struct Stage {
     run: String,
     /// A run of `acme` for the cancels.
     victim: String,
+    /// Failed runs of `acme`, to retry on the public listener and on the
+    /// admin one.
+    failed: [String; 2],
     /// Dead letters of `acme`: one to replay, one to discard.
     replayed: i64,
     discarded: i64,
@@ -447,6 +450,57 @@ fn good_body(verb: &str, template: &str) -> Vec<u8> {
     }
 }
 
+/// A run of `acme` whose first step was declined.
+async fn failed_run(env: &Env, token: &str) -> String {
+    let auth = bearer(token);
+    let (status, body) = http(
+        env.addr,
+        "POST",
+        "/v1/runs",
+        &[(auth.0, &auth.1)],
+        &good_body("post", "/v1/runs"),
+    )
+    .await;
+    assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
+    let decision: Value = serde_json::from_slice(&body).unwrap();
+    let run_id = decision["run_id"].as_str().unwrap().to_owned();
+    let pool = &env.db.pool;
+    let stamp: uuid::Uuid = eventually("the first attempt is dispatched", WAIT, || async {
+        sqlx::query_scalar("SELECT stamp FROM run_attempts WHERE run_id = $1")
+            .bind(&run_id)
+            .fetch_optional(pool)
+            .await
+            .unwrap()
+    })
+    .await;
+    let declined = json!({"type": "attempt.result", "schema_version": 1, "run_id": run_id,
+        "tenant": "acme", "stamp": stamp, "outcome": "failed",
+        "error": {"message": "declined", "retryable": false}});
+    let topic = env.config.topic_names().attempt_results();
+    produce(
+        &producer(),
+        &topic,
+        &run_id,
+        declined.to_string().as_bytes(),
+        &[],
+    )
+    .await;
+    until_status(env, &run_id, "failed").await;
+    run_id
+}
+
+async fn until_status(env: &Env, run_id: &str, status: &str) {
+    eventually(&format!("{run_id} is {status}"), WAIT, || async {
+        let now: String = sqlx::query_scalar("SELECT status FROM runs WHERE run_id = $1")
+            .bind(run_id)
+            .fetch_one(&env.db.pool)
+            .await
+            .unwrap();
+        (now == status).then_some(())
+    })
+    .await;
+}
+
 /// The id of the dead letter of a signal of `acme` for `run_id`, which no
 /// run has: produced to the wakeups topic, refused, recorded.
 async fn dead_letter(env: &Env, run_id: &str) -> i64 {
@@ -510,12 +564,14 @@ async fn every_route_is_described_and_each_described_status_is_produced() {
         dead_letter(&env, "gone-a").await,
         dead_letter(&env, "gone-b").await,
     );
+    let failed = [failed_run(&env, &all).await, failed_run(&env, &all).await];
     let stage = Stage {
         env,
         all,
         admin,
         victim: runs.pop().unwrap(),
         run: runs.pop().unwrap(),
+        failed,
         replayed,
         discarded,
     };
@@ -772,6 +828,28 @@ async fn answers(stage: &Stage, described: &mut Described) {
         (422, "idempotency_mismatch")
     );
     described.check("POST", template, &refused);
+
+    // A failed run retried on each listener, then the same retry again.
+    let template = "/v1/runs/{run_id}/retry";
+    for (listener, run) in [("public", &stage.failed[0]), ("admin", &stage.failed[1])] {
+        let path = template.replace("{run_id}", run);
+        let body = json!({"action_id": "again"}).to_string();
+        let sent = stage
+            .keyed_on(listener, "POST", &path, &[], body.as_bytes())
+            .await;
+        assert_eq!(sent.status, 202, "{listener}");
+        described.check_on(listener, "POST", template, &sent);
+        until_status(&stage.env, run, "running").await;
+        let again = stage
+            .keyed_on(listener, "POST", &path, &[], body.as_bytes())
+            .await;
+        assert_eq!(
+            (again.status, again.json()["status"].as_str()),
+            (200, Some("applied")),
+            "{listener}"
+        );
+        described.check_on(listener, "POST", template, &again);
+    }
 }
 
 /// The start of a request whose body, promised, never comes.
@@ -803,6 +881,8 @@ async fn refusals(stage: &Stage, described: &mut Described) {
             "/v1/runs/{run_id}/cancel",
             json!({"reason": "done"}),
         ),
+        ("public", "/v1/runs/{run_id}/retry", json!({})),
+        ("admin", "/v1/runs/{run_id}/retry", json!({})),
     ];
     for (listener, template, good) in writes {
         let path = stage.path(template);

@@ -55,13 +55,15 @@ pub enum Code {
     LetterSettled,
     /// A dead letter whose record does not hold what a replay sends.
     NotReplayable,
+    /// A retry of a run that is not failed.
+    RunNotFailed,
     Internal,
 }
 
 impl Code {
     /// Every code, for the tests of the API's description.
     #[cfg_attr(not(any(test, feature = "internals")), allow(dead_code))]
-    pub const ALL: [Code; 27] = [
+    pub const ALL: [Code; 28] = [
         Code::Unauthenticated,
         Code::InsufficientScope,
         Code::TenantMismatch,
@@ -88,6 +90,7 @@ impl Code {
         Code::Contended,
         Code::LetterSettled,
         Code::NotReplayable,
+        Code::RunNotFailed,
         Code::Internal,
     ];
 
@@ -120,6 +123,7 @@ impl Code {
             Code::Contended => "contended",
             Code::LetterSettled => "letter_settled",
             Code::NotReplayable => "not_replayable",
+            Code::RunNotFailed => "run_not_failed",
             Code::Internal => "internal",
         }
     }
@@ -139,7 +143,7 @@ impl Code {
             }
             Code::NotFound => StatusCode::NOT_FOUND,
             Code::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
-            Code::InProgress | Code::LetterSettled => StatusCode::CONFLICT,
+            Code::InProgress | Code::LetterSettled | Code::RunNotFailed => StatusCode::CONFLICT,
             Code::RunPurged => StatusCode::GONE,
             Code::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Code::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,

@@ -34,6 +34,7 @@
 //! in size and read time before its body is parsed (`request`), and its
 //! tenant is its key's, never one it names.
 
+pub mod actions;
 pub mod console;
 pub mod error;
 pub mod guard;
@@ -131,7 +132,8 @@ pub fn router(state: ApiState) -> Router {
         operator::letters::replay_matching,
     );
     let runs = add(runs, Endpoint::DiscardLetter, operator::letters::discard);
-    let runs = add(runs, Endpoint::CancelRun, runs::cancel_run)
+    let runs = add(runs, Endpoint::RetryRun, actions::retry_run);
+    let runs = add(runs, Endpoint::CancelRun, actions::cancel_run)
         .with_state(state)
         .layer(axum::middleware::from_fn_with_state(guard, guard::guard));
     add(Router::new(), Endpoint::OpenApi, openapi::serve).merge(runs)
@@ -151,7 +153,8 @@ pub fn admin_router(state: ApiState) -> Router {
     );
     let ops = add(ops, Endpoint::AdminCountRuns, operator::admin_count_runs);
     let ops = add(ops, Endpoint::AdminRunHistory, operator::admin_run_history);
-    let ops = add(ops, Endpoint::AdminCancelRun, runs::admin_cancel_run)
+    let ops = add(ops, Endpoint::AdminRetryRun, actions::admin_retry_run);
+    let ops = add(ops, Endpoint::AdminCancelRun, actions::admin_cancel_run)
         .with_state(state)
         .layer(axum::middleware::from_fn_with_state(guard, guard::guard));
     let open = add(Router::new(), Endpoint::AdminOpenApi, openapi::serve);

@@ -26,9 +26,10 @@ use schemars::generate::SchemaSettings;
 use schemars::{JsonSchema, SchemaGenerator};
 use serde_json::{Map, Value, json};
 
+use super::actions::{CancelAnswer, RetryAnswer};
 use super::error::{Code, ErrorBody};
 use super::routes::{Access, Endpoint, Listener, ROUTES, Route};
-use super::runs::{CancelAnswer, RunSummary, SignalAnswer};
+use super::runs::{RunSummary, SignalAnswer};
 use crate::apply::ApplyFailure;
 use crate::contract::InputErrorClass;
 use crate::contract::screen::Violation;
@@ -289,7 +290,8 @@ fn about(endpoint: Endpoint) -> About {
         Endpoint::AdminListRuns
         | Endpoint::AdminCountRuns
         | Endpoint::AdminRunHistory
-        | Endpoint::AdminCancelRun => admin_about(endpoint),
+        | Endpoint::AdminCancelRun
+        | Endpoint::AdminRetryRun => admin_about(endpoint),
         Endpoint::ListRuns | Endpoint::CountRuns | Endpoint::RunHistory => operator_about(endpoint),
         Endpoint::OutboxStatus | Endpoint::RedriveOutbox | Endpoint::RetentionStatus => {
             outbox_about(endpoint)
@@ -300,6 +302,20 @@ fn about(endpoint: Endpoint) -> About {
         | Endpoint::ReplayLetter
         | Endpoint::ReplayLetters
         | Endpoint::DiscardLetter => letters_about(endpoint),
+        Endpoint::SignalRun | Endpoint::CancelRun | Endpoint::RetryRun => wakeup_about(endpoint),
+    };
+    About {
+        id,
+        summary,
+        description,
+        tag,
+    }
+}
+
+/// What the routes that put a wakeup on a run's topic are called and say
+/// of themselves.
+fn wakeup_about(endpoint: Endpoint) -> (&'static str, &'static str, &'static str, &'static str) {
+    match endpoint {
         Endpoint::SignalRun => (
             "signalRun",
             "Signal a run",
@@ -310,14 +326,14 @@ fn about(endpoint: Endpoint) -> About {
             "cancelRun",
             "Cancel a run",
             "runs",
-            "Puts a `wakeup.cancel` for the run on the wakeups topic, keyed by the run, and answers 202 once the broker has it.",
+            "Puts a `wakeup.cancel` for the run on the wakeups topic, keyed by the run, and answers 202 once the broker has it, with the cancel's `action_id` (the caller's, or one the server picks), which the `run.cancelled` transition records. A run is cancelled once: a second cancel changes nothing.",
         ),
-    };
-    About {
-        id,
-        summary,
-        description,
-        tag,
+        _ => (
+            "retryRun",
+            "Retry a failed run",
+            "runs",
+            "Puts a `wakeup.retry` for the run on the wakeups topic, keyed by the run, and answers 202 once the broker has it: the run's one writer starts it again from the step it failed in, with a fresh attempt and stamp (a `run.retried` transition). The retry is named by its `action_id`, the caller's or one the server picks: the run applies each once, so a call sent again with the same `action_id` answers 200 (`applied`) once the run has applied it, and never retries twice. The retry names the failure it retries, `failed_seq` (the seq of the `run.failed` transition; by default the run's latest failure), so that it can never retry a later one. A run that is not failed, or failed by another transition, is refused (409 `run_not_failed`); two calls racing with different ids both get 202, and the run applies the first.",
+        ),
     }
 }
 
@@ -413,6 +429,12 @@ const ADMIN_VIEWS: &str = "On the admin listener it takes a key with the `admin`
 /// themselves, beside their public twins.
 fn admin_about(endpoint: Endpoint) -> (&'static str, &'static str, &'static str, &'static str) {
     match endpoint {
+        Endpoint::AdminRetryRun => (
+            "retryRun",
+            "Retry a failed run",
+            "runs",
+            "On the admin listener, a key with the `admin` scope retries any tenant's failed run: the wakeup carries the run's tenant, and a tenant the request names must be the run's (403 `tenant_mismatch`).",
+        ),
         Endpoint::AdminCancelRun => (
             "cancelRun",
             "Cancel a run",
@@ -604,11 +626,8 @@ fn answers_of(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
             let theirs = operator_answers(endpoint, schemas);
             answers.extend(without(theirs, &[Code::TenantMismatch]));
         }
-        Endpoint::AdminCancelRun => {
-            // The tenant is the run's: none is missing.
-            let theirs = run_answers(Endpoint::CancelRun, schemas);
-            answers.extend(without(theirs, &[Code::MissingTenant]));
-        }
+        Endpoint::AdminCancelRun => answers.extend(admin_action(Endpoint::CancelRun, schemas)),
+        Endpoint::AdminRetryRun => answers.extend(admin_action(Endpoint::RetryRun, schemas)),
         Endpoint::OpenApi | Endpoint::AdminOpenApi => {
             let document =
                 json!({ "type": "object", "description": "An OpenAPI 3.1 document: this one." });
@@ -627,11 +646,18 @@ fn answers_of(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
         | Endpoint::ReplayLetter
         | Endpoint::ReplayLetters
         | Endpoint::DiscardLetter => answers.extend(letters_answers(endpoint, schemas)),
-        Endpoint::GetRun | Endpoint::SignalRun | Endpoint::CancelRun => {
+        Endpoint::GetRun | Endpoint::SignalRun | Endpoint::CancelRun | Endpoint::RetryRun => {
             answers.extend(run_answers(endpoint, schemas));
         }
     }
     answers
+}
+
+/// The answers of an action on a run on the admin listener: its public
+/// twin's, but that the tenant is the run's, so none is missing.
+fn admin_action(public: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
+    let theirs = run_answers(public, schemas);
+    without(theirs, &[Code::MissingTenant]).collect()
 }
 
 /// `answers` but the refusals with one of `codes`.
@@ -671,6 +697,17 @@ fn run_answers(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
             answers.push(json_body(StatusCode::ACCEPTED, cancel, accepted));
             answers.extend(body_refusals());
             answers.push(Answer::Refusal(Code::SigningKeyMissing));
+        }
+        Endpoint::RetryRun => {
+            let retry = schemas.of::<RetryAnswer>();
+            let (accepted, applied) = (
+                "The `wakeup.retry` input is on the wakeups topic (`status`: `accepted`).",
+                "The run has applied this `action_id`; nothing was sent (`status`: `applied`).",
+            );
+            answers.push(json_body(StatusCode::ACCEPTED, retry.clone(), accepted));
+            answers.push(json_body(StatusCode::OK, retry, applied));
+            answers.extend(body_refusals());
+            answers.extend(refusals(&[Code::RunNotFailed, Code::SigningKeyMissing]));
         }
         _ => {}
     }
@@ -908,6 +945,9 @@ fn meaning(code: Code) -> &'static str {
         Code::LetterSettled => {
             "the dead letter was discarded (it is not replayed) or replayed (it is not discarded)"
         }
+        Code::RunNotFailed => {
+            "only a failed run is retried: this one is running, succeeded or cancelled, or failed by another transition than the `failed_seq` the request names"
+        }
         Code::NotReplayable => {
             "the dead letter's record does not hold what a replay sends: its value, key or headers were over `dead_letters.max_value_bytes`"
         }
@@ -1099,7 +1139,9 @@ fn parameters(endpoint: Endpoint) -> Vec<Value> {
             "description": "Requests with the same key (per tenant and pool) get the same decision; absent or empty, every request is a new run. Visible ASCII.",
             "schema": { "type": "string", "maxLength": MAX_KEY_LEN },
         })],
-        Endpoint::GetRun | Endpoint::SignalRun | Endpoint::CancelRun => vec![run_id, tenant],
+        Endpoint::GetRun | Endpoint::SignalRun | Endpoint::CancelRun | Endpoint::RetryRun => {
+            vec![run_id, tenant]
+        }
         Endpoint::RunHistory => vec![run_id],
         Endpoint::GetLetter | Endpoint::ReplayLetter | Endpoint::DiscardLetter => {
             vec![json!({
@@ -1282,7 +1324,14 @@ fn request_body(endpoint: Endpoint, schemas: &mut Schemas) -> Option<Value> {
                 "wakeup.cancel",
                 "Cancel",
                 &super::runs::SERVER_SET,
-                &[],
+                &["action_id"],
+                false,
+            ),
+            Endpoint::RetryRun => (
+                "wakeup.retry",
+                "Retry",
+                &super::runs::SERVER_SET,
+                &["action_id", "failed_seq"],
                 false,
             ),
             _ => return None,

@@ -112,6 +112,7 @@ pub enum Endpoint {
     DiscardLetter,
     SignalRun,
     CancelRun,
+    RetryRun,
     AdminHealthz,
     AdminReadyz,
     Metrics,
@@ -120,6 +121,7 @@ pub enum Endpoint {
     AdminCountRuns,
     AdminRunHistory,
     AdminCancelRun,
+    AdminRetryRun,
     Console,
     ConsoleScript,
     ConsoleStyle,
@@ -156,7 +158,7 @@ const fn route(
 /// both: on the public one for a tenant's key (and an operator's), on the
 /// admin one for an operator's key alone, beside the console that calls
 /// them.
-pub const ROUTES: [Route; 30] = {
+pub const ROUTES: [Route; 32] = {
     use Access::{Admin as Operator, AdminKey, Key, Open, Reader, Writer};
     use Listener::{Admin, Public};
     use Verb::{Get, Post};
@@ -199,6 +201,13 @@ pub const ROUTES: [Route; 30] = {
             Post,
             "/v1/runs/{run_id}/cancel",
             Endpoint::CancelRun,
+            Key(Scope::RunsWrite),
+        ),
+        route(
+            Public,
+            Post,
+            "/v1/runs/{run_id}/retry",
+            Endpoint::RetryRun,
             Key(Scope::RunsWrite),
         ),
         route(
@@ -288,6 +297,13 @@ pub const ROUTES: [Route; 30] = {
             Post,
             "/v1/runs/{run_id}/cancel",
             Endpoint::AdminCancelRun,
+            Operator,
+        ),
+        route(
+            Admin,
+            Post,
+            "/v1/runs/{run_id}/retry",
+            Endpoint::AdminRetryRun,
             Operator,
         ),
         route(Admin, Get, "/ui", Endpoint::Console, Open),

@@ -1,9 +1,8 @@
-//! The run endpoints beside the start: read a run, signal it, cancel it.
-//! Each acts only on runs of the caller's tenant: another tenant's run
-//! answers exactly as a missing one does (404). On the admin listener an
-//! operator's key (the `admin` scope) cancels any tenant's run.
+//! The run endpoints beside the start: read a run, signal it (its cancel
+//! and retry are in `actions`). Each acts only on runs of the caller's
+//! tenant: another tenant's run answers exactly as a missing one does (404).
 //!
-//! A signal or a cancel is not applied here: it goes on the wakeups topic
+//! A signal is not applied here: it goes on the wakeups topic
 //! as the same input a Kafka producer would send, keyed by the run, so that
 //! the run's one writer (the coordinator) folds it in order with the run's
 //! other inputs. 202 means the broker has it.
@@ -110,23 +109,6 @@ pub struct SignalAnswer {
     /// The signal's id: the one sent, or the one the server chose.
     pub signal_id: String,
     pub status: SignalStatus,
-}
-
-/// The cancel was handed to the run.
-#[derive(Debug, Clone, Copy, Serialize, JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum CancelStatus {
-    /// The `wakeup.cancel` input is on the wakeups topic.
-    Accepted,
-}
-
-/// The answer to `POST /v1/runs/{id}/cancel`.
-#[derive(Debug, Serialize, JsonSchema)]
-#[schemars(rename = "CancelAccepted")]
-pub struct CancelAnswer {
-    #[schemars(with = "Id")]
-    pub run_id: String,
-    pub status: CancelStatus,
 }
 
 /// `GET /v1/runs/{id}`: the run, if it is the caller's tenant's.
@@ -246,94 +228,14 @@ async fn recorded_signal(
     .await
 }
 
-/// `POST /v1/runs/{id}/cancel` with an optional `{"reason": ...}`.
-pub(crate) async fn cancel_run(
-    State(state): State<ApiState>,
-    Path(run_id): Path<String>,
-    request: Request<Body>,
-) -> Response {
-    let (span, trace) = cancel_span(request.headers(), &run_id);
-    let answer = async {
-        let (tenant, fields) = accept(&state, request, true).await?;
-        cancel(&state, &tenant, &run_id, trace.as_ref(), fields).await
-    };
-    cancelled(answer.instrument(span).await)
-}
-
-/// `POST /v1/runs/{id}/cancel` on the admin listener: an operator's key
-/// cancels any tenant's run, and the wakeup carries the run's tenant, as
-/// its own producer's would. A tenant the request names must be the run's.
-pub(crate) async fn admin_cancel_run(
-    State(state): State<ApiState>,
-    Path(run_id): Path<String>,
-    request: Request<Body>,
-) -> Response {
-    let (span, trace) = cancel_span(request.headers(), &run_id);
-    let answer = async {
-        authenticate(&state, request.headers(), Scope::Admin).await?;
-        let (named, fields) = read_fields(&state, request, true).await?;
-        let tenant = run_tenant(state.decider.pool(), &run_id)
-            .await
-            .map_err(database)?
-            .ok_or_else(not_found)?;
-        if named.as_ref().is_some_and(|named| *named != tenant) {
-            return Err(ApiError::new(
-                Code::TenantMismatch,
-                "the request names a tenant other than the run's",
-            ));
-        }
-        cancel(&state, &tenant, &run_id, trace.as_ref(), fields).await
-    };
-    cancelled(answer.instrument(span).await)
-}
-
-fn cancel_span(headers: &HeaderMap, run_id: &str) -> (tracing::Span, Option<TraceContext>) {
-    traced(
-        headers,
-        tracing::info_span!(
-            target: crate::infra::traces::TARGET,
-            parent: None,
-            "api.cancel_run",
-            ductor.run_id = %run_id,
-        ),
-    )
-}
-
-/// Puts the cancel of the tenant's run on the wakeups topic.
-async fn cancel(
-    state: &ApiState,
-    tenant: &str,
-    run_id: &str,
-    trace: Option<&TraceContext>,
-    fields: Map<String, Value>,
-) -> Result<CancelAnswer, ApiError> {
-    let input = Wakeup {
-        tenant,
-        run_id,
-        trace,
-    };
-    send(state, input, "wakeup.cancel", fields).await?;
-    Ok(CancelAnswer {
-        run_id: run_id.to_owned(),
-        status: CancelStatus::Accepted,
-    })
-}
-
-fn cancelled(answer: Result<CancelAnswer, ApiError>) -> Response {
-    match answer {
-        Ok(body) => (StatusCode::ACCEPTED, axum::Json(body)).into_response(),
-        Err(e) => e.into_response(),
-    }
-}
-
-/// The fields of a wakeup a signal's or a cancel's body may not set: the
+/// The fields of a wakeup a signal's, a cancel's or a retry's body may not set: the
 /// server sets the envelope, and the run is the path's.
 pub const SERVER_SET: [&str; 3] = ["type", "schema_version", "run_id"];
 
 /// Authenticates a write, and reads its tenant and its body's fields (an
 /// empty body is `{}` where `empty_ok`). The fields that name the input
 /// itself are the server's to set.
-async fn accept(
+pub(super) async fn accept(
     state: &ApiState,
     request: Request<Body>,
     empty_ok: bool,
@@ -347,7 +249,7 @@ async fn accept(
 /// the tenant it names, by its body or its `X-Ductor-Tenant` header, which
 /// is returned apart. The fields that name the input itself are the
 /// server's to set.
-async fn read_fields(
+pub(super) async fn read_fields(
     state: &ApiState,
     request: Request<Body>,
     empty_ok: bool,
@@ -389,7 +291,7 @@ async fn read_fields(
 /// Builds the input of `kind` for the run from `fields`, checks it as the
 /// ingress would, and puts it on the wakeups topic once the run is known
 /// to be the tenant's.
-async fn send(
+pub(super) async fn send(
     state: &ApiState,
     to: Wakeup<'_>,
     kind: &str,
@@ -407,15 +309,15 @@ async fn send(
 
 /// Where a wakeup made over HTTP goes, and the trace it continues.
 #[derive(Clone, Copy)]
-struct Wakeup<'a> {
-    tenant: &'a str,
-    run_id: &'a str,
-    trace: Option<&'a TraceContext>,
+pub(super) struct Wakeup<'a> {
+    pub(super) tenant: &'a str,
+    pub(super) run_id: &'a str,
+    pub(super) trace: Option<&'a TraceContext>,
 }
 
 /// The wakeup input of `kind` for the run, from the body's `fields`, as
 /// JSON and decoded: refused as the ingress would refuse it.
-fn wakeup_input(
+pub(super) fn wakeup_input(
     tenant: &str,
     run_id: &str,
     kind: &str,
@@ -437,7 +339,7 @@ fn wakeup_input(
 /// Puts `input` on the wakeups topic, keyed by the run, signed when the
 /// tenant has a key and with the request's trace context when it has one;
 /// returns once the broker has it.
-async fn produce(
+pub(super) async fn produce(
     state: &ApiState,
     tenant: &str,
     run_id: &str,
@@ -490,7 +392,7 @@ async fn produce(
 }
 
 /// The tenant of the run `run_id`, whoever's it is.
-async fn run_tenant(pool: &sqlx::PgPool, run_id: &str) -> sqlx::Result<Option<String>> {
+pub(super) async fn run_tenant(pool: &sqlx::PgPool, run_id: &str) -> sqlx::Result<Option<String>> {
     sqlx::query_scalar("SELECT tenant_scope FROM runs WHERE run_id = $1")
         .bind(run_id)
         .fetch_optional(pool)
@@ -505,7 +407,7 @@ async fn run_exists(pool: &sqlx::PgPool, run_id: &str, tenant: &str) -> sqlx::Re
         .await
 }
 
-fn invalid(message: impl Into<String>) -> ApiError {
+pub(super) fn invalid(message: impl Into<String>) -> ApiError {
     ApiError::new(Code::InvalidRequest, message)
 }
 
@@ -531,7 +433,7 @@ fn purged(at: chrono::DateTime<chrono::Utc>) -> ApiError {
     ApiError::new(Code::RunPurged, message)
 }
 
-fn not_found() -> ApiError {
+pub(super) fn not_found() -> ApiError {
     ApiError::new(Code::NotFound, "no such run")
 }
 

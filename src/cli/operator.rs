@@ -1,4 +1,4 @@
-//! `ductor runs list|counts|show|cancel`, `ductor dlq
+//! `ductor runs list|counts|show|cancel|retry`, `ductor dlq
 //! list|show|replay|discard` and `ductor outbox status|redrive`:
 //! the operator's views and actions from a terminal or a script, over the
 //! same HTTP API the console uses (see [`crate::api::operator`]).
@@ -144,18 +144,46 @@ pub async fn show_run(
     })
 }
 
+/// What `ductor runs cancel` and `ductor runs retry` ask of a run.
+pub struct ActionArgs {
+    pub reason: Option<String>,
+    /// The action's name; the server picks one when it is absent. Sent
+    /// again with the same one, a retry retries the run at most once.
+    pub action_id: Option<String>,
+}
+
+impl ActionArgs {
+    fn body(self) -> Value {
+        let mut body = json!({});
+        if let Some(reason) = self.reason {
+            body["reason"] = json!(reason);
+        }
+        if let Some(action_id) = self.action_id {
+            body["action_id"] = json!(action_id);
+        }
+        body
+    }
+}
+
 /// `ductor runs cancel`.
 pub async fn cancel_run(
     client: &ApiClient,
     run_id: &str,
-    reason: Option<String>,
+    args: ActionArgs,
 ) -> Result<String, CliError> {
-    let body = match reason {
-        Some(reason) => json!({ "reason": reason }),
-        None => json!({}),
-    };
     let path = format!("/v1/runs/{}/cancel", encode(run_id));
-    Ok(client.post(&path, &body).await?.to_string())
+    Ok(client.post(&path, &args.body()).await?.to_string())
+}
+
+/// `ductor runs retry`: the run, failed, starts again from the step it
+/// failed in. The answer names the action id, to send again safely.
+pub async fn retry_run(
+    client: &ApiClient,
+    run_id: &str,
+    args: ActionArgs,
+) -> Result<String, CliError> {
+    let path = format!("/v1/runs/{}/retry", encode(run_id));
+    Ok(client.post(&path, &args.body()).await?.to_string())
 }
 
 /// `ductor outbox status`.

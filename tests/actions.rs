@@ -1,0 +1,359 @@
+//! An operator's actions on a run, against a real `serve`, Kafka and
+//! Postgres: a failed run retried over HTTP starts again from the step it
+//! failed in and succeeds, the same retry sent again answers 200 and
+//! retries nothing, and a run that is not failed is refused; an operator's
+//! key retries any tenant's run on the admin listener; a cancel names its
+//! action in the run's history; a cancelled failed run is never retried;
+//! and `ductor runs retry` does the same from a terminal.
+
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, from its setup to its last assertion"
+)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::Serve as Env;
+use common::*;
+use ductor::auth::Scope;
+use rdkafka::producer::FutureProducer;
+use serde_json::{Value, json};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+struct World {
+    env: Env,
+    producer: FutureProducer,
+}
+
+impl World {
+    async fn start(&self, token: &str) -> String {
+        let auth = bearer(token);
+        let body = json!({"workflow": "example", "input": {"order": 1}});
+        let (status, raw) = http(
+            self.env.addr,
+            "POST",
+            "/v1/runs",
+            &[(auth.0, &auth.1)],
+            body.to_string().as_bytes(),
+        )
+        .await;
+        assert_eq!(status, 201, "{}", String::from_utf8_lossy(&raw));
+        let decision: Value = serde_json::from_slice(&raw).unwrap();
+        decision["run_id"].as_str().unwrap().to_owned()
+    }
+
+    /// Answers attempt `attempt` of the run's step `step`, once it is
+    /// dispatched, with `outcome`, as a worker would.
+    async fn answer(&self, run_id: &str, tenant: &str, step: i32, attempt: i32, outcome: Value) {
+        let pool = &self.env.db.pool;
+        let stamp: uuid::Uuid = eventually("the attempt is dispatched", WAIT, || async {
+            sqlx::query_scalar(
+                "SELECT stamp FROM run_attempts WHERE run_id = $1 AND step_index = $2 \
+                 AND attempt = $3 AND status = 'dispatched'",
+            )
+            .bind(run_id)
+            .bind(step)
+            .bind(attempt)
+            .fetch_optional(pool)
+            .await
+            .unwrap()
+        })
+        .await;
+        let mut value = json!({"type": "attempt.result", "schema_version": 1,
+            "run_id": run_id, "tenant": tenant, "stamp": stamp});
+        for (k, v) in outcome.as_object().unwrap() {
+            value[k] = v.clone();
+        }
+        let topic = self.env.config.topic_names().attempt_results();
+        produce(
+            &self.producer,
+            &topic,
+            run_id,
+            value.to_string().as_bytes(),
+            &[],
+        )
+        .await;
+    }
+
+    async fn decline(&self, run_id: &str, tenant: &str, attempt: i32) {
+        let declined =
+            json!({"outcome": "failed", "error": {"message": "card declined", "retryable": false}});
+        self.answer(run_id, tenant, 0, attempt, declined).await;
+        self.settle(run_id, "failed").await;
+    }
+
+    async fn settle(&self, run_id: &str, status: &str) {
+        eventually(&format!("{run_id} is {status}"), WAIT, || async {
+            let now: String = sqlx::query_scalar("SELECT status FROM runs WHERE run_id = $1")
+                .bind(run_id)
+                .fetch_one(&self.env.db.pool)
+                .await
+                .unwrap();
+            (now == status).then_some(())
+        })
+        .await;
+    }
+
+    /// `POST path` on `addr` with `token`: the status and the JSON body.
+    async fn post(
+        &self,
+        addr: std::net::SocketAddr,
+        token: &str,
+        path: &str,
+        body: Value,
+    ) -> (u16, Value) {
+        let auth = bearer(token);
+        let (status, raw) = http(
+            addr,
+            "POST",
+            path,
+            &[(auth.0, &auth.1)],
+            body.to_string().as_bytes(),
+        )
+        .await;
+        let body = serde_json::from_slice(&raw).unwrap_or(Value::Null);
+        (status, body)
+    }
+
+    /// The run's transitions: (kind, from, to, detail), oldest first.
+    async fn history(&self, run_id: &str) -> Vec<(String, Option<String>, String, Value)> {
+        sqlx::query_as(
+            "SELECT kind, from_status, to_status, detail FROM run_transitions \
+             WHERE run_id = $1 ORDER BY seq",
+        )
+        .bind(run_id)
+        .fetch_all(&self.env.db.pool)
+        .await
+        .unwrap()
+    }
+}
+
+fn ok(step: i32) -> Value {
+    json!({"outcome": "succeeded", "output": {"step": step}})
+}
+
+fn code(body: &Value) -> &str {
+    body["error"]["code"].as_str().unwrap_or("")
+}
+
+#[tokio::test]
+async fn a_failed_run_is_retried_once_from_its_failed_step_and_succeeds() {
+    let w = World {
+        env: Env::start(|_| {}).await,
+        producer: producer(),
+    };
+    let acme = api_key(&w.env.db, "acme", &[Scope::RunsWrite, Scope::RunsRead]).await;
+    let globex = api_key(&w.env.db, "globex", &[Scope::RunsWrite]).await;
+    let run = w.start(&acme).await;
+    let retry_path = format!("/v1/runs/{run}/retry");
+
+    // Running: nothing to retry.
+    let (status, body) = w.post(w.env.addr, &acme, &retry_path, json!({})).await;
+    assert_eq!((status, code(&body)), (409, "run_not_failed"), "{body}");
+
+    // Its first step is declined: the run fails, and is retried once.
+    w.decline(&run, "acme", 1).await;
+    let (status, body) = w.post(w.env.addr, &globex, &retry_path, json!({})).await;
+    assert_eq!(
+        (status, code(&body)),
+        (404, "not_found"),
+        "another tenant's run: {body}"
+    );
+    let fix = json!({"action_id": "fix-1", "reason": "the card was replaced"});
+    let (status, body) = w.post(w.env.addr, &acme, &retry_path, fix.clone()).await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(
+        (body["action_id"].as_str(), body["status"].as_str()),
+        (Some("fix-1"), Some("accepted"))
+    );
+    w.settle(&run, "running").await;
+    // Attempt 2 of step 0 is dispatched; it and the rest succeed.
+    w.answer(&run, "acme", 0, 2, ok(0)).await;
+    w.answer(&run, "acme", 1, 1, ok(1)).await;
+    w.answer(&run, "acme", 2, 1, ok(2)).await;
+    w.settle(&run, "succeeded").await;
+
+    // The same retry again answers that it was applied, and sends nothing;
+    // another is refused, the run is no longer failed.
+    let (status, body) = w.post(w.env.addr, &acme, &retry_path, fix).await;
+    assert_eq!(
+        (status, body["status"].as_str()),
+        (200, Some("applied")),
+        "{body}"
+    );
+    let (status, body) = w
+        .post(
+            w.env.addr,
+            &acme,
+            &retry_path,
+            json!({"action_id": "fix-2"}),
+        )
+        .await;
+    assert_eq!((status, code(&body)), (409, "run_not_failed"), "{body}");
+
+    let history = w.history(&run).await;
+    let kinds: Vec<&str> = history.iter().map(|(k, ..)| k.as_str()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "run.started",
+            "run.failed",
+            "run.retried",
+            "step.succeeded",
+            "step.succeeded",
+            "run.succeeded"
+        ]
+    );
+    let (_, from, to, detail) = &history[2];
+    assert_eq!((from.as_deref(), to.as_str()), (Some("failed"), "running"));
+    assert_eq!(detail["action_id"], json!("fix-1"));
+    assert_eq!(detail["failed_seq"], json!(2));
+    assert_eq!(detail["reason"], json!("the card was replaced"));
+    let attempts: Vec<(i32, i32, String)> = sqlx::query_as(
+        "SELECT step_index, attempt, status FROM run_attempts WHERE run_id = $1 \
+         ORDER BY step_index, attempt",
+    )
+    .bind(&run)
+    .fetch_all(&w.env.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        attempts[..2],
+        [(0, 1, "failed".to_owned()), (0, 2, "succeeded".to_owned())]
+    );
+    let counts: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT status, sum(n)::bigint FROM run_counts GROUP BY status HAVING sum(n) <> 0 ORDER BY 1",
+    )
+    .fetch_all(&w.env.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        counts,
+        [("succeeded".to_owned(), 1)],
+        "the counts moved with the run"
+    );
+    w.env.stop().await;
+}
+
+#[tokio::test]
+async fn operators_retry_and_cancel_any_tenants_run_with_named_actions() {
+    let w = World {
+        env: Env::start(|_| {}).await,
+        producer: producer(),
+    };
+    let acme = api_key(&w.env.db, "acme", &[Scope::RunsWrite, Scope::RunsRead]).await;
+    let ops = api_key(&w.env.db, "ops", &[Scope::Admin]).await;
+    let retried = w.start(&acme).await;
+    let dropped = w.start(&acme).await;
+    w.decline(&retried, "acme", 1).await;
+    w.decline(&dropped, "acme", 1).await;
+
+    // On the admin listener: a tenant's key is no operator; an operator's
+    // key retries the tenant's run, without naming the action.
+    let path = format!("/v1/runs/{retried}/retry");
+    let (status, body) = w.post(w.env.admin, &acme, &path, json!({})).await;
+    assert_eq!((status, code(&body)), (403, "insufficient_scope"), "{body}");
+    let (status, body) = w
+        .post(w.env.admin, &ops, &path, json!({"tenant": "globex"}))
+        .await;
+    assert_eq!((status, code(&body)), (403, "tenant_mismatch"), "{body}");
+    let (status, body) = w.post(w.env.admin, &ops, &path, json!({})).await;
+    assert_eq!(status, 202, "{body}");
+    let action = body["action_id"].as_str().unwrap().to_owned();
+    assert!(!action.is_empty());
+    w.settle(&retried, "running").await;
+    let history = w.history(&retried).await;
+    assert_eq!(history[2].3["action_id"], json!(action));
+
+    // A retry naming a failure the run does not have is refused.
+    let (status, body) = w
+        .post(
+            w.env.addr,
+            &acme,
+            &format!("/v1/runs/{dropped}/retry"),
+            json!({"failed_seq": 1}),
+        )
+        .await;
+    assert_eq!((status, code(&body)), (409, "run_not_failed"), "{body}");
+
+    // A failed run cancelled, by name, is never retried.
+    let cancel = format!("/v1/runs/{dropped}/cancel");
+    let (status, body) = w
+        .post(
+            w.env.admin,
+            &ops,
+            &cancel,
+            json!({"action_id": "give-up", "reason": "refunded"}),
+        )
+        .await;
+    assert_eq!(
+        (status, body["action_id"].as_str()),
+        (202, Some("give-up")),
+        "{body}"
+    );
+    w.settle(&dropped, "cancelled").await;
+    let history = w.history(&dropped).await;
+    let (kind, from, _, detail) = history.last().unwrap();
+    assert_eq!(
+        (kind.as_str(), from.as_deref()),
+        ("run.cancelled", Some("failed"))
+    );
+    assert_eq!(
+        (detail["action_id"].as_str(), detail["reason"].as_str()),
+        (Some("give-up"), Some("refunded"))
+    );
+    let (status, body) = w
+        .post(
+            w.env.addr,
+            &acme,
+            &format!("/v1/runs/{dropped}/retry"),
+            json!({}),
+        )
+        .await;
+    assert_eq!((status, code(&body)), (409, "run_not_failed"), "{body}");
+
+    // From a terminal: the retried run fails again and `ductor runs retry`
+    // retries it; the same action again is applied, exit 0, and a bad one
+    // exits 1.
+    w.decline(&retried, "acme", 2).await;
+    let cli = |args: Vec<String>| {
+        let url = format!("http://{}", w.env.addr);
+        let key = acme.clone();
+        async move {
+            let out = tokio::process::Command::new(ductor_bin())
+                .args(&args)
+                .env("DUCTOR_URL", url)
+                .env("DUCTOR_API_KEY", key)
+                .output()
+                .await
+                .expect("running ductor");
+            (
+                out.status.code().unwrap_or(-1),
+                String::from_utf8_lossy(&out.stdout).into_owned(),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            )
+        }
+    };
+    let args = |extra: &[&str]| -> Vec<String> {
+        ["runs", "retry", retried.as_str()]
+            .iter()
+            .chain(extra)
+            .map(|s| (*s).to_owned())
+            .collect()
+    };
+    let (status, out, err) = cli(args(&["--action-id", "from-cli", "--reason", "again"])).await;
+    assert_eq!(status, 0, "{err}");
+    let answer: Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(answer["status"], json!("accepted"));
+    w.settle(&retried, "running").await;
+    let (status, out, err) = cli(args(&["--action-id", "from-cli"])).await;
+    assert_eq!(status, 0, "{err}");
+    assert!(out.contains("applied"), "{out}");
+    let (status, _, err) = cli(args(&["--action-id", "not an id"])).await;
+    assert_eq!(status, 1, "{err}");
+    assert!(err.contains("invalid"), "{err}");
+    w.env.stop().await;
+}
