@@ -12,8 +12,9 @@
 //!   2xx) without a completed decision for its key or without that run; a
 //!   signal or cancel that was never applied although the coordinator later
 //!   applied an input from a higher offset of the same partition to the same
-//!   run (so the run was still running when this one came by); a result whose
-//!   attempt is still `dispatched`.
+//!   run (so the run was still running when this one came by); a retry never
+//!   applied although the run is still failed by the failure it names; a
+//!   result whose attempt is still `dispatched`.
 //! - `run_not_terminal` — a run still `running` after settling (workers kept
 //!   answering and timeouts retry, so every run must end).
 //! - `seq_gap`, `record_version`, `state_history_mismatch`,
@@ -1049,6 +1050,7 @@ fn logged_inputs(
                 accepted_in_tenant(&input, accepted, v);
             }
             Some(log::KIND_SIGNAL | log::KIND_CANCEL) => wakeup_kept(&input, ix, v),
+            Some(log::KIND_RETRY) => retry_kept(&input, ix, v),
             Some(log::KIND_RESULT) => result_kept(&input, ix, v),
             _ => {}
         }
@@ -1194,6 +1196,42 @@ fn wakeup_kept(input: &Logged<'_>, ix: &Index<'_>, v: &mut Violations) {
                 "{}: {run_id} took later inputs of the partition but not this one",
                 input.what()
             )
+        });
+    }
+}
+
+/// A retry names a failure: it is applied unless that failure was retried
+/// under another action id first, or the run was cancelled; an unapplied
+/// one is lost when the run is still failed by the very failure it names.
+/// An applied one retried that failure and no other.
+fn retry_kept(input: &Logged<'_>, ix: &Index<'_>, v: &mut Violations) {
+    let run_id = input.run_id;
+    let input_ref = input.r.input_ref.as_deref().unwrap_or("");
+    let Some(seq) = input.r.failed_seq else {
+        return;
+    };
+    if let Some(t) = ix
+        .transitions(run_id)
+        .iter()
+        .find(|t| t.input_ref == input_ref)
+    {
+        if t.detail.get("failed_seq").and_then(Value::as_i64) != Some(seq) {
+            v.add("state_history_mismatch", || {
+                format!(
+                    "{}: applied to another failure than seq {seq}",
+                    input.what()
+                )
+            });
+        }
+        return;
+    }
+    let still_failed_by_it = ix.runs.get(run_id).is_some_and(|run| {
+        serde_json::from_value::<ductor::coordinator::RunState>(run.state.clone())
+            .is_ok_and(|state| state.failure_seq() == Some(seq))
+    });
+    if still_failed_by_it {
+        v.add("lost_input", || {
+            format!("{}: {run_id} is still failed by seq {seq}", input.what())
         });
     }
 }

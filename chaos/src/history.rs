@@ -461,7 +461,7 @@ fn at_most_once(id: &str, ts: &[TransitionRow], v: &mut Violations) {
 pub fn introduced_stamp(t: &TransitionRow) -> Option<Uuid> {
     let field = match t.kind.as_str() {
         "run.started" | "step.retried" => "stamp",
-        "step.succeeded" => "next_stamp",
+        "step.succeeded" | "run.retried" => "next_stamp",
         _ => return None,
     };
     t.detail

@@ -13,7 +13,8 @@
 //!   reused for a different request; failed requests are retried with the
 //!   same key, as a client would;
 //! - signals (some ids repeated) and cancels (some repeated) to runs seen
-//!   alive on the events topic;
+//!   alive on the events topic, and retries of failures seen there (naming
+//!   the failure; some action ids repeated, some in two copies);
 //! - bad inputs: malformed JSON, unknown type, unsupported schema version,
 //!   wrong topic, missing field, unknown run, wrong tenant for an existing
 //!   run, unknown stamp, unknown workflow, and the hostile inputs of
@@ -236,7 +237,18 @@ struct Book {
     keys_taken: std::collections::HashSet<(String, String)>,
     http_keys: Vec<KeyedRequest>,
     recent_results: VecDeque<(String, Uuid, Vec<u8>)>,
+    /// Recent failures seen on the events topic, for retries.
+    failures: VecDeque<Failure>,
     summary: LoadSummary,
+}
+
+/// A run's failure, as its `run.failed` event told it, and the action ids
+/// of the retries sent for it.
+struct Failure {
+    run_id: String,
+    tenant: String,
+    seq: i64,
+    actions: Vec<String>,
 }
 
 struct Driver {
@@ -443,6 +455,20 @@ fn run_event(v: &Value) -> Option<(&str, &str, &str)> {
 }
 
 impl Book {
+    /// A failure seen on the events topic, remembered among the recent
+    /// ones for retries.
+    fn saw_failure(&mut self, run_id: &str, tenant: &str, seq: i64) {
+        if self.failures.len() >= RECENT_RUNS {
+            self.failures.pop_front();
+        }
+        self.failures.push_back(Failure {
+            run_id: run_id.to_string(),
+            tenant: tenant.to_string(),
+            seq,
+            actions: Vec::new(),
+        });
+    }
+
     /// A run seen on the events topic: remembered among the recent runs
     /// the first time, and marked terminal once it ended.
     fn saw_run(&mut self, run_id: &str, tenant: &str, terminal: bool) {
@@ -666,7 +692,8 @@ impl Driver {
             35..50 => self.client_start().await,
             50..70 => self.signal().await,
             70..74 => self.cancel().await,
-            74..77 => self.late_result().await,
+            74..76 => self.late_result().await,
+            76..78 => self.retry().await,
             _ => self.bad().await,
         }
     }
@@ -1117,6 +1144,51 @@ impl Driver {
         }
     }
 
+    /// A retry of a failure seen on the events topic, naming it: mostly
+    /// under a fresh action id, now and then under one already sent for it
+    /// (the same retry again) or in two copies. At most one retry of a
+    /// failure applies; the rest change nothing.
+    async fn retry(&self) {
+        let Some((run_id, tenant, seq, action_id)) = self.with_book(|b| {
+            if b.failures.is_empty() {
+                return None;
+            }
+            let i = rand::random_range(0..b.failures.len());
+            let f = b.failures.get_mut(i)?;
+            let action_id = match pick(&f.actions) {
+                Some(used) if chance(0.3) => used.clone(),
+                _ => {
+                    let fresh = format!("a-{}", short_id());
+                    f.actions.push(fresh.clone());
+                    fresh
+                }
+            };
+            Some((f.run_id.clone(), f.tenant.clone(), f.seq, action_id))
+        }) else {
+            return;
+        };
+        let payload = json!({
+            "type": "wakeup.retry", "schema_version": 1, "run_id": run_id, "tenant": tenant,
+            "action_id": action_id, "failed_seq": seq, "reason": "chaos",
+        });
+        let bytes = serde_json::to_vec(&payload).unwrap_or_default();
+        let copies = if chance(0.2) { 2 } else { 1 };
+        for i in 0..copies {
+            let rec = Record {
+                kind: Some(log::KIND_RETRY.into()),
+                good: true,
+                run_id: Some(run_id.clone()),
+                tenant: Some(tenant.clone()),
+                input_ref: Some(format!("retry:{action_id}")),
+                failed_seq: Some(seq),
+                note: (i > 0).then(|| "dup".into()),
+                ..Record::default()
+            };
+            self.send(rec, &self.wakeups, run_id.as_bytes(), &bytes)
+                .await;
+        }
+    }
+
     /// Re-sends an old result: late and out of order; the coordinator must
     /// treat it as a duplicate or a stale answer.
     async fn late_result(&self) {
@@ -1374,7 +1446,15 @@ impl Driver {
                 continue;
             };
             self.touch();
-            self.with_book(|b| b.saw_run(run_id, tenant, status != "running"));
+            let failed_at = (v.get("kind").and_then(Value::as_str) == Some("run.failed"))
+                .then(|| v.get("seq").and_then(Value::as_i64))
+                .flatten();
+            self.with_book(|b| {
+                b.saw_run(run_id, tenant, status != "running");
+                if let Some(seq) = failed_at {
+                    b.saw_failure(run_id, tenant, seq);
+                }
+            });
         }
     }
 

@@ -26,6 +26,7 @@ pub const KIND_START: &str = "start";
 pub const KIND_ROUTED: &str = "routed";
 pub const KIND_SIGNAL: &str = "signal";
 pub const KIND_CANCEL: &str = "cancel";
+pub const KIND_RETRY: &str = "retry";
 pub const KIND_RESULT: &str = "result";
 pub const KIND_BAD: &str = "bad";
 
@@ -39,8 +40,8 @@ pub struct Record {
     /// event was known (acknowledgement or answer).
     pub t_ms: i64,
     /// Input kind: `start` (client-chosen run id), `routed` (a start without
-    /// run id, routed by the coordinator), `signal`, `cancel`, `result`,
-    /// `bad`.
+    /// run id, routed by the coordinator), `signal`, `cancel`, `retry`,
+    /// `result`, `bad`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kind: Option<String>,
     /// Intended good (must be applied or be a harmless duplicate, never
@@ -76,6 +77,9 @@ pub struct Record {
     /// For bad inputs: what is wrong with it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bad: Option<String>,
+    /// A retry: the failure it names (the seq of the run's `run.failed`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed_seq: Option<i64>,
     /// Free-form qualifier: `dup`, `late`, `conflict`, `replay`, `burst`...
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
