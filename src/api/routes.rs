@@ -120,6 +120,15 @@ pub enum Endpoint {
     AdminCountRuns,
     AdminRunHistory,
     AdminCancelRun,
+    AdminListLetters,
+    AdminCountLetters,
+    AdminGetLetter,
+    AdminReplayLetter,
+    AdminReplayLetters,
+    AdminDiscardLetter,
+    AdminOutboxStatus,
+    AdminRedriveOutbox,
+    AdminRetentionStatus,
     Console,
     ConsoleScript,
     ConsoleStyle,
@@ -156,7 +165,7 @@ const fn route(
 /// both: on the public one for a tenant's key (and an operator's), on the
 /// admin one for an operator's key alone, beside the console that calls
 /// them.
-pub const ROUTES: [Route; 30] = {
+pub const ROUTES: [Route; 39] = {
     use Access::{Admin as Operator, AdminKey, Key, Open, Reader, Writer};
     use Listener::{Admin, Public};
     use Verb::{Get, Post};
@@ -288,6 +297,69 @@ pub const ROUTES: [Route; 30] = {
             Post,
             "/v1/runs/{run_id}/cancel",
             Endpoint::AdminCancelRun,
+            Operator,
+        ),
+        route(
+            Admin,
+            Get,
+            "/v1/dead-letters",
+            Endpoint::AdminListLetters,
+            Operator,
+        ),
+        route(
+            Admin,
+            Get,
+            "/v1/dead-letters/counts",
+            Endpoint::AdminCountLetters,
+            Operator,
+        ),
+        route(
+            Admin,
+            Get,
+            "/v1/dead-letters/{letter_id}",
+            Endpoint::AdminGetLetter,
+            Operator,
+        ),
+        route(
+            Admin,
+            Post,
+            "/v1/dead-letters/{letter_id}/replay",
+            Endpoint::AdminReplayLetter,
+            Operator,
+        ),
+        route(
+            Admin,
+            Post,
+            "/v1/dead-letters/replay",
+            Endpoint::AdminReplayLetters,
+            Operator,
+        ),
+        route(
+            Admin,
+            Post,
+            "/v1/dead-letters/{letter_id}/discard",
+            Endpoint::AdminDiscardLetter,
+            Operator,
+        ),
+        route(
+            Admin,
+            Get,
+            "/v1/outbox",
+            Endpoint::AdminOutboxStatus,
+            Operator,
+        ),
+        route(
+            Admin,
+            Post,
+            "/v1/outbox/redrive",
+            Endpoint::AdminRedriveOutbox,
+            Operator,
+        ),
+        route(
+            Admin,
+            Get,
+            "/v1/retention",
+            Endpoint::AdminRetentionStatus,
             Operator,
         ),
         route(Admin, Get, "/ui", Endpoint::Console, Open),
