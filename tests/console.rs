@@ -4,8 +4,10 @@
 //! counts, filters them by status, opens a run and sees a bar for each of
 //! its attempts and the backoff between two, cancels a running run with the
 //! button and sees it end as cancelled, and reads the overview's charts of
-//! the metrics. A screenshot of each page is saved under
-//! `artifacts/screenshots/` (ignored by git).
+//! the metrics; on the dead letters' page, finds a refused start under its
+//! class, reads its payload, replays it and follows the outcome to the run
+//! it started, and discards another letter with a reason. A screenshot of
+//! each page is saved under `artifacts/screenshots/` (ignored by git).
 
 #![allow(
     clippy::too_many_lines,
@@ -21,6 +23,7 @@ use std::time::Duration;
 use common::Serve as Env;
 use common::*;
 use ductor::auth::Scope;
+use ductor::config::SigningKey;
 use rdkafka::producer::FutureProducer;
 use serde_json::{Value, json};
 use webdriver::{Browser, Driver};
@@ -235,6 +238,68 @@ impl Console {
         self.browser.click(&format!("#nav-{page}"), WAIT).await;
     }
 
+    /// Waits until the dead letters' table has been read and shows the
+    /// letters of `ids`, in that order.
+    async fn letters_read(&self, ids: &[i64]) {
+        let js = format!(
+            "const t = document.getElementById('letters-table'); \
+             return !!t && t.dataset.loaded === 'true' && \
+             JSON.stringify([...document.querySelectorAll('#letters-body tr[data-letter-id]')]\
+             .map(r => Number(r.dataset.letterId))) === {};",
+            json!(json!(ids).to_string())
+        );
+        self.browser
+            .until(&format!("the letters {ids:?}"), &js, WAIT)
+            .await;
+    }
+
+    /// Waits until the chip of `class` (`None`: all classes) reads `n`.
+    async fn class_count_reads(&self, class: Option<&str>, n: u64) {
+        let chip = match class {
+            Some(class) => format!("#letter-classes a[data-class='{class}'] .n"),
+            None => "#class-all .n".to_owned(),
+        };
+        let js = format!(
+            "const e = document.querySelector({}); return !!e && e.textContent === '{n}';",
+            json!(chip)
+        );
+        self.browser
+            .until(&format!("the {class:?} chip to read {n}"), &js, WAIT)
+            .await;
+    }
+
+    /// Opens a letter's page from its row in the table.
+    async fn open_letter_from_table(&self, id: i64) {
+        let link = format!("#letters-body tr[data-letter-id='{id}'] a.letter-link");
+        self.browser.click(&link, WAIT).await;
+        let js = format!(
+            "return document.getElementById('letter-id')?.textContent === '{id}' && \
+             !!document.getElementById('letter-value');"
+        );
+        self.browser
+            .until(&format!("the page of letter {id}"), &js, WAIT)
+            .await;
+    }
+
+    /// Waits until the letter page's state reads `status`.
+    async fn letter_status_reads(&self, status: &str) {
+        let js =
+            format!("return document.getElementById('letter-status')?.textContent === '{status}';");
+        self.browser
+            .until(&format!("the letter's state to read {status}"), &js, WAIT)
+            .await;
+    }
+
+    /// The text of the element `css`, once it is there.
+    async fn text_of(&self, css: &str) -> String {
+        let js = format!(
+            "const e = document.querySelector({}); return e ? e.textContent : null;",
+            json!(css)
+        );
+        let text = self.browser.until(css, &js, WAIT).await;
+        text.as_str().unwrap_or_default().to_owned()
+    }
+
     /// Whether the page has met a Content-Security-Policy violation.
     async fn policy_violations(&self) -> Value {
         self.browser
@@ -417,4 +482,198 @@ async fn an_operator_finds_inspects_and_cancels_runs_in_the_console() {
     console.browser.quit().await;
     drop(driver);
     seeded.env.stop().await;
+}
+
+/// The id of the letter recorded for the input at `partition`/`offset` of
+/// `topic`, once the ingress has refused it.
+async fn letter_of(env: &Env, (topic, partition, offset): (&str, i32, i64)) -> i64 {
+    eventually("the input is dead-lettered", WAIT, || async {
+        sqlx::query_scalar(
+            "SELECT id FROM dead_letters WHERE source_topic = $1 AND source_partition = $2 \
+             AND source_offset = $3",
+        )
+        .bind(topic)
+        .bind(partition)
+        .bind(offset)
+        .fetch_optional(&env.db.pool)
+        .await
+        .unwrap()
+    })
+    .await
+}
+
+#[tokio::test]
+async fn an_operator_replays_and_discards_dead_letters_in_the_console() {
+    // Starts of pool "signed" must carry acme's signature: an unsigned one
+    // is dead-lettered, and its replay, which Ductor signs, starts the run.
+    let env = Env::start(|c| {
+        c.signatures.pools = vec!["signed".into()];
+        c.signatures
+            .tenant_keys
+            .insert("acme".into(), SigningKey("acme-key-0123456789".into()));
+    })
+    .await;
+    let ops = api_key(&env.db, "ops", &[Scope::Admin]).await;
+    let producer = producer();
+    let requests = env.config.topic_names().requests();
+    let run_id = unique("replayed-");
+    let start = json!({"type": "run.start", "schema_version": 1, "run_id": run_id,
+        "tenant": "acme", "workflow": "example", "pool": "signed",
+        "input": {"order": "dl-1"}});
+    let (start_partition, start_offset) = produce(
+        &producer,
+        &requests,
+        &run_id,
+        start.to_string().as_bytes(),
+        &[("origin", "checkout")],
+    )
+    .await;
+    let refused = letter_of(&env, (&requests, start_partition, start_offset)).await;
+    let (partition, offset) =
+        produce(&producer, &requests, "k-junk", b"{\"type\": oops", &[]).await;
+    let malformed = letter_of(&env, (&requests, partition, offset)).await;
+    assert!(malformed > refused, "ids grow with time");
+
+    // The letters take the admin scope on the admin listener.
+    let admin = env.admin;
+    let (status, _) = http(admin, "GET", "/v1/dead-letters", &[], b"").await;
+    assert_eq!(status, 401, "the dead letters take a key");
+    let tenant_key = api_key(&env.db, "acme", &[Scope::RunsRead, Scope::RunsWrite]).await;
+    let auth = bearer(&tenant_key);
+    let (status, _) = http(admin, "GET", "/v1/dead-letters", &[(auth.0, &auth.1)], b"").await;
+    assert_eq!(status, 403, "a tenant's key is no operator's");
+
+    let driver = Driver::start().await;
+    let console = Console {
+        browser: driver.browser(1400, 1000).await,
+        origin: format!("http://{admin}"),
+    };
+    console.sign_in(&ops).await;
+
+    // Every letter, newest first, with a chip per class.
+    console.open_page("letters").await;
+    console.letters_read(&[malformed, refused]).await;
+    console.class_count_reads(None, 2).await;
+    console.class_count_reads(Some("unauthenticated"), 1).await;
+    console.class_count_reads(Some("malformed"), 1).await;
+    console.shot("dead-letters").await;
+
+    // A click on a class shows its letters only.
+    console
+        .browser
+        .click("#letter-classes a[data-class='unauthenticated']", WAIT)
+        .await;
+    console.letters_read(&[refused]).await;
+    assert_eq!(
+        console
+            .text_of(&format!(
+                "#letters-body tr[data-letter-id='{refused}'] td:nth-child(4)"
+            ))
+            .await,
+        format!("{requests} / {start_partition} @ {start_offset}"),
+    );
+    console.shot("dead-letters-unauthenticated").await;
+
+    // The letter: its error, its headers and its value as JSON.
+    console.open_letter_from_table(refused).await;
+    console.letter_status_reads("pending").await;
+    let value: Value = serde_json::from_str(&console.text_of("#letter-value").await)
+        .expect("the value shown as JSON");
+    assert_eq!(value, start);
+    assert!(
+        console
+            .text_of("#letter-value")
+            .await
+            .contains("\n  \"run_id\""),
+        "pretty-printed"
+    );
+    assert!(
+        console
+            .text_of("#letter-headers")
+            .await
+            .contains("checkout")
+    );
+    assert!(!console.text_of("#letter-error").await.is_empty());
+    console.shot("dead-letter").await;
+
+    // Replayed with its button: the outcome names the run it started, and
+    // leads to it.
+    console.browser.click("#replay-letter", WAIT).await;
+    console.browser.click("#confirm-replay", WAIT).await;
+    console.letter_status_reads("replayed").await;
+    assert_eq!(console.text_of("#outcome-run").await, run_id);
+    console
+        .browser
+        .until(
+            "the outcome to say the run started",
+            "return document.getElementById('outcome-run-state')?.dataset.exists === 'true';",
+            WAIT,
+        )
+        .await;
+    assert!(
+        console.browser.find("#replay-letter").await.is_none(),
+        "a replayed letter offers no second replay"
+    );
+    console.shot("dead-letter-replayed").await;
+    console.browser.click("#outcome-run", WAIT).await;
+    console.run_page(&run_id).await;
+    console.run_status_reads("running").await;
+    console.shot("dead-letter-run").await;
+
+    // The malformed one, shown as text, discarded with a reason.
+    console.open_page("letters").await;
+    console.letters_read(&[malformed, refused]).await;
+    console.open_letter_from_table(malformed).await;
+    assert_eq!(console.text_of("#letter-value").await, "{\"type\": oops");
+    let shown_as = console
+        .browser
+        .script("return document.getElementById('letter-value').dataset.as;")
+        .await;
+    assert_eq!(shown_as, "text");
+    assert!(
+        console.browser.find("#replay-letter").await.is_some(),
+        "a pending letter offers its replay"
+    );
+    console.browser.click("#discard-letter", WAIT).await;
+    let reason = "garbage from a test client";
+    console
+        .browser
+        .type_into("#discard-reason", reason, WAIT)
+        .await;
+    console.browser.click("#confirm-discard", WAIT).await;
+    console.letter_status_reads("discarded").await;
+    assert_eq!(console.text_of("#outcome-reason").await, reason);
+    assert!(
+        console.browser.find("#replay-letter").await.is_none(),
+        "a discarded letter offers no replay"
+    );
+    let kept: Option<String> =
+        sqlx::query_scalar("SELECT discard_reason FROM dead_letters WHERE id = $1")
+            .bind(malformed)
+            .fetch_one(&env.db.pool)
+            .await
+            .unwrap();
+    assert_eq!(kept.as_deref(), Some(reason));
+    console.shot("dead-letter-discarded").await;
+
+    // Back on the list, each letter's state is what was done to it.
+    console.browser.click("#back-to-letters", WAIT).await;
+    console.letters_read(&[malformed, refused]).await;
+    let states = console
+        .browser
+        .script(
+            "return [...document.querySelectorAll('#letters-body tr[data-letter-id]')]\
+             .map(r => r.dataset.status);",
+        )
+        .await;
+    assert_eq!(states, json!(["discarded", "replayed"]));
+
+    assert_eq!(
+        console.policy_violations().await,
+        Value::Null,
+        "the pages keep to their Content-Security-Policy"
+    );
+    console.browser.quit().await;
+    drop(driver);
+    env.stop().await;
 }

@@ -30,7 +30,7 @@ const WAIT: Duration = Duration::from_secs(60);
 /// The test fails when a documented status is neither produced nor listed
 /// here, and when one listed here is produced after all: the list is
 /// exactly what is not provoked.
-const UNPROVOKABLE: [(&str, &str, &str, u16, &str); 2] = [
+const UNPROVOKABLE: [(&str, &str, &str, u16, &str); 3] = [
     (
         "public",
         "post",
@@ -48,6 +48,13 @@ const UNPROVOKABLE: [(&str, &str, &str, u16, &str); 2] = [
         "`not_replayable`: only for a letter whose input was over `dead_letters.max_value_bytes`, \
          which the configuration keeps above `kafka.message_max_bytes`; tests/dead_letters.rs \
          records such a letter and sees its replay refused",
+    ),
+    (
+        "admin",
+        "post",
+        "/v1/dead-letters/{letter_id}/replay",
+        422,
+        "`not_replayable`: as on the public listener, whose handler it shares",
     ),
 ];
 
@@ -531,6 +538,10 @@ async fn every_route_is_described_and_each_described_status_is_produced() {
     let mut described = Described::new(doc);
     let env = Env::start(|c| {
         c.server.admin_auth = AdminAuth::Key;
+        // Room for a refusal without a key of every keyed route of both
+        // listeners before the address counts as guessing (the last phase
+        // spends it on purpose).
+        c.server.auth_failure_burst = 100;
         c.server.body_read_timeout_ms = 300;
         c.coordinator.stall_after_ms = 500;
         c.routing.max_body_bytes = 4096;
@@ -962,95 +973,12 @@ async fn refusals(stage: &Stage, described: &mut Described) {
         }
     }
 
-    // A redrive's body: refused before it is read as one.
-    let redrive = "/v1/outbox/redrive";
-    for (headers, body, status, code) in [
-        (vec![], b"[1]".to_vec(), 400, "invalid_request"),
-        (vec![], b"{\"colour\": 1}".to_vec(), 400, "invalid_request"),
-        (vec![], vec![b' '; 5000], 413, "body_too_large"),
-        (
-            vec![("Content-Type", "text/plain")],
-            b"{}".to_vec(),
-            415,
-            "unsupported_media_type",
-        ),
-    ] {
-        let answer = stage.keyed("POST", redrive, &headers, &body).await;
-        assert_eq!(
-            (answer.status, answer.code().as_str()),
-            (status, code),
-            "{redrive}"
-        );
-        described.check("POST", redrive, &answer);
-    }
-    let answer = exchange(env.addr, slow(redrive, &stage.all)).await;
-    assert_eq!(
-        (answer.status, answer.code().as_str()),
-        (408, "body_timeout")
-    );
-    described.check("POST", redrive, &answer);
-
-    // Dead letters: a replayed one is not discarded, a discarded one not
-    // replayed; bodies refused before they are read.
-    let settled = [
-        (
-            format!("/v1/dead-letters/{}/discard", stage.replayed),
-            "/v1/dead-letters/{letter_id}/discard",
-        ),
-        (
-            format!("/v1/dead-letters/{}/replay", stage.discarded),
-            "/v1/dead-letters/{letter_id}/replay",
-        ),
-    ];
-    for (path, template) in settled {
-        let body = json!({"reason": "again"}).to_string();
-        let answer = stage.keyed("POST", &path, &[], body.as_bytes()).await;
-        assert_eq!(
-            (answer.status, answer.code().as_str()),
-            (409, "letter_settled"),
-            "{path}"
-        );
-        described.check("POST", template, &answer);
-    }
-    for template in [
-        "/v1/dead-letters/replay",
-        "/v1/dead-letters/{letter_id}/discard",
-    ] {
-        let path = stage.path(template);
-        for (headers, body, status, code) in [
-            (vec![], b"[1]".to_vec(), 400, "invalid_request"),
-            (vec![], vec![b' '; 5000], 413, "body_too_large"),
-            (
-                vec![("Content-Type", "text/plain")],
-                b"{}".to_vec(),
-                415,
-                "unsupported_media_type",
-            ),
-        ] {
-            let answer = stage.keyed("POST", &path, &headers, &body).await;
-            assert_eq!(
-                (answer.status, answer.code().as_str()),
-                (status, code),
-                "{path}"
-            );
-            described.check("POST", template, &answer);
-        }
-        let answer = exchange(env.addr, slow(&path, &stage.all)).await;
-        assert_eq!(
-            (answer.status, answer.code().as_str()),
-            (408, "body_timeout")
-        );
-        described.check("POST", template, &answer);
-    }
-    for template in ["/v1/dead-letters", "/v1/dead-letters/counts"] {
-        let answer = stage
-            .keyed("GET", &format!("{template}?colour=blue"), &[], b"")
-            .await;
-        assert_eq!(
-            (answer.status, answer.code().as_str()),
-            (400, "invalid_query")
-        );
-        described.check("GET", template, &answer);
+    // On either listener, the operator's routes that take a body refuse
+    // one before they read it as theirs; a replayed letter is not
+    // discarded, a discarded one not replayed; a listing's query is read
+    // strictly.
+    for listener in ["public", "admin"] {
+        operator_refusals(stage, described, listener).await;
     }
 
     // A search with a parameter it does not know, on either listener.
@@ -1107,6 +1035,115 @@ async fn refusals(stage: &Stage, described: &mut Described) {
     let answer = stage.keyed("GET", "/v1/runs/gone-1", &[], b"").await;
     assert_eq!((answer.status, answer.code().as_str()), (410, "run_purged"));
     described.check("GET", "/v1/runs/{run_id}", &answer);
+}
+
+/// The refusals of the operator's routes on `listener`: the redrive's,
+/// the dead letters' bodies, settled letters, unknown query parameters.
+async fn operator_refusals(stage: &Stage, described: &mut Described, listener: &str) {
+    let addr = stage.addr(listener);
+    let token = stage.token(listener);
+    // A redrive's body: refused before it is read as one.
+    let redrive = "/v1/outbox/redrive";
+    for (headers, body, status, code) in [
+        (vec![], b"[1]".to_vec(), 400, "invalid_request"),
+        (vec![], b"{\"colour\": 1}".to_vec(), 400, "invalid_request"),
+        (vec![], vec![b' '; 5000], 413, "body_too_large"),
+        (
+            vec![("Content-Type", "text/plain")],
+            b"{}".to_vec(),
+            415,
+            "unsupported_media_type",
+        ),
+    ] {
+        let answer = stage
+            .keyed_on(listener, "POST", redrive, &headers, &body)
+            .await;
+        assert_eq!(
+            (answer.status, answer.code().as_str()),
+            (status, code),
+            "{redrive} on the {listener} listener"
+        );
+        described.check_on(listener, "POST", redrive, &answer);
+    }
+    let answer = exchange(addr, slow(redrive, token)).await;
+    assert_eq!(
+        (answer.status, answer.code().as_str()),
+        (408, "body_timeout")
+    );
+    described.check_on(listener, "POST", redrive, &answer);
+
+    // Dead letters: a replayed one is not discarded, a discarded one not
+    // replayed; bodies refused before they are read.
+    let settled = [
+        (
+            format!("/v1/dead-letters/{}/discard", stage.replayed),
+            "/v1/dead-letters/{letter_id}/discard",
+        ),
+        (
+            format!("/v1/dead-letters/{}/replay", stage.discarded),
+            "/v1/dead-letters/{letter_id}/replay",
+        ),
+    ];
+    for (path, template) in settled {
+        let body = json!({"reason": "again"}).to_string();
+        let answer = stage
+            .keyed_on(listener, "POST", &path, &[], body.as_bytes())
+            .await;
+        assert_eq!(
+            (answer.status, answer.code().as_str()),
+            (409, "letter_settled"),
+            "{path} on the {listener} listener"
+        );
+        described.check_on(listener, "POST", template, &answer);
+    }
+    for template in [
+        "/v1/dead-letters/replay",
+        "/v1/dead-letters/{letter_id}/discard",
+    ] {
+        let path = stage.path(template);
+        for (headers, body, status, code) in [
+            (vec![], b"[1]".to_vec(), 400, "invalid_request"),
+            (vec![], vec![b' '; 5000], 413, "body_too_large"),
+            (
+                vec![("Content-Type", "text/plain")],
+                b"{}".to_vec(),
+                415,
+                "unsupported_media_type",
+            ),
+        ] {
+            let answer = stage
+                .keyed_on(listener, "POST", &path, &headers, &body)
+                .await;
+            assert_eq!(
+                (answer.status, answer.code().as_str()),
+                (status, code),
+                "{path} on the {listener} listener"
+            );
+            described.check_on(listener, "POST", template, &answer);
+        }
+        let answer = exchange(addr, slow(&path, token)).await;
+        assert_eq!(
+            (answer.status, answer.code().as_str()),
+            (408, "body_timeout")
+        );
+        described.check_on(listener, "POST", template, &answer);
+    }
+    for template in ["/v1/dead-letters", "/v1/dead-letters/counts"] {
+        let answer = stage
+            .keyed_on(
+                listener,
+                "GET",
+                &format!("{template}?colour=blue"),
+                &[],
+                b"",
+            )
+            .await;
+        assert_eq!(
+            (answer.status, answer.code().as_str()),
+            (400, "invalid_query")
+        );
+        described.check_on(listener, "GET", template, &answer);
+    }
 }
 
 /// Every route answers a head over the listener's bound with 431.

@@ -17,10 +17,10 @@
 //! - `GET /v1/openapi.json`, without a key, describes all of it
 //!   ([`openapi`]), from the one table of routes ([`routes`]).
 //!
-//! The admin listener serves the operator's views and the cancel again, at
-//! the same paths, to a key with the `admin` scope alone, the description,
-//! and the web console at `/ui` ([`console`]), whose pages call those
-//! routes ([`admin_router`]).
+//! The admin listener serves the operator's views, the cancel, the dead
+//! letters, the outbox and retention again, at the same paths, to a key
+//! with the `admin` scope alone, the description, and the web console at
+//! `/ui` ([`console`]), whose pages call those routes ([`admin_router`]).
 //!
 //! Errors are JSON, `{"error": {"code": "...", "message": "..."}}`, with a
 //! stable `code` ([`error`]): 401 `unauthenticated` for a missing, unknown,
@@ -139,8 +139,9 @@ pub fn router(state: ApiState) -> Router {
     add(Router::new(), Endpoint::OpenApi, openapi::serve).merge(runs)
 }
 
-/// The admin listener's share of the API: the operator's views and the
-/// cancel, each of which takes a key with the `admin` scope, behind the
+/// The admin listener's share of the API: the operator's views, the
+/// cancel, the dead letters, the outbox and retention, each of which takes
+/// a key with the `admin` scope, behind the
 /// same guard as the public routes; the description; and the console,
 /// whose pages and scripts carry no data and so take no key.
 pub fn admin_router(state: ApiState) -> Router {
@@ -154,9 +155,44 @@ pub fn admin_router(state: ApiState) -> Router {
     let ops = add(ops, Endpoint::AdminCountRuns, operator::admin_count_runs);
     let ops = add(ops, Endpoint::AdminRunHistory, operator::admin_run_history);
     let ops = add(ops, Endpoint::AdminRetryRun, actions::admin_retry_run);
-    let ops = add(ops, Endpoint::AdminCancelRun, actions::admin_cancel_run)
-        .with_state(state)
-        .layer(axum::middleware::from_fn_with_state(guard, guard::guard));
+    let ops = add(ops, Endpoint::AdminCancelRun, actions::admin_cancel_run);
+    let ops = add(
+        ops,
+        Endpoint::AdminListLetters,
+        operator::letters::admin_list,
+    );
+    let ops = add(
+        ops,
+        Endpoint::AdminCountLetters,
+        operator::letters::admin_counts,
+    );
+    let ops = add(ops, Endpoint::AdminGetLetter, operator::letters::admin_show);
+    let ops = add(
+        ops,
+        Endpoint::AdminReplayLetter,
+        operator::letters::admin_replay,
+    );
+    let ops = add(
+        ops,
+        Endpoint::AdminReplayLetters,
+        operator::letters::admin_replay_matching,
+    );
+    let ops = add(
+        ops,
+        Endpoint::AdminDiscardLetter,
+        operator::letters::admin_discard,
+    );
+    // The outbox's and retention's routes take the `admin` scope on
+    // either listener: one handler serves both.
+    let ops = add(ops, Endpoint::AdminOutboxStatus, operator::outbox_status);
+    let ops = add(ops, Endpoint::AdminRedriveOutbox, operator::redrive);
+    let ops = add(
+        ops,
+        Endpoint::AdminRetentionStatus,
+        operator::retention_status,
+    )
+    .with_state(state)
+    .layer(axum::middleware::from_fn_with_state(guard, guard::guard));
     let open = add(Router::new(), Endpoint::AdminOpenApi, openapi::serve);
     console::router().merge(open).merge(ops)
 }

@@ -12,8 +12,9 @@
 //! per method and path, naming the listeners that serve it; a code or a
 //! class is spelled only by the type that owns it.
 //!
-//! `/healthz`, `/readyz`, this description and the operator's views of runs
-//! and cancel are on both listeners: each is one operation with both
+//! `/healthz`, `/readyz`, this description, the operator's views of runs,
+//! the cancel, the dead letters, the outbox and retention are on both
+//! listeners: each is one operation with both
 //! listeners as its servers and the answers of both; an answer only one
 //! listener gives names it (`x-ductor-listeners`).
 
@@ -117,8 +118,9 @@ fn info() -> Value {
             "`ductor serve` listens twice: the public listener (`server.listen`) carries the run ",
             "endpoints, `/healthz`, a `/readyz` that tells only the verdict, and this document; the ",
             "admin listener (`server.admin_listen`, loopback by default) carries `/healthz`, the ",
-            "detailed `/readyz`, `/metrics`, this document, the operator's views of runs and the ",
-            "cancel (for a key with the `admin` scope, whatever `server.admin_auth` says), and the ",
+            "detailed `/readyz`, `/metrics`, this document, the operator's views of runs, the cancel, ",
+            "the dead letters, the outbox and retention (for a key with the `admin` scope, whatever ",
+            "`server.admin_auth` says), and the ",
             "web console at `/ui`. Each operation names the listeners that serve it.\n\n",
             "Every run endpoint takes an API key, `Authorization: Bearer <key>` (`ductor keys create`), ",
             "and acts as the key's tenant; the scope each needs is its security requirement. A refusal ",
@@ -291,7 +293,16 @@ fn about(endpoint: Endpoint) -> About {
         | Endpoint::AdminCountRuns
         | Endpoint::AdminRunHistory
         | Endpoint::AdminCancelRun
-        | Endpoint::AdminRetryRun => admin_about(endpoint),
+        | Endpoint::AdminRetryRun
+        | Endpoint::AdminListLetters
+        | Endpoint::AdminCountLetters
+        | Endpoint::AdminGetLetter
+        | Endpoint::AdminReplayLetter
+        | Endpoint::AdminReplayLetters
+        | Endpoint::AdminDiscardLetter
+        | Endpoint::AdminOutboxStatus
+        | Endpoint::AdminRedriveOutbox
+        | Endpoint::AdminRetentionStatus => admin_about(endpoint),
         Endpoint::ListRuns | Endpoint::CountRuns | Endpoint::RunHistory => operator_about(endpoint),
         Endpoint::OutboxStatus | Endpoint::RedriveOutbox | Endpoint::RetentionStatus => {
             outbox_about(endpoint)
@@ -441,10 +452,49 @@ fn admin_about(endpoint: Endpoint) -> (&'static str, &'static str, &'static str,
             "runs",
             "On the admin listener, a key with the `admin` scope cancels any tenant's run: the wakeup carries the run's tenant, and a tenant the request names must be the run's (403 `tenant_mismatch`).",
         ),
-        _ => {
+        Endpoint::AdminListRuns | Endpoint::AdminCountRuns | Endpoint::AdminRunHistory => {
             let (id, summary, tag, _) = operator_about(endpoint);
             (id, summary, tag, ADMIN_VIEWS)
         }
+        Endpoint::AdminOutboxStatus
+        | Endpoint::AdminRedriveOutbox
+        | Endpoint::AdminRetentionStatus => {
+            let (id, summary, tag, _) = outbox_about(public_twin(endpoint));
+            (id, summary, tag, ADMIN_OUTBOX)
+        }
+        _ => {
+            let (id, summary, tag, _) = letters_about(public_twin(endpoint));
+            (id, summary, tag, ADMIN_LETTERS)
+        }
+    }
+}
+
+/// What the admin listener's dead-letter routes add to the public ones'.
+const ADMIN_LETTERS: &str = "On the admin listener it takes a key with the `admin` scope, whatever `server.admin_auth` says (what acts on every tenant's letters is never open to whoever reaches the port), and acts on every tenant's letters, or the `tenant` it names.";
+
+/// What the admin listener's outbox and retention routes add to the
+/// public ones'.
+const ADMIN_OUTBOX: &str = "On the admin listener it takes a key with the `admin` scope as well, whatever `server.admin_auth` says.";
+
+/// The public route an admin listener's route repeats; `endpoint` itself
+/// when it repeats none.
+fn public_twin(endpoint: Endpoint) -> Endpoint {
+    match endpoint {
+        Endpoint::AdminListRuns => Endpoint::ListRuns,
+        Endpoint::AdminCountRuns => Endpoint::CountRuns,
+        Endpoint::AdminRunHistory => Endpoint::RunHistory,
+        Endpoint::AdminCancelRun => Endpoint::CancelRun,
+        Endpoint::AdminRetryRun => Endpoint::RetryRun,
+        Endpoint::AdminListLetters => Endpoint::ListLetters,
+        Endpoint::AdminCountLetters => Endpoint::CountLetters,
+        Endpoint::AdminGetLetter => Endpoint::GetLetter,
+        Endpoint::AdminReplayLetter => Endpoint::ReplayLetter,
+        Endpoint::AdminReplayLetters => Endpoint::ReplayLetters,
+        Endpoint::AdminDiscardLetter => Endpoint::DiscardLetter,
+        Endpoint::AdminOutboxStatus => Endpoint::OutboxStatus,
+        Endpoint::AdminRedriveOutbox => Endpoint::RedriveOutbox,
+        Endpoint::AdminRetentionStatus => Endpoint::RetentionStatus,
+        other => other,
     }
 }
 
@@ -585,29 +635,13 @@ fn body_refusals() -> impl Iterator<Item = Answer> {
 /// past its failed authentications, and 431 to a head too large.
 fn answers_of(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
     let mut answers = vec![Answer::Refusal(Code::RateLimited), Answer::HeadTooLarge];
-    let (ok, unavailable) = (StatusCode::OK, StatusCode::SERVICE_UNAVAILABLE);
+    let ok = StatusCode::OK;
     match endpoint {
         Endpoint::Healthz | Endpoint::AdminHealthz => {
             answers.push(json_body(ok, schemas.of::<Liveness>(), "The process runs."));
         }
-        Endpoint::PublicReadyz => {
-            let verdict = schemas.of::<PublicReadiness>();
-            let (yes, no) = (
-                "Ready; on the public listener, the verdict alone.",
-                "Not ready; on the public listener, the verdict alone.",
-            );
-            answers.push(json_body(ok, verdict.clone(), yes));
-            answers.push(json_body(unavailable, verdict, no));
-        }
-        Endpoint::AdminReadyz => {
-            let detail = schemas.of::<AdminReadiness<'_>>();
-            let (yes, no) = (
-                "Ready; on the admin listener, with each check's result.",
-                "Not ready; on the admin listener, with each check's result and the failing check's error.",
-            );
-            answers.push(json_body(ok, detail.clone(), yes));
-            answers.push(json_body(unavailable, detail, no));
-            answers.extend(refusals(&ADMIN_KEYED));
+        Endpoint::PublicReadyz | Endpoint::AdminReadyz => {
+            answers.extend(readiness_answers(endpoint, schemas));
         }
         Endpoint::Metrics => {
             answers.push(Answer::Body {
@@ -621,13 +655,20 @@ fn answers_of(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
         Endpoint::Console | Endpoint::ConsoleScript | Endpoint::ConsoleStyle => {
             answers.push(console_answer(endpoint));
         }
-        Endpoint::AdminListRuns | Endpoint::AdminCountRuns | Endpoint::AdminRunHistory => {
-            // An operator sees every tenant: no tenant is another's.
-            let theirs = operator_answers(endpoint, schemas);
-            answers.extend(without(theirs, &[Code::TenantMismatch]));
-        }
-        Endpoint::AdminCancelRun => answers.extend(admin_action(Endpoint::CancelRun, schemas)),
-        Endpoint::AdminRetryRun => answers.extend(admin_action(Endpoint::RetryRun, schemas)),
+        Endpoint::AdminListRuns
+        | Endpoint::AdminCountRuns
+        | Endpoint::AdminRunHistory
+        | Endpoint::AdminCancelRun
+        | Endpoint::AdminRetryRun
+        | Endpoint::AdminListLetters
+        | Endpoint::AdminCountLetters
+        | Endpoint::AdminGetLetter
+        | Endpoint::AdminReplayLetter
+        | Endpoint::AdminReplayLetters
+        | Endpoint::AdminDiscardLetter
+        | Endpoint::AdminOutboxStatus
+        | Endpoint::AdminRedriveOutbox
+        | Endpoint::AdminRetentionStatus => answers.extend(admin_answers(endpoint, schemas)),
         Endpoint::OpenApi | Endpoint::AdminOpenApi => {
             let document =
                 json!({ "type": "object", "description": "An OpenAPI 3.1 document: this one." });
@@ -653,11 +694,58 @@ fn answers_of(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
     answers
 }
 
-/// The answers of an action on a run on the admin listener: its public
-/// twin's, but that the tenant is the run's, so none is missing.
-fn admin_action(public: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
-    let theirs = run_answers(public, schemas);
-    without(theirs, &[Code::MissingTenant]).collect()
+/// The answers of both `/readyz`, besides 429 and 431.
+fn readiness_answers(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
+    let (ok, unavailable) = (StatusCode::OK, StatusCode::SERVICE_UNAVAILABLE);
+    if endpoint == Endpoint::PublicReadyz {
+        let verdict = schemas.of::<PublicReadiness>();
+        let (yes, no) = (
+            "Ready; on the public listener, the verdict alone.",
+            "Not ready; on the public listener, the verdict alone.",
+        );
+        return vec![
+            json_body(ok, verdict.clone(), yes),
+            json_body(unavailable, verdict, no),
+        ];
+    }
+    let detail = schemas.of::<AdminReadiness<'_>>();
+    let (yes, no) = (
+        "Ready; on the admin listener, with each check's result.",
+        "Not ready; on the admin listener, with each check's result and the failing check's error.",
+    );
+    let mut answers = vec![
+        json_body(ok, detail.clone(), yes),
+        json_body(unavailable, detail, no),
+    ];
+    answers.extend(refusals(&ADMIN_KEYED));
+    answers
+}
+
+/// The answers of the operator's routes on the admin listener, besides
+/// 429 and 431: their public twins', but for what an operator's key
+/// cannot be refused.
+fn admin_answers(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
+    let twin = public_twin(endpoint);
+    match twin {
+        Endpoint::ListRuns | Endpoint::CountRuns | Endpoint::RunHistory => {
+            // An operator sees every tenant: no tenant is another's.
+            let theirs = operator_answers(endpoint, schemas);
+            without(theirs, &[Code::TenantMismatch]).collect()
+        }
+        Endpoint::CancelRun | Endpoint::RetryRun => {
+            // The tenant is the run's: none is missing.
+            let theirs = run_answers(twin, schemas);
+            without(theirs, &[Code::MissingTenant]).collect()
+        }
+        Endpoint::OutboxStatus | Endpoint::RedriveOutbox | Endpoint::RetentionStatus => {
+            outbox_answers(twin, schemas)
+        }
+        _ => {
+            // An operator acts on every tenant's: no tenant is another's.
+            let theirs = letters_answers(twin, schemas);
+            without(theirs, &[Code::TenantMismatch]).collect()
+        }
+    }
 }
 
 /// `answers` but the refusals with one of `codes`.

@@ -122,6 +122,15 @@ pub enum Endpoint {
     AdminRunHistory,
     AdminCancelRun,
     AdminRetryRun,
+    AdminListLetters,
+    AdminCountLetters,
+    AdminGetLetter,
+    AdminReplayLetter,
+    AdminReplayLetters,
+    AdminDiscardLetter,
+    AdminOutboxStatus,
+    AdminRedriveOutbox,
+    AdminRetentionStatus,
     Console,
     ConsoleScript,
     ConsoleStyle,
@@ -158,7 +167,7 @@ const fn route(
 /// both: on the public one for a tenant's key (and an operator's), on the
 /// admin one for an operator's key alone, beside the console that calls
 /// them.
-pub const ROUTES: [Route; 32] = {
+pub const ROUTES: [Route; 41] = {
     use Access::{Admin as Operator, AdminKey, Key, Open, Reader, Writer};
     use Listener::{Admin, Public};
     use Verb::{Get, Post};
@@ -304,6 +313,69 @@ pub const ROUTES: [Route; 32] = {
             Post,
             "/v1/runs/{run_id}/retry",
             Endpoint::AdminRetryRun,
+            Operator,
+        ),
+        route(
+            Admin,
+            Get,
+            "/v1/dead-letters",
+            Endpoint::AdminListLetters,
+            Operator,
+        ),
+        route(
+            Admin,
+            Get,
+            "/v1/dead-letters/counts",
+            Endpoint::AdminCountLetters,
+            Operator,
+        ),
+        route(
+            Admin,
+            Get,
+            "/v1/dead-letters/{letter_id}",
+            Endpoint::AdminGetLetter,
+            Operator,
+        ),
+        route(
+            Admin,
+            Post,
+            "/v1/dead-letters/{letter_id}/replay",
+            Endpoint::AdminReplayLetter,
+            Operator,
+        ),
+        route(
+            Admin,
+            Post,
+            "/v1/dead-letters/replay",
+            Endpoint::AdminReplayLetters,
+            Operator,
+        ),
+        route(
+            Admin,
+            Post,
+            "/v1/dead-letters/{letter_id}/discard",
+            Endpoint::AdminDiscardLetter,
+            Operator,
+        ),
+        route(
+            Admin,
+            Get,
+            "/v1/outbox",
+            Endpoint::AdminOutboxStatus,
+            Operator,
+        ),
+        route(
+            Admin,
+            Post,
+            "/v1/outbox/redrive",
+            Endpoint::AdminRedriveOutbox,
+            Operator,
+        ),
+        route(
+            Admin,
+            Get,
+            "/v1/retention",
+            Endpoint::AdminRetentionStatus,
             Operator,
         ),
         route(Admin, Get, "/ui", Endpoint::Console, Open),

@@ -5,7 +5,8 @@
 // the Authorization header of requests to this origin, never into a URL or
 // a cookie. Pages are entries of PAGES: a page added there gets its place in
 // the navigation and its route. Actions on a run are entries of RUN_ACTIONS,
-// each shown only when the API this listener describes offers it.
+// and a dead letter's Replay and Discard buttons, each shown only when the
+// API this listener describes offers it.
 "use strict";
 
 (() => {
@@ -622,6 +623,310 @@
         // A finished run changes no more: only a running one is read again.
         if (history.run.status === "running") await reload();
       });
+    },
+  });
+
+  // ---------------------------------------------------------------- dead letters
+
+  const LETTER_STATUSES = ["pending", "replaying", "replayed", "discarded"];
+  const LETTER_FILTERS = ["class", "stage", "status"];
+  const PAGE_LETTERS = 50;
+  /** The most of a key, a header or a value a letter's page shows. */
+  const SHOWN_CHARS = 65536;
+
+  const lettersHref = (q) => "#/dead-letters" + (q && q.toString() ? "?" + q : "");
+  const letterHref = (id) => `#/dead-letters/${encodeURIComponent(id)}`;
+
+  /** The counts by stage and class, summed by class: [[class, n, stages]], most first. */
+  function byClass(counts) {
+    const classes = new Map();
+    for (const c of counts) {
+      const one = classes.get(c.class) || { n: 0, stages: [] };
+      one.n += c.letters;
+      one.stages.push(`${c.stage}: ${c.letters}`);
+      classes.set(c.class, one);
+    }
+    return [...classes].map(([cls, one]) => [cls, one.n, one.stages]).sort((a, b) => b[1] - a[1] || a[0].localeCompare(b[0]));
+  }
+
+  function classChips(query) {
+    const bar = h("div", { id: "letter-classes", class: "counts", "aria-live": "polite" });
+    const others = runsQuery(query, LETTER_FILTERS.filter((f) => f !== "class"));
+    const chip = (cls, n, stages) => {
+      const q = new URLSearchParams(others);
+      if (cls !== null) q.set("class", cls);
+      const active = (query.get("class") || null) === cls;
+      return h("a", {
+        href: lettersHref(q), class: `count count-class${cls === null ? " count-total" : ""}${active ? " active" : ""}`,
+        id: cls === null ? "class-all" : null, "data-class": cls, title: stages ? stages.join(", ") : null,
+      }, h("span", { class: "n", text: n }), h("span", { class: "label", text: cls === null ? "all classes" : cls }));
+    };
+    let drawn = null;
+    const refresh = async () => {
+      // The chips count every class of the other filters: a click moves
+      // between them.
+      const answer = await api("GET", "/v1/dead-letters/counts" + (others.toString() ? "?" + others : ""));
+      // Unchanged chips stay the elements they were, under the pointer too.
+      const seen = JSON.stringify(answer.counts);
+      if (seen === drawn) return;
+      drawn = seen;
+      const classes = byClass(answer.counts);
+      const all = classes.reduce((sum, c) => sum + c[1], 0);
+      fill(bar, chip(null, all), classes.map(([cls, n, stages]) => chip(cls, n, stages)));
+    };
+    return { bar, refresh };
+  }
+
+  function letterFilterForm(query) {
+    const status = h("select", { id: "lf-status", name: "status" },
+      h("option", { value: "", text: "any" }),
+      LETTER_STATUSES.map((st) => h("option", { value: st, selected: query.get("status") === st, text: st })));
+    const stage = h("input", { id: "lf-stage", name: "stage", type: "text", value: query.get("stage") || "" });
+    const form = h("form", { id: "letter-filters", class: "filters" },
+      h("label", { class: "field" }, h("span", { text: "State" }), status),
+      h("label", { class: "field" }, h("span", { text: "Stage" }), stage),
+      h("div", { class: "field buttons" },
+        h("button", { id: "apply-letter-filters", type: "submit", text: "Filter" }),
+        h("a", { href: "#/dead-letters", class: "button quiet", id: "clear-letter-filters", text: "Clear" })));
+    form.addEventListener("submit", (event) => {
+      event.preventDefault();
+      const q = runsQuery(query, ["class"]);
+      for (const name of ["status", "stage"]) {
+        const value = form.elements[name].value.trim();
+        if (value) q.set(name, value);
+      }
+      location.hash = lettersHref(q);
+    });
+    return form;
+  }
+
+  const source = (l) => `${l.source_topic} / ${l.source_partition} @ ${l.source_offset}`;
+
+  function letterRow(l) {
+    return h("tr", { "data-letter-id": l.id, "data-class": l.class, "data-status": l.status },
+      h("td", { title: l.dead_lettered_at, text: stamp(l.dead_lettered_at) }),
+      h("td", {}, h("a", { href: letterHref(l.id), class: "mono letter-link", text: l.class })),
+      h("td", { text: l.stage }),
+      h("td", { class: "mono", text: source(l) }),
+      h("td", { class: "mono", title: "the run the input names (inputs are keyed by their run)", text: l.run_id || "—" }),
+      h("td", { text: l.tenant || "—" }),
+      h("td", {}, statusBadge(l.status)));
+  }
+
+  definePage({
+    name: "letters",
+    nav: "Dead letters",
+    href: "#/dead-letters",
+    path: /^\/dead-letters\/?$/,
+    async render(main, _params, query) {
+      const chips = classChips(query);
+      const body = h("tbody", { id: "letters-body" });
+      const pager = h("div", { class: "pager", id: "letters-pager" });
+      const table = h("table", { id: "letters-table", class: "grid" },
+        h("thead", {}, h("tr", {}, ["Time", "Class", "Stage", "Source (topic / partition @ offset)", "Run", "Tenant", "State"].map((t) => h("th", { text: t })))),
+        body);
+      main.replaceChildren(h("h1", { text: "Dead letters" }), chips.bar, letterFilterForm(query), table, pager);
+      let drawn = null;
+      const list = async () => {
+        const q = runsQuery(query, [...LETTER_FILTERS, "after"]);
+        q.set("limit", String(PAGE_LETTERS));
+        const page = await api("GET", "/v1/dead-letters?" + q);
+        // An unchanged page stays the rows it was, under the pointer too.
+        const seen = JSON.stringify(page);
+        if (seen === drawn) return;
+        drawn = seen;
+        body.replaceChildren(...page.letters.map(letterRow));
+        if (!page.letters.length) body.append(h("tr", {}, h("td", { colspan: 7, class: "muted", id: "no-letters", text: "No dead letters match." })));
+        const newest = runsQuery(query, LETTER_FILTERS);
+        const older = new URLSearchParams(newest);
+        if (page.next !== null && page.next !== undefined) older.set("after", String(page.next));
+        fill(pager,
+          query.get("after") ? h("a", { href: lettersHref(newest), class: "button quiet", id: "letters-newest", text: "← Newest" }) : null,
+          page.next !== null && page.next !== undefined ? h("a", { href: lettersHref(older), class: "button", id: "letters-older", text: "Older →" }) : null);
+        table.dataset.loaded = "true";
+      };
+      await Promise.all([chips.refresh(), list()]);
+      every(REFRESH_MS, chips.refresh);
+      // The first page follows new letters; an older page stays as it was read.
+      if (!query.get("after")) every(REFRESH_MS, list);
+    },
+  });
+
+  // ---------------------------------------------------------------- one letter
+
+  /** Bytes as the API shows them ({utf8} or {base64}), bounded, for a `pre`. */
+  function bytesText(bytes) {
+    if (bytes === null || bytes === undefined) return { text: null, kind: "none" };
+    if (bytes.utf8 !== undefined) return { text: bytes.utf8, kind: "text" };
+    return { text: bytes.base64, kind: "base64" };
+  }
+
+  function bounded(text) {
+    if (text.length <= SHOWN_CHARS) return [text, null];
+    return [text.slice(0, SHOWN_CHARS), `the first ${SHOWN_CHARS} of ${text.length} characters`];
+  }
+
+  /** The value: pretty JSON when it parses, else as text (or base64), bounded. */
+  function payload(letter) {
+    const { text, kind } = bytesText(letter.value);
+    if (text === null) return h("p", { class: "muted", id: "letter-value", text: "no value" });
+    let shown = text, as = kind;
+    if (kind === "text") {
+      try { shown = JSON.stringify(JSON.parse(text), null, 2); as = "json"; } catch (e) { as = "text"; }
+    }
+    const [cut, note] = bounded(shown);
+    return h("div", {},
+      h("p", { class: "muted small" }, `${letter.value_bytes} bytes, shown as ${as}`,
+        letter.value_cut ? " — only the first bytes were recorded" : "", note ? ` — ${note}` : ""),
+      h("pre", { class: "json", id: "letter-value", "data-as": as }, cut));
+  }
+
+  function headersTable(letter) {
+    if (letter.headers_dropped) return h("p", { class: "muted", text: "The headers were over the bound and were not recorded." });
+    if (!letter.headers.length) return h("p", { class: "muted", id: "letter-headers", text: "no headers" });
+    return h("table", { class: "grid", id: "letter-headers" },
+      h("thead", {}, h("tr", {}, ["Header", "Value"].map((t) => h("th", { text: t })))),
+      h("tbody", {}, letter.headers.map((hd) => {
+        const { text, kind } = bytesText(hd.value);
+        return h("tr", {}, h("td", { class: "mono", text: hd.key }),
+          h("td", { class: "mono" }, text === null ? h("span", { class: "muted", text: "no value" }) : bounded(text)[0],
+            kind === "base64" ? h("span", { class: "muted", text: " (base64)" }) : null));
+      })));
+  }
+
+  function runLink(runId) {
+    return h("a", { href: `#/runs/${encodeURIComponent(runId)}`, class: "mono", id: "outcome-run", text: runId });
+  }
+
+  /**
+   * A replay's outcome: where the record landed and the run it names. A
+   * start applies a moment after its replay: until the run is there the
+   * outcome says so, and looks again while the page is open.
+   */
+  function replayOutcome(outcome, box) {
+    const again = outcome.status === "already_replayed" ? " (an earlier replay; nothing was produced now)" : "";
+    const run = outcome.run;
+    const where = h("p", {}, `Replayed${again} to `, h("span", { class: "mono", text: `${outcome.topic} / ${outcome.partition} @ ${outcome.offset}` }),
+      ` at ${stamp(outcome.replayed_at)}, ${outcome.signed ? "signed with its tenant's key" : "unsigned"}.`);
+    const state = h("span", { id: "outcome-run-state" });
+    const runLine = run
+      ? h("p", {}, "Run: ", runLink(run.run_id), " ", state)
+      : h("p", { class: "muted", id: "outcome-no-run", text: "The input names no run: the routing plane decides it (its run.accepted event names it)." });
+    fill(box, h("h2", { text: "Replay" }), where, runLine);
+    box.dataset.outcome = "replayed";
+    box.hidden = false;
+    if (!run) return;
+    const view = current;
+    const look = async () => {
+      if (!view.alive) return;
+      try {
+        await api("GET", `/v1/runs/${encodeURIComponent(run.run_id)}/history`);
+        state.textContent = "— started";
+        state.className = "ok-text";
+        state.dataset.exists = "true";
+      } catch (e) {
+        if (!(e instanceof Refusal && e.status === 404)) throw e;
+        state.textContent = "— not applied yet; looking again";
+        state.className = "muted";
+        view.timers.push(setTimeout(() => look().catch((err) => showError(err)), REFRESH_MS));
+      }
+    };
+    if (run.exists) { state.textContent = "— started"; state.className = "ok-text"; state.dataset.exists = "true"; }
+    else look().catch((err) => showError(err));
+  }
+
+  function discardOutcome(outcome, box) {
+    fill(box, h("h2", { text: "Discard" }),
+      h("p", {}, `Discarded${outcome.status === "already_discarded" ? " earlier" : ""} at ${stamp(outcome.discarded_at)}: `,
+        h("q", { id: "outcome-reason", text: outcome.reason })));
+    box.dataset.outcome = "discarded";
+    box.hidden = false;
+  }
+
+  /** The buttons of a letter: Replay and Discard (with its reason), where the API offers them. */
+  function letterActions(letter, box, after) {
+    const bar = h("div", { class: "actions", id: "letter-actions" });
+    const base = `/v1/dead-letters/${encodeURIComponent(letter.id)}`;
+    const act = async (button, method, path, body, show) => {
+      button.disabled = true;
+      try {
+        const outcome = await api(method, path, body);
+        show(outcome, box);
+        notice(`letter ${letter.id}: ${outcome.status.replace("_", " ")}`, "ok");
+        await after();
+      } catch (e) {
+        button.disabled = false;
+        showError(e);
+      }
+    };
+    const replayable = (letter.status === "pending" || letter.status === "replaying") &&
+      !letter.value_cut && !letter.key_dropped && !letter.headers_dropped;
+    if (offered.has("post /v1/dead-letters/{letter_id}/replay") && replayable) {
+      const confirmRow = h("span", { class: "confirm", id: "confirm-replay-row", hidden: true },
+        h("span", { text: "Produce this input again, once, to the topic it was read from. " }),
+        h("button", { id: "confirm-replay", type: "button", class: "danger", text: "Yes",
+          onclick: (event) => act(event.target, "POST", `${base}/replay`, undefined, replayOutcome) }),
+        h("button", { type: "button", class: "quiet", onclick: () => { confirmRow.hidden = true; }, text: "No" }));
+      bar.append(h("button", { id: "replay-letter", type: "button", onclick: () => { confirmRow.hidden = false; }, text: "Replay" }), confirmRow);
+    }
+    if (offered.has("post /v1/dead-letters/{letter_id}/discard") && letter.status === "pending") {
+      const reason = h("input", { id: "discard-reason", type: "text", maxlength: 500, placeholder: "why it is not replayed", required: true });
+      const form = h("form", { class: "confirm", id: "confirm-discard-row", hidden: true },
+        h("label", { for: "discard-reason", text: "Reason " }), reason,
+        h("button", { id: "confirm-discard", type: "submit", class: "danger", text: "Discard" }),
+        h("button", { type: "button", class: "quiet", onclick: () => { form.hidden = true; }, text: "No" }));
+      form.addEventListener("submit", (event) => {
+        event.preventDefault();
+        const why = reason.value.trim();
+        if (!why) { reason.focus(); return; }
+        act($("confirm-discard"), "POST", `${base}/discard`, { reason: why }, discardOutcome);
+      });
+      bar.append(h("button", { id: "discard-letter", type: "button", class: "quiet",
+        onclick: () => { form.hidden = false; reason.focus(); }, text: "Discard" }), form);
+    }
+    return bar;
+  }
+
+  definePage({
+    name: "letter",
+    under: "letters",
+    path: /^\/dead-letters\/([^/]+)$/,
+    async render(main, [id]) {
+      const path = `/v1/dead-letters/${encodeURIComponent(id)}`;
+      const head = h("div", { id: "letter-head" });
+      const outcome = h("section", { id: "letter-outcome", class: "card", hidden: true });
+      const rest = h("div", {});
+      main.replaceChildren(
+        h("p", {}, h("a", { href: "#/dead-letters", id: "back-to-letters", text: "← Dead letters" })),
+        head, outcome, rest);
+      const show = (letter) => {
+        const replay = letter.replay;
+        head.replaceChildren(
+          h("h1", {}, "Dead letter ", h("span", { class: "mono", id: "letter-id", text: letter.id }), " ",
+            statusBadge(letter.status, "letter-status")),
+          h("dl", { class: "meta" },
+            h("dt", { text: "dead-lettered" }), h("dd", { text: stamp(letter.dead_lettered_at) }),
+            h("dt", { text: "class" }), h("dd", { class: "mono", id: "letter-class", text: letter.class }),
+            h("dt", { text: "stage" }), h("dd", { text: letter.stage }),
+            h("dt", { text: "source" }), h("dd", { class: "mono", text: source(letter) }),
+            h("dt", { text: "input type" }), h("dd", { class: "mono", text: letter.input_type || "—" }),
+            h("dt", { text: "tenant" }), h("dd", { text: letter.tenant || "—" }),
+            h("dt", { text: "run" }), h("dd", {}, letter.run_id ? h("a", { href: `#/runs/${encodeURIComponent(letter.run_id)}`, class: "mono", text: letter.run_id }) : "—"),
+            replay ? [h("dt", { text: "replay" }), h("dd", { class: "mono", id: "letter-replay",
+              text: replay.replayed_at ? `${replay.replay_id} → partition ${replay.partition} @ ${replay.offset}, ${stamp(replay.replayed_at)}` : `${replay.replay_id}, claimed ${stamp(replay.claimed_at)}, not recorded yet` })] : null,
+            letter.discard ? [h("dt", { text: "discarded" }), h("dd", { id: "letter-discard" }, `${stamp(letter.discard.discarded_at)}: `, h("q", { text: letter.discard.reason }))] : null),
+          letterActions(letter, outcome, reload));
+        const key = bytesText(letter.key);
+        rest.replaceChildren(
+          h("section", {}, h("h2", { text: "Error" }), h("pre", { class: "json error-text", id: "letter-error" }, bounded(letter.error)[0])),
+          h("section", {}, h("h2", { text: "Key" }),
+            key.text === null ? h("p", { class: "muted", id: "letter-key", text: letter.key_dropped ? "over the bound: not recorded" : "no key" })
+              : h("pre", { class: "json", id: "letter-key" }, bounded(key.text)[0], key.kind === "base64" ? " (base64)" : "")),
+          h("section", {}, h("h2", { text: "Headers" }), headersTable(letter)),
+          h("section", {}, h("h2", { text: "Value" }), payload(letter)));
+      };
+      const reload = async () => { show(await api("GET", path)); };
+      await reload();
     },
   });
 

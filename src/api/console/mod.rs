@@ -11,9 +11,11 @@
 //! from anywhere else, and nothing is built at run time or by a toolchain
 //! other than Cargo's.
 //!
-//! The pages (runs, one run, overview) are entries of the script's `PAGES`
-//! table, and the actions on a run entries of its `RUN_ACTIONS`, each shown
-//! only when the API description this listener serves offers its route.
+//! The pages (runs, one run, dead letters, one letter, overview) are
+//! entries of the script's `PAGES` table; the actions on a run are entries
+//! of its `RUN_ACTIONS`, and a letter's are its Replay and Discard buttons,
+//! each shown only when the API description this listener serves offers its
+//! route.
 
 use axum::Router;
 use axum::http::{HeaderName, HeaderValue, StatusCode, header};

@@ -10,7 +10,9 @@
 //! (to read) or `runs:write` (to replay and discard) acts on its tenant's
 //! letters only, one with `admin` on every tenant's; another tenant's
 //! letter answers as a missing one; an unknown parameter or field is
-//! refused, named.
+//! refused, named. The admin listener serves the same routes (the `admin_`
+//! handlers) to a key with the `admin` scope alone, whatever
+//! `server.admin_auth` says.
 
 use axum::body::Body;
 use axum::extract::{Path, RawQuery, State};
@@ -19,12 +21,15 @@ use axum::response::Response;
 use chrono::{DateTime, Utc};
 use serde::Deserialize;
 
-use super::{READERS, respond};
+use super::{OPERATORS, READERS, respond};
 use crate::api::ApiState;
 use crate::api::error::{ApiError, Code};
 use crate::api::request::{authenticate_any, read_body, tenants_seen};
 use crate::auth::Scope;
-use crate::ingress::dead_letters::{DeadLetterError, LetterFilter, LetterStatus, Page};
+use crate::ingress::dead_letters::{
+    DeadLetterError, DiscardOutcome, Letter, LetterFilter, LetterPage, LetterStatus, Page,
+    ReplayBatch, ReplayOutcome,
+};
 
 /// Who may replay and discard: a tenant's writer, or an operator.
 const WRITERS: [Scope; 2] = [Scope::RunsWrite, Scope::Admin];
@@ -163,16 +168,16 @@ pub(crate) async fn list(
     RawQuery(raw): RawQuery,
     headers: HeaderMap,
 ) -> Response {
-    let answer = async {
-        let q = query(raw.as_deref())?;
-        let tenant = scope(&state, &headers, &READERS, q.tenant.as_deref()).await?;
-        let letters = state.letters()?;
-        letters
-            .list(tenant.as_deref(), &q.filter, q.page)
-            .await
-            .map_err(refusal)
-    };
-    respond(answer.await)
+    respond(listed(&state, &headers, raw.as_deref(), &READERS).await)
+}
+
+/// `GET /v1/dead-letters` on the admin listener.
+pub(crate) async fn admin_list(
+    State(state): State<ApiState>,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
+) -> Response {
+    respond(listed(&state, &headers, raw.as_deref(), &OPERATORS).await)
 }
 
 /// `GET /v1/dead-letters/counts`.
@@ -181,17 +186,16 @@ pub(crate) async fn counts(
     RawQuery(raw): RawQuery,
     headers: HeaderMap,
 ) -> Response {
-    let answer = async {
-        let q = query(raw.as_deref())?;
-        let tenant = scope(&state, &headers, &READERS, q.tenant.as_deref()).await?;
-        let counts = state
-            .letters()?
-            .counts(tenant.as_deref(), &q.filter)
-            .await
-            .map_err(refusal)?;
-        Ok(serde_json::json!({ "counts": counts }))
-    };
-    respond(answer.await)
+    respond(counted(&state, &headers, raw.as_deref(), &READERS).await)
+}
+
+/// `GET /v1/dead-letters/counts` on the admin listener.
+pub(crate) async fn admin_counts(
+    State(state): State<ApiState>,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
+) -> Response {
+    respond(counted(&state, &headers, raw.as_deref(), &OPERATORS).await)
 }
 
 /// `GET /v1/dead-letters/{letter_id}`.
@@ -200,16 +204,16 @@ pub(crate) async fn show(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    let answer = async {
-        let tenant = scope(&state, &headers, &READERS, None).await?;
-        let id = letter_id(&id)?;
-        state
-            .letters()?
-            .show(tenant.as_deref(), id)
-            .await
-            .map_err(refusal)
-    };
-    respond(answer.await)
+    respond(shown(&state, &headers, &id, &READERS).await)
+}
+
+/// `GET /v1/dead-letters/{letter_id}` on the admin listener.
+pub(crate) async fn admin_show(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    respond(shown(&state, &headers, &id, &OPERATORS).await)
 }
 
 /// `POST /v1/dead-letters/{letter_id}/replay`, without a body (one sent
@@ -219,16 +223,16 @@ pub(crate) async fn replay(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    let answer = async {
-        let tenant = scope(&state, &headers, &WRITERS, None).await?;
-        let id = letter_id(&id)?;
-        state
-            .letters()?
-            .replay(tenant.as_deref(), id)
-            .await
-            .map_err(refusal)
-    };
-    respond(answer.await)
+    respond(replayed(&state, &headers, &id, &WRITERS).await)
+}
+
+/// `POST /v1/dead-letters/{letter_id}/replay` on the admin listener.
+pub(crate) async fn admin_replay(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    respond(replayed(&state, &headers, &id, &OPERATORS).await)
 }
 
 /// `POST /v1/dead-letters/replay`: the letters a filter finds, one page.
@@ -236,25 +240,15 @@ pub(crate) async fn replay_matching(
     State(state): State<ApiState>,
     request: Request<Body>,
 ) -> Response {
-    let answer = async {
-        let headers = request.headers().clone();
-        let bytes = read_body(&state, request).await?;
-        if bytes.is_empty() {
-            // A set is named, never implied: `{}` is every letter.
-            return Err(ApiError::new(
-                Code::InvalidRequest,
-                "the body names the letters to replay: {\"filter\": {...}}, or {} for all",
-            ));
-        }
-        let body: ReplayRequest = parse_body(&bytes, "{\"tenant\", \"filter\", \"page\"}")?;
-        let tenant = scope(&state, &headers, &WRITERS, body.tenant.as_deref()).await?;
-        state
-            .letters()?
-            .replay_matching(tenant.as_deref(), &body.filter, body.page)
-            .await
-            .map_err(refusal)
-    };
-    respond(answer.await)
+    respond(replayed_matching(&state, request, &WRITERS).await)
+}
+
+/// `POST /v1/dead-letters/replay` on the admin listener.
+pub(crate) async fn admin_replay_matching(
+    State(state): State<ApiState>,
+    request: Request<Body>,
+) -> Response {
+    respond(replayed_matching(&state, request, &OPERATORS).await)
 }
 
 /// `POST /v1/dead-letters/{letter_id}/discard` with `{"reason": ...}`.
@@ -263,18 +257,117 @@ pub(crate) async fn discard(
     Path(id): Path<String>,
     request: Request<Body>,
 ) -> Response {
-    let answer = async {
-        let tenant = scope(&state, request.headers(), &WRITERS, None).await?;
-        let id = letter_id(&id)?;
-        let bytes = read_body(&state, request).await?;
-        let body: DiscardRequest = parse_body(&bytes, "{\"reason\": \"...\"}")?;
-        state
-            .letters()?
-            .discard(tenant.as_deref(), id, &body.reason)
-            .await
-            .map_err(refusal)
-    };
-    respond(answer.await)
+    respond(discarded(&state, &id, request, &WRITERS).await)
+}
+
+/// `POST /v1/dead-letters/{letter_id}/discard` on the admin listener.
+pub(crate) async fn admin_discard(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+    request: Request<Body>,
+) -> Response {
+    respond(discarded(&state, &id, request, &OPERATORS).await)
+}
+
+async fn listed(
+    state: &ApiState,
+    headers: &HeaderMap,
+    raw: Option<&str>,
+    who: &[Scope],
+) -> Result<LetterPage, ApiError> {
+    let q = query(raw)?;
+    let tenant = scope(state, headers, who, q.tenant.as_deref()).await?;
+    state
+        .letters()?
+        .list(tenant.as_deref(), &q.filter, q.page)
+        .await
+        .map_err(refusal)
+}
+
+async fn counted(
+    state: &ApiState,
+    headers: &HeaderMap,
+    raw: Option<&str>,
+    who: &[Scope],
+) -> Result<serde_json::Value, ApiError> {
+    let q = query(raw)?;
+    let tenant = scope(state, headers, who, q.tenant.as_deref()).await?;
+    let counts = state
+        .letters()?
+        .counts(tenant.as_deref(), &q.filter)
+        .await
+        .map_err(refusal)?;
+    Ok(serde_json::json!({ "counts": counts }))
+}
+
+async fn shown(
+    state: &ApiState,
+    headers: &HeaderMap,
+    id: &str,
+    who: &[Scope],
+) -> Result<Letter, ApiError> {
+    let tenant = scope(state, headers, who, None).await?;
+    let id = letter_id(id)?;
+    state
+        .letters()?
+        .show(tenant.as_deref(), id)
+        .await
+        .map_err(refusal)
+}
+
+async fn replayed(
+    state: &ApiState,
+    headers: &HeaderMap,
+    id: &str,
+    who: &[Scope],
+) -> Result<ReplayOutcome, ApiError> {
+    let tenant = scope(state, headers, who, None).await?;
+    let id = letter_id(id)?;
+    state
+        .letters()?
+        .replay(tenant.as_deref(), id)
+        .await
+        .map_err(refusal)
+}
+
+async fn replayed_matching(
+    state: &ApiState,
+    request: Request<Body>,
+    who: &[Scope],
+) -> Result<ReplayBatch, ApiError> {
+    let headers = request.headers().clone();
+    let bytes = read_body(state, request).await?;
+    if bytes.is_empty() {
+        // A set is named, never implied: `{}` is every letter.
+        return Err(ApiError::new(
+            Code::InvalidRequest,
+            "the body names the letters to replay: {\"filter\": {...}}, or {} for all",
+        ));
+    }
+    let body: ReplayRequest = parse_body(&bytes, "{\"tenant\", \"filter\", \"page\"}")?;
+    let tenant = scope(state, &headers, who, body.tenant.as_deref()).await?;
+    state
+        .letters()?
+        .replay_matching(tenant.as_deref(), &body.filter, body.page)
+        .await
+        .map_err(refusal)
+}
+
+async fn discarded(
+    state: &ApiState,
+    id: &str,
+    request: Request<Body>,
+    who: &[Scope],
+) -> Result<DiscardOutcome, ApiError> {
+    let tenant = scope(state, request.headers(), who, None).await?;
+    let id = letter_id(id)?;
+    let bytes = read_body(state, request).await?;
+    let body: DiscardRequest = parse_body(&bytes, "{\"reason\": \"...\"}")?;
+    state
+        .letters()?
+        .discard(tenant.as_deref(), id, &body.reason)
+        .await
+        .map_err(refusal)
 }
 
 /// A JSON body of `T` (an empty one is `{}`).

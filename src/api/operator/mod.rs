@@ -1,15 +1,16 @@
 //! The operator's views, beside the run endpoints: list and search runs
 //! (`GET /v1/runs`), count them by status (`GET /v1/runs/counts`), read
-//! one run's whole history (`GET /v1/runs/{run_id}/history`); and, for an
-//! `admin` key only, the outbox (`GET /v1/outbox`, `POST
-//! /v1/outbox/redrive`) and retention (`GET /v1/retention`).
+//! one run's whole history (`GET /v1/runs/{run_id}/history`); the dead
+//! letters ([`letters`]); and, for an `admin` key only, the outbox (`GET
+//! /v1/outbox`, `POST /v1/outbox/redrive`) and retention (`GET
+//! /v1/retention`).
 //!
 //! A key with `runs:read` sees its own tenant's runs; a key with the
 //! `admin` scope sees every tenant's, or the one its request names. The
 //! admin listener serves the same views at the same paths to a key with the
 //! `admin` scope alone, whatever `server.admin_auth` says. The CLI
-//! (`ductor runs`) and the web console ([`super::console`]) read these
-//! same routes.
+//! (`ductor runs`, `ductor dlq`) and the web console ([`super::console`])
+//! read these same routes.
 //!
 //! In: the request's key and query. Out: JSON ([`views`]), or the API's
 //! error shape: 400 `invalid_query` for a parameter that is wrong, named.
@@ -39,7 +40,7 @@ use query::RunQuery;
 pub(crate) const READERS: [Scope; 2] = [Scope::RunsRead, Scope::Admin];
 
 /// Who may read on the admin listener: an operator alone.
-const OPERATORS: [Scope; 1] = [Scope::Admin];
+pub(crate) const OPERATORS: [Scope; 1] = [Scope::Admin];
 
 /// `GET /v1/runs`: a page of the runs the query finds, newest first.
 pub(crate) async fn list_runs(
