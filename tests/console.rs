@@ -3,7 +3,8 @@
 //! pastes a key with the `admin` scope, sees every tenant's runs with live
 //! counts, filters them by status, opens a run and sees a bar for each of
 //! its attempts and the backoff between two, cancels a running run with the
-//! button and sees it end as cancelled, and reads the overview's charts of
+//! button and sees it end as cancelled, retries a failed run with its
+//! button and sees it succeed, and reads the overview's charts of
 //! the metrics; on the dead letters' page, finds a refused start under its
 //! class, reads its payload, replays it and follows the outcome to the run
 //! it started, and discards another letter with a reason. A screenshot of
@@ -315,7 +316,7 @@ impl Console {
 }
 
 #[tokio::test]
-async fn an_operator_finds_inspects_and_cancels_runs_in_the_console() {
+async fn an_operator_finds_inspects_cancels_and_retries_runs_in_the_console() {
     let env = Env::start(|c| c.drainer.enabled = true).await;
     let seeded = Seeded {
         env,
@@ -460,6 +461,44 @@ async fn an_operator_finds_inspects_and_cancels_runs_in_the_console() {
         )
         .await;
     console.shot("run-cancelled").await;
+
+    // The failed run, retried with its button from the step it failed in:
+    // a fresh attempt, answered, and the run succeeds.
+    console.open_run(&broken).await;
+    console.run_status_reads("failed").await;
+    assert!(
+        console.browser.find("#cancel-run").await.is_none(),
+        "a failed run is retried, not cancelled, from the console"
+    );
+    console.act_on_run("retry", "running").await;
+    for (step, attempt) in [(0, 2), (1, 1), (2, 1)] {
+        let ok = json!({"outcome": "succeeded", "output": {"step": step}});
+        seeded.answer(&broken, "acme", step, attempt, ok).await;
+    }
+    seeded.settle(&broken, "succeeded").await;
+    console.run_status_reads("succeeded").await;
+    assert_eq!(
+        console.bars().await,
+        [
+            (0, 1, "failed".to_owned()),
+            (0, 2, "succeeded".to_owned()),
+            (1, 1, "succeeded".to_owned()),
+            (2, 1, "succeeded".to_owned()),
+        ]
+    );
+    console
+        .browser
+        .until(
+            "the operator's retry on the timeline",
+            "return document.querySelectorAll('#timeline line.retried').length === 1;",
+            WAIT,
+        )
+        .await;
+    assert!(
+        console.browser.find("#retry-run").await.is_none(),
+        "a run that succeeded offers no retry"
+    );
+    console.shot("run-retry-succeeded").await;
 
     // The overview: the metrics, sampled while the console is open.
     console.open_page("overview").await;

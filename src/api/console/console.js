@@ -556,6 +556,10 @@
         svg.append(s("line", { x1: at, x2: at, y1: TOP - 4, y2: H - 8, class: `end end-${t.to_status}` },
           s("title", {}, `${t.kind} at ${stamp(t.created_at)}`)));
       }
+      if (t.kind === "run.retried") {
+        svg.append(s("line", { x1: at, x2: at, y1: TOP - 4, y2: H - 8, class: "retried" },
+          s("title", {}, `retried by an operator at ${stamp(t.created_at)}`)));
+      }
     }
     return svg;
   }
@@ -600,6 +604,13 @@
         history = await api("GET", path);
         draw();
       };
+      // An action is applied by the run's coordinator after the API took
+      // it: the page reads the run again until its history moves on.
+      let acted = null;
+      const afterAction = async () => {
+        acted = history.run.last_transition_seq;
+        await reload();
+      };
       const draw = () => {
         const run = history.run;
         chart.replaceChildren(timeline(history, Date.now()));
@@ -615,13 +626,16 @@
             h("dt", { text: "step · attempt" }), h("dd", { text: `${run.step_index} · ${run.attempt}` }),
             h("dt", { text: "created" }), h("dd", { text: stamp(run.created_at) }),
             h("dt", { text: "finished" }), h("dd", { text: run.finished_at ? `${stamp(run.finished_at)} (${span(ms(run.finished_at) - ms(run.created_at))})` : "—" })),
-          actionBar(run, reload));
+          actionBar(run, afterAction));
         rest.replaceChildren(dataSection(history), attemptsTable(history), transitionsTable(history));
       };
       draw();
       every(REFRESH_MS, async () => {
-        // A finished run changes no more: only a running one is read again.
-        if (history.run.status === "running") await reload();
+        // A finished run changes only when an operator acts on it: a
+        // running run, or one whose action is not applied yet, is read again.
+        const moved = acted === null || history.run.last_transition_seq !== acted;
+        if (moved) acted = null;
+        if (history.run.status === "running" || !moved) await reload();
       });
     },
   });
