@@ -490,7 +490,8 @@ async fn an_operator_finds_inspects_cancels_and_retries_runs_in_the_console() {
         .browser
         .until(
             "the operator's retry on the timeline",
-            "return document.querySelectorAll('#timeline line.retried').length === 1;",
+            "return document.querySelectorAll('#timeline line.retried').length === 1 \
+             && document.querySelectorAll('#timeline line.failed-gap').length === 1;",
             WAIT,
         )
         .await;

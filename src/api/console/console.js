@@ -513,8 +513,12 @@
         const prev = list[k - 1], next = list[k];
         if (!prev.finished_at) continue;
         const y = rowY(i) + ROW / 2;
-        svg.append(s("line", { x1: x(ms(prev.finished_at)), x2: x(ms(next.dispatched_at)), y1: y, y2: y, class: "backoff" },
-          s("title", {}, `backoff before attempt ${next.attempt}: ${span(ms(next.dispatched_at) - ms(prev.finished_at))}`)));
+        const from = ms(prev.finished_at), to = ms(next.dispatched_at);
+        // Between a failure for good and an operator's retry the run lay
+        // failed: no backoff of its own.
+        const retried = history.transitions.some((t) => t.kind === "run.retried" && ms(t.created_at) >= from && ms(t.created_at) <= to);
+        svg.append(s("line", { x1: x(from), x2: x(to), y1: y, y2: y, class: retried ? "failed-gap" : "backoff" },
+          s("title", {}, retried ? `failed until retried: ${span(to - from)}` : `backoff before attempt ${next.attempt}: ${span(to - from)}`)));
       }
     }
     const retry = history.pending_retry;
@@ -581,7 +585,7 @@
   const legend = () => h("div", { class: "legend" },
     ["dispatched", "succeeded", "failed", "timed_out", "cancelled"].map((st) => h("span", { class: `key att-${st}`, text: st })),
     h("span", { class: "key backoff-key", text: "backoff" }), h("span", { class: "key wait-key", text: "wait" }),
-    h("span", { class: "key signal-key", text: "signal" }));
+    h("span", { class: "key signal-key", text: "signal" }), h("span", { class: "key retried-key", text: "retried" }));
 
   definePage({
     name: "run",
