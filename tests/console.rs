@@ -45,65 +45,20 @@ struct Seeded {
 
 impl Seeded {
     async fn start(&self, token: &str, workflow: &str, correlation_id: &str) -> String {
-        let auth = bearer(token);
         let body = json!({"workflow": workflow, "correlation_id": correlation_id,
                           "input": {"order": correlation_id}});
-        let (status, raw) = http(
-            self.env.addr,
-            "POST",
-            "/v1/runs",
-            &[(auth.0, &auth.1)],
-            body.to_string().as_bytes(),
-        )
-        .await;
-        assert_eq!(status, 201, "{}", String::from_utf8_lossy(&raw));
-        let decision: Value = serde_json::from_slice(&raw).unwrap();
-        decision["run_id"].as_str().unwrap().to_owned()
+        self.env.start_run_with(token, &body).await
     }
 
     /// Answers attempt `attempt` of `run_id`'s step `step`, once it is
     /// dispatched, with `outcome`, as a worker would.
     async fn answer(&self, run_id: &str, tenant: &str, step: i32, attempt: i32, outcome: Value) {
-        let pool = &self.env.db.pool;
-        let stamp: uuid::Uuid = eventually("the attempt is dispatched", WAIT, || async {
-            sqlx::query_scalar(
-                "SELECT stamp FROM run_attempts WHERE run_id = $1 AND step_index = $2 \
-                 AND attempt = $3 AND status = 'dispatched'",
-            )
-            .bind(run_id)
-            .bind(step)
-            .bind(attempt)
-            .fetch_optional(pool)
-            .await
-            .unwrap()
-        })
-        .await;
-        let mut value = json!({"type": "attempt.result", "schema_version": 1,
-            "run_id": run_id, "tenant": tenant, "stamp": stamp});
-        for (k, v) in outcome.as_object().unwrap() {
-            value[k] = v.clone();
-        }
-        let topic = self.env.config.topic_names().attempt_results();
-        produce(
-            &self.producer,
-            &topic,
-            run_id,
-            value.to_string().as_bytes(),
-            &[],
-        )
-        .await;
+        let (run, attempt) = ((run_id, tenant), (step, Some(attempt)));
+        self.env.answer(&self.producer, run, attempt, outcome).await;
     }
 
     async fn settle(&self, run_id: &str, status: &str) {
-        eventually(&format!("{run_id} is {status}"), WAIT, || async {
-            let now: String = sqlx::query_scalar("SELECT status FROM runs WHERE run_id = $1")
-                .bind(run_id)
-                .fetch_one(&self.env.db.pool)
-                .await
-                .unwrap();
-            (now == status).then_some(())
-        })
-        .await;
+        self.env.settle(run_id, status).await;
     }
 }
 

@@ -49,48 +49,22 @@ impl Views {
     async fn start(&self, token: &str, correlation_id: &str) -> String {
         let body =
             json!({"workflow": "example", "correlation_id": correlation_id, "input": {"n": 1}});
-        let (status, answer) = self.post(token, "/v1/runs", &body).await;
-        assert_eq!(status, 201, "{answer}");
-        answer["run_id"].as_str().unwrap().to_owned()
+        self.env.start_run_with(token, &body).await
     }
 
     /// Answers the dispatched attempt of `run_id`'s step `step` with
     /// `outcome` (the fields of an `attempt.result` after its stamp).
     async fn answer(&self, run_id: &str, tenant: &str, step: i32, outcome: Value) {
-        let pool = &self.env.db.pool;
-        let stamp = eventually("the step is dispatched", WAIT, || async {
-            dispatched_attempt(pool, run_id, step).await
-        })
-        .await;
-        let mut value = json!({"type": "attempt.result", "schema_version": 1,
-            "run_id": run_id, "tenant": tenant, "stamp": stamp});
-        for (k, v) in outcome.as_object().unwrap() {
-            value[k] = v.clone();
-        }
-        let topic = self.env.config.topic_names().attempt_results();
-        produce(
-            &self.producer,
-            &topic,
-            run_id,
-            value.to_string().as_bytes(),
-            &[],
-        )
-        .await;
+        let (run, attempt) = ((run_id, tenant), (step, None));
+        self.env.answer(&self.producer, run, attempt, outcome).await;
     }
 
     async fn status_of(&self, run_id: &str) -> String {
-        sqlx::query_scalar("SELECT status FROM runs WHERE run_id = $1")
-            .bind(run_id)
-            .fetch_one(&self.env.db.pool)
-            .await
-            .unwrap()
+        self.env.status_of(run_id).await
     }
 
     async fn settle(&self, run_id: &str, status: &str) {
-        eventually(&format!("{run_id} is {status}"), WAIT, || async {
-            (self.status_of(run_id).await == status).then_some(())
-        })
-        .await;
+        self.env.settle(run_id, status).await;
     }
 
     /// The kept counts, key by key, against a count of the runs.

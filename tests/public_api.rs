@@ -46,17 +46,8 @@ impl Env {
 
     /// Starts a run of the example workflow as `token`'s tenant.
     async fn start_run(&self, token: &str) -> String {
-        let (status, answer) = self
-            .call(
-                Some(token),
-                "POST",
-                "/v1/runs",
-                &[],
-                json!({"workflow": "example"}),
-            )
-            .await;
-        assert_eq!(status, 201, "{answer}");
-        answer["run_id"].as_str().unwrap().to_string()
+        self.start_run_with(token, &json!({"workflow": "example"}))
+            .await
     }
 
     async fn transitions(&self, run_id: &str) -> Vec<String> {

@@ -516,6 +516,9 @@ pub fn bearer(token: &str) -> (&'static str, String) {
 #[allow(unused_imports)] // each test binary uses some of them
 pub use ductor_testkit::serve::Running;
 
+/// How long [`Serve::answer`] and [`Serve::settle`] wait for a run.
+const ANSWER_WAIT: Duration = Duration::from_secs(60);
+
 /// `serve` in this process over a migrated database of its own and its
 /// topics, for the tests that talk to its listeners. Without a drainer
 /// unless `tweak` turns it on: most of them look at runs, not at effects.
@@ -548,6 +551,71 @@ impl Serve {
             admin: running.admin,
             running,
         }
+    }
+
+    /// Starts a run as a tenant's client does, `POST /v1/runs` with
+    /// `token` and `body`, expecting it started: its id.
+    pub async fn start_run_with(&self, token: &str, body: &serde_json::Value) -> String {
+        let auth = bearer(token);
+        let headers = [
+            (auth.0, auth.1.as_str()),
+            ("Content-Type", "application/json"),
+        ];
+        let bytes = body.to_string().into_bytes();
+        let (status, raw) = http(self.addr, "POST", "/v1/runs", &headers, &bytes).await;
+        assert_eq!(status, 201, "{}", String::from_utf8_lossy(&raw));
+        let decision: serde_json::Value = serde_json::from_slice(&raw).expect("a decision");
+        decision["run_id"].as_str().expect("its run id").to_owned()
+    }
+
+    /// Answers `run_id`'s step `step` as a worker does, once the attempt
+    /// is dispatched (attempt `attempt`, or whichever is outstanding when
+    /// `None`), with `outcome`: the fields of an `attempt.result` after
+    /// its stamp.
+    pub async fn answer(
+        &self,
+        producer: &FutureProducer,
+        (run_id, tenant): (&str, &str),
+        (step, attempt): (i32, Option<i32>),
+        outcome: serde_json::Value,
+    ) {
+        let stamp: uuid::Uuid = eventually("the attempt is dispatched", ANSWER_WAIT, || async {
+            sqlx::query_scalar(
+                "SELECT stamp FROM run_attempts WHERE run_id = $1 AND step_index = $2 \
+                 AND ($3::int IS NULL OR attempt = $3) AND status = 'dispatched'",
+            )
+            .bind(run_id)
+            .bind(step)
+            .bind(attempt)
+            .fetch_optional(&self.db.pool)
+            .await
+            .expect("querying attempts")
+        })
+        .await;
+        let mut value = serde_json::json!({"type": "attempt.result", "schema_version": 1,
+            "run_id": run_id, "tenant": tenant, "stamp": stamp});
+        for (k, v) in outcome.as_object().expect("an outcome's fields") {
+            value[k] = v.clone();
+        }
+        let topic = self.config.topic_names().attempt_results();
+        produce(producer, &topic, run_id, value.to_string().as_bytes(), &[]).await;
+    }
+
+    /// The run's status as stored.
+    pub async fn status_of(&self, run_id: &str) -> String {
+        sqlx::query_scalar("SELECT status FROM runs WHERE run_id = $1")
+            .bind(run_id)
+            .fetch_one(&self.db.pool)
+            .await
+            .expect("reading a run's status")
+    }
+
+    /// Waits until the run's status is `status`.
+    pub async fn settle(&self, run_id: &str, status: &str) {
+        eventually(&format!("{run_id} is {status}"), ANSWER_WAIT, || async {
+            (self.status_of(run_id).await == status).then_some(())
+        })
+        .await;
     }
 
     /// Stops it, expecting a clean stop, and drops its database and topics.
