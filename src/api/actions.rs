@@ -128,7 +128,7 @@ pub(crate) async fn cancel_run(
     run_id: Path<String>,
     request: Request<Body>,
 ) -> Response {
-    tenant_action(Action::Cancel, state, run_id, request).await
+    act(Action::Cancel, Caller::Tenant, state, run_id, request).await
 }
 
 /// `POST /v1/runs/{id}/retry` with an optional `{"reason", "action_id"}`.
@@ -137,7 +137,7 @@ pub(crate) async fn retry_run(
     run_id: Path<String>,
     request: Request<Body>,
 ) -> Response {
-    tenant_action(Action::Retry, state, run_id, request).await
+    act(Action::Retry, Caller::Tenant, state, run_id, request).await
 }
 
 /// `POST /v1/runs/{id}/cancel` on the admin listener.
@@ -146,7 +146,7 @@ pub(crate) async fn admin_cancel_run(
     run_id: Path<String>,
     request: Request<Body>,
 ) -> Response {
-    operator_action(Action::Cancel, state, run_id, request).await
+    act(Action::Cancel, Caller::Operator, state, run_id, request).await
 }
 
 /// `POST /v1/runs/{id}/retry` on the admin listener.
@@ -155,19 +155,32 @@ pub(crate) async fn admin_retry_run(
     run_id: Path<String>,
     request: Request<Body>,
 ) -> Response {
-    operator_action(Action::Retry, state, run_id, request).await
+    act(Action::Retry, Caller::Operator, state, run_id, request).await
 }
 
-/// An action of a tenant's key on one of its tenant's runs.
-async fn tenant_action(
+/// Who acts, and so whose runs they reach.
+#[derive(Clone, Copy)]
+enum Caller {
+    /// A tenant's key with `runs:write`: its own tenant's runs.
+    Tenant,
+    /// An operator's key with the `admin` scope: any tenant's run.
+    Operator,
+}
+
+/// Takes `action` on the run in the path, for `caller`.
+async fn act(
     action: Action,
+    caller: Caller,
     State(state): State<ApiState>,
     Path(run_id): Path<String>,
     request: Request<Body>,
 ) -> Response {
     let (span, trace) = action.span(request.headers(), &run_id);
     let answer = async {
-        let (tenant, fields) = accept(&state, request, true).await?;
+        let (tenant, fields) = match caller {
+            Caller::Tenant => accept(&state, request, true).await?,
+            Caller::Operator => operator_fields(&state, &run_id, request).await?,
+        };
         let to = Wakeup {
             tenant: &tenant,
             run_id: &run_id,
@@ -181,39 +194,26 @@ async fn tenant_action(
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-/// An action of an operator's key on any tenant's run: the input carries
-/// the run's tenant, and a tenant the request names must be the run's.
-async fn operator_action(
-    action: Action,
-    State(state): State<ApiState>,
-    Path(run_id): Path<String>,
+/// An operator's request on any tenant's run: the run's tenant, which a
+/// tenant the request names must be, and the body's fields.
+async fn operator_fields(
+    state: &ApiState,
+    run_id: &str,
     request: Request<Body>,
-) -> Response {
-    let (span, trace) = action.span(request.headers(), &run_id);
-    let answer = async {
-        authenticate(&state, request.headers(), Scope::Admin).await?;
-        let (named, fields) = read_fields(&state, request, true).await?;
-        let tenant = run_tenant(state.decider.pool(), &run_id)
-            .await
-            .map_err(database)?
-            .ok_or_else(not_found)?;
-        if named.as_ref().is_some_and(|named| *named != tenant) {
-            return Err(ApiError::new(
-                Code::TenantMismatch,
-                "the request names a tenant other than the run's",
-            ));
-        }
-        let to = Wakeup {
-            tenant: &tenant,
-            run_id: &run_id,
-            trace: trace.as_ref(),
-        };
-        action.take(&state, to, fields).await
-    };
-    answer
-        .instrument(span)
+) -> Result<(String, Map<String, Value>), ApiError> {
+    authenticate(state, request.headers(), Scope::Admin).await?;
+    let (named, fields) = read_fields(state, request, true).await?;
+    let tenant = run_tenant(state.decider.pool(), run_id)
         .await
-        .unwrap_or_else(IntoResponse::into_response)
+        .map_err(database)?
+        .ok_or_else(not_found)?;
+    if named.as_ref().is_some_and(|named| *named != tenant) {
+        return Err(ApiError::new(
+            Code::TenantMismatch,
+            "the request names a tenant other than the run's",
+        ));
+    }
+    Ok((tenant, fields))
 }
 
 /// The body's fields with an `action_id`: the caller's, or a new one.
