@@ -15,8 +15,9 @@
 //! upgrade is not produced again.
 //!
 //! A state of a newer version than this binary is set apart with its own
-//! class and left as it is; a binary refuses a schema with a migration it
-//! does not know, naming it.
+//! class and left as it is; the schema names the state version this
+//! binary writes; a binary refuses a schema with a migration it does not
+//! know, naming it.
 
 mod common;
 
@@ -1084,6 +1085,26 @@ async fn a_state_newer_than_this_binary_is_set_apart_and_left_as_it_is() {
     assert_eq!(after.record_version, before.record_version);
     assert_eq!(transitions(&db, &run_id).await.len(), 1);
     serve.stop().await;
+    db.drop_db().await;
+}
+
+/// A state version comes with a migration of its own, which keeps the
+/// binaries before it away (see the test below): the schema names the
+/// version this binary writes, so a new version without a migration that
+/// says so fails here.
+#[tokio::test]
+async fn the_schema_names_the_state_version_this_binary_writes() {
+    let db = TestDb::migrated().await;
+    let comment: Option<String> = sqlx::query_scalar(
+        "SELECT col_description(attrelid, attnum) FROM pg_attribute \
+         WHERE attrelid = 'runs'::regclass AND attname = 'state'",
+    )
+    .fetch_one(&db.owner)
+    .await
+    .unwrap();
+    let comment = comment.expect("runs.state has a comment");
+    let version = format!("state version {}", ductor::coordinator::STATE_VERSION);
+    assert!(comment.contains(&version), "{comment}");
     db.drop_db().await;
 }
 
