@@ -1,32 +1,40 @@
 //! Upgrades that keep runs, on the real stack.
 //!
-//! Every stored shape that has shipped (`tests/fixtures/stored/`, see its
-//! README) is put into one database as the binary of its time left it: at
-//! the schema of that time, the later migrations running over it as they
-//! would on an upgrade. Today's `serve` then finishes the runs the fixtures
-//! describe (results, signals, starts and cancels sent as their fixture
-//! says, timers firing by themselves): each ends as its fixture expects,
-//! its history going on from its last seq, every due effect published (the
-//! old ones still pending among them), nothing dead-lettered. A fixture
-//! whose shape today's binary cannot load leaves its run unfinished, and
-//! the test fails.
+//! Every stored shape that has shipped (`tests/fixtures/stored/` and
+//! `dead_letters/`, see their READMEs) is put into one database as the
+//! binary of its time left it: at the schema of that time, the later
+//! migrations running over it as they would on an upgrade. Today's `serve`
+//! then finishes the runs the fixtures describe (results, signals, starts,
+//! cancels and retries sent as their fixture says, stored dead letters
+//! replayed through the operator API, timers firing by themselves): each
+//! ends as its fixture expects, its history going on from its last seq,
+//! every due effect published (the old ones still pending among them),
+//! nothing dead-lettered. A fixture whose shape today's binary cannot load
+//! leaves its run unfinished, and the test fails. The stored dead letters
+//! are listed and read as they were recorded, and one replayed before the
+//! upgrade is not produced again.
 //!
 //! A state of a newer version than this binary is set apart with its own
-//! class and left as it is; a binary refuses a schema with a migration it
-//! does not know, naming it.
+//! class and left as it is; the schema names the state version this
+//! binary writes; a binary refuses a schema with a migration it does not
+//! know, naming it.
 
 mod common;
 
 use std::collections::{BTreeMap, HashSet};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::{TestDb, eventually, produce, producer, test_config, workspace_dir};
+use ductor::auth::Scope;
 use ductor::config::Config;
+use ductor::contract::headers::REPLAY_ID;
+use ductor::ingress::dead_letters::Bytes;
 use ductor_testkit::serve::Running;
 use futures::future::BoxFuture;
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
-use rdkafka::message::{Headers, Message};
+use rdkafka::message::{Headers, Message, OwnedMessage};
 use rdkafka::producer::FutureProducer;
 use serde_json::{Value, json};
 use sqlx::error::BoxDynError;
@@ -131,13 +139,23 @@ async fn migrate_to(db: &TestDb, version: i64) {
         .unwrap_or_else(|e| panic!("migrating to {version}: {e}"));
 }
 
+/// The `bytea` columns of the fixtures' tables: an intent's key and
+/// payload, a dead letter's key and value.
+const BYTEA_COLUMNS: [&str; 4] = ["message_key", "payload", "record_key", "value"];
+
 /// Inserts `rows` into `table` as they are, each with the columns it has:
-/// `bytea` columns are written as their text (a key, a JSON payload), and
-/// an intent's topic takes the test's prefix for `ductor.`.
+/// `bytea` columns are written as their text (a key, a JSON payload; see
+/// [`bytea_text`]), and the topic of an intent or of a dead letter takes
+/// the test's prefix for `ductor.`.
 async fn insert(db: &TestDb, table: &str, rows: &[Value], topic_prefix: &str) {
     if rows.is_empty() {
         return;
     }
+    let topic_column = if table == "dead_letters" {
+        "source_topic"
+    } else {
+        "topic"
+    };
     let mut columns: Vec<String> = Vec::new();
     let rows: Vec<Value> = rows
         .iter()
@@ -147,13 +165,12 @@ async fn insert(db: &TestDb, table: &str, rows: &[Value], topic_prefix: &str) {
                 if !columns.contains(name) {
                     columns.push(name.clone());
                 }
-                if let ("message_key" | "payload", Value::String(text)) = (name.as_str(), &value) {
+                if BYTEA_COLUMNS.contains(&name.as_str()) && !value.is_null() {
+                    let text = bytea_text(value);
                     *value = Value::String(format!("\\x{}", hex(text.as_bytes())));
                 }
-                if let ("topic", Value::String(topic)) = (name.as_str(), &value)
-                    && let Some(rest) = topic.strip_prefix("ductor.")
-                {
-                    *value = Value::String(format!("{topic_prefix}{rest}"));
+                if name == topic_column {
+                    *value = prefixed(value, topic_prefix);
                 }
             }
             Value::Object(row)
@@ -176,6 +193,39 @@ async fn insert(db: &TestDb, table: &str, rows: &[Value], topic_prefix: &str) {
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The text of a `bytea` cell of a fixture: a string, or, for a value too
+/// long to keep in the file, `{"parts": [...]}`, its text in pieces, each a
+/// string or `{"repeat": text, "times": n}`.
+fn bytea_text(cell: &Value) -> String {
+    if let Some(text) = cell.as_str() {
+        return text.to_owned();
+    }
+    let parts = cell["parts"]
+        .as_array()
+        .unwrap_or_else(|| panic!("a bytea cell is a string or parts: {cell}"));
+    parts
+        .iter()
+        .map(|part| match part.as_str() {
+            Some(text) => text.to_owned(),
+            None => {
+                let times = part["times"].as_u64().expect("a repeat has its times");
+                part["repeat"]
+                    .as_str()
+                    .expect("a repeat has its text")
+                    .repeat(usize::try_from(times).unwrap())
+            }
+        })
+        .collect()
+}
+
+/// `topic` with the test's prefix for `ductor.`.
+fn prefixed(topic: &Value, prefix: &str) -> Value {
+    match topic.as_str().and_then(|t| t.strip_prefix("ductor.")) {
+        Some(rest) => Value::String(format!("{prefix}{rest}")),
+        None => topic.clone(),
+    }
 }
 
 /// Makes `db` live through every fixture's time: each fixture's rows
@@ -204,13 +254,19 @@ fn workflows_dir(prefix: &str) -> tempfile::TempDir {
 }
 
 /// The configuration `serve` runs the fixtures with: their workflows
-/// (in `workflows`, made by [`workflows_dir`]) and pool, and a drainer
-/// that polls often.
+/// (in `workflows`, made by [`workflows_dir`]) and pool, a drainer that
+/// polls often, and retention that keeps every run, tombstone and dead
+/// letter: the fixtures' times are their era's, and the test runs any time
+/// after, when a retention of days would have deleted what it finishes.
 fn upgrade_config(mut config: Config, workflows: &Path) -> Config {
+    const CENTURY_MS: u64 = 100 * 365 * 86_400_000;
     config.coordinator.workflows_dir = workflows.to_path_buf();
     config.kafka.step_pools = vec!["fx".into()];
     config.drainer.enabled = true;
     config.drainer.poll_interval_ms = 200;
+    config.runs.retention_ms = 0;
+    config.runs.tombstone_retention_ms = CENTURY_MS;
+    config.dead_letters.retention_ms = 0;
     config
 }
 
@@ -249,10 +305,52 @@ async fn transitions(db: &TestDb, run_id: &str) -> Vec<(i64, String, Value)> {
         .unwrap()
 }
 
+/// The operator's door: the admin listener, and a key with the `admin`
+/// scope.
+struct Operator {
+    admin: SocketAddr,
+    token: String,
+}
+
+impl Operator {
+    async fn new(db: &TestDb, admin: SocketAddr) -> Operator {
+        let token = common::api_key(db, "ops", &[Scope::Admin]).await;
+        Operator { admin, token }
+    }
+
+    async fn call(&self, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
+        let auth = common::bearer(&self.token);
+        let mut headers = vec![(auth.0, auth.1.as_str())];
+        let bytes = body.map(Value::to_string).unwrap_or_default();
+        if body.is_some() {
+            headers.push(("Content-Type", "application/json"));
+        }
+        let (status, raw) =
+            common::http(self.admin, method, path, &headers, bytes.as_bytes()).await;
+        (status, serde_json::from_slice(&raw).unwrap_or(Value::Null))
+    }
+
+    /// The letter read at `partition` and `offset` of `topic`, as the
+    /// listing of that topic's letters shows it.
+    async fn letter_at(&self, topic: &str, partition: &Value, offset: &Value) -> Value {
+        let path = format!("/v1/dead-letters?source_topic={topic}&limit=500");
+        let (status, page) = self.call("GET", &path, None).await;
+        assert_eq!(status, 200, "{page}");
+        assert_eq!(page["next"], Value::Null, "one page holds them: {page}");
+        let letters = page["letters"].as_array().expect("a page of letters");
+        letters
+            .iter()
+            .find(|l| &l["source_partition"] == partition && &l["source_offset"] == offset)
+            .unwrap_or_else(|| panic!("no letter at {topic}/{partition}/{offset}: {page}"))
+            .clone()
+    }
+}
+
 /// Where the driver of one run sends its inputs.
 struct Inputs<'a> {
     config: &'a Config,
     producer: &'a FutureProducer,
+    operator: &'a Operator,
 }
 
 impl Inputs<'_> {
@@ -293,6 +391,10 @@ impl Inputs<'_> {
                 names.wakeups(),
                 json!({"type": "wakeup.cancel", "reason": reason}),
             )
+        } else if let Some(retry) = step.get("retry") {
+            let mut v = retry.clone();
+            v["type"] = "wakeup.retry".into();
+            (names.wakeups(), v)
         } else {
             panic!("{run_id}: an unknown step {step}");
         };
@@ -301,6 +403,72 @@ impl Inputs<'_> {
         value["tenant"] = TENANT.into();
         let at = self.send(topic.clone(), run_id, value).await;
         (topic, at)
+    }
+
+    /// Replays the stored dead letter read at `at` (its `source_topic`,
+    /// `source_partition` and `source_offset`) through the operator API,
+    /// and checks that its record went back as it was refused: its key,
+    /// value and headers byte for byte, with the replay's id.
+    async fn replay(&self, run_id: &str, at: &Value) {
+        let topic = prefixed(&at["source_topic"], &self.config.kafka.topic_prefix);
+        let topic = topic.as_str().unwrap();
+        let op = self.operator;
+        let letter = op
+            .letter_at(topic, &at["source_partition"], &at["source_offset"])
+            .await;
+        let id = &letter["id"];
+        let (_, whole) = op
+            .call("GET", &format!("/v1/dead-letters/{id}"), None)
+            .await;
+        let path = format!("/v1/dead-letters/{id}/replay");
+        let (status, replay) = op.call("POST", &path, Some(&json!({}))).await;
+        assert_eq!(
+            (status, &replay["status"]),
+            (200, &json!("replayed")),
+            "{replay}"
+        );
+        assert_eq!(replay["run"]["run_id"], run_id, "{replay}");
+        let record = read_record(topic, &replay["partition"], &replay["offset"]).await;
+        let bytes = |b: &Value| {
+            serde_json::from_value::<Option<Bytes>>(b.clone())
+                .unwrap()
+                .map(|b| b.to_vec().unwrap())
+        };
+        assert_eq!(record.key().map(<[u8]>::to_vec), bytes(&whole["key"]));
+        assert_eq!(record.payload().map(<[u8]>::to_vec), bytes(&whole["value"]));
+        let mut expected: Vec<(String, Option<Vec<u8>>)> = whole["headers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| (h["key"].as_str().unwrap().to_owned(), bytes(&h["value"])))
+            .collect();
+        let replay_id = replay["replay_id"].as_str().unwrap().as_bytes().to_vec();
+        expected.push((REPLAY_ID.to_owned(), Some(replay_id)));
+        let headers: Vec<(String, Option<Vec<u8>>)> = record
+            .headers()
+            .map(|hs| {
+                hs.iter()
+                    .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        assert_eq!(headers, expected, "the replay of {run_id}'s letter");
+    }
+}
+
+/// The record at `partition` and `offset` of `topic`.
+async fn read_record(topic: &str, partition: &Value, offset: &Value) -> OwnedMessage {
+    let (partition, offset) = (partition.as_i64().unwrap(), offset.as_i64().unwrap());
+    let reader = common::reader(&[topic]);
+    let deadline = tokio::time::Instant::now() + DONE;
+    loop {
+        let m = tokio::time::timeout_at(deadline, reader.recv())
+            .await
+            .unwrap_or_else(|_| panic!("no record at {topic}/{partition}/{offset}"))
+            .expect("reading the topic");
+        if i64::from(m.partition()) == partition && m.offset() == offset {
+            return m.detach();
+        }
     }
 }
 
@@ -338,6 +506,9 @@ async fn finish_run(db: &TestDb, inputs: &Inputs<'_>, fixture: &Fixture, plan: &
                 known.insert(stamp);
             }
             Some(stamp) => inputs.result(run_id, stamp, &step["output"]).await,
+            None if step.get("replay").is_some() => {
+                inputs.replay(run_id, &step["replay"]).await;
+            }
             None => sent.push(inputs.other(run_id, step).await),
         }
     }
@@ -381,15 +552,16 @@ async fn assert_still_purged(
 }
 
 /// The run's history is the fixture's, then exactly the expected kinds at
-/// the next seqs; its row and state agree with it, the state in this
-/// binary's version.
+/// the next seqs (each transition's detail with the fields `details` names
+/// for it, if the fixture names any); its row and state agree with it, the
+/// state in this binary's version. A run the fixture has no row of (one a
+/// replayed letter starts) has no history before.
 async fn assert_history_goes_on(db: &TestDb, fixture: &Fixture, run_id: &str, expect: &Value) {
-    let stored = fixture
-        .rows("runs")
-        .iter()
-        .find(|r| r["run_id"] == run_id)
-        .unwrap_or_else(|| panic!("{}: no run {run_id}", fixture.name));
-    let last = stored["last_transition_seq"].as_i64().unwrap();
+    let stored = fixture.rows("runs").iter().find(|r| r["run_id"] == run_id);
+    let (last, stored_version) = stored.map_or((0, 0), |r| {
+        let seq = r["last_transition_seq"].as_i64().unwrap();
+        (seq, r["record_version"].as_i64().unwrap())
+    });
     let history = transitions(db, run_id).await;
     let seqs: Vec<i64> = history.iter().map(|t| t.0).collect();
     let total = i64::try_from(history.len()).unwrap();
@@ -409,13 +581,24 @@ async fn assert_history_goes_on(db: &TestDb, fixture: &Fixture, run_id: &str, ex
         new_kinds, expected,
         "{run_id}: the transitions after the upgrade"
     );
+    if let Some(details) = expect["details"].as_array() {
+        let new: Vec<&Value> = history
+            .iter()
+            .filter(|t| t.0 > last)
+            .map(|t| &t.2)
+            .collect();
+        assert_details(run_id, details, &new);
+    }
     let row = run_row(db, run_id).await.unwrap();
     assert_eq!(row.last_transition_seq, total, "{run_id}");
     let written = total - last;
-    assert_eq!(
-        row.record_version,
-        stored["record_version"].as_i64().unwrap() + written,
-        "{run_id}: one version per transition"
+    // One version per write of the run; a write holds each transition of
+    // the run that one batch of inputs made (a signal and a retry sent
+    // together may be one).
+    let versions = row.record_version - stored_version;
+    assert!(
+        (written.min(1)..=written).contains(&versions),
+        "{run_id}: {versions} versions for {written} transitions"
     );
     assert_eq!(row.state["last_transition_seq"], total, "{run_id}");
     if written > 0 {
@@ -424,6 +607,16 @@ async fn assert_history_goes_on(db: &TestDb, fixture: &Fixture, run_id: &str, ex
             ductor::coordinator::STATE_VERSION,
             "{run_id}: written back in this binary's version"
         );
+    }
+}
+
+/// Each new transition's detail has the fields its expectation names.
+fn assert_details(run_id: &str, expected: &[Value], details: &[&Value]) {
+    assert_eq!(expected.len(), details.len(), "{run_id}: the details");
+    for (want, got) in expected.iter().zip(details) {
+        for (field, value) in want.as_object().expect("expected fields") {
+            assert_eq!(&got[field], value, "{run_id}: {field} of {got}");
+        }
     }
 }
 
@@ -555,6 +748,213 @@ async fn assert_shapes_carried_over(db: &TestDb) {
     }
 }
 
+/// Every stored dead letter is listed through the operator API as it was
+/// recorded, and read whole: its key, its headers (non-UTF-8 bytes and
+/// all) and its value, however long. A letter replayed already answers a
+/// second replay with the first one's outcome and produces nothing; a
+/// discarded one is neither replayed nor discarded again. The pending ones
+/// are replayed by their runs' `finish`.
+async fn assert_letters_carried_over(config: &Config, operator: &Operator, fixtures: &[Fixture]) {
+    let runs: HashSet<&str> = fixtures
+        .iter()
+        .flat_map(|f| f.rows("runs"))
+        .filter_map(|r| r["run_id"].as_str())
+        .collect();
+    let letters: Vec<&Value> = fixtures
+        .iter()
+        .flat_map(|f| f.rows("dead_letters"))
+        .collect();
+    assert!(!letters.is_empty(), "the stored dead letters are there");
+    let prefix = &config.kafka.topic_prefix;
+    let topic_of = |l: &Value| {
+        prefixed(&l["source_topic"], prefix)
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let mut before: BTreeMap<String, i64> = BTreeMap::new();
+    for topic in letters.iter().map(|l| topic_of(l)) {
+        let n = records(topic.clone()).await;
+        before.insert(topic, n);
+    }
+    for stored in letters {
+        let (partition, offset) = (&stored["source_partition"], &stored["source_offset"]);
+        let listed = operator
+            .letter_at(&topic_of(stored), partition, offset)
+            .await;
+        assert_listed_as_stored(&listed, stored);
+        let path = format!("/v1/dead-letters/{}", listed["id"]);
+        let (status, whole) = operator.call("GET", &path, None).await;
+        assert_eq!(status, 200, "{whole}");
+        assert_eq!(whole["headers"], stored["headers"], "{listed}");
+        assert_eq!(whole["key"], bytes_view(&stored["record_key"]), "{listed}");
+        assert_eq!(whole["value"], bytes_view(&stored["value"]), "{listed}");
+        assert_settled_stays_so(operator, &listed, stored, &runs).await;
+    }
+    for (topic, n) in before {
+        assert_eq!(
+            records(topic.clone()).await,
+            n,
+            "a replay produced to {topic}"
+        );
+    }
+}
+
+/// The status a stored letter's row gives it.
+fn letter_status(stored: &Value) -> &'static str {
+    if !stored["discarded_at"].is_null() {
+        "discarded"
+    } else if !stored["replayed_at"].is_null() {
+        "replayed"
+    } else if !stored["replay_id"].is_null() {
+        "replaying"
+    } else {
+        "pending"
+    }
+}
+
+/// A letter as the listing shows it, against its stored row.
+fn assert_listed_as_stored(listed: &Value, stored: &Value) {
+    for (field, column) in [
+        ("stage", "stage"),
+        ("class", "class"),
+        ("error", "error"),
+        ("input_type", "input_type"),
+        ("tenant", "tenant_scope"),
+        ("run_id", "run_id"),
+        ("value_bytes", "value_bytes"),
+        ("key_dropped", "key_dropped"),
+        ("headers_dropped", "headers_dropped"),
+    ] {
+        assert_eq!(listed[field], stored[column], "{field} of {listed}");
+    }
+    assert_eq!(listed["status"], letter_status(stored), "{listed}");
+    let cut = !stored["value"].is_null()
+        && Some(bytea_text(&stored["value"]).len() as u64) < stored["value_bytes"].as_u64();
+    assert_eq!(listed["value_cut"], cut, "{listed}");
+    if !stored["replay_id"].is_null() {
+        let replay = &listed["replay"];
+        assert_eq!(replay["replay_id"], stored["replay_id"], "{listed}");
+        assert_eq!(
+            replay["partition"], stored["replayed_partition"],
+            "{listed}"
+        );
+        assert_eq!(replay["offset"], stored["replayed_offset"], "{listed}");
+        assert_eq!(replay["signed"], stored["replay_signed"], "{listed}");
+    }
+    if !stored["discarded_at"].is_null() {
+        assert_eq!(
+            listed["discard"]["reason"], stored["discard_reason"],
+            "{listed}"
+        );
+    }
+}
+
+/// The API's view of a stored `bytea` cell: UTF-8 text, or base64.
+fn bytes_view(cell: &Value) -> Value {
+    if cell.is_null() {
+        return Value::Null;
+    }
+    serde_json::to_value(Bytes::of(bytea_text(cell).as_bytes())).unwrap()
+}
+
+/// A replayed letter, replayed again, answers with its first replay and
+/// its run (`runs`: those the fixtures hold); it cannot be discarded. A
+/// discarded one is not replayed, and keeps its first reason.
+async fn assert_settled_stays_so(
+    operator: &Operator,
+    listed: &Value,
+    stored: &Value,
+    runs: &HashSet<&str>,
+) {
+    let id = &listed["id"];
+    let replay = format!("/v1/dead-letters/{id}/replay");
+    let discard = format!("/v1/dead-letters/{id}/discard");
+    let again = json!({"reason": "looked at again after the upgrade"});
+    match letter_status(stored) {
+        "replayed" => {
+            let (status, answer) = operator.call("POST", &replay, Some(&json!({}))).await;
+            assert_eq!(status, 200, "{answer}");
+            assert_eq!(answer["status"], "already_replayed", "{answer}");
+            assert_eq!(answer["replay_id"], stored["replay_id"], "{answer}");
+            assert_eq!(
+                answer["partition"], stored["replayed_partition"],
+                "{answer}"
+            );
+            assert_eq!(answer["offset"], stored["replayed_offset"], "{answer}");
+            assert_eq!(answer["run"]["run_id"], stored["run_id"], "{answer}");
+            let run = stored["run_id"].as_str().unwrap_or_default();
+            assert_eq!(answer["run"]["exists"], runs.contains(run), "{answer}");
+            let (status, answer) = operator.call("POST", &discard, Some(&again)).await;
+            assert_eq!(
+                (status, &answer["error"]["code"]),
+                (409, &json!("letter_settled"))
+            );
+        }
+        "discarded" => {
+            let (status, answer) = operator.call("POST", &replay, Some(&json!({}))).await;
+            assert_eq!(
+                (status, &answer["error"]["code"]),
+                (409, &json!("letter_settled"))
+            );
+            let (status, answer) = operator.call("POST", &discard, Some(&again)).await;
+            assert_eq!(status, 200, "{answer}");
+            assert_eq!(answer["status"], "already_discarded", "{answer}");
+            assert_eq!(answer["reason"], stored["discard_reason"], "{answer}");
+        }
+        _ => {}
+    }
+}
+
+/// What the shapes since retries show: a retried step's attempts
+/// numbered on from the stored ones; each run's retries kept, the stored
+/// one with the new.
+async fn assert_retries_carried_over(db: &TestDb) {
+    for (run_id, step, attempts, retries) in [
+        (
+            "fx-v2-retried",
+            1,
+            vec![1, 2, 3],
+            vec!["retry-card-1", "retry-card-2"],
+        ),
+        ("fx-v2-failed", 0, vec![1, 2], vec!["retry-warehouse-1"]),
+    ] {
+        let numbers: Vec<i32> = sqlx::query_scalar(
+            "SELECT attempt FROM run_attempts WHERE run_id = $1 AND step_index = $2 ORDER BY 1",
+        )
+        .bind(run_id)
+        .bind(step)
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            numbers, attempts,
+            "{run_id}: the attempts of its retried step"
+        );
+        let state = run_row(db, run_id).await.unwrap().state;
+        let kept: Vec<&str> = state["retries"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{run_id} keeps its retries: {state}"))
+            .iter()
+            .map(|r| r["action_id"].as_str().unwrap())
+            .collect();
+        assert_eq!(kept, retries, "{run_id}");
+    }
+}
+
+/// A stored letter replayed after the upgrade starts a run that continues
+/// the trace its headers carried.
+async fn assert_replayed_letters_carried_over(db: &TestDb) {
+    let replayed = run_row(db, "fx-d1-pending").await.unwrap().state;
+    let traceparent = replayed["trace"]["traceparent"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        traceparent.starts_with("00-0af7651916cd43dd8448eb211c80319c-"),
+        "the replayed start continues its letter's trace: {replayed}"
+    );
+}
+
 /// How many records `topic` holds.
 async fn records(topic: String) -> i64 {
     tokio::task::spawn_blocking(move || {
@@ -582,7 +982,7 @@ async fn records(topic: String) -> i64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn todays_serve_finishes_the_runs_of_every_stored_shape_that_shipped() {
     let fixtures = fixtures();
-    assert!(fixtures.len() >= 8, "the fixtures are there");
+    assert!(fixtures.len() >= 11, "the fixtures are there");
     let db = TestDb::empty().await;
     let config = test_config(&db);
     let prefix = config.kafka.topic_prefix.clone();
@@ -593,11 +993,14 @@ async fn todays_serve_finishes_the_runs_of_every_stored_shape_that_shipped() {
         .await
         .expect("creating topics");
     let serve = Running::start(&config).await;
+    let operator = Operator::new(&db, serve.admin).await;
+    assert_letters_carried_over(&config, &operator, &fixtures).await;
 
     let producer = producer();
     let inputs = Inputs {
         config: &config,
         producer: &producer,
+        operator: &operator,
     };
     let drivers = fixtures
         .iter()
@@ -607,6 +1010,8 @@ async fn todays_serve_finishes_the_runs_of_every_stored_shape_that_shipped() {
 
     assert_effects_published(&db, &config, &fixtures).await;
     assert_shapes_carried_over(&db).await;
+    assert_retries_carried_over(&db).await;
+    assert_replayed_letters_carried_over(&db).await;
     assert_eq!(
         records(config.topic_names().dead_letters()).await,
         0,
@@ -646,9 +1051,11 @@ async fn a_state_newer_than_this_binary_is_set_apart_and_left_as_it_is() {
     let before = run_row(&db, &run_id).await.unwrap();
 
     let producer = producer();
+    let operator = Operator::new(&db, serve.admin).await;
     let inputs = Inputs {
         config: &config,
         producer: &producer,
+        operator: &operator,
     };
     let stamp = before.state["outstanding"]["stamp"].as_str().unwrap();
     inputs.result(&run_id, stamp, &json!({"charged": 6})).await;
@@ -678,6 +1085,26 @@ async fn a_state_newer_than_this_binary_is_set_apart_and_left_as_it_is() {
     assert_eq!(after.record_version, before.record_version);
     assert_eq!(transitions(&db, &run_id).await.len(), 1);
     serve.stop().await;
+    db.drop_db().await;
+}
+
+/// A state version comes with a migration of its own, which keeps the
+/// binaries before it away (see the test below): the schema names the
+/// version this binary writes, so a new version without a migration that
+/// says so fails here.
+#[tokio::test]
+async fn the_schema_names_the_state_version_this_binary_writes() {
+    let db = TestDb::migrated().await;
+    let comment: Option<String> = sqlx::query_scalar(
+        "SELECT col_description(attrelid, attnum) FROM pg_attribute \
+         WHERE attrelid = 'runs'::regclass AND attname = 'state'",
+    )
+    .fetch_one(&db.owner)
+    .await
+    .unwrap();
+    let comment = comment.expect("runs.state has a comment");
+    let version = format!("state version {}", ductor::coordinator::STATE_VERSION);
+    assert!(comment.contains(&version), "{comment}");
     db.drop_db().await;
 }
 

@@ -6,9 +6,10 @@
 //! document carries the version of its shape (`v`, [`STATE_VERSION`] when
 //! written; see [`super::stored`] for how older ones load and newer ones
 //! are refused); the optional fields (`waiting`, `start_fingerprint`,
-//! `trace`, a signal's `payload` and `fingerprint`) default when absent, so
-//! a document written without them still loads; a run records at most
-//! [`MAX_SIGNALS_PER_RUN`] signals, a bound the fold enforces.
+//! `trace`, `retries`, `failed_seq`, a signal's `payload` and
+//! `fingerprint`) default when absent, so a document written without them
+//! still loads; a run records at most [`MAX_SIGNALS_PER_RUN`] signals, a
+//! bound the fold enforces.
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -169,8 +170,10 @@ pub struct Purged {
 
 /// The version of the stored state's shape that this binary writes. A
 /// document without `v` is version 1, the shape of every state written
-/// before the version was kept.
-pub const STATE_VERSION: u32 = 2;
+/// before the version was kept; version 3 keeps `retries` and `failed_seq`
+/// (see [`super::stored`]), and came with the migration
+/// `20261206000021_state_version_3`, which the column's comment names.
+pub const STATE_VERSION: u32 = 3;
 
 /// The version of a document that has no `v`.
 pub(super) fn unversioned() -> u32 {

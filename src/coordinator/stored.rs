@@ -26,7 +26,18 @@
 //!    newer form, but a binary of the first form that went on running
 //!    after it wrote the first form again: such a state loads too, its
 //!    newest output becoming `output`.
-//! 2. `"v": 2`: version 1's newer form with its version written.
+//! 2. `"v": 2`: version 1's newer form with its version written. Since
+//!    `7d5d594` (retries) also `retries` (each retry the run applied: its
+//!    action id, when, from which step) and `failed_seq` (the `run.failed`
+//!    transition a retry names), optional; the binaries of version 2
+//!    before them ignore both and write a state back without them.
+//! 3. `"v": 3`: version 2 with `retries` and `failed_seq`, under a version
+//!    of its own that came with the migration
+//!    `20261206000021_state_version_3`, so that no binary that would drop
+//!    them starts on a database that may hold them. A version 2 state
+//!    loads as it is, with those fields or without: without `failed_seq`,
+//!    a failed run is failed by its last transition
+//!    ([`RunState::failure_seq`]).
 //!
 //! A new version adds a step to [`upgrade`] and a fixture of the version
 //! before it. Binaries before this version ignore fields they do not know
@@ -79,8 +90,11 @@ pub fn upgrade(mut document: Value) -> Result<Value, StateDecodeError> {
             known: STATE_VERSION,
         });
     }
-    if version == 1 {
+    if version < 2 {
         document = from_version_1(document);
+    }
+    if version < 3 {
+        document = from_version_2(document);
     }
     Ok(document)
 }
@@ -122,6 +136,18 @@ fn from_version_1(mut document: Value) -> Value {
         }
     }
     fields.insert("v".into(), 2.into());
+    document
+}
+
+/// Version 2 to 3: the same fields, so only the version is written. A
+/// version 2 state with `retries` and `failed_seq` keeps them; one without
+/// was written before retries, or by a binary that did not know them, and
+/// they default (no retry applied; a failed run failed by its last
+/// transition, [`RunState::failure_seq`]).
+fn from_version_2(mut document: Value) -> Value {
+    if let Some(fields) = document.as_object_mut() {
+        fields.insert("v".into(), 3.into());
+    }
     document
 }
 
@@ -210,10 +236,68 @@ mod tests {
                 ..
             })
         ));
-        let message = StateDecodeError::Newer { found: 3, known: 2 }.to_string();
+        let message = StateDecodeError::Newer { found: 4, known: 3 }.to_string();
         assert!(
-            message.contains("version 3") && message.contains("version 2"),
+            message.contains("version 4") && message.contains("version 3"),
             "{message}"
+        );
+    }
+
+    /// A state of version 2 as the binaries with retries wrote it: failed
+    /// again after a retry, its retries and failure kept.
+    fn version_2_retried() -> Value {
+        let mut state = version_1();
+        state["v"] = json!(2);
+        state["status"] = json!("failed");
+        state["error"] = json!("step 1 attempt 2 failed: declined");
+        state["retries"] = json!([{"action_id": "retry-1",
+            "at": "2026-12-06T01:00:00Z", "step_index": 1}]);
+        state["failed_seq"] = json!(5);
+        state["record_version"] = json!(5);
+        state["last_transition_seq"] = json!(5);
+        state
+    }
+
+    #[test]
+    fn a_state_of_version_2_loads_as_it_is_with_or_without_retries() {
+        let retried = version_2_retried();
+        let mut expected = retried.clone();
+        expected["v"] = json!(3);
+        assert_eq!(upgrade(retried.clone()), Ok(expected));
+        let state = decode(&bytes(&retried)).unwrap();
+        assert_eq!(state.encoding_version, STATE_VERSION);
+        assert_eq!(state.retries.len(), 1);
+        assert_eq!(state.retries[0].action_id, "retry-1");
+        assert_eq!(state.failure_seq(), Some(5));
+        // Written back in version 3, with both.
+        let written = serde_json::to_value(&state).unwrap();
+        assert_eq!(written["v"], 3);
+        assert_eq!(written["retries"], retried["retries"]);
+        assert_eq!(written["failed_seq"], 5);
+        assert_eq!(decode(&bytes(&written)).unwrap(), state);
+
+        // Without them (a run failed before retries, or written back by a
+        // binary that did not know them): no retry applied, and the run is
+        // failed by its last transition.
+        let mut before = retried;
+        let fields = before.as_object_mut().unwrap();
+        fields.remove("retries");
+        fields.remove("failed_seq");
+        before["last_transition_seq"] = json!(7);
+        let state = decode(&bytes(&before)).unwrap();
+        assert!(state.retries.is_empty());
+        assert_eq!(state.failed_seq, None);
+        assert_eq!(state.failure_seq(), Some(7));
+        let written = serde_json::to_value(&state).unwrap();
+        assert!(written.get("retries").is_none() && written.get("failed_seq").is_none());
+        // A running one of version 2 is the same run in version 3.
+        let mut running = version_1();
+        running["v"] = json!(2);
+        let mut current = running.clone();
+        current["v"] = json!(3);
+        assert_eq!(
+            decode(&bytes(&running)).unwrap(),
+            decode(&bytes(&current)).unwrap()
         );
     }
 
@@ -237,17 +321,24 @@ mod tests {
         ));
     }
 
-    /// Every state of `tests/fixtures/stored/`, the shapes that shipped,
-    /// loads as the current version (the integration test `upgrades` runs
-    /// them to their end).
+    /// Every state of `tests/fixtures/stored/` and `dead_letters/`, the
+    /// shapes that shipped, loads as the current version (the integration
+    /// test `upgrades` runs them to their end).
     #[test]
     fn every_stored_shape_that_shipped_loads() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/stored");
+        let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
         let mut states = 0;
-        for entry in std::fs::read_dir(dir).unwrap() {
-            let path = entry.unwrap().path();
+        let files = ["stored", "dead_letters"]
+            .iter()
+            .flat_map(|dir| std::fs::read_dir(fixtures.join(dir)).unwrap())
+            .map(|entry| entry.unwrap().path())
+            .filter(|path| path.extension().is_some_and(|x| x == "json"));
+        for path in files {
             let fixture: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-            for run in fixture["rows"]["runs"].as_array().unwrap() {
+            let runs = fixture["rows"]["runs"]
+                .as_array()
+                .map_or(&[][..], Vec::as_slice);
+            for run in runs {
                 let state = decode(&bytes(&run["state"]))
                     .unwrap_or_else(|e| panic!("{}: {}: {e}", path.display(), run["run_id"]));
                 assert_eq!(state.encoding_version, STATE_VERSION);
