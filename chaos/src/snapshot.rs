@@ -1,7 +1,8 @@
 //! Everything the checker reads from Postgres once the system has settled:
-//! every run with its transitions, attempts and effect intents, and every
-//! routing decision. [`super::history`] checks one run's rows against each
-//! other; [`super::check`] checks them against the log and the topics.
+//! every run with its transitions, attempts and effect intents, every
+//! routing decision and every recorded dead letter. [`super::history`]
+//! checks one run's rows against each other; [`super::check`] checks them
+//! against the log and the topics.
 
 use anyhow::Context as _;
 use chrono::{DateTime, Utc};
@@ -84,6 +85,33 @@ pub struct RoutingRow {
     pub decision_id: Option<String>,
 }
 
+/// A `dead_letters` row: where its input was, its class, and its replay.
+#[derive(Debug, Clone, Default)]
+pub struct LetterRow {
+    pub id: i64,
+    pub source_topic: String,
+    pub source_partition: i32,
+    pub source_offset: i64,
+    pub class: String,
+    /// The replay that claimed it, if one did.
+    pub replay_id: Option<String>,
+    /// The replay recorded where its record landed.
+    pub replayed: bool,
+    pub replayed_partition: Option<i32>,
+    pub replayed_offset: Option<i64>,
+}
+
+impl LetterRow {
+    /// Where its input was read.
+    pub fn source(&self) -> (String, i32, i64) {
+        (
+            self.source_topic.clone(),
+            self.source_partition,
+            self.source_offset,
+        )
+    }
+}
+
 /// Everything read from Postgres.
 #[derive(Default)]
 pub struct DbSnapshot {
@@ -92,6 +120,7 @@ pub struct DbSnapshot {
     pub attempts: Vec<AttemptRow>,
     pub intents: Vec<IntentRow>,
     pub routing: Vec<RoutingRow>,
+    pub letters: Vec<LetterRow>,
 }
 
 /// Reads every table the checks need.
@@ -103,6 +132,7 @@ pub async fn load_db(pool: &PgPool) -> anyhow::Result<DbSnapshot> {
         attempts: read_table(pool, ATTEMPTS, "run_attempts", AttemptRow::decode).await?,
         intents: read_table(pool, INTENTS, "eec_effect_intent", IntentRow::decode).await?,
         routing: read_table(pool, ROUTING, "eec_routing_idempotency", RoutingRow::decode).await?,
+        letters: read_table(pool, LETTERS, "dead_letters", LetterRow::decode).await?,
     })
 }
 
@@ -126,6 +156,11 @@ const INTENTS: &str = "SELECT run_id, seq, effect_index, idempotency_key, tenant
 
 const ROUTING: &str = "SELECT tenant_scope, pool_id, idempotency_key, status, decision_id \
      FROM eec_routing_idempotency";
+
+const LETTERS: &str = "SELECT id, source_topic, source_partition, source_offset, class, \
+         replay_id::text AS replay_id, replayed_at IS NOT NULL AS replayed, replayed_partition, \
+         replayed_offset \
+     FROM dead_letters ORDER BY id";
 
 /// Every row `sql` selects from `table`, each decoded by `decode`.
 async fn read_table<T>(
@@ -230,6 +265,22 @@ impl RoutingRow {
             key: row.try_get("idempotency_key")?,
             status: row.try_get("status")?,
             decision_id: row.try_get("decision_id")?,
+        })
+    }
+}
+
+impl LetterRow {
+    fn decode(row: &PgRow) -> sqlx::Result<LetterRow> {
+        Ok(LetterRow {
+            id: row.try_get("id")?,
+            source_topic: row.try_get("source_topic")?,
+            source_partition: row.try_get("source_partition")?,
+            source_offset: row.try_get("source_offset")?,
+            class: row.try_get("class")?,
+            replay_id: row.try_get("replay_id")?,
+            replayed: row.try_get("replayed")?,
+            replayed_partition: row.try_get("replayed_partition")?,
+            replayed_offset: row.try_get("replayed_offset")?,
         })
     }
 }
