@@ -59,6 +59,9 @@
 //!   `replay_differs`, `replay_duplicated`, `replay_fate_changed`,
 //!   `replay_applied` — the load's replays of dead letters; see
 //!   [`super::replays`].
+//! - `run_counts_differ` — the operator's kept count of a (tenant,
+//!   workflow, version, status), what `GET /v1/runs/counts` answers, is
+//!   not the number of such runs; see [`super::counts`].
 //! - `tenant_crossing` — an effect whose `ductor-tenant` header or payload
 //!   tenant is not its run's tenant; a decision (HTTP answer, `run.accepted`,
 //!   the created run) in another tenant than the request's.
@@ -335,6 +338,8 @@ pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
     let dlq_topic = names.dead_letters();
 
     histories(inp, &ix, v);
+    let counts = super::counts::kept(&db.run_counts);
+    super::counts::compare(&counts, &super::counts::counted(&db.runs), "settled", v);
     timeouts_not_slow(inp.records, db, &ix.attempt_by_stamp, v);
     lanes_stalled(inp.records, v);
     intents_without_run(db, &ix, v);

@@ -35,6 +35,7 @@
 
 pub mod afterlife;
 pub mod check;
+pub mod counts;
 pub mod fuzz;
 pub mod history;
 pub mod keys;

@@ -1,6 +1,7 @@
 //! Everything the checker reads from Postgres once the system has settled:
 //! every run with its transitions, attempts and effect intents, every
-//! routing decision and every recorded dead letter. [`super::history`]
+//! routing decision, every recorded dead letter and the operator's kept
+//! counts of runs. [`super::history`]
 //! checks one run's rows against each other; [`super::check`] checks them
 //! against the log and the topics.
 
@@ -8,7 +9,7 @@ use anyhow::Context as _;
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::postgres::PgRow;
-use sqlx::{PgPool, Row};
+use sqlx::{PgConnection, PgPool, Row};
 use uuid::Uuid;
 
 /// A `runs` row.
@@ -112,6 +113,17 @@ impl LetterRow {
     }
 }
 
+/// A `run_counts` row: the runs of one tenant, workflow version and
+/// status, as the operator's counts keep them.
+#[derive(Debug, Clone)]
+pub struct CountRow {
+    pub tenant: String,
+    pub workflow: String,
+    pub workflow_version: i32,
+    pub status: String,
+    pub n: i64,
+}
+
 /// Everything read from Postgres.
 #[derive(Default)]
 pub struct DbSnapshot {
@@ -121,19 +133,44 @@ pub struct DbSnapshot {
     pub intents: Vec<IntentRow>,
     pub routing: Vec<RoutingRow>,
     pub letters: Vec<LetterRow>,
+    pub run_counts: Vec<CountRow>,
 }
 
-/// Reads every table the checks need.
+/// Reads every table the checks need, in one snapshot (a repeatable-read
+/// transaction), so that rows of different tables (runs and their counts)
+/// agree as they did at one instant.
 pub async fn load_db(pool: &PgPool) -> anyhow::Result<DbSnapshot> {
-    Ok(DbSnapshot {
-        runs: read_table(pool, RUNS, "runs", RunRow::decode).await?,
-        transitions: read_table(pool, TRANSITIONS, "run_transitions", TransitionRow::decode)
-            .await?,
-        attempts: read_table(pool, ATTEMPTS, "run_attempts", AttemptRow::decode).await?,
-        intents: read_table(pool, INTENTS, "eec_effect_intent", IntentRow::decode).await?,
-        routing: read_table(pool, ROUTING, "eec_routing_idempotency", RoutingRow::decode).await?,
-        letters: read_table(pool, LETTERS, "dead_letters", LetterRow::decode).await?,
-    })
+    let mut tx = pool.begin().await.context("beginning the snapshot")?;
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .execute(&mut *tx)
+        .await
+        .context("making the snapshot repeatable")?;
+    let c = &mut *tx;
+    let snapshot = DbSnapshot {
+        runs: read_table(c, RUNS, "runs", RunRow::decode).await?,
+        transitions: read_table(c, TRANSITIONS, "run_transitions", TransitionRow::decode).await?,
+        attempts: read_table(c, ATTEMPTS, "run_attempts", AttemptRow::decode).await?,
+        intents: read_table(c, INTENTS, "eec_effect_intent", IntentRow::decode).await?,
+        routing: read_table(c, ROUTING, "eec_routing_idempotency", RoutingRow::decode).await?,
+        letters: read_table(c, LETTERS, "dead_letters", LetterRow::decode).await?,
+        run_counts: read_table(c, RUN_COUNTS, "run_counts", CountRow::decode).await?,
+    };
+    tx.rollback().await.context("ending the snapshot")?;
+    Ok(snapshot)
+}
+
+/// The operator's kept counts of runs, and the runs counted the same way
+/// (by tenant, workflow, version and status), in one statement's snapshot.
+pub async fn run_counts(pool: &PgPool) -> anyhow::Result<(Vec<CountRow>, Vec<CountRow>)> {
+    let mut tx = pool.begin().await.context("beginning the snapshot")?;
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .execute(&mut *tx)
+        .await
+        .context("making the snapshot repeatable")?;
+    let kept = read_table(&mut tx, RUN_COUNTS, "run_counts", CountRow::decode).await?;
+    let counted = read_table(&mut tx, RUNS_COUNTED, "runs", CountRow::decode).await?;
+    tx.rollback().await.context("ending the snapshot")?;
+    Ok((kept, counted))
 }
 
 const RUNS: &str = "SELECT run_id, tenant_scope, pool_id, workflow_name, workflow_version, status, \
@@ -162,15 +199,22 @@ const LETTERS: &str = "SELECT id, source_topic, source_partition, source_offset,
          replayed_offset \
      FROM dead_letters ORDER BY id";
 
+const RUN_COUNTS: &str = "SELECT tenant_scope, workflow_name, workflow_version, status, n \
+     FROM run_counts";
+
+const RUNS_COUNTED: &str = "SELECT tenant_scope, workflow_name, workflow_version, status, \
+         count(*) AS n \
+     FROM runs GROUP BY 1, 2, 3, 4";
+
 /// Every row `sql` selects from `table`, each decoded by `decode`.
 async fn read_table<T>(
-    pool: &PgPool,
+    conn: &mut PgConnection,
     sql: &str,
     table: &str,
     decode: impl Fn(&PgRow) -> sqlx::Result<T>,
 ) -> anyhow::Result<Vec<T>> {
     let rows = sqlx::query(sql)
-        .fetch_all(pool)
+        .fetch_all(conn)
         .await
         .with_context(|| format!("reading {table}"))?;
     let mut out = Vec::with_capacity(rows.len());
@@ -281,6 +325,18 @@ impl LetterRow {
             replayed: row.try_get("replayed")?,
             replayed_partition: row.try_get("replayed_partition")?,
             replayed_offset: row.try_get("replayed_offset")?,
+        })
+    }
+}
+
+impl CountRow {
+    fn decode(row: &PgRow) -> sqlx::Result<CountRow> {
+        Ok(CountRow {
+            tenant: row.try_get("tenant_scope")?,
+            workflow: row.try_get("workflow_name")?,
+            workflow_version: row.try_get("workflow_version")?,
+            status: row.try_get("status")?,
+            n: row.try_get("n")?,
         })
     }
 }
