@@ -8,6 +8,8 @@
 //!
 //! - `purge_incomplete` — after retention deleted every finished run, a run,
 //!   transition or attempt row is left, or a purged run has no tombstone.
+//! - `run_counts_differ` — after the purge, the operator's kept counts
+//!   still count a run that is gone (see [`super::counts`]).
 //! - `purged_run_resurrected` — after the redelivery settled, a run row
 //!   exists again, or a purged run's tombstone is gone.
 
@@ -80,6 +82,15 @@ where
             format!("{purged} runs purged, {tombstones} tombstones")
         });
     }
+    // The purge takes its runs out of the operator's counts in the same
+    // statement: none may be left counted.
+    let (kept, counted) = super::snapshot::run_counts(pool).await?;
+    super::counts::compare(
+        &super::counts::kept(&kept),
+        &super::counts::kept(&counted),
+        "purged",
+        v,
+    );
     let redelivered = redeliver(config, records, msgs).await?;
     settle().await?;
     let runs = resurrected(pool).await?;

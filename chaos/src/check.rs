@@ -55,6 +55,13 @@
 //!   timed out, although the worker's answer to that attempt was
 //!   acknowledged by the broker before the attempt's deadline (and was not
 //!   one it sent late on purpose): a crash of Ductor failed a healthy run.
+//! - `replay_not_recorded`, `replay_answers_differ`, `replay_not_on_topic`,
+//!   `replay_differs`, `replay_duplicated`, `replay_fate_changed`,
+//!   `replay_applied` — the load's replays of dead letters; see
+//!   [`super::replays`].
+//! - `run_counts_differ` — the operator's kept count of a (tenant,
+//!   workflow, version, status), what `GET /v1/runs/counts` answers, is
+//!   not the number of such runs; see [`super::counts`].
 //! - `tenant_crossing` — an effect whose `ductor-tenant` header or payload
 //!   tenant is not its run's tenant; a decision (HTTP answer, `run.accepted`,
 //!   the created run) in another tenant than the request's.
@@ -106,6 +113,8 @@ pub struct Report {
     /// again (see [`super::afterlife`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub afterlife: Option<super::afterlife::Afterlife>,
+    /// The load's replays of dead letters (see [`super::replays`]).
+    pub replays: super::replays::ReplayFigures,
     pub violations: BTreeMap<String, u64>,
     pub examples: BTreeMap<String, Vec<String>>,
 }
@@ -119,9 +128,9 @@ impl Report {
 /// Settles, reads everything and checks it.
 pub async fn run(args: &CheckArgs, config: &Config) -> anyhow::Result<Report> {
     let records = log::read(&args.log)?;
-    let faults = match &args.faults {
+    let (faults, deaths_ms) = match &args.faults {
         Some(path) => read_faults(path)?,
-        None => BTreeMap::new(),
+        None => (BTreeMap::new(), Vec::new()),
     };
     let workflows = ductor::infra::workflows::load_dir(&config.coordinator.workflows_dir)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -153,6 +162,7 @@ pub async fn run(args: &CheckArgs, config: &Config) -> anyhow::Result<Report> {
             settle_at,
             config,
             workflows: &workflows,
+            deaths_ms: &deaths_ms,
         },
         &mut v,
     );
@@ -191,21 +201,30 @@ async fn connect(config: &Config) -> anyhow::Result<PgPool> {
         .with_context(|| format!("connecting to {}", config.database.url))
 }
 
-fn read_faults(path: &Path) -> anyhow::Result<BTreeMap<String, u64>> {
-    let mut out = BTreeMap::new();
+/// The faults by kind, and when a serve died (a SIGKILL or a failpoint
+/// crash), ms since the epoch.
+fn read_faults(path: &Path) -> anyhow::Result<(BTreeMap<String, u64>, Vec<i64>)> {
+    let (mut out, mut deaths) = (BTreeMap::new(), Vec::new());
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((out, deaths)),
         Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
     };
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
-        let kind = serde_json::from_str::<Value>(line)
-            .ok()
-            .and_then(|v| v.get("kind").and_then(Value::as_str).map(String::from))
-            .unwrap_or_else(|| "unknown".into());
+        let fault = serde_json::from_str::<Value>(line).unwrap_or_default();
+        let kind = fault
+            .get("kind")
+            .and_then(Value::as_str)
+            .unwrap_or("unknown")
+            .to_string();
+        if (kind == "kill_serve" || kind.starts_with("crash:"))
+            && let Some(t) = fault.get("t_ms").and_then(Value::as_i64)
+        {
+            deaths.push(t);
+        }
         *out.entry(kind).or_default() += 1;
     }
-    Ok(out)
+    Ok((out, deaths))
 }
 
 /// Every topic the checker reads: the inputs, the events, the DLQ, every
@@ -307,6 +326,8 @@ pub struct Inputs<'a> {
     pub settle_at: DateTime<Utc>,
     pub config: &'a Config,
     pub workflows: &'a Workflows,
+    /// When a serve died, ms since the epoch (from the faults file).
+    pub deaths_ms: &'a [i64],
 }
 
 /// Runs every check over the data.
@@ -317,6 +338,8 @@ pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
     let dlq_topic = names.dead_letters();
 
     histories(inp, &ix, v);
+    let counts = super::counts::kept(&db.run_counts);
+    super::counts::compare(&counts, &super::counts::counted(&db.runs), "settled", v);
     timeouts_not_slow(inp.records, db, &ix.attempt_by_stamp, v);
     lanes_stalled(inp.records, v);
     intents_without_run(db, &ix, v);
@@ -332,6 +355,17 @@ pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
     off_contract(inp.msgs, &dead, &names.inputs(), v);
     let logged = logged_inputs(inp.records, &ix, &dead, &accepted, v);
     let answered = http_answers(inp.records, &ix, v);
+    let replays = super::replays::check(
+        &super::replays::Seen {
+            records: inp.records,
+            letters: &db.letters,
+            msgs: inp.msgs,
+            transitions: &db.transitions,
+            inputs: &names.inputs(),
+            deaths_ms: inp.deaths_ms,
+        },
+        v,
+    );
 
     Report {
         faults: BTreeMap::new(),
@@ -339,6 +373,7 @@ pub fn analyse(inp: &Inputs<'_>, v: &mut Violations) -> Report {
         runs: db.runs.len() as u64,
         duplicate_deliveries: duplicate_deliveries(&deliveries),
         afterlife: None,
+        replays,
         violations: v.counts.clone(),
         examples: v.examples.clone(),
     }
@@ -1533,6 +1568,7 @@ mod tests {
                 settle_at: Utc::now(),
                 config: &config,
                 workflows: &Workflows::default(),
+                deaths_ms: &[],
             },
             &mut v,
         );
@@ -1636,6 +1672,7 @@ mod tests {
                 settle_at: Utc::now(),
                 config: &config,
                 workflows: &Workflows::default(),
+                deaths_ms: &[],
             },
             &mut v,
         );

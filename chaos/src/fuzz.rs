@@ -8,7 +8,15 @@
 //! numbers, values deep, wide or long past a limit, wrong types, duplicated
 //! keys, empty or garbage values, garbage keys and headers) that the
 //! ingress's own decoder refuses; the harness keeps only those, so each one
-//! has a known fate. It then proves:
+//! has a known fate. The valid messages are a start, a signal, a result and
+//! a `wakeup.retry`, whose own fields get mutations of their own too (an
+//! action id too long, of characters no id has, with U+0000 or an unpaired
+//! surrogate; a field missing; a failed seq of the wrong type or inexact).
+//! Once every run ended it also sends retries the decoder takes, whose
+//! fate is the coordinator's: a retry of a failed run's failure, the same
+//! again, one naming a failure the run never had, one of a run that did not
+//! fail, one in another tenant than the run's, one of a run that does not
+//! exist. It then proves:
 //!
 //! - every good run completes (`good_run_not_completed`), although the
 //!   worker sends a failure under a stamp no attempt has and a duplicate of
@@ -20,14 +28,21 @@
 //!   `bad_input_dead_lettered_twice`, `dead_letter_without_class`), and no
 //!   good input does (`good_input_dead_lettered`);
 //! - every hostile HTTP body gets a 4xx with an error code (`http_not_4xx`);
+//! - of the retries the decoder takes, the one of a failure applies once
+//!   (`retry_not_applied`), the others make no transition of their own
+//!   (`retry_applied_wrongly`), and only the other tenant's and the
+//!   unknown run's are dead-lettered, once each, as `tenant_mismatch` and
+//!   `unknown_run` (`retry_not_dead_lettered_once`, `retry_misclassified`;
+//!   a letter of any other is `good_input_dead_lettered`);
 //! - the serve never stops, the coordinator's lag returns to zero and its
 //!   `ductor_ingress_stalled_lanes` gauge, read every second, stays zero
 //!   (`serve_stopped`, `lag_not_zero`, `lane_stalled`);
 //! - the serve's peak RSS stays under the bound (`peak_rss_over_bound`).
 //!
 //! The report is one JSON line: `{"bad_inputs":N,"good_runs":N,
-//! "dead_lettered":N,"http_4xx":N,"classes":{..},"peak_rss_mb":N,
-//! "violations":{..}}`.
+//! "dead_lettered":N,"http_4xx":N,"hostile_retries":N,"retries":N,
+//! "retries_applied":N,"retries_dead_lettered":N,"classes":{..},
+//! "peak_rss_mb":N,"violations":{..}}`.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
@@ -84,6 +99,15 @@ pub struct FuzzReport {
     /// Results the harness's worker sent beside its own: a failure under a
     /// stamp no attempt has, and a duplicate of its answer.
     pub hostile_results: usize,
+    /// Of the hostile inputs, those made from a `wakeup.retry`.
+    pub hostile_retries: usize,
+    /// Retries the decoder takes, sent once the garbage runs failed (see
+    /// [`send_retries`]), and those that applied.
+    pub retries: usize,
+    pub retries_applied: usize,
+    /// Of those, the ones the coordinator refused (another tenant's, an
+    /// unknown run's), each dead-lettered once with its class.
+    pub retries_dead_lettered: usize,
     /// Runs whose worker returned garbage.
     pub garbage_runs: usize,
     /// Dead letters and HTTP error codes, by class.
@@ -115,30 +139,73 @@ impl FuzzReport {
 #[derive(Debug, Clone)]
 pub struct Hostile {
     pub topic: InputTopic,
+    /// The valid message it was made from.
+    pub base: Base,
     pub key: Vec<u8>,
     pub value: Vec<u8>,
     pub headers: Vec<(String, Vec<u8>)>,
 }
 
-/// A valid message of `topic`, the base of the mutations.
-fn base(rng: &mut StdRng, topic: InputTopic) -> Value {
+/// The kinds of valid message the mutations start from; the wakeups topic
+/// has two, a signal and a retry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Base {
+    Start,
+    Signal,
+    Retry,
+    Result,
+}
+
+impl Base {
+    /// One of `topic`'s bases, at random.
+    fn of(rng: &mut StdRng, topic: InputTopic) -> Base {
+        match topic {
+            InputTopic::Requests => Base::Start,
+            InputTopic::Wakeups if rng.random_bool(0.5) => Base::Retry,
+            InputTopic::Wakeups => Base::Signal,
+            InputTopic::AttemptResults => Base::Result,
+        }
+    }
+
+    /// The field the generic mutations put their values in.
+    fn field(self) -> &'static str {
+        match self {
+            Base::Start => "input",
+            Base::Signal => "payload",
+            Base::Retry => "action_id",
+            Base::Result => "output",
+        }
+    }
+}
+
+/// A valid message of `base`'s kind, the base of the mutations.
+fn base(rng: &mut StdRng, base: Base) -> Value {
     let run_id = format!("fuzz-{}", rng.random::<u64>());
-    match topic {
-        InputTopic::Requests => json!({
+    match base {
+        Base::Start => json!({
             "type": "run.start", "schema_version": 1, "run_id": run_id, "tenant": "acme",
             "workflow": "example", "input": {"order": rng.random::<u32>(), "items": [1, 2.5, "x"]},
             "correlation_id": "c-1",
         }),
-        InputTopic::Wakeups => json!({
+        Base::Signal => json!({
             "type": "wakeup.signal", "schema_version": 1, "run_id": run_id, "tenant": "acme",
             "signal_id": "s-1", "name": "poke", "payload": {"note": "hello"},
         }),
-        InputTopic::AttemptResults => json!({
+        Base::Retry => retry_envelope(&run_id, "acme", "a-1", rng.random_range(1..64)),
+        Base::Result => json!({
             "type": "attempt.result", "schema_version": 1, "run_id": run_id, "tenant": "acme",
             "stamp": uuid::Uuid::from_u128(rng.random()), "outcome": "succeeded",
             "output": {"done": true},
         }),
     }
+}
+
+/// A `wakeup.retry` of `run_id`'s failure `failed_seq`, under `action_id`.
+fn retry_envelope(run_id: &str, tenant: &str, action_id: &str, failed_seq: i64) -> Value {
+    json!({
+        "type": "wakeup.retry", "schema_version": 1, "run_id": run_id, "tenant": tenant,
+        "action_id": action_id, "failed_seq": failed_seq, "reason": "fuzz",
+    })
 }
 
 /// A value nested `depth` arrays deep.
@@ -164,15 +231,15 @@ fn with_raw(base: &str, field: &str, raw: &str) -> String {
     }
 }
 
-/// One mutation of a valid message of `topic`; what it becomes may still
-/// be valid, which [`hostile`] checks.
-fn mutate(rng: &mut StdRng, topic: InputTopic, limits: &InputLimits) -> Vec<u8> {
-    let text = base(rng, topic).to_string();
-    let field = match topic {
-        InputTopic::Requests => "input",
-        InputTopic::Wakeups => "payload",
-        InputTopic::AttemptResults => "output",
-    };
+/// One mutation of a valid message of `kind`; what it becomes may still
+/// be valid, which [`hostile`] checks. A retry gets a mutation of its own
+/// fields one time in two.
+fn mutate(rng: &mut StdRng, kind: Base, limits: &InputLimits) -> Vec<u8> {
+    let text = base(rng, kind).to_string();
+    let field = kind.field();
+    if kind == Base::Retry && rng.random_bool(0.5) {
+        return retry_mutation(rng, &text);
+    }
     match rng.random_range(0..18u32) {
         n @ 0..=1 => damaged(rng, n, text.as_bytes()),
         n @ 2..=6 => with_bad_text(rng, n, &text, field),
@@ -264,12 +331,68 @@ fn wrong_shape(rng: &mut StdRng, n: u32, text: &str) -> Vec<u8> {
     }
 }
 
+/// A retry whose own fields are wrong: an action id too long (0) or of
+/// characters an id may not have (1), with U+0000 (2) or an unpaired
+/// surrogate (3) in it; a required field missing (4); a failed seq of the
+/// wrong type or past what a number holds exactly (5); a reason that is no
+/// string (6).
+fn retry_mutation(rng: &mut StdRng, text: &str) -> Vec<u8> {
+    let max_id = ductor::contract::input::MAX_ID_LEN;
+    match rng.random_range(0..7u32) {
+        0 => with_raw(
+            text,
+            "action_id",
+            &format!("\"{}\"", "a".repeat(max_id + 1)),
+        ),
+        1 => with_raw(
+            text,
+            "action_id",
+            [
+                r#""a b""#,
+                r#""a/b""#,
+                r#""\u00e9t\u00e9""#,
+                r#""""#,
+                r#""a\tb""#,
+            ][rng.random_range(0..5)],
+        ),
+        2 => with_raw(text, "action_id", r#""a\u0000b""#),
+        3 => with_raw(text, "action_id", r#""a\udc00""#),
+        4 => {
+            let field = ["run_id", "tenant", "action_id", "failed_seq"][rng.random_range(0..4)];
+            let mut v: Value = serde_json::from_str(text).unwrap_or_default();
+            if let Some(o) = v.as_object_mut() {
+                o.remove(field);
+            }
+            v.to_string()
+        }
+        5 => with_raw(
+            text,
+            "failed_seq",
+            [
+                r#""3""#,
+                "1.5",
+                "1e400",
+                "null",
+                "[3]",
+                "99999999999999999999",
+            ][rng.random_range(0..6)],
+        ),
+        _ => with_raw(
+            text,
+            "reason",
+            ["7", "{}", "[\"x\"]"][rng.random_range(0..3)],
+        ),
+    }
+    .into_bytes()
+}
+
 /// A hostile message for `topic` that the ingress's decoder refuses, with
 /// a garbage key or header now and then; `None` when the mutations drawn
 /// all came out valid.
 pub fn hostile(rng: &mut StdRng, topic: InputTopic, limits: &InputLimits) -> Option<Hostile> {
     for _ in 0..16 {
-        let value = mutate(rng, topic, limits);
+        let kind = Base::of(rng, topic);
+        let value = mutate(rng, kind, limits);
         let source = Source {
             topic: String::new(),
             partition: 0,
@@ -295,6 +418,7 @@ pub fn hostile(rng: &mut StdRng, topic: InputTopic, limits: &InputLimits) -> Opt
         };
         return Some(Hostile {
             topic,
+            base: kind,
             key,
             value,
             headers,
@@ -333,7 +457,7 @@ pub async fn run(config: &Config, args: &FuzzArgs) -> anyhow::Result<FuzzReport>
     let authorization = &authorization[FUZZ_TENANT];
     let sent = send(config, args, serve.addr, authorization, &mut report).await;
     let checked = match sent {
-        Ok(sent) => check(config, args, &sent, &hostile, &mut report).await,
+        Ok(mut sent) => check(config, args, &mut sent, &hostile, &mut report).await,
         Err(e) => Err(e),
     };
     shutdown.cancel();
@@ -510,6 +634,15 @@ struct Sent {
     bad: HashSet<(String, i32, i64)>,
     good: Vec<String>,
     garbage: Vec<String>,
+    /// Retries the decoder takes that must apply: (run, action id).
+    retried: Vec<(String, String)>,
+    /// Retries the decoder takes that must change nothing (a failure named
+    /// again under the same action id, a stale failed seq, a run that is
+    /// not failed): (run, action id).
+    unapplied: Vec<(String, String)>,
+    /// Retries the coordinator must refuse, where they landed, with the
+    /// class it must refuse them with.
+    refused_retries: HashMap<(String, i32, i64), &'static str>,
 }
 
 /// One good run in this many is a garbage run.
@@ -538,6 +671,9 @@ async fn send(
         bad: HashSet::new(),
         good: Vec::new(),
         garbage: Vec::new(),
+        retried: Vec::new(),
+        unapplied: Vec::new(),
+        refused_retries: HashMap::new(),
     };
     let good_every = (args.bad_inputs / args.good_runs.max(1)).max(1);
     let mut pending = Vec::new();
@@ -552,6 +688,9 @@ async fn send(
             continue;
         };
         report.bad_inputs += 1;
+        if h.base == Base::Retry {
+            report.hostile_retries += 1;
+        }
         if args.http_every > 0 && report.bad_inputs.is_multiple_of(args.http_every) {
             post_hostile(addr, authorization, &h.value, report).await;
             continue;
@@ -692,7 +831,7 @@ async fn post_good(addr: SocketAddr, authorization: &str, key: &str) -> anyhow::
 async fn check(
     config: &Config,
     args: &FuzzArgs,
-    sent: &Sent,
+    sent: &mut Sent,
     hostile: &HostileWorker,
     report: &mut FuzzReport,
 ) -> anyhow::Result<()> {
@@ -700,11 +839,17 @@ async fn check(
     report.garbage_runs = sent.garbage.len();
     let pool = ductor::infra::db::connect(&config.database).await?;
     settle(config, args, sent, &pool).await?;
+    // The garbage runs have failed: retries of them, and of runs that did
+    // not fail, then everything settles again.
+    send_retries(config, &pool, sent, report).await?;
+    settle(config, args, sent, &pool).await?;
+    retries_kept(&pool, sent, report).await?;
     // Every run has ended, so every first step has been answered.
     let stale = hostile.stale_positions();
     let letters = read_letters(config).await?;
     let seen = tally_letters(letters, sent, &stale, report);
     report.dead_lettered = seen.bad.len();
+    report.retries_dead_lettered = seen.retries.len();
     dead_lettered_once(sent, &stale, &seen, report);
     runs_ended(&pool, sent, report).await?;
     let lag = ingress_lag(config).await?;
@@ -729,17 +874,18 @@ async fn read_letters(config: &Config) -> anyhow::Result<Vec<Letter>> {
     .context("reading the dead-letter topic")?
 }
 
-/// How often each input was dead-lettered: the hostile Kafka inputs, and
-/// the worker's stale failures.
+/// How often each input was dead-lettered: the hostile Kafka inputs, the
+/// worker's stale failures and the retries the coordinator refuses.
 #[derive(Default)]
 struct Seen {
     bad: HashMap<(String, i32, i64), usize>,
     stale: HashMap<(String, i32, i64), usize>,
+    retries: HashMap<(String, i32, i64), usize>,
 }
 
 /// Counts the dead letters by class and by input. Each names a stage and a
-/// class; a stale failure is refused as `unknown_stamp`; a letter of
-/// neither a hostile input nor a stale failure is a good input refused.
+/// class; a stale failure is refused as `unknown_stamp`, a refused retry
+/// as its plan says; a letter of none of these is a good input refused.
 fn tally_letters(
     letters: Vec<Letter>,
     sent: &Sent,
@@ -766,6 +912,16 @@ fn tally_letters(
             *seen.stale.entry(position).or_default() += 1;
             continue;
         }
+        if let Some(expected) = sent.refused_retries.get(&position) {
+            if class != *expected {
+                report.violation("retry_misclassified", || {
+                    format!("{position:?} ({class}, not {expected})")
+                });
+            }
+            *report.classes.entry(class).or_default() += 1;
+            *seen.retries.entry(position).or_default() += 1;
+            continue;
+        }
         if !sent.bad.contains(&position) {
             report.violation("good_input_dead_lettered", || {
                 format!("{position:?} ({class})")
@@ -778,8 +934,8 @@ fn tally_letters(
     seen
 }
 
-/// Every hostile Kafka input and every stale failure was dead-lettered
-/// exactly once.
+/// Every hostile Kafka input, every stale failure and every retry the
+/// coordinator refuses was dead-lettered exactly once.
 fn dead_lettered_once(
     sent: &Sent,
     stale: &HashSet<(String, i32, i64)>,
@@ -799,6 +955,14 @@ fn dead_lettered_once(
         if seen.stale.get(position) != Some(&1) {
             let n = seen.stale.get(position).copied().unwrap_or(0);
             report.violation("stale_result_not_dead_lettered_once", || {
+                format!("{position:?} {n} times")
+            });
+        }
+    }
+    for position in sent.refused_retries.keys() {
+        if seen.retries.get(position) != Some(&1) {
+            let n = seen.retries.get(position).copied().unwrap_or(0);
+            report.violation("retry_not_dead_lettered_once", || {
                 format!("{position:?} {n} times")
             });
         }
@@ -829,8 +993,9 @@ async fn runs_ended(
 }
 
 /// Waits, within the settle bound, until the dead-letter topic holds at
-/// least a letter per hostile Kafka input, every good and garbage run has
-/// ended and the coordinator's lag is zero. Counting watermarks keeps the
+/// least a letter per hostile Kafka input, every retry that must apply
+/// has, every good and garbage run has ended and the coordinator's lag is
+/// zero. Counting watermarks keeps the
 /// wait in constant memory however long the topic is.
 async fn settle(
     config: &Config,
@@ -853,7 +1018,8 @@ async fn settle(
             + count_status(pool, &runs, "failed").await?;
         // Offsets are committed a moment after they are stored: the lag
         // returning to zero is part of settling.
-        let done = letters >= sent.bad.len() as i64
+        let done = letters >= (sent.bad.len() + sent.refused_retries.len()) as i64
+            && applied_retries(pool, &sent.retried).await? >= sent.retried.len()
             && ended >= runs.len()
             && ingress_lag(config).await? == 0;
         if done || tokio::time::Instant::now() >= deadline {
@@ -861,6 +1027,183 @@ async fn settle(
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
+}
+
+/// Runs that get the retries of [`send_retries`], of each kind.
+const MAX_RETRIED_RUNS: i64 = 16;
+
+/// The retries of [`send_retries`] and what each must come to.
+enum Fate {
+    /// Retries the run: a `run.retried` transition under its action id.
+    Applies,
+    /// Changes nothing: no transition of its own.
+    NoOp,
+    /// Refused by the coordinator: dead-lettered once, with this class.
+    DeadLettered(&'static str),
+}
+
+/// Retries the decoder takes, sent once every run ended, each keyed by its
+/// run: for each garbage run (failed), a retry of its failure (it applies,
+/// and the run fails again as its worker answers garbage again), the same
+/// retry again (a no-op), a retry naming a failure it never had (a no-op)
+/// and one in another tenant (dead-lettered: `tenant_mismatch`); for a
+/// good run, which did not fail, a retry (a no-op); and a retry of a run
+/// that does not exist (dead-lettered: `unknown_run`).
+async fn send_retries(
+    config: &Config,
+    pool: &sqlx::PgPool,
+    sent: &mut Sent,
+    report: &mut FuzzReport,
+) -> anyhow::Result<()> {
+    let failed: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT run_id, COALESCE((state->>'failed_seq')::int8, last_transition_seq) FROM runs \
+         WHERE run_id = ANY($1) AND status = 'failed' ORDER BY run_id LIMIT $2",
+    )
+    .bind(&sent.garbage)
+    .bind(MAX_RETRIED_RUNS)
+    .fetch_all(pool)
+    .await
+    .context("reading the failed runs")?;
+    let succeeded: Vec<String> = sqlx::query_scalar(
+        "SELECT run_id FROM runs WHERE run_id = ANY($1) AND status = 'succeeded' \
+         ORDER BY run_id LIMIT $2",
+    )
+    .bind(&sent.good)
+    .bind(MAX_RETRIED_RUNS)
+    .fetch_all(pool)
+    .await
+    .context("reading the succeeded runs")?;
+    let retries = retry_plan(&failed, &succeeded);
+    let producer: FutureProducer = ductor::infra::kafka::producer(&config.kafka, "fuzz-retries")?;
+    let topic = config.topic_names().wakeups();
+    for (envelope, fate) in retries {
+        let run_id = envelope["run_id"].as_str().unwrap_or_default().to_owned();
+        let action = envelope["action_id"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        let value = envelope.to_string();
+        let record = FutureRecord::to(&topic)
+            .key(run_id.as_bytes())
+            .payload(value.as_bytes());
+        // One at a time: a run's retries reach its partition in this order.
+        let delivery = producer
+            .send(record, Duration::from_secs(30))
+            .await
+            .map_err(|(e, _)| e)
+            .context("producing a retry")?;
+        report.retries += 1;
+        match fate {
+            Fate::Applies => sent.retried.push((run_id, action)),
+            Fate::NoOp => sent.unapplied.push((run_id, action)),
+            Fate::DeadLettered(class) => {
+                let at = (topic.clone(), delivery.partition, delivery.offset);
+                sent.refused_retries.insert(at, class);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The retries of [`send_retries`] for the failed runs (with the seq of
+/// their failure) and the succeeded ones, in the order they are sent.
+fn retry_plan(failed: &[(String, i64)], succeeded: &[String]) -> Vec<(Value, Fate)> {
+    let mut retries = Vec::new();
+    for (k, (run_id, seq)) in failed.iter().enumerate() {
+        let action = format!("fuzz-retry-{k}");
+        for fate in [Fate::Applies, Fate::NoOp] {
+            retries.push((retry_envelope(run_id, "acme", &action, *seq), fate));
+        }
+        let stale = format!("fuzz-stale-{k}");
+        retries.push((
+            retry_envelope(run_id, "acme", &stale, seq + 1_000_000),
+            Fate::NoOp,
+        ));
+        let other = format!("fuzz-other-{k}");
+        retries.push((
+            retry_envelope(run_id, "globex", &other, *seq),
+            Fate::DeadLettered("tenant_mismatch"),
+        ));
+    }
+    for (k, run_id) in succeeded.iter().enumerate() {
+        let action = format!("fuzz-unfailed-{k}");
+        retries.push((retry_envelope(run_id, "acme", &action, 1), Fate::NoOp));
+        let nx = format!("fuzz-nx-{k}");
+        retries.push((
+            retry_envelope(&nx, "acme", &action, 1),
+            Fate::DeadLettered("unknown_run"),
+        ));
+    }
+    retries
+}
+
+/// How many transitions each (run, action id) of `retries` made.
+async fn retry_transitions(
+    pool: &sqlx::PgPool,
+    retries: &[(String, String)],
+) -> anyhow::Result<HashMap<(String, String), i64>> {
+    // Each (run, action id) once: the same retry sent twice is one row.
+    let retries: std::collections::BTreeSet<&(String, String)> = retries.iter().collect();
+    let runs: Vec<&str> = retries.iter().map(|(r, _)| r.as_str()).collect();
+    let refs: Vec<String> = retries.iter().map(|(_, a)| format!("retry:{a}")).collect();
+    let rows: Vec<(String, String, i64)> = sqlx::query_as(
+        "SELECT t.run_id, t.input_ref, count(*) FROM run_transitions t \
+         JOIN UNNEST($1::text[], $2::text[]) AS r(run_id, input_ref) USING (run_id, input_ref) \
+         GROUP BY 1, 2",
+    )
+    .bind(&runs)
+    .bind(&refs)
+    .fetch_all(pool)
+    .await
+    .context("reading the retries' transitions")?;
+    Ok(rows
+        .into_iter()
+        .map(|(run, input_ref, n)| {
+            let action = input_ref.trim_start_matches("retry:").to_owned();
+            ((run, action), n)
+        })
+        .collect())
+}
+
+/// How many of `retries` made their transition.
+async fn applied_retries(
+    pool: &sqlx::PgPool,
+    retries: &[(String, String)],
+) -> anyhow::Result<usize> {
+    if retries.is_empty() {
+        return Ok(0);
+    }
+    Ok(retry_transitions(pool, retries).await?.len())
+}
+
+/// Each retry that must apply made one transition, `run.retried`; each
+/// that must change nothing made none of its own (a retry sent again
+/// under an applied one's action id adds none).
+async fn retries_kept(
+    pool: &sqlx::PgPool,
+    sent: &Sent,
+    report: &mut FuzzReport,
+) -> anyhow::Result<()> {
+    let mut all = sent.retried.clone();
+    all.extend(sent.unapplied.iter().cloned());
+    let made = retry_transitions(pool, &all).await?;
+    let applied: HashSet<&(String, String)> = sent.retried.iter().collect();
+    for retry in &sent.retried {
+        match made.get(retry) {
+            Some(1) => report.retries_applied += 1,
+            n => report.violation("retry_not_applied", || {
+                format!("{retry:?} made {} transitions", n.copied().unwrap_or(0))
+            }),
+        }
+    }
+    for retry in sent.unapplied.iter().filter(|r| !applied.contains(r)) {
+        if let Some(n) = made.get(retry) {
+            report.violation("retry_applied_wrongly", || {
+                format!("{retry:?} made {n} transitions")
+            });
+        }
+    }
+    Ok(())
 }
 
 /// What the checks need of a dead letter: where its input was, its class,
@@ -955,6 +1298,7 @@ mod tests {
         };
         let mut rng = StdRng::seed_from_u64(7);
         let mut classes = BTreeMap::new();
+        let mut retry_classes = BTreeMap::new();
         let source = Source {
             topic: String::new(),
             partition: 0,
@@ -972,6 +1316,21 @@ mod tests {
             let refused = ductor::harness::classify(topic, &h.value, &source, &limits)
                 .expect_err("only refused inputs are kept");
             *classes.entry(refused.class.as_str()).or_insert(0) += 1;
+            if h.base == Base::Retry {
+                *retry_classes.entry(refused.class.as_str()).or_insert(0) += 1;
+            }
+        }
+        for class in [
+            "malformed",
+            "nul_character",
+            "unpaired_surrogate",
+            "inexact_number",
+            "invalid",
+        ] {
+            assert!(
+                retry_classes.contains_key(class),
+                "{class} never drawn from a retry: {retry_classes:?}"
+            );
         }
         for class in [
             "malformed",
@@ -992,5 +1351,38 @@ mod tests {
                 "{class} never drawn: {classes:?}"
             );
         }
+    }
+
+    /// Each failed run gets a retry that applies, the same again, one of a
+    /// failure it never had and one of another tenant; each succeeded run
+    /// a retry and one of a run that does not exist.
+    #[test]
+    fn the_retries_the_decoder_takes_have_each_fate() {
+        let failed = [("f-1".to_string(), 7), ("f-2".to_string(), 9)];
+        let plan = retry_plan(&failed, &["s-1".to_string()]);
+        let fates = |f: fn(&Fate) -> bool| plan.iter().filter(|(_, fate)| f(fate)).count();
+        assert_eq!(fates(|f| matches!(f, Fate::Applies)), 2);
+        assert_eq!(fates(|f| matches!(f, Fate::NoOp)), 5);
+        assert_eq!(fates(|f| matches!(f, Fate::DeadLettered(_))), 3);
+        let limits = ductor::config::Config::load_from(None, Vec::<(String, String)>::new())
+            .unwrap()
+            .input_limits();
+        let source = Source {
+            topic: String::new(),
+            partition: 0,
+            offset: 0,
+        };
+        for (envelope, _) in &plan {
+            let bytes = envelope.to_string().into_bytes();
+            assert!(
+                ductor::harness::classify(InputTopic::Wakeups, &bytes, &source, &limits).is_ok(),
+                "the decoder takes {envelope}"
+            );
+        }
+        let (first, again) = (&plan[0].0, &plan[1].0);
+        assert_eq!(first, again, "the same retry twice");
+        assert_eq!(first["failed_seq"], 7);
+        assert_eq!(plan[2].0["failed_seq"], 1_000_007, "a failure it never had");
+        assert_eq!(plan[3].0["tenant"], "globex");
     }
 }

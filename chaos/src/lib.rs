@@ -35,11 +35,13 @@
 
 pub mod afterlife;
 pub mod check;
+pub mod counts;
 pub mod fuzz;
 pub mod history;
 pub mod keys;
 pub mod load;
 pub mod log;
+pub mod replays;
 pub mod restart;
 pub mod snapshot;
 pub mod topics;
@@ -67,8 +69,9 @@ pub struct LoadArgs {
     #[arg(long)]
     pub http: Vec<std::net::SocketAddr>,
     /// `ductor serve` admin addresses (`server.admin_listen`, repeatable)
-    /// whose `/metrics` the driver reads each second for stalled lanes;
-    /// none, no such watch.
+    /// whose `/metrics` the driver reads each second for stalled lanes, and
+    /// through which it replays dead letters with an `admin` key; none, no
+    /// such watch and no replays.
     #[arg(long)]
     pub admin: Vec<std::net::SocketAddr>,
     /// Upper bound of the wind-down after `--duration-s`.

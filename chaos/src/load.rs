@@ -15,6 +15,8 @@
 //! - signals (some ids repeated) and cancels (some repeated) to runs seen
 //!   alive on the events topic, and retries of failures seen there (naming
 //!   the failure; some action ids repeated, some in two copies);
+//! - replays of the dead letters its bad inputs caused, over the admin
+//!   API, some asked for twice (see [`super::replays`]);
 //! - bad inputs: malformed JSON, unknown type, unsupported schema version,
 //!   wrong topic, missing field, unknown run, wrong tenant for an existing
 //!   run, unknown stamp, unknown workflow, and the hostile inputs of
@@ -50,6 +52,7 @@ use uuid::Uuid;
 
 use super::LoadArgs;
 use super::log::{self, LogWriter, Record};
+use super::replays::Replayer;
 use ductor::client::worker::{StepDispatch, StepOutcome};
 use ductor::config::Config;
 
@@ -266,6 +269,8 @@ struct Driver {
     authorization: BTreeMap<String, String>,
     /// The serves' admin addresses, where their metrics are.
     admin: Vec<SocketAddr>,
+    /// Replays dead letters through the admin addresses, when there are any.
+    replayer: Option<Replayer>,
     sends: Semaphore,
     http_slots: Semaphore,
     delayed: AtomicUsize,
@@ -310,7 +315,11 @@ pub async fn run(
     let started = Instant::now();
     let (names, pools) = workflows_and_pools(&config)?;
     let keys = super::keys::issue(&config, &args.tenants).await?;
-    let driver = Arc::new(Driver::new(&args, &config, names, keys)?);
+    let replayer = match args.admin.is_empty() {
+        true => None,
+        false => Replayer::new(&args.admin, super::keys::issue_admin(&config).await?),
+    };
+    let driver = Arc::new(Driver::new(&args, &config, names, keys, replayer)?);
     stop_when_orphaned(stop.clone(), abort.clone());
     let background = Background::start(&driver, &config, &pools)?;
     driver.clone().produce(&args, &stop, &abort).await;
@@ -498,6 +507,7 @@ impl Driver {
         config: &Config,
         workflows: Vec<String>,
         authorization: BTreeMap<String, String>,
+        replayer: Option<Replayer>,
     ) -> anyhow::Result<Driver> {
         let mut producer_cfg = ductor::infra::kafka::producer_config(&config.kafka, "chaos-load");
         producer_cfg.set("message.timeout.ms", SEND_TIMEOUT_MS.to_string());
@@ -516,6 +526,7 @@ impl Driver {
             http: args.http.clone(),
             authorization,
             admin: args.admin.clone(),
+            replayer,
             sends: Semaphore::new(MAX_SENDS_IN_FLIGHT),
             http_slots: Semaphore::new(MAX_HTTP_IN_FLIGHT),
             delayed: AtomicUsize::new(0),
@@ -694,6 +705,7 @@ impl Driver {
             70..74 => self.cancel().await,
             74..76 => self.late_result().await,
             76..78 => self.retry().await,
+            78..80 => self.replay().await,
             _ => self.bad().await,
         }
     }
@@ -1187,6 +1199,43 @@ impl Driver {
             self.send(rec, &self.wakeups, run_id.as_bytes(), &bytes)
                 .await;
         }
+    }
+
+    /// A replay of a dead letter, as an operator would: one pending letter,
+    /// or the few oldest of its class and topic; a replayed letter is now
+    /// and then replayed again a few seconds later on the other serve (a
+    /// second replay, which must produce nothing), often after a serve died
+    /// meanwhile. Without admin addresses, a bad input instead.
+    async fn replay(self: Arc<Self>) {
+        let Some(replayer) = &self.replayer else {
+            return self.bad().await;
+        };
+        let Some(letter) = replayer.pending().await else {
+            return;
+        };
+        if chance(0.2) {
+            let calls = replayer.replay_set(&self.log, &letter).await;
+            return self.count_replays(calls);
+        }
+        let first = rand::random_range(0..self.admin.len().max(1));
+        let (calls, answered_by) = replayer.replay(&self.log, &letter, first, None).await;
+        self.count_replays(calls);
+        let Some(server) = answered_by.filter(|_| chance(0.35)) else {
+            return;
+        };
+        let d = self.clone();
+        self.tasks.spawn(async move {
+            tokio::time::sleep(ms(2_000..12_000)).await;
+            if let Some(replayer) = &d.replayer {
+                let again = Some(log::NOTE_AGAIN);
+                let (calls, _) = replayer.replay(&d.log, &letter, server + 1, again).await;
+                d.count_replays(calls);
+            }
+        });
+    }
+
+    fn count_replays(&self, calls: u64) {
+        self.with_book(|b| *b.summary.sent.entry("replay".into()).or_default() += calls);
     }
 
     /// Re-sends an old result: late and out of order; the coordinator must

@@ -20,6 +20,9 @@ pub const EV_HTTP: &str = "http";
 /// A serve reported stalled apply lanes (`ductor_ingress_stalled_lanes`
 /// above zero); `server` names it, `note` says how many lanes.
 pub const EV_STALL: &str = "stall";
+/// One call of an operator's replay of dead letters over the admin API
+/// (see [`super::replays`]); `kind` says which.
+pub const EV_REPLAY: &str = "replay";
 
 /// Input kinds (`Record::kind`).
 pub const KIND_START: &str = "start";
@@ -29,19 +32,29 @@ pub const KIND_CANCEL: &str = "cancel";
 pub const KIND_RETRY: &str = "retry";
 pub const KIND_RESULT: &str = "result";
 pub const KIND_BAD: &str = "bad";
+/// A replay of one letter (`POST /v1/dead-letters/{id}/replay`), or one
+/// letter a replay of a set replayed (`note` = [`NOTE_IN_SET`]).
+pub const KIND_REPLAY: &str = "replay";
+/// A replay of the letters a filter finds (`POST /v1/dead-letters/replay`):
+/// the call itself, its filter in `class` and `topic`.
+pub const KIND_REPLAY_SET: &str = "replay_set";
+/// The note of a letter a replay of a set replayed.
+pub const NOTE_IN_SET: &str = "in_set";
+/// The note of a letter's replay asked for again on purpose.
+pub const NOTE_AGAIN: &str = "again";
 
 /// One logged event. Fields that do not apply are absent.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Record {
-    /// [`EV_INPUT`] (a message produced to Kafka) or [`EV_HTTP`] (one
-    /// `POST /v1/runs` exchange).
+    /// [`EV_INPUT`] (a message produced to Kafka), [`EV_HTTP`] (one
+    /// `POST /v1/runs` exchange), [`EV_STALL`] or [`EV_REPLAY`].
     pub ev: String,
     /// Wall clock, milliseconds since the Unix epoch, when the fate of the
     /// event was known (acknowledgement or answer).
     pub t_ms: i64,
     /// Input kind: `start` (client-chosen run id), `routed` (a start without
     /// run id, routed by the coordinator), `signal`, `cancel`, `retry`,
-    /// `result`, `bad`.
+    /// `result`, `bad`; for an [`EV_REPLAY`], `replay` or `replay_set`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kind: Option<String>,
     /// Intended good (must be applied or be a harmless duplicate, never
@@ -94,6 +107,19 @@ pub struct Record {
     pub answer_run_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub answer_tenant: Option<String>,
+    /// A replay: the dead letter's id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub letter: Option<i64>,
+    /// A replay: the `ductor-replay-id` the answer named (its record is at
+    /// `topic`, `partition`, `offset`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay_id: Option<String>,
+    /// A replay: what the answer said it did (`replayed`, `already_replayed`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<String>,
+    /// A replay: the letter's class, or the one a set's filter names.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class: Option<String>,
     /// Why the event failed (bounded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,

@@ -1,13 +1,15 @@
 //! Everything the checker reads from Postgres once the system has settled:
-//! every run with its transitions, attempts and effect intents, and every
-//! routing decision. [`super::history`] checks one run's rows against each
-//! other; [`super::check`] checks them against the log and the topics.
+//! every run with its transitions, attempts and effect intents, every
+//! routing decision, every recorded dead letter and the operator's kept
+//! counts of runs. [`super::history`]
+//! checks one run's rows against each other; [`super::check`] checks them
+//! against the log and the topics.
 
 use anyhow::Context as _;
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::postgres::PgRow;
-use sqlx::{PgPool, Row};
+use sqlx::{PgConnection, PgPool, Row};
 use uuid::Uuid;
 
 /// A `runs` row.
@@ -84,6 +86,44 @@ pub struct RoutingRow {
     pub decision_id: Option<String>,
 }
 
+/// A `dead_letters` row: where its input was, its class, and its replay.
+#[derive(Debug, Clone, Default)]
+pub struct LetterRow {
+    pub id: i64,
+    pub source_topic: String,
+    pub source_partition: i32,
+    pub source_offset: i64,
+    pub class: String,
+    /// The replay that claimed it, if one did.
+    pub replay_id: Option<String>,
+    /// The replay recorded where its record landed.
+    pub replayed: bool,
+    pub replayed_partition: Option<i32>,
+    pub replayed_offset: Option<i64>,
+}
+
+impl LetterRow {
+    /// Where its input was read.
+    pub fn source(&self) -> (String, i32, i64) {
+        (
+            self.source_topic.clone(),
+            self.source_partition,
+            self.source_offset,
+        )
+    }
+}
+
+/// A `run_counts` row: the runs of one tenant, workflow version and
+/// status, as the operator's counts keep them.
+#[derive(Debug, Clone)]
+pub struct CountRow {
+    pub tenant: String,
+    pub workflow: String,
+    pub workflow_version: i32,
+    pub status: String,
+    pub n: i64,
+}
+
 /// Everything read from Postgres.
 #[derive(Default)]
 pub struct DbSnapshot {
@@ -92,18 +132,45 @@ pub struct DbSnapshot {
     pub attempts: Vec<AttemptRow>,
     pub intents: Vec<IntentRow>,
     pub routing: Vec<RoutingRow>,
+    pub letters: Vec<LetterRow>,
+    pub run_counts: Vec<CountRow>,
 }
 
-/// Reads every table the checks need.
+/// Reads every table the checks need, in one snapshot (a repeatable-read
+/// transaction), so that rows of different tables (runs and their counts)
+/// agree as they did at one instant.
 pub async fn load_db(pool: &PgPool) -> anyhow::Result<DbSnapshot> {
-    Ok(DbSnapshot {
-        runs: read_table(pool, RUNS, "runs", RunRow::decode).await?,
-        transitions: read_table(pool, TRANSITIONS, "run_transitions", TransitionRow::decode)
-            .await?,
-        attempts: read_table(pool, ATTEMPTS, "run_attempts", AttemptRow::decode).await?,
-        intents: read_table(pool, INTENTS, "eec_effect_intent", IntentRow::decode).await?,
-        routing: read_table(pool, ROUTING, "eec_routing_idempotency", RoutingRow::decode).await?,
-    })
+    let mut tx = pool.begin().await.context("beginning the snapshot")?;
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .execute(&mut *tx)
+        .await
+        .context("making the snapshot repeatable")?;
+    let c = &mut *tx;
+    let snapshot = DbSnapshot {
+        runs: read_table(c, RUNS, "runs", RunRow::decode).await?,
+        transitions: read_table(c, TRANSITIONS, "run_transitions", TransitionRow::decode).await?,
+        attempts: read_table(c, ATTEMPTS, "run_attempts", AttemptRow::decode).await?,
+        intents: read_table(c, INTENTS, "eec_effect_intent", IntentRow::decode).await?,
+        routing: read_table(c, ROUTING, "eec_routing_idempotency", RoutingRow::decode).await?,
+        letters: read_table(c, LETTERS, "dead_letters", LetterRow::decode).await?,
+        run_counts: read_table(c, RUN_COUNTS, "run_counts", CountRow::decode).await?,
+    };
+    tx.rollback().await.context("ending the snapshot")?;
+    Ok(snapshot)
+}
+
+/// The operator's kept counts of runs, and the runs counted the same way
+/// (by tenant, workflow, version and status), in one statement's snapshot.
+pub async fn run_counts(pool: &PgPool) -> anyhow::Result<(Vec<CountRow>, Vec<CountRow>)> {
+    let mut tx = pool.begin().await.context("beginning the snapshot")?;
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .execute(&mut *tx)
+        .await
+        .context("making the snapshot repeatable")?;
+    let kept = read_table(&mut tx, RUN_COUNTS, "run_counts", CountRow::decode).await?;
+    let counted = read_table(&mut tx, RUNS_COUNTED, "runs", CountRow::decode).await?;
+    tx.rollback().await.context("ending the snapshot")?;
+    Ok((kept, counted))
 }
 
 const RUNS: &str = "SELECT run_id, tenant_scope, pool_id, workflow_name, workflow_version, status, \
@@ -127,15 +194,27 @@ const INTENTS: &str = "SELECT run_id, seq, effect_index, idempotency_key, tenant
 const ROUTING: &str = "SELECT tenant_scope, pool_id, idempotency_key, status, decision_id \
      FROM eec_routing_idempotency";
 
+const LETTERS: &str = "SELECT id, source_topic, source_partition, source_offset, class, \
+         replay_id::text AS replay_id, replayed_at IS NOT NULL AS replayed, replayed_partition, \
+         replayed_offset \
+     FROM dead_letters ORDER BY id";
+
+const RUN_COUNTS: &str = "SELECT tenant_scope, workflow_name, workflow_version, status, n \
+     FROM run_counts";
+
+const RUNS_COUNTED: &str = "SELECT tenant_scope, workflow_name, workflow_version, status, \
+         count(*) AS n \
+     FROM runs GROUP BY 1, 2, 3, 4";
+
 /// Every row `sql` selects from `table`, each decoded by `decode`.
 async fn read_table<T>(
-    pool: &PgPool,
+    conn: &mut PgConnection,
     sql: &str,
     table: &str,
     decode: impl Fn(&PgRow) -> sqlx::Result<T>,
 ) -> anyhow::Result<Vec<T>> {
     let rows = sqlx::query(sql)
-        .fetch_all(pool)
+        .fetch_all(conn)
         .await
         .with_context(|| format!("reading {table}"))?;
     let mut out = Vec::with_capacity(rows.len());
@@ -230,6 +309,34 @@ impl RoutingRow {
             key: row.try_get("idempotency_key")?,
             status: row.try_get("status")?,
             decision_id: row.try_get("decision_id")?,
+        })
+    }
+}
+
+impl LetterRow {
+    fn decode(row: &PgRow) -> sqlx::Result<LetterRow> {
+        Ok(LetterRow {
+            id: row.try_get("id")?,
+            source_topic: row.try_get("source_topic")?,
+            source_partition: row.try_get("source_partition")?,
+            source_offset: row.try_get("source_offset")?,
+            class: row.try_get("class")?,
+            replay_id: row.try_get("replay_id")?,
+            replayed: row.try_get("replayed")?,
+            replayed_partition: row.try_get("replayed_partition")?,
+            replayed_offset: row.try_get("replayed_offset")?,
+        })
+    }
+}
+
+impl CountRow {
+    fn decode(row: &PgRow) -> sqlx::Result<CountRow> {
+        Ok(CountRow {
+            tenant: row.try_get("tenant_scope")?,
+            workflow: row.try_get("workflow_name")?,
+            workflow_version: row.try_get("workflow_version")?,
+            status: row.try_get("status")?,
+            n: row.try_get("n")?,
         })
     }
 }

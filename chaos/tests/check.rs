@@ -1,7 +1,8 @@
 //! The chaos checker against the real stack: a tiny load through an
 //! in-process `serve` must check clean, and the same data with one run's
-//! history and another's state corrupted must not. Then every run is
-//! purged, the load's inputs are delivered again, and none comes back.
+//! history and another's state corrupted, and a kept count of runs off by
+//! one, must not. Then every run is purged, the load's inputs are
+//! delivered again, and none comes back.
 
 #![allow(
     clippy::too_many_lines,
@@ -127,7 +128,7 @@ async fn checker_passes_a_clean_run_and_flags_corrupted_ones() {
     let runs = report.runs;
 
     // Corrupt two finished runs: a hole in one history, a changed output in
-    // another's state.
+    // another's state; and one of the operator's kept counts.
     let finished: Vec<(String, i64)> = sqlx::query_as(
         "SELECT run_id, last_transition_seq FROM runs \
          WHERE status <> 'running' AND last_transition_seq >= 3 ORDER BY run_id LIMIT 2",
@@ -149,6 +150,14 @@ async fn checker_passes_a_clean_run_and_flags_corrupted_ones() {
     .execute(&db.owner)
     .await
     .unwrap();
+    sqlx::query(
+        "UPDATE run_counts SET n = n + 1 WHERE (tenant_scope, workflow_name, workflow_version, \
+             status) = (SELECT tenant_scope, workflow_name, workflow_version, status \
+                        FROM run_counts ORDER BY 1, 2, 3, 4 LIMIT 1)",
+    )
+    .execute(&db.owner)
+    .await
+    .unwrap();
 
     let report = check::run(
         &CheckArgs {
@@ -166,6 +175,7 @@ async fn checker_passes_a_clean_run_and_flags_corrupted_ones() {
         v.get("state_replay_mismatch").copied().unwrap_or(0) >= 1,
         "{v:?}"
     );
+    assert_eq!(v.get("run_counts_differ"), Some(&1), "{v:?}");
     let examples = serde_json::to_string(&report.examples).unwrap();
     assert!(examples.contains(&finished[0].0), "{examples}");
     assert!(examples.contains(&finished[1].0), "{examples}");

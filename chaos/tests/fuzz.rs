@@ -49,5 +49,11 @@ async fn hostile_inputs_are_all_refused_once_and_every_good_run_completes() {
     assert!(report.http_4xx > 0 && report.dead_lettered > 0);
     assert!(report.classes.len() > 8, "{:?}", report.classes);
     assert!(report.garbage_runs > 0 && report.hostile_results > report.good_runs);
+    assert!(report.hostile_retries > 0, "{}", report.json_line());
+    assert!(
+        report.retries_applied > 0 && report.retries_dead_lettered > 0,
+        "{}",
+        report.json_line()
+    );
     db.drop_db().await;
 }

@@ -167,6 +167,10 @@ pub enum Next {
 pub fn next(replay_id: Option<uuid::Uuid>, replayed: bool, discarded: bool) -> Next {
     match (discarded, replay_id, replayed) {
         (true, _, _) => Next::Discarded,
+        // Canary: a replay that ignores that its replay id was recorded
+        // produces the letter again. Only for proving the chaos checker
+        // notices.
+        (false, Some(id), true) if cfg!(feature = "canary-replay-ignores-id") => Next::Produce(id),
         (false, Some(_), true) => Next::Answer,
         (false, Some(id), false) => Next::Produce(id),
         (false, None, _) => Next::Unclaimed,
