@@ -11,7 +11,9 @@
 //! 2. **latency**: open-loop start requests at 25, 50, 75 and 90 % of the
 //!    measured capacity in runs/s, `--duration-s` each; latency from the
 //!    request's *intended* send time to the arrival of its `run.started`
-//!    event (no coordinated omission), in an HdrHistogram.
+//!    event (no coordinated omission), in an HdrHistogram. Then **idle**
+//!    (see [`idle`]): `--idle-runs` runs one at a time, each from its start
+//!    request to its `run.succeeded` event.
 //! 3. **B1a / B1b**: Ductor's SQL footprint per input (see [`footprint`]),
 //!    one input per transaction and `k` per transaction, best client count.
 //! 4. **B2**: the same Kafka traffic with Postgres taken out (see
@@ -28,6 +30,7 @@
 
 pub mod env;
 pub mod footprint;
+pub mod idle;
 pub mod passthrough;
 pub mod pipeline;
 pub mod scale;
@@ -44,6 +47,7 @@ use tokio_util::sync::CancellationToken;
 use ductor::config::Config;
 use env::{BenchEnv, INPUTS_PER_RUN, STEPS};
 use footprint::Point;
+use idle::Idle;
 use passthrough::Passthrough;
 use pipeline::{Capacity, Latency, Pipeline};
 use stats::Progress;
@@ -72,6 +76,10 @@ pub struct BenchArgs {
     /// A full run must include 50 (its p99 is a headline ratio).
     #[arg(long = "loads", value_delimiter = ',', default_values_t = [25, 50, 75, 90])]
     pub loads: Vec<u32>,
+    /// Runs of the idle phase, after the latency phases: one at a time,
+    /// from its start request to its end (0: no idle phase).
+    #[arg(long = "idle-runs", default_value_t = 200)]
+    pub idle_runs: usize,
 }
 
 impl Default for BenchArgs {
@@ -82,6 +90,7 @@ impl Default for BenchArgs {
             quick: false,
             latency_at: None,
             loads: vec![25, 50, 75, 90],
+            idle_runs: 200,
         }
     }
 }
@@ -94,6 +103,7 @@ struct Plan {
     warmup_runs: usize,
     latency: Duration,
     load_pcts: Vec<u32>,
+    idle_runs: usize,
     b1_point: Duration,
     b1a_clients: Vec<usize>,
     b1b_ks: Vec<usize>,
@@ -123,6 +133,7 @@ impl Plan {
                 warmup_runs: 3,
                 latency: Duration::from_secs_f64(args.duration_s.min(0.5)),
                 load_pcts: args.loads.clone(),
+                idle_runs: args.idle_runs.min(5),
                 b1_point: Duration::from_millis(300),
                 b1a_clients: vec![1, 4],
                 b1b_ks: vec![64],
@@ -136,6 +147,7 @@ impl Plan {
                 warmup_runs: 20,
                 latency: Duration::from_secs_f64(args.duration_s),
                 load_pcts: args.loads.clone(),
+                idle_runs: args.idle_runs,
                 b1_point: Duration::from_secs_f64((args.duration_s / 4.0).clamp(1.0, 3.0)),
                 b1a_clients: vec![1, 2, 4, 8, 16],
                 b1b_ks: vec![16, 64, 256, 512],
@@ -185,6 +197,8 @@ pub struct Report {
     pub capacity: Capacity,
     pub capacity_sync_off: Capacity,
     pub latency: Vec<Latency>,
+    /// One run at a time, start to end (absent with `--idle-runs 0`).
+    pub idle: Option<Idle>,
     pub b1a: Baseline,
     pub b1b: Baseline,
     pub b2: Passthrough,
@@ -225,6 +239,7 @@ impl Report {
         self.write_baselines(&mut t);
         let _ = writeln!(t);
         t.push_str(&latency_table(&self.latency));
+        t.push_str(&idle_line(self.idle.as_ref()));
         self.write_contention(&mut t);
         self.write_ratios(&mut t);
         self.write_capacity_profiles(&mut t);
@@ -477,13 +492,15 @@ pub async fn main(args: BenchArgs, config: Config) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     ductor::cli::serve::cancel_on_signals(shutdown.clone())?;
     if let Some(rate) = args.latency_at {
-        let latency = run_latency_only(&args, &config, rate, &shutdown).await?;
+        let (latency, idle) = run_latency_only(&args, &config, rate, &shutdown).await?;
         print!("{}", latency_table(&latency));
+        print!("{}", idle_line(idle.as_ref()));
         println!(
             "{}",
             serde_json::json!({
                 "reference_runs_per_s": rate,
                 "latency": latency,
+                "idle": idle,
                 "peak_rss_mb": peak_rss_mb(),
             })
         );
@@ -495,21 +512,22 @@ pub async fn main(args: BenchArgs, config: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The latency phases alone, at percentages of `rate` runs/s.
+/// The latency phases alone, at percentages of `rate` runs/s, and the
+/// idle phase.
 pub async fn run_latency_only(
     args: &BenchArgs,
     config: &Config,
     rate: f64,
     shutdown: &CancellationToken,
-) -> anyhow::Result<Vec<Latency>> {
+) -> anyhow::Result<(Vec<Latency>, Option<Idle>)> {
     anyhow::ensure!(
         rate.is_finite() && rate > 0.0,
         "--latency-at must be a positive number of runs/s"
     );
     let plan = Plan::from_args(args)?;
     in_own_env(config, shutdown, async |env, progress| {
-        let (_, latency) = sync_on_phases(env, &plan, Some(rate), shutdown, progress).await?;
-        Ok(latency)
+        let on = sync_on_phases(env, &plan, Some(rate), shutdown, progress).await?;
+        Ok((on.latency, on.idle))
     })
     .await
 }
@@ -558,7 +576,14 @@ async fn in_own_env<T>(
     }
 }
 
-/// Capacity and then latency with synchronous commit on. The latency rates
+/// What the phases with synchronous commit on measured.
+struct SyncOn {
+    capacity: Capacity,
+    latency: Vec<Latency>,
+    idle: Option<Idle>,
+}
+
+/// Capacity, latency and idle with synchronous commit on. The latency rates
 /// are percentages of `reference` runs/s, or of the measured capacity.
 async fn sync_on_phases(
     env: &BenchEnv,
@@ -566,7 +591,7 @@ async fn sync_on_phases(
     reference: Option<f64>,
     shutdown: &CancellationToken,
     progress: &mut Progress,
-) -> anyhow::Result<(Capacity, Vec<Latency>)> {
+) -> anyhow::Result<SyncOn> {
     let (mut on, capacity) = capacity_phase(env, plan, true, shutdown, progress).await?;
     progress.done(&format!(
         "capacity (synchronous_commit on{}): {:.0} inputs/s, {:.1} runs/s",
@@ -589,8 +614,40 @@ async fn sync_on_phases(
         progress,
     )
     .await?;
+    let idle = idle_phase(&on, plan.idle_runs, progress).await?;
     on.stop().await?;
-    Ok((capacity, latency))
+    Ok(SyncOn {
+        capacity,
+        latency,
+        idle,
+    })
+}
+
+/// The idle phase on the running pipeline, unless it has no runs.
+async fn idle_phase(
+    on: &Pipeline,
+    runs: usize,
+    progress: &mut Progress,
+) -> anyhow::Result<Option<Idle>> {
+    if runs == 0 {
+        return Ok(None);
+    }
+    let idle = idle::idle(on, runs, progress).await?;
+    progress.done(&format!(
+        "idle, one run at a time ({runs} runs): p50 {:.1} ms, p99 {:.1} ms",
+        idle.p50_ms, idle.p99_ms
+    ));
+    Ok(Some(idle))
+}
+
+/// The idle phase's row of the table (nothing without one).
+fn idle_line(idle: Option<&Idle>) -> String {
+    idle.map_or_else(String::new, |i| {
+        format!(
+            "idle (one run at a time, start to end, {} runs): p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms, max {:.1} ms\n",
+            i.runs, i.p50_ms, i.p90_ms, i.p99_ms, i.max_ms
+        )
+    })
 }
 
 /// Sets synchronous commit on the database, starts a pipeline that sees
@@ -624,6 +681,7 @@ struct Measured {
     capacity: Capacity,
     capacity_sync_off: Capacity,
     latency: Vec<Latency>,
+    idle: Option<Idle>,
     b1a: Baseline,
     b1b: Baseline,
     b2: Passthrough,
@@ -636,7 +694,11 @@ async fn phases(
     progress: &mut Progress,
 ) -> anyhow::Result<Report> {
     // 1 and 2: capacity and latency with synchronous commit on.
-    let (capacity, latency) = sync_on_phases(env, plan, None, shutdown, progress).await?;
+    let SyncOn {
+        capacity,
+        latency,
+        idle,
+    } = sync_on_phases(env, plan, None, shutdown, progress).await?;
 
     // 3: the SQL footprint alone.
     let (b1a, b1b) = sql_baselines(env, plan, progress).await?;
@@ -665,6 +727,7 @@ async fn phases(
             capacity,
             capacity_sync_off,
             latency,
+            idle,
             b1a,
             b1b,
             b2,
@@ -725,6 +788,7 @@ impl Report {
             capacity: m.capacity,
             capacity_sync_off: m.capacity_sync_off,
             latency: m.latency,
+            idle: m.idle,
             b1a: m.b1a,
             b1b: m.b1b,
             b2: m.b2,

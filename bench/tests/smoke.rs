@@ -62,6 +62,7 @@ async fn the_quick_bench_reports_every_figure_positive() {
         "capacity",
         "capacity_sync_off",
         "latency",
+        "idle",
         "b1a",
         "b1b",
         "b2",
@@ -72,6 +73,7 @@ async fn the_quick_bench_reports_every_figure_positive() {
         assert!(json.get(key).is_some(), "the report has {key}: {line}");
     }
     assert_eq!(json["latency"].as_array().map(Vec::len), Some(4));
+    idle_is_reported(&json, &report.table());
     for ratio in [
         "capacity_over_l",
         "capacity_over_b1b",
@@ -98,5 +100,20 @@ async fn the_quick_bench_reports_every_figure_positive() {
         report.peak_rss_mb > 1.0,
         "the serve's peak RSS is reported: {}",
         report.peak_rss_mb
+    );
+}
+
+/// The idle phase ran its quick run's five runs, one at a time, and shows
+/// in the JSON line and the table.
+fn idle_is_reported(json: &Value, table: &str) {
+    let idle = &json["idle"];
+    assert_eq!(idle["runs"], 5, "a quick run's idle phase: {idle}");
+    assert!(
+        idle["p50_ms"].as_f64() <= idle["max_ms"].as_f64(),
+        "the idle phase's quantiles are ordered: {idle}"
+    );
+    assert!(
+        table.contains("idle (one run at a time"),
+        "the table shows the idle phase"
     );
 }
