@@ -77,6 +77,11 @@ pub struct LoadArgs {
     /// Upper bound of the wind-down after `--duration-s`.
     #[arg(long, default_value_t = 90)]
     pub drain_s: u64,
+    /// The chance that a replayed letter is replayed again a few seconds
+    /// later (a second replay, which must produce nothing). A canary that
+    /// breaks exactly that asks for every one.
+    #[arg(long, default_value_t = 0.35)]
+    pub replay_again: f64,
     /// Tenants to spread the runs over.
     #[arg(long, value_delimiter = ',', default_value = "acme,globex,initech")]
     pub tenants: Vec<String>,

@@ -271,6 +271,8 @@ struct Driver {
     admin: Vec<SocketAddr>,
     /// Replays dead letters through the admin addresses, when there are any.
     replayer: Option<Replayer>,
+    /// The chance that a replayed letter is replayed again (`--replay-again`).
+    replay_again: f64,
     sends: Semaphore,
     http_slots: Semaphore,
     delayed: AtomicUsize,
@@ -527,6 +529,7 @@ impl Driver {
             authorization,
             admin: args.admin.clone(),
             replayer,
+            replay_again: args.replay_again,
             sends: Semaphore::new(MAX_SENDS_IN_FLIGHT),
             http_slots: Semaphore::new(MAX_HTTP_IN_FLIGHT),
             delayed: AtomicUsize::new(0),
@@ -1220,7 +1223,7 @@ impl Driver {
         let first = rand::random_range(0..self.admin.len().max(1));
         let (calls, answered_by) = replayer.replay(&self.log, &letter, first, None).await;
         self.count_replays(calls);
-        let Some(server) = answered_by.filter(|_| chance(0.35)) else {
+        let Some(server) = answered_by.filter(|_| chance(self.replay_again)) else {
             return;
         };
         let d = self.clone();

@@ -98,6 +98,7 @@ async fn checker_passes_a_clean_run_and_flags_corrupted_ones() {
             http: vec![addr],
             admin: vec![admin],
             drain_s: 60,
+            replay_again: 0.35,
             tenants: vec!["acme".into(), "globex".into()],
         },
         config.clone(),
