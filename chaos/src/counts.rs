@@ -26,30 +26,28 @@ pub type Group = (String, String, i32, String);
 
 /// The kept counts, by group.
 pub fn kept(rows: &[CountRow]) -> BTreeMap<Group, i64> {
-    let mut out = BTreeMap::new();
-    for r in rows {
-        let group = (
-            r.tenant.clone(),
-            r.workflow.clone(),
-            r.workflow_version,
-            r.status.clone(),
-        );
-        *out.entry(group).or_default() += r.n;
-    }
-    out
+    tally(rows.iter().map(|r| {
+        let group = (&r.tenant, &r.workflow, r.workflow_version, &r.status);
+        (group, r.n)
+    }))
 }
 
 /// The runs counted, by group.
 pub fn counted(runs: &[RunRow]) -> BTreeMap<Group, i64> {
+    tally(runs.iter().map(|r| {
+        let group = (&r.tenant, &r.workflow, r.workflow_version, &r.status);
+        (group, 1)
+    }))
+}
+
+/// The sum of the numbers of each group.
+fn tally<'a>(
+    items: impl Iterator<Item = ((&'a String, &'a String, i32, &'a String), i64)>,
+) -> BTreeMap<Group, i64> {
     let mut out = BTreeMap::new();
-    for r in runs {
-        let group = (
-            r.tenant.clone(),
-            r.workflow.clone(),
-            r.workflow_version,
-            r.status.clone(),
-        );
-        *out.entry(group).or_default() += 1;
+    for ((tenant, workflow, version, status), n) in items {
+        let group = (tenant.clone(), workflow.clone(), version, status.clone());
+        *out.entry(group).or_default() += n;
     }
     out
 }
