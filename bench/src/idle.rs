@@ -47,17 +47,33 @@ pub async fn idle(
     runs: usize,
     progress: &mut Progress,
 ) -> anyhow::Result<Idle> {
-    anyhow::ensure!(runs >= 1, "the idle phase needs at least one run");
     let events = events_consumer(&pipeline.config).await?;
+    one_at_a_time(runs, &events, progress, async |i| {
+        let prefix = format!("idle-{i}");
+        produce_start_requests(&pipeline.producer, &pipeline.config, &prefix, 1).await?;
+        Ok(format!("{prefix}-0"))
+    })
+    .await
+}
+
+/// Times `runs` runs one after the other, each started [`PAUSE`] after the
+/// previous one ended: `start(i)` sends run `i`'s start request and answers
+/// its run id; the run ends with its `run.succeeded` on `events` (a
+/// consumer of the events topic, assigned at its end).
+pub async fn one_at_a_time(
+    runs: usize,
+    events: &StreamConsumer,
+    progress: &mut Progress,
+    start: impl AsyncFn(usize) -> anyhow::Result<String>,
+) -> anyhow::Result<Idle> {
+    anyhow::ensure!(runs >= 1, "the idle phase needs at least one run");
     let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)
         .context("creating the idle histogram")?;
     for i in 0..runs {
         tokio::time::sleep(PAUSE).await;
-        let prefix = format!("idle-{i}");
-        let run_id = format!("{prefix}-0");
         let sent = Instant::now();
-        produce_start_requests(&pipeline.producer, &pipeline.config, &prefix, 1).await?;
-        tokio::time::timeout(RUN_LIMIT, succeeded(&events, &run_id))
+        let run_id = start(i).await?;
+        tokio::time::timeout(RUN_LIMIT, succeeded(events, &run_id))
             .await
             .with_context(|| {
                 format!("idle: run {run_id} did not succeed within {RUN_LIMIT:?}")

@@ -31,6 +31,7 @@
 pub mod env;
 pub mod footprint;
 pub mod idle;
+pub mod outside;
 pub mod passthrough;
 pub mod pipeline;
 pub mod scale;

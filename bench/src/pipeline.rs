@@ -655,7 +655,7 @@ impl EventsReader {
 
 /// A consumer of the events topic, assigned at its current end so that only
 /// the events of runs started from now on arrive.
-pub(crate) async fn events_consumer(config: &Config) -> anyhow::Result<StreamConsumer> {
+pub async fn events_consumer(config: &Config) -> anyhow::Result<StreamConsumer> {
     let topic = config.topic_names().events();
     let ends = topic_offsets_by_partition(config, &topic).await?;
     let mut cfg = ductor::infra::kafka::consumer_config(

@@ -63,6 +63,9 @@ pub struct CpuCores {
 pub struct CpuScope {
     pub db_name: String,
     pub kafka_pid: Option<String>,
+    /// The process counted as Ductor: this one when `None`, else a `serve`
+    /// of its own (timed from outside, see `outside`).
+    pub ductor_pid: Option<String>,
 }
 
 impl CpuScope {
@@ -75,6 +78,7 @@ impl CpuScope {
         CpuScope {
             db_name: db_name.to_string(),
             kafka_pid: port.and_then(listener_pid),
+            ductor_pid: None,
         }
     }
 }
@@ -126,7 +130,10 @@ impl CpuTicks {
             ..CpuTicks::default()
         };
         (ticks.machine, ticks.steal) = machine_busy_ticks().unwrap_or((0, 0));
-        let me = std::process::id().to_string();
+        let me = scope
+            .ductor_pid
+            .clone()
+            .unwrap_or_else(|| std::process::id().to_string());
         let Ok(dir) = std::fs::read_dir("/proc") else {
             return ticks;
         };
