@@ -49,7 +49,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use rdkafka::producer::FutureProducer;
 
 use crate::auth::Authenticator;
 use crate::auth::rate::RateLimiter;
@@ -98,7 +97,8 @@ impl ApiState {
 /// Where the API puts the inputs it accepts for the coordinator.
 #[derive(Clone)]
 pub struct InputSink {
-    pub producer: FutureProducer,
+    /// Made at the first input (see [`crate::infra::kafka::LazyProducer`]).
+    pub producer: crate::infra::kafka::LazyProducer,
     /// The wakeups topic.
     pub topic: String,
     /// Bound on the broker's acknowledgement.

@@ -378,7 +378,14 @@ pub(super) async fn produce(
         }
         record = record.headers(owned);
     }
-    sink.producer
+    let producer = sink.producer.get().map_err(|e| {
+        tracing::warn!(error = %e, "no producer for the API's inputs");
+        ApiError::new(
+            Code::Unavailable,
+            "the input could not be handed to Kafka; retry",
+        )
+    })?;
+    producer
         .send(record, sink.timeout)
         .await
         .map_err(|(e, _)| {

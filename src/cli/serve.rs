@@ -342,9 +342,8 @@ fn local_drainer(
         config.drainer.clone(),
         Duration::from_millis(config.kafka.delivery_timeout_ms),
     )
-    .with_solo_producer(crate::infra::kafka::producer(
-        &config.kafka,
-        "drainer-solo",
+    .with_solo_producer(crate::infra::kafka::LazyProducer::new(
+        crate::infra::kafka::producer_config(&config.kafka, "drainer-solo"),
     )?)
     .with_results_frontier(results_frontier(
         config,
@@ -408,7 +407,9 @@ async fn api_state(
             tombstone_retention_ms: config.runs.tombstone_retention_ms,
         },
         inputs: crate::api::InputSink {
-            producer: crate::infra::kafka::producer(&config.kafka, "api")?,
+            producer: crate::infra::kafka::LazyProducer::new(
+                crate::infra::kafka::producer_config(&config.kafka, "api"),
+            )?,
             topic: config.topic_names().wakeups(),
             timeout: Duration::from_millis(config.kafka.delivery_timeout_ms),
             signatures: config.signatures.clone(),

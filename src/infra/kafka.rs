@@ -135,6 +135,55 @@ pub fn producer(kafka: &KafkaConfig, role: &str) -> anyhow::Result<FutureProduce
         .context("creating kafka producer")
 }
 
+/// A producer made on its first use, then kept.
+///
+/// Every librdkafka producer has a thread of its own that polls for its
+/// delivery reports in waits of 100 ms, and the client library spins
+/// through the last millisecond of each wait for want of a finer timeout:
+/// about 1 % of a core per producer, with nothing to send (measured with
+/// `ductor-idle`). A serve keeps one producer made at start, the drainer's;
+/// the others (dead letters and their replays, an effect sent alone after
+/// a failure, the API's inputs) are made when their work first comes.
+/// The configuration is checked when this is built, so a bad property
+/// still stops `serve` at start.
+#[derive(Clone)]
+pub struct LazyProducer {
+    config: ClientConfig,
+    made: std::sync::Arc<std::sync::Mutex<Option<FutureProducer>>>,
+}
+
+impl LazyProducer {
+    pub fn new(config: ClientConfig) -> anyhow::Result<LazyProducer> {
+        config
+            .create_native_config()
+            .context("checking a kafka producer's configuration")?;
+        Ok(LazyProducer {
+            config,
+            made: std::sync::Arc::default(),
+        })
+    }
+
+    /// The producer, made now if this is its first use.
+    pub fn get(&self) -> anyhow::Result<FutureProducer> {
+        let mut made = self.made.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(producer) = made.as_ref() {
+            return Ok(producer.clone());
+        }
+        let producer: FutureProducer = self.config.create().context("creating kafka producer")?;
+        *made = Some(producer.clone());
+        Ok(producer)
+    }
+
+    /// Whether the producer has been made.
+    #[cfg(test)]
+    fn is_made(&self) -> bool {
+        self.made
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+}
+
 pub fn admin(kafka: &KafkaConfig) -> anyhow::Result<AdminClient<DefaultClientContext>> {
     base_config(kafka, "admin")
         .create()
@@ -425,7 +474,36 @@ pub async fn create_configured_topics(config: &Config) -> anyhow::Result<Vec<Top
 
 #[cfg(test)]
 mod tests {
-    use super::{Copartition, copartition_error, copartition_verdict};
+    use super::{Copartition, LazyProducer, copartition_error, copartition_verdict};
+    use rdkafka::ClientConfig;
+    use rdkafka::producer::Producer;
+
+    #[test]
+    fn a_lazy_producer_is_made_at_its_first_use_and_then_kept() {
+        let mut config = ClientConfig::new();
+        config.set("bootstrap.servers", "127.0.0.1:1");
+        let lazy = LazyProducer::new(config).expect("a valid configuration");
+        let copy = lazy.clone();
+        assert!(!lazy.is_made(), "made before any use");
+        let first = lazy.get().expect("made");
+        assert!(
+            lazy.is_made() && copy.is_made(),
+            "clones share the producer"
+        );
+        let again = copy.get().expect("kept");
+        assert!(
+            std::ptr::eq(first.client().native_ptr(), again.client().native_ptr()),
+            "a second use made another producer"
+        );
+    }
+
+    #[test]
+    fn a_lazy_producer_refuses_a_bad_property_when_built() {
+        let mut config = ClientConfig::new();
+        config.set("linger.ms", "not a number");
+        let refused = LazyProducer::new(config).err().expect("refused");
+        assert!(format!("{refused:#}").contains("linger.ms"), "{refused:#}");
+    }
 
     #[test]
     fn counts_that_cannot_be_read_keep_the_ingress_from_consuming() {

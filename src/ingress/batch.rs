@@ -181,14 +181,12 @@ async fn process_batch(
             );
         }
     }
-    for m in &misrouted {
-        forward(
-            &ctx.dead_letters.producer,
-            ctx.dead_letters.timeout,
-            m,
-            shutdown,
-        )
-        .await?;
+    if !misrouted.is_empty() {
+        // Forwarded on the dead letters' producer, made at its first use.
+        let producer = ctx.dead_letters.producer.get()?;
+        for m in &misrouted {
+            forward(&producer, ctx.dead_letters.timeout, m, shutdown).await?;
+        }
     }
     step.forwarded = misrouted.len();
     ctx.dead_letters.write(&sorted.dead, shutdown).await?;

@@ -16,7 +16,6 @@ use std::time::Duration;
 
 use anyhow::Context;
 use rdkafka::consumer::StreamConsumer;
-use rdkafka::producer::FutureProducer;
 use sqlx::PgPool;
 
 use super::Progress;
@@ -78,7 +77,9 @@ impl rdkafka::consumer::ConsumerContext for IngressConsumerContext {
 
 pub struct IngressContext {
     pub applier: Applier,
-    pub consumer: StreamConsumer<IngressConsumerContext>,
+    /// Shared with [`PartitionCounts`](super::misrouted::PartitionCounts),
+    /// which reads the broker's metadata through it.
+    pub consumer: std::sync::Arc<StreamConsumer<IngressConsumerContext>>,
     pub dead_letters: DeadLetterPublisher,
     pub requests_topic: String,
     pub wakeups_topic: String,
@@ -135,14 +136,15 @@ impl IngressContext {
         let consumer: StreamConsumer<IngressConsumerContext> = consumer_config
             .create_with_context(context)
             .context("creating ingress consumer")?;
-        let producer: FutureProducer = super::dead_letter::producer(config, "dlq")?;
+        let consumer = std::sync::Arc::new(consumer);
+        let producer = super::dead_letter::producer(config, "dlq")?;
         let mut applier = Applier::new(config, pool.clone(), workflows);
         applier.writer = writer;
         Ok(Self {
             applier,
-            consumer,
+            consumer: consumer.clone(),
             partition_counts: super::misrouted::PartitionCounts::new(
-                producer.clone(),
+                consumer,
                 Duration::from_millis(config.coordinator.partition_count_refresh_ms),
                 Duration::from_millis(config.kafka.request_timeout_ms),
             ),

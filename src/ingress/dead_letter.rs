@@ -45,13 +45,15 @@
 use std::time::Duration;
 
 use anyhow::Context;
+use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::FutureRecord;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use super::dead_letters::{LetterRow, Refused, store};
 use crate::config::Config;
+use crate::infra::kafka::LazyProducer;
 
 use crate::contract::headers::{
     DLQ_CLASS, DLQ_DROPPED, DLQ_MESSAGE, DLQ_OFFSET, DLQ_PARTITION, DLQ_STAGE, DLQ_TOPIC,
@@ -129,7 +131,7 @@ impl Fit {
 /// [`Config::dead_letter_record_bytes`] before compression. A replay of a
 /// recorded letter goes out through one too, so that an input that
 /// reached the broker compressed goes back whole.
-pub fn producer(config: &Config, role: &str) -> anyhow::Result<FutureProducer> {
+pub fn producer(config: &Config, role: &str) -> anyhow::Result<LazyProducer> {
     let mut producer = crate::infra::kafka::producer_config(&config.kafka, role);
     producer
         .set("compression.type", &config.dead_letters.compression)
@@ -137,13 +139,12 @@ pub fn producer(config: &Config, role: &str) -> anyhow::Result<FutureProducer> {
             "message.max.bytes",
             config.dead_letter_record_bytes().to_string(),
         );
-    producer
-        .create()
-        .context("creating the dead-letter producer")
+    LazyProducer::new(producer).context("the dead-letter producer")
 }
 
 pub struct DeadLetterPublisher {
-    pub producer: FutureProducer,
+    /// Made at the first letter (see [`LazyProducer`]).
+    pub producer: LazyProducer,
     pub topic: String,
     /// Where every letter is recorded first.
     pub pool: PgPool,
@@ -291,7 +292,11 @@ impl DeadLetterPublisher {
         if parts.message.payload().is_some() {
             record = record.payload(&parts.value[..fit.value_bytes]);
         }
-        match self.producer.send(record, self.timeout).await {
+        let producer = self
+            .producer
+            .get()
+            .map_err(|e| KafkaError::ClientCreation(format!("{e:#}")))?;
+        match producer.send(record, self.timeout).await {
             Ok(_) => Ok(()),
             Err((e, _)) => Err(e),
         }

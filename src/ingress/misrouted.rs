@@ -26,14 +26,16 @@
 //! is judged misrouted only by a count read at most a second before.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
-use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{FutureProducer, FutureRecord};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::context::IngressConsumerContext;
 use super::dead_letter::{DeadLetter, Stage};
 use super::sort::Sorted;
 use crate::contract::InputErrorClass;
@@ -91,7 +93,7 @@ pub(super) struct Misrouted<'m> {
 /// The input topics' partition counts, read from the broker's metadata
 /// and kept for `coordinator.partition_count_refresh_ms`.
 pub struct PartitionCounts {
-    client: FutureProducer,
+    client: Arc<StreamConsumer<IngressConsumerContext>>,
     refresh: Duration,
     timeout: Duration,
     known: Mutex<HashMap<String, (i32, Instant)>>,
@@ -101,7 +103,14 @@ pub struct PartitionCounts {
 const FRESH_FOR_JUDGING: Duration = Duration::from_secs(1);
 
 impl PartitionCounts {
-    pub fn new(client: FutureProducer, refresh: Duration, timeout: Duration) -> Self {
+    /// Counts read through `client`, the ingress's own consumer: a client
+    /// that is there anyway (a producer of its own would cost its polling
+    /// thread, see [`crate::infra::kafka::LazyProducer`]).
+    pub fn new(
+        client: Arc<StreamConsumer<IngressConsumerContext>>,
+        refresh: Duration,
+        timeout: Duration,
+    ) -> Self {
         Self {
             client,
             refresh,
@@ -122,7 +131,7 @@ impl PartitionCounts {
         let client = self.client.clone();
         let (name, timeout) = (topic.to_owned(), self.timeout);
         let read = tokio::task::spawn_blocking(move || {
-            let metadata = client.client().fetch_metadata(Some(&name), timeout)?;
+            let metadata = client.fetch_metadata(Some(&name), timeout)?;
             Ok::<_, rdkafka::error::KafkaError>(
                 metadata
                     .topics()

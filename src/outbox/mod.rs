@@ -112,7 +112,9 @@ pub struct Drainer {
     pub(super) healthy_since_ms: AtomicI64,
     /// Publishes intents that failed as if for good, one at a time (see
     /// [`Drainer::with_solo_producer`]).
-    pub(super) solo: tokio::sync::Mutex<Option<FutureProducer>>,
+    pub(super) solo: Option<crate::infra::kafka::LazyProducer>,
+    /// Held while an intent that failed before is sent: one at a time.
+    pub(super) solo_turn: tokio::sync::Mutex<()>,
     /// Timeout timers wait for it to pass their deadline.
     pub(super) frontier: Frontier,
     /// The events topic, when parked effects get a notice there.
@@ -144,7 +146,8 @@ impl Drainer {
             crash: CrashHooks::default(),
             pending_behind: Arc::new(AtomicUsize::new(0)),
             healthy_since_ms: AtomicI64::new(0),
-            solo: tokio::sync::Mutex::new(None),
+            solo: None,
+            solo_turn: tokio::sync::Mutex::new(()),
             frontier: Frontier::default(),
             parked_notices: None,
             timer_key: None,
@@ -170,9 +173,11 @@ impl Drainer {
     /// record in it, so a failure seen in a batch may be a neighbour's; one
     /// seen alone, on this producer, is the intent's own. Without it such
     /// intents are still sent one at a time, on the shared producer.
-    pub fn with_solo_producer(self, producer: FutureProducer) -> Self {
+    /// Made at the first such intent (see
+    /// [`LazyProducer`](crate::infra::kafka::LazyProducer)).
+    pub fn with_solo_producer(self, producer: crate::infra::kafka::LazyProducer) -> Self {
         Drainer {
-            solo: tokio::sync::Mutex::new(Some(producer)),
+            solo: Some(producer),
             ..self
         }
     }

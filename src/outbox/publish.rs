@@ -256,8 +256,14 @@ impl Drainer {
         let record = effect_record(intent, signature.as_deref());
         let started = Instant::now();
         let sent = if intent.publish_failures > 0 {
-            // One at a time, so that the batch it goes in is its own.
-            let solo = self.solo.lock().await;
+            // One at a time, so that the batch it goes in is its own. A
+            // solo producer that cannot be made leaves the shared one.
+            let solo = self.solo.as_ref().and_then(|lazy| {
+                lazy.get()
+                    .inspect_err(|e| tracing::warn!(error = %e, "no solo producer"))
+                    .ok()
+            });
+            let _one_at_a_time = self.solo_turn.lock().await;
             solo.as_ref()
                 .unwrap_or(&self.producer)
                 .send(record, self.publish_timeout)

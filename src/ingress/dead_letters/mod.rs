@@ -46,8 +46,9 @@ pub mod view;
 
 use std::time::Duration;
 
+use rdkafka::error::KafkaError;
 use rdkafka::message::{Header as KafkaHeader, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::FutureRecord;
 use sqlx::PgPool;
 
 pub use query::{LetterFilter, LetterStatus, Order, Page};
@@ -97,7 +98,8 @@ pub struct DeadLetters {
     /// A replay's producer: idempotent, the Java client's partitioner, and
     /// the dead-letter producer's limit and compression, so that an input
     /// that reached the broker compressed goes back whole.
-    producer: FutureProducer,
+    /// Made at the first replay (see [`LazyProducer`]).
+    producer: crate::infra::kafka::LazyProducer,
     /// The topics a replay may produce to.
     inputs: Vec<String>,
     signatures: SignaturesConfig,
@@ -330,8 +332,11 @@ impl DeadLetters {
         if let Some(value) = &out.value {
             record = record.payload(value);
         }
-        let delivery = self
+        let producer = self
             .producer
+            .get()
+            .map_err(|e| KafkaError::ClientCreation(format!("{e:#}")))?;
+        let delivery = producer
             .send(record, self.timeout)
             .await
             .map_err(|(e, _)| e)?;
