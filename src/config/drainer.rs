@@ -60,7 +60,8 @@ pub struct DrainerConfig {
     pub park_after_failures: u32,
     /// How often the backlog gauges are refreshed.
     pub metrics_interval_ms: u64,
-    /// How often the results frontier is probed: the instant before which
+    /// How often the results frontier is probed while a timeout waits for
+    /// it (none is probed at idle): the instant before which
     /// the coordinator has applied every attempt result (see
     /// `ductor::outbox::frontier`). A step's timeout is published only once the
     /// frontier has passed its deadline, so a result sent in time is never

@@ -13,14 +13,22 @@
 //! has caught up), `drainer.results_frontier_lag_ms` before it, and four
 //! times that: under load a timeout fires up to that lag late.
 //!
+//! It is probed only while it is wanted: while a timeout is held whose
+//! deadline has passed by the clock but not yet by the frontier. The
+//! drainer says which deadline it waits for each time it looks at its
+//! backlog ([`Frontier::want`]). With no timeout held back, as at idle,
+//! nothing is probed and nothing wakes the drainer: a probe is a dozen
+//! broker requests and a drain round, four times a second.
+//!
 //! In: the committed offsets of the coordinator's group (`kafka.group_id`)
 //! on the attempt-results topic, every
-//! `drainer.results_frontier_interval_ms`. Out: the [`Frontier`] the
-//! drainer reads, a call of `moved` each time it advances, and
-//! `ductor_results_frontier_lag_seconds`. Guarantees: it only moves
-//! forward; a tracked one starts at the epoch, so no timeout goes out
-//! before a probe has passed its deadline; a failed probe leaves it where
-//! it was: timeouts wait, they never go early.
+//! `drainer.results_frontier_interval_ms` while wanted. Out: the
+//! [`Frontier`] the drainer reads, a call of `moved` each time it
+//! advances, and `ductor_results_frontier_lag_seconds` (0 when no timeout
+//! waits for it). Guarantees: it only moves forward; a tracked one starts
+//! at the epoch, so no timeout goes out before a probe has passed its
+//! deadline; a failed probe leaves it where it was: timeouts wait, they
+//! never go early.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -38,17 +46,29 @@ use crate::config::KafkaConfig;
 /// drainer without an ingress to wait for, as in some tests), and then
 /// timeouts are published when due.
 #[derive(Debug, Clone, Default)]
-pub struct Frontier(Option<Arc<AtomicI64>>);
+pub struct Frontier(Option<Arc<Tracked>>);
+
+#[derive(Debug)]
+struct Tracked {
+    /// The frontier, in milliseconds since the epoch.
+    at: AtomicI64,
+    /// The deadline of the earliest timeout held for it (`i64::MAX`: none).
+    wanted: AtomicI64,
+}
 
 impl Frontier {
     /// A frontier that starts before everything: no timeout is published
-    /// until the first probe has passed its deadline.
+    /// until the first probe has passed its deadline. It is wanted from
+    /// the start, until the drainer first says what it waits for.
     pub fn tracked() -> Frontier {
-        Frontier(Some(Arc::new(AtomicI64::new(0))))
+        Frontier(Some(Arc::new(Tracked {
+            at: AtomicI64::new(0),
+            wanted: AtomicI64::new(UNSAID),
+        })))
     }
 
     pub fn at(&self) -> Option<DateTime<Utc>> {
-        let ms = self.0.as_ref()?.load(Ordering::Relaxed);
+        let ms = self.0.as_ref()?.at.load(Ordering::Relaxed);
         DateTime::from_timestamp_millis(ms)
     }
 
@@ -56,8 +76,38 @@ impl Frontier {
     pub fn advance(&self, ms: i64) -> bool {
         self.0
             .as_ref()
-            .is_some_and(|f| f.fetch_max(ms, Ordering::Relaxed) < ms)
+            .is_some_and(|f| f.at.fetch_max(ms, Ordering::Relaxed) < ms)
     }
+
+    /// The drainer's word on what it waits for: the deadline of the
+    /// earliest timeout the frontier holds back, or `None` when none is.
+    pub fn want(&self, deadline: Option<DateTime<Utc>>) {
+        if let Some(f) = &self.0 {
+            let ms = deadline.map_or(i64::MAX, |d| d.timestamp_millis());
+            f.wanted.store(ms, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether a probe at `now_ms` could release a held timeout.
+    pub fn wanted_at(&self, now_ms: i64) -> bool {
+        self.0.as_ref().is_some_and(|f| {
+            wanted(
+                f.wanted.load(Ordering::Relaxed),
+                f.at.load(Ordering::Relaxed),
+                now_ms,
+            )
+        })
+    }
+}
+
+/// The wanted deadline before the drainer first said it.
+const UNSAID: i64 = i64::MIN;
+
+/// A probe is wanted when the earliest held deadline has passed by the
+/// clock and the frontier has not passed it yet, or when the drainer has
+/// not said yet.
+fn wanted(deadline: i64, at: i64, now_ms: i64) -> bool {
+    deadline == UNSAID || (deadline <= now_ms && at < deadline)
 }
 
 /// One partition as probed: what the group committed (`None`: nothing
@@ -184,8 +234,9 @@ pub fn probe_once(options: &FrontierOptions) -> anyhow::Result<Option<i64>> {
     )
 }
 
-/// Keeps `frontier` moving until `shutdown`, calling `moved` whenever it
-/// did (the drainer's wake-up: held timeouts may be due now).
+/// Keeps `frontier` moving while it is wanted, until `shutdown`, calling
+/// `moved` whenever it did (the drainer's wake-up: held timeouts may be
+/// due now).
 pub async fn run(
     options: FrontierOptions,
     frontier: Frontier,
@@ -211,6 +262,10 @@ pub async fn run(
             _ = tokio::time::sleep(options.interval) => {}
         }
         let now = Utc::now().timestamp_millis();
+        if !frontier.wanted_at(now) {
+            metrics::gauge!("ductor_results_frontier_lag_seconds").set(0.0);
+            continue;
+        }
         let candidates = candidates(&options, now);
         let (consumer, topic) = (consumer.clone(), options.topic.clone());
         let probing =
@@ -283,5 +338,36 @@ mod tests {
         assert_eq!(f.at().map(|t| t.timestamp_millis()), Some(1_000));
         assert_eq!(Frontier::default().at(), None);
         assert!(!Frontier::default().advance(1));
+    }
+
+    #[test]
+    fn a_probe_is_wanted_only_while_a_held_deadline_has_passed_by_the_clock() {
+        // Held, due by the clock, not yet passed by the frontier.
+        assert!(wanted(1_000, 500, 1_000));
+        // Not due yet, or already passed: the drainer has been woken.
+        assert!(!wanted(1_000, 500, 999));
+        assert!(!wanted(1_000, 1_000, 2_000));
+        // Nothing held.
+        assert!(!wanted(i64::MAX, 0, i64::MAX - 1));
+        // Not said yet, however far the frontier is.
+        assert!(wanted(UNSAID, 5_000, 0));
+    }
+
+    #[test]
+    fn a_tracked_frontier_is_wanted_until_the_drainer_says_what_it_waits_for() {
+        let f = Frontier::tracked();
+        assert!(f.wanted_at(0), "wanted from the start");
+        f.want(None);
+        assert!(!f.wanted_at(i64::MAX - 1), "nothing held: never wanted");
+        let deadline = DateTime::from_timestamp_millis(5_000).unwrap();
+        f.want(Some(deadline));
+        assert!(!f.wanted_at(4_999));
+        assert!(f.wanted_at(5_000));
+        assert!(f.advance(5_000));
+        assert!(!f.wanted_at(6_000), "passed: the held timeout is free");
+        assert!(
+            !Frontier::default().wanted_at(0),
+            "an untracked one never is"
+        );
     }
 }

@@ -279,9 +279,11 @@ impl Drainer {
         Ok(total)
     }
 
-    /// Updates the backlog gauges; returns when the next pending intent
-    /// falls due, if any (a timeout held for the results frontier is not:
-    /// the frontier's moving wakes the drainer).
+    /// Updates the backlog gauges and tells the results frontier which
+    /// deadline it is wanted for (the earliest timeout it holds back);
+    /// returns when the next pending intent falls due, if any (a timeout
+    /// held for the results frontier is not: the frontier's moving wakes
+    /// the drainer).
     pub async fn observe_backlog(&self) -> anyhow::Result<Option<DateTime<Utc>>> {
         let row = sqlx::query(
             "SELECT count(*) FILTER (WHERE status <> 'parked') AS backlog, \
@@ -291,7 +293,9 @@ impl Drainer {
                      FILTER (WHERE not_before <= now() AND status <> 'parked'))::float8 AS oldest_due_s, \
                  min(GREATEST(not_before, deferred_until)) FILTER (WHERE status = 'pending' \
                      AND (cancel_key IS NULL OR $1::timestamptz IS NULL OR not_before <= $1)) \
-                     AS next_due \
+                     AS next_due, \
+                 min(not_before) FILTER (WHERE status = 'pending' AND cancel_key IS NOT NULL \
+                     AND $1::timestamptz IS NOT NULL AND not_before > $1) AS next_held \
              FROM eec_effect_intent WHERE status <> 'completed'",
         )
         .bind(self.frontier.at())
@@ -306,6 +310,7 @@ impl Drainer {
         metrics::gauge!("ductor_outbox_parked").set(parked as f64);
         metrics::gauge!("ductor_outbox_due").set(due as f64);
         metrics::gauge!("ductor_outbox_oldest_due_age_seconds").set(oldest.unwrap_or(0.0));
+        self.frontier.want(row.try_get("next_held")?);
         Ok(row.try_get("next_due")?)
     }
 }
