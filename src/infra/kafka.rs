@@ -49,6 +49,15 @@ pub fn offsets_reader_config(kafka: &KafkaConfig, group_id: &str, role: &str) ->
     with_consumer_properties(cfg, kafka)
 }
 
+/// A client that only reads the brokers' metadata: no group, no
+/// subscription, no polling thread. A request of its own does not queue
+/// on the broker behind a consumer's long-polling fetch (a broker answers
+/// one connection's requests in order), so a read on the ingress's path
+/// is as quick as the broker.
+pub fn metadata_reader_config(kafka: &KafkaConfig, role: &str) -> ClientConfig {
+    base_config(kafka, role)
+}
+
 /// `kafka.consumer_properties` over what Ductor set: the operator's word
 /// wins.
 fn with_consumer_properties(mut cfg: ClientConfig, kafka: &KafkaConfig) -> ClientConfig {

@@ -77,9 +77,7 @@ impl rdkafka::consumer::ConsumerContext for IngressConsumerContext {
 
 pub struct IngressContext {
     pub applier: Applier,
-    /// Shared with [`PartitionCounts`](super::misrouted::PartitionCounts),
-    /// which reads the broker's metadata through it.
-    pub consumer: std::sync::Arc<StreamConsumer<IngressConsumerContext>>,
+    pub consumer: StreamConsumer<IngressConsumerContext>,
     pub dead_letters: DeadLetterPublisher,
     pub requests_topic: String,
     pub wakeups_topic: String,
@@ -136,18 +134,16 @@ impl IngressContext {
         let consumer: StreamConsumer<IngressConsumerContext> = consumer_config
             .create_with_context(context)
             .context("creating ingress consumer")?;
-        let consumer = std::sync::Arc::new(consumer);
         let producer = super::dead_letter::producer(config, "dlq")?;
         let mut applier = Applier::new(config, pool.clone(), workflows);
         applier.writer = writer;
         Ok(Self {
             applier,
-            consumer: consumer.clone(),
+            consumer,
             partition_counts: super::misrouted::PartitionCounts::new(
-                consumer,
+                &config.kafka,
                 Duration::from_millis(config.coordinator.partition_count_refresh_ms),
-                Duration::from_millis(config.kafka.request_timeout_ms),
-            ),
+            )?,
             max_input_forwards: config.coordinator.max_input_forwards,
             dead_letters: DeadLetterPublisher {
                 producer,

@@ -29,15 +29,16 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use rdkafka::consumer::{Consumer, StreamConsumer};
+use anyhow::Context;
+use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::context::IngressConsumerContext;
 use super::dead_letter::{DeadLetter, Stage};
 use super::sort::Sorted;
+use crate::config::KafkaConfig;
 use crate::contract::InputErrorClass;
 use crate::contract::headers::{FORWARDED_FROM, FORWARDS};
 use crate::contract::partition::partition_for;
@@ -93,7 +94,7 @@ pub(super) struct Misrouted<'m> {
 /// The input topics' partition counts, read from the broker's metadata
 /// and kept for `coordinator.partition_count_refresh_ms`.
 pub struct PartitionCounts {
-    client: Arc<StreamConsumer<IngressConsumerContext>>,
+    client: Arc<BaseConsumer>,
     refresh: Duration,
     timeout: Duration,
     known: Mutex<HashMap<String, (i32, Instant)>>,
@@ -103,20 +104,22 @@ pub struct PartitionCounts {
 const FRESH_FOR_JUDGING: Duration = Duration::from_secs(1);
 
 impl PartitionCounts {
-    /// Counts read through `client`, the ingress's own consumer: a client
-    /// that is there anyway (a producer of its own would cost its polling
-    /// thread, see [`crate::infra::kafka::LazyProducer`]).
-    pub fn new(
-        client: Arc<StreamConsumer<IngressConsumerContext>>,
-        refresh: Duration,
-        timeout: Duration,
-    ) -> Self {
-        Self {
-            client,
+    /// Counts read through a metadata reader of their own
+    /// ([`crate::infra::kafka::metadata_reader_config`]): not the ingress's
+    /// consumer, whose long-polling fetch a read would wait behind, nor a
+    /// producer, whose polling thread costs CPU at idle (see
+    /// [`crate::infra::kafka::LazyProducer`]). Each read waits at most
+    /// `kafka.request_timeout_ms`.
+    pub fn new(kafka: &KafkaConfig, refresh: Duration) -> anyhow::Result<Self> {
+        let client = crate::infra::kafka::metadata_reader_config(kafka, "partition-counts")
+            .create()
+            .context("creating the partition-count reader")?;
+        Ok(Self {
+            client: Arc::new(client),
             refresh,
-            timeout,
+            timeout: Duration::from_millis(kafka.request_timeout_ms),
             known: Mutex::default(),
-        }
+        })
     }
 
     /// The count of `topic`, read again when older than `max_age`; the
