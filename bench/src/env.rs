@@ -183,6 +183,33 @@ impl BenchEnv {
             .await
     }
 
+    /// Runs `sql`, one or more statements without parameters, on the bench
+    /// database as its owner, for tables of the bench's own; `what` names
+    /// it in an error.
+    pub async fn as_owner(&self, sql: &str, what: &'static str) -> anyhow::Result<()> {
+        sqlx::raw_sql(sql)
+            .execute(&self.owner)
+            .await
+            .context(what)?;
+        Ok(())
+    }
+
+    /// Connection options of the bench database's owner, with Ductor's
+    /// session settings, for clients of tables the bench owns.
+    pub fn owner_connect_options(&self) -> anyhow::Result<PgConnectOptions> {
+        let options: PgConnectOptions = self
+            .base
+            .database
+            .migrate_url()
+            .expose()
+            .parse()
+            .context("parsing the bench database's owner url")?;
+        Ok(
+            ductor::infra::db::session_options(options, &self.base.database)
+                .application_name("ductor-bench"),
+        )
+    }
+
     /// Runs `sql` on the bench database as its owner; `what` names it in
     /// an error.
     async fn execute(&self, sql: &str, what: &'static str) -> anyhow::Result<()> {

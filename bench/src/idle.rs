@@ -20,7 +20,7 @@ use rdkafka::consumer::StreamConsumer;
 use rdkafka::message::Message;
 use serde::Serialize;
 
-use super::pipeline::{Pipeline, events_consumer, produce_start_requests};
+use super::pipeline::{Target, events_consumer, produce_start_requests};
 use super::stats::Progress;
 
 /// The pause between one run's end and the next run's start: longer than
@@ -43,14 +43,15 @@ pub struct Idle {
 /// Runs `runs` runs one after the other on `pipeline`, each started
 /// [`PAUSE`] after the previous one ended.
 pub async fn idle(
-    pipeline: &Pipeline,
+    pipeline: &impl Target,
     runs: usize,
+    round: usize,
     progress: &mut Progress,
 ) -> anyhow::Result<Idle> {
-    let events = events_consumer(&pipeline.config).await?;
+    let events = events_consumer(pipeline.config()).await?;
     one_at_a_time(runs, &events, progress, async |i| {
-        let prefix = format!("idle-{i}");
-        produce_start_requests(&pipeline.producer, &pipeline.config, &prefix, 1).await?;
+        let prefix = format!("idle{round}-{i}");
+        produce_start_requests(pipeline.producer(), pipeline.config(), &prefix, 1).await?;
         Ok(format!("{prefix}-0"))
     })
     .await

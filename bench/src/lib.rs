@@ -13,15 +13,23 @@
 //!    request's *intended* send time to the arrival of its `run.started`
 //!    event (no coordinated omission), in an HdrHistogram. Then **idle**
 //!    (see [`idle`]): `--idle-runs` runs one at a time, each from its start
-//!    request to its `run.succeeded` event.
+//!    request to its `run.succeeded` event. Then **B3**, the hop floor (see
+//!    [`floor`]), started beside Ductor and alternated with it, three
+//!    rounds: latency at 25 and 50 % of Ductor's capacity and one run at a
+//!    time, the ratios' medians and spreads reported.
 //! 3. **B1a / B1b**: Ductor's SQL footprint per input (see [`footprint`]),
 //!    one input per transaction and `k` per transaction, best client count.
+//!    **B1-lean**: the Postgres work of a minimal exactly-once orchestrator
+//!    per input, in tables of its own (see [`lean`]), 1, 2 and 4 clients.
 //! 4. **B2**: the same Kafka traffic with Postgres taken out (see
 //!    [`passthrough`]).
 //! 5. **capacity** again with `synchronous_commit = off` on the database.
 //!
 //! L = 1 / (1/B1b + 1/B2) inputs/s is the machine's limit for this work, since
-//! Kafka and Postgres share the cores. The report is a table on stdout
+//! Kafka and Postgres share the cores. It is computed from Ductor's own SQL
+//! footprint, so a heavier footprint makes it smaller; L_lean =
+//! 1 / (1/B1-lean + 1/B2) does not move with Ductor's schema, and
+//! capacity / L_lean says how close Ductor comes to a lean design. The report is a table on stdout
 //! followed by one JSON line, the last line of stdout; progress goes to
 //! stderr. Every run uses its own database and topics and removes them.
 //!
@@ -29,8 +37,10 @@
 //! the same runs on one, two, three ... serve processes of one group.
 
 pub mod env;
+pub mod floor;
 pub mod footprint;
 pub mod idle;
+pub mod lean;
 pub mod outside;
 pub mod passthrough;
 pub mod pipeline;
@@ -38,6 +48,7 @@ pub mod scale;
 pub mod stats;
 pub mod views;
 
+use anyhow::Context as _;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -109,6 +120,9 @@ struct Plan {
     b1a_clients: Vec<usize>,
     b1b_ks: Vec<usize>,
     b1b_clients: Vec<usize>,
+    lean_clients: Vec<usize>,
+    floor_rounds: usize,
+    idle_cpu_window: Duration,
     worker_in_flight: usize,
 }
 
@@ -139,6 +153,9 @@ impl Plan {
                 b1a_clients: vec![1, 4],
                 b1b_ks: vec![64],
                 b1b_clients: vec![2],
+                lean_clients: vec![2],
+                floor_rounds: 1,
+                idle_cpu_window: Duration::from_secs(1),
                 worker_in_flight: 256,
             }
         } else {
@@ -153,6 +170,9 @@ impl Plan {
                 b1a_clients: vec![1, 2, 4, 8, 16],
                 b1b_ks: vec![16, 64, 256, 512],
                 b1b_clients: vec![1, 2, 4, 8],
+                lean_clients: vec![1, 2, 4],
+                floor_rounds: 3,
+                idle_cpu_window: Duration::from_secs(30),
                 worker_in_flight: 256,
             }
         })
@@ -177,14 +197,60 @@ impl Baseline {
     }
 }
 
+/// CPU at rest, over a window of `seconds`.
+#[derive(Debug, Clone, Serialize)]
+pub struct IdleCpu {
+    pub seconds: f64,
+    pub cores: stats::CpuCores,
+}
+
 /// The ratios the issue asks for.
 #[derive(Debug, Clone, Serialize)]
 pub struct Ratios {
     pub capacity_over_l: f64,
+    /// Capacity against L_lean, the limit of a lean footprint.
+    pub capacity_over_l_lean: f64,
     pub capacity_over_b1b: f64,
     pub capacity_over_b1a: f64,
     pub sync_on_over_off: f64,
     pub p99_ms_at_50pct: f64,
+    /// CPU time per input applied, µs, at capacity and at 50 % load.
+    pub cpu_us_per_input: CpuPerInput,
+    /// Latency against the hop floor B3's, median of the rounds.
+    #[serde(flatten)]
+    pub floor: floor::FloorRatios,
+}
+
+/// CPU time per input, µs, by process group: `ductor` is the bench's own
+/// process (the pipeline, the echo worker and the load's clients).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CpuUs {
+    pub ductor: f64,
+    pub postgres: f64,
+    pub kafka: f64,
+    pub total: f64,
+}
+
+impl CpuUs {
+    /// CPU per input from the cores used while `inputs_per_s` were applied.
+    fn of(cores: &stats::CpuCores, inputs_per_s: f64) -> CpuUs {
+        if inputs_per_s <= 0.0 {
+            return CpuUs::default();
+        }
+        let us = |c: f64| 1e6 * c / inputs_per_s;
+        CpuUs {
+            ductor: us(cores.ductor),
+            postgres: us(cores.postgres),
+            kafka: us(cores.kafka),
+            total: us(cores.ductor + cores.postgres + cores.kafka),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CpuPerInput {
+    pub at_capacity: CpuUs,
+    pub at_50pct: CpuUs,
 }
 
 /// Every figure of one bench run. Numbers outside `profile` objects are
@@ -200,11 +266,21 @@ pub struct Report {
     pub latency: Vec<Latency>,
     /// One run at a time, start to end (absent with `--idle-runs 0`).
     pub idle: Option<Idle>,
+    /// Ductor and the hop floor B3, alternated round by round.
+    pub vs_floor: floor::VsFloor,
+    /// Each process's share of a core with Ductor's pipeline running and
+    /// no load (`ductor` is the bench process: serve's pipeline and the
+    /// echo worker).
+    pub idle_cpu: IdleCpu,
     pub b1a: Baseline,
     pub b1b: Baseline,
+    /// The lean footprint, in tables of its own.
+    pub b1_lean: Baseline,
     pub b2: Passthrough,
     /// L = 1 / (1/B1b + 1/B2), inputs/s.
     pub limit_inputs_per_s: f64,
+    /// L_lean = 1 / (1/B1-lean + 1/B2), inputs/s.
+    pub limit_lean_inputs_per_s: f64,
     pub ratios: Ratios,
     /// The bench process's peak resident set size, in MiB: the serve's
     /// pipeline (ingress, apply, drainer) with the bench's clients and echo
@@ -241,6 +317,7 @@ impl Report {
         let _ = writeln!(t);
         t.push_str(&latency_table(&self.latency));
         t.push_str(&idle_line(self.idle.as_ref()));
+        self.write_floor(&mut t);
         self.write_contention(&mut t);
         self.write_ratios(&mut t);
         self.write_capacity_profiles(&mut t);
@@ -305,6 +382,15 @@ impl Report {
         );
         let _ = writeln!(
             t,
+            "{:<34} {:>12.0}",
+            format!(
+                "B1-lean, {} inputs/tx, {} clients",
+                self.b1_lean.k, self.b1_lean.clients
+            ),
+            self.b1_lean.inputs_per_s
+        );
+        let _ = writeln!(
+            t,
             "{:<34} {:>12.0} {:>12.1} {:>10.2}",
             "B2 Kafka passthrough", self.b2.inputs_per_s, self.b2.runs_per_s, self.b2.seconds
         );
@@ -313,7 +399,57 @@ impl Report {
             "{:<34} {:>12.0}",
             "L = 1/(1/B1b + 1/B2)", self.limit_inputs_per_s
         );
+        let _ = writeln!(
+            t,
+            "{:<34} {:>12.0}",
+            "L_lean = 1/(1/B1-lean + 1/B2)", self.limit_lean_inputs_per_s
+        );
         let _ = writeln!(t, "{:<34} {:>12.1}", "peak RSS, MiB", self.peak_rss_mb);
+        let c = &self.idle_cpu.cores;
+        let _ = writeln!(
+            t,
+            "idle CPU over {:.0} s, % of a core: ductor {:.1}, postgres {:.1}, kafka {:.1}",
+            self.idle_cpu.seconds,
+            100.0 * c.ductor,
+            100.0 * c.postgres,
+            100.0 * c.kafka
+        );
+    }
+
+    /// The floor's figures of each round beside Ductor's, and the ratios.
+    fn write_floor(&self, t: &mut String) {
+        let _ = writeln!(t);
+        for (i, round) in self.vs_floor.rounds.iter().enumerate() {
+            for (name, latency, idle) in [
+                ("Ductor", &round.ductor, &round.ductor_idle),
+                ("B3 floor", &round.floor, &round.floor_idle),
+            ] {
+                let points: Vec<String> = latency
+                    .iter()
+                    .map(|l| format!("{}% p50 {:.1} p99 {:.1}", l.load_pct, l.p50_ms, l.p99_ms))
+                    .collect();
+                let idle = idle
+                    .as_ref()
+                    .map_or(String::new(), |i| format!(", idle p50 {:.1}", i.p50_ms));
+                let _ = writeln!(
+                    t,
+                    "round {} {name:<8} ms: {}{idle}",
+                    i + 1,
+                    points.join(", ")
+                );
+            }
+        }
+        let f = &self.ratios.floor;
+        let spread = |s: &floor::Spread| format!("{:.2} ({:.2}-{:.2})", s.median, s.min, s.max);
+        let _ = writeln!(
+            t,
+            "over the floor (median, spread): 25% p50 {} p99 {}; 50% p50 {} p99 {}; idle p50 {}",
+            spread(&f.p50_over_floor_at_25pct),
+            spread(&f.p99_over_floor_at_25pct),
+            spread(&f.p50_over_floor_at_50pct),
+            spread(&f.p99_over_floor_at_50pct),
+            spread(&f.idle_p50_over_floor)
+        );
     }
 
     /// A warning naming the phases that other processes disturbed, if any.
@@ -341,13 +477,24 @@ impl Report {
         let _ = writeln!(t);
         let _ = writeln!(
             t,
-            "capacity/L {:.2}   capacity/B1b {:.2}   capacity/B1a {:.2}   sync on/off {:.2}   p99 at 50% {:.1} ms",
+            "capacity/L {:.2}   capacity/L_lean {:.2}   capacity/B1b {:.2}   capacity/B1a {:.2}   sync on/off {:.2}   p99 at 50% {:.1} ms",
             r.capacity_over_l,
+            r.capacity_over_l_lean,
             r.capacity_over_b1b,
             r.capacity_over_b1a,
             r.sync_on_over_off,
             r.p99_ms_at_50pct
         );
+        for (name, c) in [
+            ("at capacity", &r.cpu_us_per_input.at_capacity),
+            ("at 50%", &r.cpu_us_per_input.at_50pct),
+        ] {
+            let _ = writeln!(
+                t,
+                "CPU per input {name}: {:.0} us (ductor {:.0}, postgres {:.0}, kafka {:.0})",
+                c.total, c.ductor, c.postgres, c.kafka
+            );
+        }
         let _ = writeln!(t);
     }
 
@@ -382,9 +529,13 @@ impl Report {
     /// The statements' times and the cores at the best point of each SQL
     /// baseline.
     fn write_baseline_profiles(&self, t: &mut String) {
-        for (name, b) in [("B1a", &self.b1a), ("B1b", &self.b1b)] {
+        for (name, b, names) in [
+            ("B1a", &self.b1a, &footprint::STATEMENTS[..]),
+            ("B1b", &self.b1b, &footprint::STATEMENTS[..]),
+            ("B1-lean", &self.b1_lean, &lean::STATEMENTS[..]),
+        ] {
             if let Some(best) = b.best_point() {
-                let statements: Vec<String> = footprint::STATEMENTS
+                let statements: Vec<String> = names
                     .iter()
                     .filter_map(|s| {
                         best.profile
@@ -527,7 +678,7 @@ pub async fn run_latency_only(
     );
     let plan = Plan::from_args(args)?;
     in_own_env(config, shutdown, async |env, progress| {
-        let on = sync_on_phases(env, &plan, Some(rate), shutdown, progress).await?;
+        let on = sync_on_phases(env, &plan, Some(rate), false, shutdown, progress).await?;
         Ok((on.latency, on.idle))
     })
     .await
@@ -582,14 +733,18 @@ struct SyncOn {
     capacity: Capacity,
     latency: Vec<Latency>,
     idle: Option<Idle>,
+    vs_floor: Option<floor::VsFloor>,
+    idle_cpu: IdleCpu,
 }
 
 /// Capacity, latency and idle with synchronous commit on. The latency rates
 /// are percentages of `reference` runs/s, or of the measured capacity.
+/// With `with_floor`, the hop floor is then alternated with Ductor.
 async fn sync_on_phases(
     env: &BenchEnv,
     plan: &Plan,
     reference: Option<f64>,
+    with_floor: bool,
     shutdown: &CancellationToken,
     progress: &mut Progress,
 ) -> anyhow::Result<SyncOn> {
@@ -605,23 +760,47 @@ async fn sync_on_phases(
         capacity.runs_per_s
     ));
     env.analyze().await?;
-    let latency = pipeline::latency(
-        env,
-        &mut on,
-        reference.unwrap_or(capacity.runs_per_s),
-        &plan.load_pcts,
-        plan.latency,
-        shutdown,
-        progress,
-    )
-    .await?;
+    let reference = reference.unwrap_or(capacity.runs_per_s);
+    let loads = pipeline::Loads {
+        reference_runs_per_s: reference,
+        pcts: &plan.load_pcts,
+        duration: plan.latency,
+        round: 0,
+    };
+    let latency = pipeline::latency(env, &mut on, &loads, shutdown, progress).await?;
     let idle = idle_phase(&on, plan.idle_runs, progress).await?;
+    let vs_floor = if with_floor {
+        let compare = floor::Compare {
+            capacity_runs_per_s: reference,
+            rounds: plan.floor_rounds,
+            duration: plan.latency,
+            idle_runs: plan.idle_runs,
+            worker_in_flight: plan.worker_in_flight,
+        };
+        Some(floor::compare(env, &mut on, &compare, shutdown, progress).await?)
+    } else {
+        None
+    };
+    let idle_cpu = idle_cpu(env, plan.idle_cpu_window).await;
     on.stop().await?;
     Ok(SyncOn {
         capacity,
         latency,
         idle,
+        vs_floor,
+        idle_cpu,
     })
+}
+
+/// Each process's CPU over `window` with the pipeline running and nothing
+/// sent to it.
+async fn idle_cpu(env: &BenchEnv, window: Duration) -> IdleCpu {
+    let before = stats::CpuTicks::sample(&env.cpu);
+    tokio::time::sleep(window).await;
+    IdleCpu {
+        seconds: window.as_secs_f64(),
+        cores: before.cores_until(&stats::CpuTicks::sample(&env.cpu)),
+    }
 }
 
 /// The idle phase on the running pipeline, unless it has no runs.
@@ -633,7 +812,7 @@ async fn idle_phase(
     if runs == 0 {
         return Ok(None);
     }
-    let idle = idle::idle(on, runs, progress).await?;
+    let idle = idle::idle(on, runs, 0, progress).await?;
     progress.done(&format!(
         "idle, one run at a time ({runs} runs): p50 {:.1} ms, p99 {:.1} ms",
         idle.p50_ms, idle.p99_ms
@@ -683,8 +862,11 @@ struct Measured {
     capacity_sync_off: Capacity,
     latency: Vec<Latency>,
     idle: Option<Idle>,
+    vs_floor: floor::VsFloor,
+    idle_cpu: IdleCpu,
     b1a: Baseline,
     b1b: Baseline,
+    b1_lean: Baseline,
     b2: Passthrough,
 }
 
@@ -699,10 +881,14 @@ async fn phases(
         capacity,
         latency,
         idle,
-    } = sync_on_phases(env, plan, None, shutdown, progress).await?;
+        vs_floor,
+        idle_cpu,
+    } = sync_on_phases(env, plan, None, true, shutdown, progress).await?;
+    let vs_floor = vs_floor.context("the floor was compared")?;
 
     // 3: the SQL footprint alone.
     let (b1a, b1b) = sql_baselines(env, plan, progress).await?;
+    let b1_lean = baseline(lean::grid(env, &plan.lean_clients, plan.b1_point, progress).await?)?;
 
     // 4: the Kafka traffic alone.
     let b2 = passthrough::run(
@@ -729,8 +915,11 @@ async fn phases(
             capacity_sync_off,
             latency,
             idle,
+            vs_floor,
+            idle_cpu,
             b1a,
             b1b,
+            b1_lean,
             b2,
         },
     ))
@@ -780,7 +969,8 @@ impl Report {
     /// each phase.
     fn new(quick: bool, m: Measured) -> Report {
         let limit = 1.0 / (1.0 / m.b1b.inputs_per_s + 1.0 / m.b2.inputs_per_s);
-        let ratios = m.ratios(limit);
+        let limit_lean = 1.0 / (1.0 / m.b1_lean.inputs_per_s + 1.0 / m.b2.inputs_per_s);
+        let ratios = m.ratios(limit, limit_lean);
         let other_cores = m.other_cores();
         Report {
             quick,
@@ -790,10 +980,14 @@ impl Report {
             capacity_sync_off: m.capacity_sync_off,
             latency: m.latency,
             idle: m.idle,
+            vs_floor: m.vs_floor,
+            idle_cpu: m.idle_cpu,
             b1a: m.b1a,
             b1b: m.b1b,
+            b1_lean: m.b1_lean,
             b2: m.b2,
             limit_inputs_per_s: limit,
+            limit_lean_inputs_per_s: limit_lean,
             ratios,
             peak_rss_mb: peak_rss_mb(),
             profile: ReportProfile { other_cores },
@@ -802,21 +996,27 @@ impl Report {
 }
 
 impl Measured {
-    /// The capacity against the limit `limit` inputs/s and each baseline,
-    /// and the p99 at half the capacity.
-    fn ratios(&self, limit: f64) -> Ratios {
+    /// The capacity against the limits `limit` and `limit_lean` inputs/s
+    /// and each baseline, the p99 at half the capacity, and the CPU spent
+    /// per input.
+    fn ratios(&self, limit: f64, limit_lean: f64) -> Ratios {
         let capacity = self.capacity.inputs_per_s;
-        let p99_at_50 = self
-            .latency
-            .iter()
-            .find(|l| l.load_pct == 50)
-            .map_or(0.0, |l| l.p99_ms);
+        let at_50 = self.latency.iter().find(|l| l.load_pct == 50);
+        let p99_at_50 = at_50.map_or(0.0, |l| l.p99_ms);
         Ratios {
             capacity_over_l: capacity / limit,
+            capacity_over_l_lean: capacity / limit_lean,
             capacity_over_b1b: capacity / self.b1b.inputs_per_s,
             capacity_over_b1a: capacity / self.b1a.inputs_per_s,
             sync_on_over_off: capacity / self.capacity_sync_off.inputs_per_s,
             p99_ms_at_50pct: p99_at_50,
+            cpu_us_per_input: CpuPerInput {
+                at_capacity: CpuUs::of(&self.capacity.profile.cpu_cores, capacity),
+                at_50pct: at_50.map_or_else(CpuUs::default, |l| {
+                    CpuUs::of(&l.profile.cpu_cores, l.inputs_per_s)
+                }),
+            },
+            floor: self.vs_floor.ratios(),
         }
     }
 
@@ -834,6 +1034,7 @@ impl Measured {
             ),
             ("b1a".to_string(), best_cpu(&self.b1a)),
             ("b1b".to_string(), best_cpu(&self.b1b)),
+            ("b1_lean".to_string(), best_cpu(&self.b1_lean)),
             ("b2".to_string(), taken(&self.b2.profile.cpu_cores)),
         ]);
         for l in &self.latency {

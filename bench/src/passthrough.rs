@@ -9,10 +9,14 @@
 //! library answers the dispatches. Messages per input, message sizes and the
 //! topology are therefore those of the real pipeline (timers excepted: the
 //! bench's step timeouts never fall due, so Ductor publishes none either).
+//!
+//! The same relay with a [`HopStore`] is the hop floor, B3 (see
+//! [`super::floor`]): one small Postgres transaction per batch of inputs,
+//! committed before the batch's effects are published.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -28,6 +32,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::env::{BenchEnv, INPUTS_PER_RUN, POOL, STEPS, WORKFLOW};
+use super::floor::HopStore;
 use super::pipeline::{produce_start_requests, spawn_echo_worker};
 use super::stats::{CpuCores, CpuTicks, Progress, Watchdog, messages_between, topic_offsets};
 use ductor::config::Config;
@@ -53,9 +58,11 @@ pub struct PassthroughProfile {
 
 /// Shared between the passthrough task and the driver.
 #[derive(Default)]
-struct Counters {
+pub(crate) struct Counters {
     inputs: AtomicU64,
     finished_runs: AtomicU64,
+    /// Runs finished, by the prefix of their id (up to its last `-`).
+    finished_by_prefix: Mutex<HashMap<String, u64>>,
     /// Micros since `epoch` of the first input consumed after arming, and of
     /// the last run finished.
     first_input_us: AtomicU64,
@@ -76,7 +83,7 @@ pub async fn run(
     env.create_topics(&config).await?;
     let shutdown = parent.child_token();
     let _stop_on_drop = shutdown.clone().drop_guard();
-    let mut b2 = B2::start(config, worker_in_flight, &shutdown)?;
+    let mut b2 = Relay::start(config, worker_in_flight, None, &shutdown)?;
 
     b2.produce_starts("warm-b2", warmup_runs).await?;
     b2.wait_warmed_up(warmup_runs).await?;
@@ -133,45 +140,68 @@ impl Counters {
         }
     }
 
-    /// Counts a published batch of `inputs` that finished `finished` runs.
-    fn count_batch(&self, inputs: usize, finished: u64, epoch: Instant) {
-        self.inputs.fetch_add(inputs as u64, Ordering::Relaxed);
-        if finished > 0 {
-            self.finished_runs.fetch_add(finished, Ordering::SeqCst);
-            self.last_finish_us
-                .store(epoch.elapsed().as_micros() as u64, Ordering::SeqCst);
+    /// Counts a published batch of `hops` (one per input).
+    fn count_batch(&self, hops: &[Hop], epoch: Instant) {
+        self.inputs.fetch_add(hops.len() as u64, Ordering::Relaxed);
+        let finished: Vec<&str> = hops
+            .iter()
+            .filter(|h| h.finished)
+            .map(|h| h.run_id.as_str())
+            .collect();
+        if finished.is_empty() {
+            return;
         }
+        if let Ok(mut by_prefix) = self.finished_by_prefix.lock() {
+            for run_id in &finished {
+                let prefix = run_id.rsplit_once('-').map_or(*run_id, |(p, _)| p);
+                *by_prefix.entry(prefix.to_string()).or_default() += 1;
+            }
+        }
+        self.finished_runs
+            .fetch_add(finished.len() as u64, Ordering::SeqCst);
+        self.last_finish_us
+            .store(epoch.elapsed().as_micros() as u64, Ordering::SeqCst);
+    }
+
+    /// Runs finished whose ids start with `prefix-`.
+    pub(crate) fn finished_with_prefix(&self, prefix: &str) -> u64 {
+        self.finished_by_prefix
+            .lock()
+            .map_or(0, |m| m.get(prefix).copied().unwrap_or(0))
     }
 }
 
 /// The passthrough pipeline: the coordinator stand-in, the real echo
 /// worker, and the bench's producer of start requests.
-struct B2 {
-    config: Config,
-    counters: Arc<Counters>,
+pub(crate) struct Relay {
+    pub(crate) config: Config,
+    pub(crate) counters: Arc<Counters>,
     coordinator: JoinHandle<anyhow::Result<()>>,
     worker: JoinHandle<anyhow::Result<()>>,
-    producer: FutureProducer,
+    pub(crate) producer: FutureProducer,
 }
 
-impl B2 {
-    /// Starts the coordinator stand-in and the worker under `shutdown`.
-    fn start(
+impl Relay {
+    /// Starts the coordinator stand-in, committing each batch to `store`
+    /// if given, and the worker under `shutdown`.
+    pub(crate) fn start(
         config: Config,
         worker_in_flight: usize,
+        store: Option<HopStore>,
         shutdown: &CancellationToken,
-    ) -> anyhow::Result<B2> {
+    ) -> anyhow::Result<Relay> {
         let counters = Arc::new(Counters::default());
         let epoch = Instant::now();
         let coordinator: JoinHandle<anyhow::Result<()>> = tokio::spawn(coordinate(
             config.clone(),
             counters.clone(),
             epoch,
+            store,
             shutdown.clone(),
         ));
         let worker = spawn_echo_worker(&config, worker_in_flight, shutdown);
         let producer = ductor::infra::kafka::producer(&config.kafka, "bench-client")?;
-        Ok(B2 {
+        Ok(Relay {
             config,
             counters,
             coordinator,
@@ -186,7 +216,7 @@ impl B2 {
     }
 
     /// Fails if the coordinator stand-in or the worker has stopped.
-    fn check_alive(&self) -> anyhow::Result<()> {
+    pub(crate) fn check_alive(&self) -> anyhow::Result<()> {
         anyhow::ensure!(
             !self.coordinator.is_finished() && !self.worker.is_finished(),
             "the Kafka passthrough stopped while the bench was running"
@@ -241,7 +271,7 @@ impl B2 {
     }
 
     /// Waits for both tasks once shut down, and reports how they ended.
-    async fn join(&mut self) -> anyhow::Result<()> {
+    pub(crate) async fn join(&mut self) -> anyhow::Result<()> {
         (&mut self.coordinator)
             .await
             .context("the passthrough panicked")??;
@@ -260,6 +290,14 @@ struct RunMemo {
     seq: i64,
 }
 
+/// What one input did to its run: the run's new transition `seq`, and
+/// whether the run finished.
+pub(crate) struct Hop {
+    pub(crate) run_id: String,
+    pub(crate) seq: i64,
+    pub(crate) finished: bool,
+}
+
 /// One message to publish.
 struct Out {
     topic: String,
@@ -274,6 +312,7 @@ async fn coordinate(
     config: Config,
     counters: Arc<Counters>,
     epoch: Instant,
+    mut store: Option<HopStore>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let consumer = passthrough_consumer(&config)?;
@@ -302,14 +341,15 @@ async fn coordinate(
         }
 
         let mut outs = Vec::with_capacity(batch.len() * 2);
-        let mut finished = 0u64;
+        let mut hops = Vec::with_capacity(batch.len());
         for msg in &batch {
-            if runs.effects(msg, &mut outs)? {
-                finished += 1;
-            }
+            hops.push(runs.effects(msg, &mut outs)?);
+        }
+        if let Some(store) = &mut store {
+            store.commit(&hops).await?;
         }
         publish(&producer, &outs, timeout).await?;
-        counters.count_batch(batch.len(), finished, epoch);
+        counters.count_batch(&hops, epoch);
         store_offsets(&consumer, &batch);
     }
 }
@@ -350,8 +390,8 @@ impl Runs {
 
     /// Adds to `outs` what the drainer would publish for the input `msg`:
     /// its run's event and, while steps remain, the next dispatch. Returns
-    /// whether the run finished.
-    fn effects(&mut self, msg: &OwnedMessage, outs: &mut Vec<Out>) -> anyhow::Result<bool> {
+    /// what the input did to its run.
+    fn effects(&mut self, msg: &OwnedMessage, outs: &mut Vec<Out>) -> anyhow::Result<Hop> {
         let value: Value = serde_json::from_slice(msg.payload().unwrap_or_default())
             .context("passthrough input is not JSON")?;
         let run_id = value["run_id"].as_str().unwrap_or_default().to_string();
@@ -371,9 +411,14 @@ impl Runs {
             &at,
             &event,
         )?);
+        let hop = Hop {
+            run_id: run_id.clone(),
+            seq: run.seq,
+            finished: done,
+        };
         if done {
             self.memo.remove(&run_id);
-            return Ok(true);
+            return Ok(hop);
         }
         let dispatch = step_dispatch(&run_id, run, now, input);
         outs.push(out(
@@ -386,7 +431,7 @@ impl Runs {
             &at,
             &dispatch,
         )?);
-        Ok(false)
+        Ok(hop)
     }
 
     /// Folds the input `value` into its run's memo: a start remembers the

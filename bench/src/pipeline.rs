@@ -148,6 +148,55 @@ async fn enqueue(
 }
 
 /// `serve::run` and the echo worker, stopped on drop.
+/// What the open-loop latency phases and the idle phase drive: Ductor's
+/// pipeline, or the hop floor B3.
+pub trait Target {
+    /// The configuration of its topics.
+    fn config(&self) -> &Config;
+    /// The bench's producer of its start requests.
+    fn producer(&self) -> &FutureProducer;
+    /// Fails if a part of it has stopped.
+    fn check_alive(&mut self) -> anyhow::Result<()>;
+    /// Waits until the `n` runs whose ids start with `prefix-` are finished,
+    /// showing progress; fails if one did not succeed, on a stall, or after
+    /// `limit`.
+    fn wait_finished(
+        &mut self,
+        env: &BenchEnv,
+        prefix: &str,
+        n: usize,
+        limit: Duration,
+        progress: &mut Progress,
+        label: &str,
+    ) -> impl Future<Output = anyhow::Result<()>>;
+}
+
+impl Target for Pipeline {
+    fn config(&self) -> &Config {
+        &self.config
+    }
+
+    fn producer(&self) -> &FutureProducer {
+        &self.producer
+    }
+
+    fn check_alive(&mut self) -> anyhow::Result<()> {
+        Pipeline::check_alive(self)
+    }
+
+    async fn wait_finished(
+        &mut self,
+        env: &BenchEnv,
+        prefix: &str,
+        n: usize,
+        limit: Duration,
+        progress: &mut Progress,
+        label: &str,
+    ) -> anyhow::Result<()> {
+        Pipeline::wait_finished(self, env, prefix, n, limit, progress, label).await
+    }
+}
+
 pub struct Pipeline {
     pub config: Config,
     pub producer: FutureProducer,
@@ -774,18 +823,22 @@ async fn topic_offsets_by_partition(
 /// `run.started` event, so a stalled sender or pipeline shows up in full.
 pub async fn latency(
     env: &BenchEnv,
-    pipeline: &mut Pipeline,
-    capacity_runs_per_s: f64,
-    load_pcts: &[u32],
-    duration: Duration,
+    pipeline: &mut impl Target,
+    loads: &Loads<'_>,
     parent: &CancellationToken,
     progress: &mut Progress,
 ) -> anyhow::Result<Vec<Latency>> {
-    let mut reader = EventsReader::start(&pipeline.config, parent).await?;
-    let mut out = Vec::with_capacity(load_pcts.len());
-    for &pct in load_pcts {
-        let rate = capacity_runs_per_s * f64::from(pct) / 100.0;
-        let figures = one_rate(env, pipeline, &mut reader, pct, rate, duration, progress).await;
+    let mut reader = EventsReader::start(pipeline.config(), parent).await?;
+    let mut out = Vec::with_capacity(loads.pcts.len());
+    let (duration, round) = (loads.duration, loads.round);
+    for &pct in loads.pcts {
+        let rate = loads.reference_runs_per_s * f64::from(pct) / 100.0;
+        anyhow::ensure!(
+            rate > 0.0,
+            "latency at {pct}%: the measured capacity is zero"
+        );
+        let schedule = Schedule::new(pct, rate, duration, round, pipeline.config());
+        let figures = one_rate(env, pipeline, &mut reader, &schedule, progress).await;
         match figures {
             Ok(f) => {
                 progress.done(&format!(
@@ -804,28 +857,31 @@ pub async fn latency(
     Ok(out)
 }
 
+/// The open-loop rates of one latency pass: `pcts` % of
+/// `reference_runs_per_s`, `duration` each; `round` tells its runs from
+/// other passes' at the same rates.
+pub struct Loads<'a> {
+    pub reference_runs_per_s: f64,
+    pub pcts: &'a [u32],
+    pub duration: Duration,
+    pub round: usize,
+}
+
 /// One open-loop phase at `rate` runs/s for `duration`: start requests sent
 /// on schedule, each run's latency recorded when its `run.started` event
 /// arrives, then the phase's runs left to finish.
 async fn one_rate(
     env: &BenchEnv,
-    pipeline: &mut Pipeline,
+    pipeline: &mut impl Target,
     reader: &mut EventsReader,
-    pct: u32,
-    rate: f64,
-    duration: Duration,
+    schedule: &Schedule,
     progress: &mut Progress,
 ) -> anyhow::Result<Latency> {
-    anyhow::ensure!(
-        rate > 0.0,
-        "latency at {pct}%: the measured capacity is zero"
-    );
-    let schedule = Schedule::new(pct, rate, duration, &pipeline.config);
-    let sender = send_on_schedule(pipeline, &schedule);
+    let sender = send_on_schedule(pipeline, schedule);
     let mut histograms = LatencyHistograms::new()?;
     let hist_before = Histograms::sample();
     let cpu_before = CpuTicks::sample(&env.cpu);
-    record_arrivals(pipeline, reader, &schedule, &mut histograms, progress).await?;
+    record_arrivals(pipeline, reader, schedule, &mut histograms, progress).await?;
     sender.await.context("the latency sender panicked")??;
     let hist_after = Histograms::sample();
     let cpu_after = CpuTicks::sample(&env.cpu);
@@ -845,7 +901,7 @@ async fn one_rate(
         &hist_after,
         cpu_before.cores_until(&cpu_after),
     );
-    Ok(histograms.latency(&schedule, profile))
+    Ok(histograms.latency(schedule, profile))
 }
 
 /// When each start request of one rate is due: `n` requests, `period`
@@ -865,10 +921,12 @@ struct Schedule {
 }
 
 impl Schedule {
-    fn new(pct: u32, rate: f64, duration: Duration, config: &Config) -> Schedule {
+    /// Round `round` of the rate `pct` % (its runs' ids differ from every
+    /// other round's).
+    fn new(pct: u32, rate: f64, duration: Duration, round: usize, config: &Config) -> Schedule {
         let n = ((rate * duration.as_secs_f64()).ceil() as usize).max(2);
         let period = Duration::from_secs_f64(1.0 / rate);
-        let prefix = format!("lat{pct}");
+        let prefix = format!("lat{pct}r{round}");
         let label = format!("latency at {pct}% ({rate:.0} runs/s)");
         let topic = config.topic_names().requests();
         let t0 = tokio::time::Instant::now() + Duration::from_millis(50);
@@ -908,12 +966,12 @@ impl Schedule {
 
 /// The sender keeps to the schedule whatever happens downstream; it only
 /// enqueues, acknowledgements are collected at the end.
-fn send_on_schedule(pipeline: &Pipeline, schedule: &Schedule) -> JoinHandle<anyhow::Result<()>> {
-    let producer = pipeline.producer.clone();
+fn send_on_schedule(pipeline: &impl Target, schedule: &Schedule) -> JoinHandle<anyhow::Result<()>> {
+    let producer = pipeline.producer().clone();
     let prefix = schedule.prefix.clone();
     let topic = schedule.topic.clone();
     let (n, t0, period) = (schedule.n, schedule.t0, schedule.period);
-    let timeout = Duration::from_millis(pipeline.config.kafka.delivery_timeout_ms);
+    let timeout = Duration::from_millis(pipeline.config().kafka.delivery_timeout_ms);
     tokio::spawn(async move {
         let mut acks = Vec::with_capacity(n);
         for i in 0..n {
@@ -933,7 +991,7 @@ fn send_on_schedule(pipeline: &Pipeline, schedule: &Schedule) -> JoinHandle<anyh
 /// Records the first arrival of every run of `schedule`, until all have
 /// started; fails if the pipeline or the reader stops, or on a stall.
 async fn record_arrivals(
-    pipeline: &mut Pipeline,
+    pipeline: &mut impl Target,
     reader: &mut EventsReader,
     schedule: &Schedule,
     histograms: &mut LatencyHistograms,
