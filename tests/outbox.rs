@@ -1151,13 +1151,17 @@ async fn an_effect_the_broker_refuses_is_parked_without_holding_anything_up_and_
 /// lane and died before publishing it must not cost the run anything: the
 /// claim is given back once the dead drainer's heartbeat stops (the lease
 /// here is ten minutes, so nothing else can explain it within the test),
-/// and the step's timeout, shorter than that, waits for the dispatch and
-/// counts from its publication. With one attempt per step, a timeout would
-/// fail the run.
+/// the reconciler that gave it back wakes its drainer (the safety-net poll
+/// is ten minutes too), and the step's timeout, shorter than that, waits
+/// for the dispatch and counts from its publication. With one attempt per
+/// step, a timeout would fail the run.
 #[tokio::test]
 async fn a_dispatch_claimed_by_a_drainer_that_died_is_redriven_and_its_timeout_waits_for_it() {
-    let env = Env::new("max_attempts = 1", 3_000, |c| {
+    // The step's timer falls due after the test's wait: the drainer cannot
+    // have woken for it either.
+    let env = Env::new("max_attempts = 1", 300_000, |c| {
         c.drainer.lease_ms = 600_000;
+        c.drainer.poll_interval_ms = 600_000;
         c.drainer.heartbeat_interval_ms = 250;
         c.drainer.member_timeout_ms = 1_000;
         c.drainer.reconcile_interval_ms = 250;

@@ -21,8 +21,12 @@ pub struct DrainerConfig {
     pub enabled: bool,
     /// Most intents claimed and published in one round.
     pub batch_max_intents: usize,
-    /// Safety-net poll when no wake-up arrives (in-process after a commit,
-    /// or `LISTEN/NOTIFY` from other processes).
+    /// Safety-net poll when no wake-up arrives. Every source of due work
+    /// wakes the claim rounds itself: a commit in this process, `NOTIFY`
+    /// from other processes, the reconciler giving claims back, the results
+    /// frontier moving, and the next intent falling due; so the poll only
+    /// bounds what a missed wake-up could cost, and an idle drainer's
+    /// queries are this interval apart.
     pub poll_interval_ms: u64,
     /// How long a claim is held before the reconciler hands the intent to
     /// another drainer. Must exceed `kafka.delivery_timeout_ms`, or a slow

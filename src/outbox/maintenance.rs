@@ -27,7 +27,7 @@ use serde_json::Value;
 use sqlx::{PgPool, Row};
 use tokio_util::sync::CancellationToken;
 
-use super::Drainer;
+use super::{Drainer, Wakeup};
 use crate::contract::effects::{EffectParked, to_value};
 use crate::contract::input::SCHEMA_VERSION;
 use crate::contract::names::parked_notice_key;
@@ -315,7 +315,11 @@ impl Drainer {
     }
 }
 
-pub(super) async fn maintenance(drainer: &Drainer, shutdown: CancellationToken) {
+/// The drainer's periodic work: its heartbeat, the reconciler, retention
+/// and the backlog gauges. Claims the reconciler gives back wake the claim
+/// rounds (`wakeup`), so they are published at once, not at the next
+/// safety-net poll.
+pub(super) async fn maintenance(drainer: &Drainer, wakeup: &Wakeup, shutdown: CancellationToken) {
     let mut reconcile =
         tokio::time::interval(Duration::from_millis(drainer.config.reconcile_interval_ms));
     let mut purge = tokio::time::interval(Duration::from_millis(drainer.config.purge_interval_ms));
@@ -334,11 +338,11 @@ pub(super) async fn maintenance(drainer: &Drainer, shutdown: CancellationToken) 
                     tracing::warn!(error = format!("{e:#}"), "drainer heartbeat failed");
                 }
             }
-            _ = reconcile.tick() => {
-                if let Err(e) = drainer.reconcile().await {
-                    tracing::warn!(error = format!("{e:#}"), "reconciler round failed");
-                }
-            }
+            _ = reconcile.tick() => match drainer.reconcile().await {
+                Ok(0) => {}
+                Ok(_) => wakeup.wake(),
+                Err(e) => tracing::warn!(error = format!("{e:#}"), "reconciler round failed"),
+            },
             _ = purge.tick() => {
                 if let Err(e) = drainer.purge().await {
                     tracing::warn!(error = format!("{e:#}"), "outbox retention round failed");

@@ -269,8 +269,8 @@ pub async fn run_with_fast_lane(
         tracker.spawn(async move { listen(pool, wakeup, shutdown).await });
     }
     {
-        let (drainer, shutdown) = (drainer.clone(), shutdown.clone());
-        tracker.spawn(async move { maintenance(&drainer, shutdown).await });
+        let (drainer, wakeup, shutdown) = (drainer.clone(), wakeup.clone(), shutdown.clone());
+        tracker.spawn(async move { maintenance(&drainer, &wakeup, shutdown).await });
     }
     tracker.close();
     let result = drain_loop(&drainer, &wakeup, &shutdown).await;
