@@ -102,11 +102,14 @@ WITH input AS (
 SELECT count(*) FROM moved";
 
 /// The drainer's completion of published rows, claimed without waiting on
-/// another drainer's.
+/// another drainer's. The claim is materialised: as a subquery of the
+/// `DELETE`, the planner may run it more than once, and each run skips
+/// other rows, so one statement could delete more than `$1`.
 const DRAIN_SQL: &str = "
-DELETE FROM lean_outbox WHERE id IN (
+WITH claimed AS MATERIALIZED (
     SELECT id FROM lean_outbox ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED
-)";
+)
+DELETE FROM lean_outbox o USING claimed c WHERE o.id = c.id";
 
 /// Measures B1-lean with each of `clients` for `per_point` each.
 pub async fn grid(
@@ -257,14 +260,19 @@ async fn client(
             "a lean apply moved {moved} of {INPUTS_PER_TX} runs: another writer moved them"
         );
         let applied = Instant::now();
-        tokio::time::timeout(
+        let drained = tokio::time::timeout(
             ITERATION_TIMEOUT,
             sqlx::query(DRAIN_SQL)
                 .bind(DRAIN_PER_TX as i64)
                 .execute(&mut *conn),
         )
         .await
-        .context("a lean drain timed out")??;
+        .context("a lean drain timed out")??
+        .rows_affected();
+        anyhow::ensure!(
+            drained <= DRAIN_PER_TX as u64,
+            "a lean drain deleted {drained} rows, more than the {DRAIN_PER_TX} it claimed"
+        );
         seconds[0] += applied.duration_since(lap).as_secs_f64();
         seconds[1] += applied.elapsed().as_secs_f64();
         for &s in &slots {
