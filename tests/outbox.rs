@@ -431,6 +431,50 @@ async fn committed_effects_take_the_fast_lane_and_runs_finish_without_polling() 
     env.db.drop_db().await;
 }
 
+/// A retry's backoff is a timer committed with the failed attempt: the
+/// drainer, idle, is told when it falls due and looks again then, without
+/// a claim round at the commit. With a ten-minute poll nothing else can
+/// publish the retries in the test's time.
+#[tokio::test]
+async fn timers_committed_while_the_drainer_idles_are_published_when_due_without_a_poll() {
+    const RUNS: usize = 10;
+    let env = Env::new(
+        "max_attempts = 3\ninitial_backoff_ms = 300\nmax_backoff_ms = 300\nmultiplier = 1.0\njitter = 0.0",
+        60_000,
+        |c| c.drainer.poll_interval_ms = 600_000,
+    )
+    .await;
+    let (ingress, drainer, handoff) = env.ingress_with_fast_lane();
+    let worker = env.worker(|step: StepDispatch| async move {
+        if step.attempt == 1 {
+            StepOutcome::Failed {
+                message: "transient".into(),
+                retryable: true,
+            }
+        } else {
+            StepOutcome::Succeeded(json!({"step": step.step}))
+        }
+    });
+    let runs: Vec<String> = (0..RUNS).map(|i| format!("{}-{i}", unique("t"))).collect();
+    env.start_runs(&runs).await;
+    // A poll: the drainer's timing, on running loops, is the subject.
+    env.wait_all("succeeded", RUNS as i64).await;
+    let retried: i64 = sqlx::query_scalar("SELECT count(*) FROM run_attempts WHERE attempt > 1")
+        .fetch_one(&env.db.pool)
+        .await
+        .unwrap();
+    assert!(
+        retried >= RUNS as i64,
+        "every step was retried after its backoff: {retried} retries"
+    );
+    // The fast lane ends once the apply's side of it is gone.
+    drop(handoff);
+    worker.stop().await;
+    ingress.stop().await;
+    drainer.stop().await;
+    env.db.drop_db().await;
+}
+
 #[tokio::test]
 async fn a_thousand_runs_with_a_flaky_step_all_succeed_with_headers_and_order() {
     const RUNS: usize = 1000;

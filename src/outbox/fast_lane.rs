@@ -40,7 +40,6 @@ const FAST_LANE_IN_FLIGHT: usize = 64;
 pub struct Handoff {
     drainer_id: String,
     lease_s: f64,
-    poll_interval: chrono::Duration,
     sender: mpsc::Sender<Handed>,
     wakeup: Wakeup,
     /// Due intents committed as `pending` (they wait behind an undelivered
@@ -94,8 +93,9 @@ impl Handoff {
     }
 
     /// After a commit: publish `claimed` now; wake the claim rounds when
-    /// other due intents were committed as `pending`, or a timer falls due
-    /// before their next poll would notice it.
+    /// other due intents were committed as `pending`, and tell them when
+    /// the commit's first timer falls due, so that an idle drainer looks
+    /// again by then.
     pub async fn committed(
         &self,
         claimed: Vec<ClaimedIntent>,
@@ -107,8 +107,9 @@ impl Handoff {
             self.pending_behind
                 .fetch_add(pending_due, Ordering::Relaxed);
             self.wakeup.wake();
-        } else if next_timer.is_some_and(|t| t < Utc::now() + self.poll_interval) {
-            self.wakeup.wake();
+        }
+        if let Some(at) = next_timer {
+            self.wakeup.due_at(at);
         }
         if claimed.is_empty() {
             return;
@@ -159,7 +160,6 @@ impl Drainer {
             Handoff {
                 drainer_id: self.drainer_id.clone(),
                 lease_s: self.config.lease_ms as f64 / 1000.0,
-                poll_interval: chrono::Duration::milliseconds(self.config.poll_interval_ms as i64),
                 sender,
                 wakeup: wakeup.clone(),
                 pending_behind: pending_behind.clone(),

@@ -53,7 +53,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use chrono::Utc;
+use chrono::{DateTime, Utc};
 use rdkafka::producer::FutureProducer;
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
@@ -219,17 +219,80 @@ impl Drainer {
 
 /// The drainer's wake-up sources, shared with the ingress.
 #[derive(Clone, Default)]
-pub struct Wakeup(Arc<Notify>);
+pub struct Wakeup(Arc<WakeupInner>);
+
+#[derive(Default)]
+struct WakeupInner {
+    /// A claim round is wanted now.
+    round: Notify,
+    /// An earlier `due_ms` was told.
+    retime: Notify,
+    /// The earliest instant an intent committed in this process falls due
+    /// at, told since the idle claim rounds last asked the database (Unix
+    /// ms; 0: none).
+    due_ms: AtomicI64,
+}
 
 impl Wakeup {
-    /// Called after a commit that wrote intents.
+    /// Called after a commit that wrote intents due now.
     pub fn wake(&self) {
-        self.0.notify_one();
+        self.0.round.notify_one();
     }
 
     pub async fn woken(&self) {
-        self.0.notified().await
+        self.0.round.notified().await
     }
+
+    /// Called after a commit that wrote an intent due at `at` (a timer):
+    /// an idle drainer looks again by then, without a claim round now.
+    pub fn due_at(&self, at: DateTime<Utc>) {
+        let ms = at.timestamp_millis().max(1);
+        let earlier = self
+            .0
+            .due_ms
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |told| {
+                (told == 0 || ms < told).then_some(ms)
+            });
+        if earlier.is_ok() {
+            self.0.retime.notify_one();
+        }
+    }
+
+    /// Forgets what was told: called before the database is asked for the
+    /// next due intent, which then answers for everything committed so far.
+    fn forget_due(&self) {
+        self.0.due_ms.store(0, Ordering::Release);
+    }
+
+    /// The earliest instant told since [`Wakeup::forget_due`].
+    fn told_due(&self) -> Option<DateTime<Utc>> {
+        match self.0.due_ms.load(Ordering::Acquire) {
+            0 => None,
+            ms => DateTime::from_timestamp_millis(ms),
+        }
+    }
+
+    async fn retimed(&self) {
+        self.0.retime.notified().await
+    }
+}
+
+/// How long an idle drainer waits before its next claim round: until the
+/// earliest of the next intent due in the database (`next_due`), the
+/// earliest one committed since it asked (`told`), and the safety-net
+/// `poll`; at least a millisecond.
+fn idle_wait(
+    next_due: Option<DateTime<Utc>>,
+    told: Option<DateTime<Utc>>,
+    poll: Duration,
+    now: DateTime<Utc>,
+) -> Duration {
+    [next_due, told]
+        .into_iter()
+        .flatten()
+        .map(|t| (t - now).to_std().unwrap_or(BLOCKED_RETRY))
+        .fold(poll, Duration::min)
+        .max(Duration::from_millis(1))
 }
 
 /// How soon an idle round looks again when due intents are blocked behind
@@ -298,6 +361,7 @@ async fn drain_loop(
             }
             Ok(RoundOutcome::Idle) => {
                 failures = 0;
+                wakeup.forget_due();
                 let observed = drainer.observe_backlog().await;
                 let next_due = observed.as_ref().ok().copied().flatten();
                 if observed.is_ok() && next_due.is_none_or(|t| t > Utc::now()) {
@@ -307,18 +371,15 @@ async fn drain_loop(
                 }
                 // Something due but unclaimable waits behind an intent in
                 // flight: its completion wakes this loop, so do not spin.
-                let wait = next_due
-                    .map(|t| {
-                        (t - Utc::now())
-                            .to_std()
-                            .unwrap_or(BLOCKED_RETRY)
-                            .max(Duration::from_millis(1))
-                    })
-                    .map_or(poll, |d| d.min(poll));
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = wakeup.woken() => {}
-                    _ = tokio::time::sleep(wait) => {}
+                // A timer committed meanwhile only shortens the wait.
+                loop {
+                    let wait = idle_wait(next_due, wakeup.told_due(), poll, Utc::now());
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return Ok(()),
+                        _ = wakeup.woken() => break,
+                        _ = tokio::time::sleep(wait) => break,
+                        _ = wakeup.retimed() => {}
+                    }
                 }
                 continue;
             }
@@ -379,5 +440,75 @@ async fn listen(pool: PgPool, wakeup: Wakeup, shutdown: CancellationToken) {
                 },
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use chrono::{TimeZone, Utc};
+
+    use super::{BLOCKED_RETRY, Wakeup, idle_wait};
+
+    const POLL: Duration = Duration::from_secs(5);
+
+    #[test]
+    fn an_idle_drainer_waits_for_the_earliest_of_the_due_the_told_and_the_poll() {
+        let now = Utc.timestamp_millis_opt(1_000_000).unwrap();
+        let at = |ms: i64| Some(now + chrono::Duration::milliseconds(ms));
+        assert_eq!(idle_wait(None, None, POLL, now), POLL);
+        assert_eq!(
+            idle_wait(at(2_000), None, POLL, now),
+            Duration::from_secs(2)
+        );
+        assert_eq!(
+            idle_wait(None, at(300), POLL, now),
+            Duration::from_millis(300)
+        );
+        assert_eq!(
+            idle_wait(at(2_000), at(300), POLL, now),
+            Duration::from_millis(300)
+        );
+        assert_eq!(idle_wait(at(9_000), at(7_000), POLL, now), POLL);
+        // Due already but not claimable: what is in flight ahead of it
+        // wakes the drainer; until then it does not spin.
+        assert_eq!(idle_wait(at(-50), None, POLL, now), BLOCKED_RETRY);
+        assert_eq!(idle_wait(at(0), None, POLL, now), Duration::from_millis(1));
+    }
+
+    #[test]
+    fn only_an_earlier_timer_retimes_the_wait_and_forgetting_clears_it() {
+        let wakeup = Wakeup::default();
+        let t = |ms: i64| Utc.timestamp_millis_opt(ms).unwrap();
+        assert_eq!(wakeup.told_due(), None);
+        wakeup.due_at(t(5_000));
+        assert_eq!(wakeup.told_due(), Some(t(5_000)));
+        wakeup.due_at(t(7_000));
+        assert_eq!(
+            wakeup.told_due(),
+            Some(t(5_000)),
+            "a later timer is not news"
+        );
+        wakeup.due_at(t(3_000));
+        assert_eq!(wakeup.told_due(), Some(t(3_000)));
+        wakeup.forget_due();
+        assert_eq!(wakeup.told_due(), None);
+    }
+
+    #[tokio::test]
+    async fn an_earlier_timer_wakes_the_waiting_loop_to_retime() {
+        let wakeup = Wakeup::default();
+        wakeup.due_at(Utc.timestamp_millis_opt(5_000).unwrap());
+        tokio::time::timeout(Duration::from_secs(5), wakeup.retimed())
+            .await
+            .expect("the first timer told retimes the wait");
+        wakeup.due_at(Utc.timestamp_millis_opt(6_000).unwrap());
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), wakeup.retimed())
+                .await
+                .is_err(),
+            "a later timer does not"
+        );
     }
 }
