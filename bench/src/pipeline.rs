@@ -181,7 +181,15 @@ impl Target for Pipeline {
     }
 
     fn check_alive(&mut self) -> anyhow::Result<()> {
-        Pipeline::check_alive(self)
+        for (name, slot) in [
+            ("ductor serve", &mut self.serve),
+            ("echo worker", &mut self.worker),
+        ] {
+            if slot.as_ref().is_some_and(|h| h.is_finished()) {
+                anyhow::bail!("{name} stopped while the bench was running; see its log above");
+            }
+        }
+        Ok(())
     }
 
     async fn wait_finished(
@@ -193,7 +201,36 @@ impl Target for Pipeline {
         progress: &mut Progress,
         label: &str,
     ) -> anyhow::Result<()> {
-        Pipeline::wait_finished(self, env, prefix, n, limit, progress, label).await
+        let pattern = format!("{prefix}-%");
+        let mut watchdog = Watchdog::new(label, limit, STALL);
+        let started = Instant::now();
+        loop {
+            self.check_alive()?;
+            let row = sqlx::query(
+                "SELECT count(*) FILTER (WHERE status <> 'running') AS done, \
+                     count(*) FILTER (WHERE status IN ('failed', 'cancelled')) AS bad \
+                 FROM runs WHERE run_id LIKE $1",
+            )
+            .bind(&pattern)
+            .fetch_one(&env.pool)
+            .await
+            .context("counting finished runs")?;
+            let done: i64 = row.try_get("done")?;
+            let bad: i64 = row.try_get("bad")?;
+            anyhow::ensure!(
+                bad == 0,
+                "{label}: {bad} runs failed; the echo worker never fails, so this is a bug"
+            );
+            let rate = done as f64 / started.elapsed().as_secs_f64().max(1e-3);
+            progress.update(&format!(
+                "{label}: {done}/{n} runs finished ({rate:.0} runs/s)"
+            ));
+            if done as usize >= n {
+                return Ok(());
+            }
+            watchdog.check(done as u64, n as u64)?;
+            tokio::time::sleep(POLL).await;
+        }
     }
 }
 
@@ -234,19 +271,6 @@ impl Pipeline {
         })
     }
 
-    /// Fails if `serve` or the worker has stopped.
-    fn check_alive(&mut self) -> anyhow::Result<()> {
-        for (name, slot) in [
-            ("ductor serve", &mut self.serve),
-            ("echo worker", &mut self.worker),
-        ] {
-            if slot.as_ref().is_some_and(|h| h.is_finished()) {
-                anyhow::bail!("{name} stopped while the bench was running; see its log above");
-            }
-        }
-        Ok(())
-    }
-
     /// Stops both tasks and reports how they ended.
     pub async fn stop(mut self) -> anyhow::Result<()> {
         self.shutdown.cancel();
@@ -270,50 +294,6 @@ impl Pipeline {
     /// Produces the start requests of `prefix-0 .. prefix-(n-1)`.
     pub async fn start_runs(&self, prefix: &str, n: usize) -> anyhow::Result<()> {
         produce_start_requests(&self.producer, &self.config, prefix, n).await
-    }
-
-    /// Waits until the `n` runs whose ids start with `prefix-` are finished,
-    /// showing progress; fails if one did not succeed, on a stall, or after
-    /// `limit`.
-    pub async fn wait_finished(
-        &mut self,
-        env: &BenchEnv,
-        prefix: &str,
-        n: usize,
-        limit: Duration,
-        progress: &mut Progress,
-        label: &str,
-    ) -> anyhow::Result<()> {
-        let pattern = format!("{prefix}-%");
-        let mut watchdog = Watchdog::new(label, limit, STALL);
-        let started = Instant::now();
-        loop {
-            self.check_alive()?;
-            let row = sqlx::query(
-                "SELECT count(*) FILTER (WHERE status <> 'running') AS done, \
-                     count(*) FILTER (WHERE status IN ('failed', 'cancelled')) AS bad \
-                 FROM runs WHERE run_id LIKE $1",
-            )
-            .bind(&pattern)
-            .fetch_one(&env.pool)
-            .await
-            .context("counting finished runs")?;
-            let done: i64 = row.try_get("done")?;
-            let bad: i64 = row.try_get("bad")?;
-            anyhow::ensure!(
-                bad == 0,
-                "{label}: {bad} runs failed; the echo worker never fails, so this is a bug"
-            );
-            let rate = done as f64 / started.elapsed().as_secs_f64().max(1e-3);
-            progress.update(&format!(
-                "{label}: {done}/{n} runs finished ({rate:.0} runs/s)"
-            ));
-            if done as usize >= n {
-                return Ok(());
-            }
-            watchdog.check(done as u64, n as u64)?;
-            tokio::time::sleep(POLL).await;
-        }
     }
 
     /// Waits until no due intent is left undelivered.
