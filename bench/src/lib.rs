@@ -81,7 +81,8 @@ pub struct BenchArgs {
     /// measured capacity (for comparing settings quickly at a known rate).
     /// A capacity backlog still runs first, to fill the tables as in a full
     /// run; its figure is shown, not used. No baselines, no sync-off phase.
-    /// Prints the latency rows and a JSON line of them.
+    /// Prints the latency rows and a JSON line of them and of the capacity
+    /// backlog.
     #[arg(long = "latency-at", value_name = "RUNS_PER_S")]
     pub latency_at: Option<f64>,
     /// The loads of the latency phases, in percent of the reference rate.
@@ -644,13 +645,14 @@ pub async fn main(args: BenchArgs, config: Config) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     ductor::cli::serve::cancel_on_signals(shutdown.clone())?;
     if let Some(rate) = args.latency_at {
-        let (latency, idle) = run_latency_only(&args, &config, rate, &shutdown).await?;
+        let (capacity, latency, idle) = run_latency_only(&args, &config, rate, &shutdown).await?;
         print!("{}", latency_table(&latency));
         print!("{}", idle_line(idle.as_ref()));
         println!(
             "{}",
             serde_json::json!({
                 "reference_runs_per_s": rate,
+                "capacity": capacity,
                 "latency": latency,
                 "idle": idle,
                 "peak_rss_mb": peak_rss_mb(),
@@ -665,13 +667,14 @@ pub async fn main(args: BenchArgs, config: Config) -> anyhow::Result<()> {
 }
 
 /// The latency phases alone, at percentages of `rate` runs/s, and the
-/// idle phase.
+/// idle phase; with the capacity backlog that ran first (not used as the
+/// reference, but a figure to compare builds by).
 pub async fn run_latency_only(
     args: &BenchArgs,
     config: &Config,
     rate: f64,
     shutdown: &CancellationToken,
-) -> anyhow::Result<(Vec<Latency>, Option<Idle>)> {
+) -> anyhow::Result<(Capacity, Vec<Latency>, Option<Idle>)> {
     anyhow::ensure!(
         rate.is_finite() && rate > 0.0,
         "--latency-at must be a positive number of runs/s"
@@ -679,7 +682,7 @@ pub async fn run_latency_only(
     let plan = Plan::from_args(args)?;
     in_own_env(config, shutdown, async |env, progress| {
         let on = sync_on_phases(env, &plan, Some(rate), false, shutdown, progress).await?;
-        Ok((on.latency, on.idle))
+        Ok((on.capacity, on.latency, on.idle))
     })
     .await
 }
