@@ -3,7 +3,7 @@
 //!
 //! In: a [`BatchWrite`], every parameter as a column in the statement's
 //! placeholder order, filled by the apply path from a planned batch and by
-//! the benchmark from its own rows. Out: the statement with `$1`..`$61`
+//! the benchmark from its own rows. Out: the statement with `$1`..`$66`
 //! bound ([`BatchWrite::query`], [`BatchWrite::bind`]). Guarantees: neither
 //! caller binds a parameter of its own; one parameter is bound per
 //! placeholder and every placeholder is used (both tested);
@@ -18,13 +18,13 @@ use chrono::{DateTime, Utc};
 use sqlx::Postgres;
 use uuid::Uuid;
 
-/// The statement as written, placeholders `$1`..`$60` in bind order.
+/// The statement as written, placeholders `$1`..`$66` in bind order.
 const WRITE_BATCH_TEXT: &str = include_str!("write_batch.sql");
 
 /// How many placeholders [`WRITE_BATCH_SQL`] has, and so how many
 /// parameters [`BatchWrite::bind`] binds.
 #[cfg(test)]
-pub const WRITE_BATCH_PARAMS: usize = 61;
+pub const WRITE_BATCH_PARAMS: usize = 66;
 
 /// Raised by `ductor_write_guard` when a conditional write of the batch
 /// statement fell short.
@@ -148,6 +148,18 @@ pub struct IntentRows<'a> {
     pub due: Vec<bool>,
 }
 
+/// How the batch moves the runs' counts by status (`run_counts`,
+/// `$62`..`$66`): one row per (tenant, workflow, version, status), the net
+/// change, never zero, in key order.
+#[derive(Debug, Default)]
+pub struct CountMoves<'a> {
+    pub tenant: Vec<&'a str>,
+    pub workflow: Vec<&'a str>,
+    pub version: Vec<i32>,
+    pub status: Vec<&'a str>,
+    pub delta: Vec<i64>,
+}
+
 /// Every parameter of one batch statement.
 #[derive(Debug, Default)]
 pub struct BatchWrite<'a> {
@@ -169,6 +181,12 @@ pub struct BatchWrite<'a> {
     pub expected: Option<Vec<i64>>,
     /// Who writes the batch, in every transition (`$61`).
     pub writer: Option<&'a str>,
+    pub counts: CountMoves<'a>,
+}
+
+/// Whether every length is the same.
+fn same(lens: &[usize]) -> bool {
+    lens.windows(2).all(|w| w[0] == w[1])
 }
 
 impl<'a> BatchWrite<'a> {
@@ -185,11 +203,12 @@ impl<'a> BatchWrite<'a> {
     /// Whether every column of each group has one entry per row, as UNNEST
     /// needs to pair them up.
     pub fn columns_aligned(&self) -> bool {
-        fn same(lens: &[usize]) -> bool {
-            lens.windows(2).all(|w| w[0] == w[1])
-        }
+        self.runs_and_history_aligned() && self.effects_aligned()
+    }
+
+    fn runs_and_history_aligned(&self) -> bool {
         let (n, u, t) = (&self.inserts, &self.updates, &self.transitions);
-        let (a, f, i) = (&self.attempts, &self.finishes, &self.intents);
+        let (a, f) = (&self.attempts, &self.finishes);
         same(&[
             n.run_id.len(),
             n.tenant.len(),
@@ -238,7 +257,12 @@ impl<'a> BatchWrite<'a> {
             f.status.len(),
             f.finished_at.len(),
             f.error.len(),
-        ]) && same(&[
+        ])
+    }
+
+    fn effects_aligned(&self) -> bool {
+        let (i, c) = (&self.intents, &self.counts);
+        same(&[
             i.run_id.len(),
             i.seq.len(),
             i.effect_index.len(),
@@ -252,6 +276,12 @@ impl<'a> BatchWrite<'a> {
             i.not_before.len(),
             i.cancel_key.len(),
             i.due.len(),
+        ]) && same(&[
+            c.tenant.len(),
+            c.workflow.len(),
+            c.version.len(),
+            c.status.len(),
+            c.delta.len(),
         ])
     }
 
@@ -273,12 +303,20 @@ impl<'a> BatchWrite<'a> {
         self.bind(sqlx::query(&WRITE_BATCH_SQL))
     }
 
-    /// Binds `$1`..`$61`, in order.
+    /// Binds `$1`..`$66`, in order.
     pub fn bind(&'a self, query: BatchQuery<'a>) -> BatchQuery<'a> {
         let query = self.bind_runs(query);
         let query = self.bind_history(query);
         let query = self.bind_intents(query);
-        query.bind(&self.expected).bind(self.writer)
+        let c = &self.counts;
+        query
+            .bind(&self.expected)
+            .bind(self.writer)
+            .bind(&c.tenant)
+            .bind(&c.workflow)
+            .bind(&c.version)
+            .bind(&c.status)
+            .bind(&c.delta)
     }
 
     fn bind_runs(&'a self, query: BatchQuery<'a>) -> BatchQuery<'a> {
@@ -399,6 +437,9 @@ mod tests {
         assert!(!write.columns_aligned());
         write.intents = IntentRows::default();
         write.finishes.stamp.push(Uuid::nil());
+        assert!(!write.columns_aligned());
+        write.finishes = AttemptFinishes::default();
+        write.counts.delta.push(1);
         assert!(!write.columns_aligned());
     }
 

@@ -14,9 +14,12 @@
 //!   batch is not written at all, and the pending timeout timers of the
 //!   attempts the batch finishes are cancelled;
 //! - the guard expects every conditional write to match one row per row
-//!   sent (a canary build that breaks a guarantee checks nothing).
+//!   sent (a canary build that breaks a guarantee checks nothing);
+//! - each run whose status the batch changes leaves the count of its status
+//!   before the batch (none for a new run) and joins the count of its
+//!   status after, the moves netted per key and sent in key order.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use super::ApplyError;
 use super::batch::BatchWrite;
@@ -59,6 +62,7 @@ pub(crate) fn plan<'a>(
     let mut write = BatchWrite::default();
     let states = plan_runs(runs, &mut write)?;
     plan_history(writes, &mut write);
+    plan_counts(runs, writes, &mut write);
     let intents = plan_intents(writes, &mut write)?;
     write.claimer = claim.map(|c| c.drainer_id);
     write.writer = Some(writes.writer.as_str()).filter(|w| !w.is_empty());
@@ -176,6 +180,64 @@ fn plan_history<'a>(writes: &'a Writes, write: &mut BatchWrite<'a>) {
         .iter()
         .map(|f| timeout_cancel_key(&f.stamp.to_string()))
         .collect();
+}
+
+/// The moves of the runs' counts by status: for each run, the status its
+/// first transition of the batch came from and the one its last went to.
+fn plan_counts<'a>(
+    runs: &'a HashMap<String, Loaded>,
+    writes: &'a Writes,
+    write: &mut BatchWrite<'a>,
+) {
+    // Per run: (seq, status before) of its first transition, (seq, status
+    // after) of its last.
+    type Span = ((i64, Option<&'static str>), (i64, &'static str));
+    let mut spans: HashMap<&str, Span> = HashMap::new();
+    for t in &writes.transitions {
+        let span = spans
+            .entry(t.run_id.as_str())
+            .or_insert(((t.seq, t.from_status), (t.seq, t.to_status)));
+        if t.seq < span.0.0 {
+            span.0 = (t.seq, t.from_status);
+        }
+        if t.seq > span.1.0 {
+            span.1 = (t.seq, t.to_status);
+        }
+    }
+    let mut moves: BTreeMap<(&str, &str, i32, &str), i64> = BTreeMap::new();
+    for (run_id, ((_, before), (_, after))) in spans {
+        if before == Some(after) {
+            continue;
+        }
+        // Every run with a transition was loaded or made by the batch.
+        let Some(state) = runs.get(run_id).and_then(|l| l.state.as_ref()) else {
+            debug_assert!(false, "run {run_id} has a transition but no state");
+            continue;
+        };
+        let key = |status| {
+            let version = state.workflow_version as i32;
+            (
+                state.tenant.as_str(),
+                state.workflow.as_str(),
+                version,
+                status,
+            )
+        };
+        if let Some(before) = before {
+            *moves.entry(key(before)).or_default() -= 1;
+        }
+        *moves.entry(key(after)).or_default() += 1;
+    }
+    let c = &mut write.counts;
+    for ((tenant, workflow, version, status), delta) in moves {
+        if delta != 0 {
+            c.tenant.push(tenant);
+            c.workflow.push(workflow);
+            c.version.push(version);
+            c.status.push(status);
+            c.delta.push(delta);
+        }
+    }
 }
 
 /// The intents to write: all but the timeout timers of attempts that were
@@ -326,6 +388,85 @@ mod tests {
         );
         assert_eq!(w.claimer, None);
         assert!(!w.is_empty());
+    }
+
+    fn moved(
+        run_id: &str,
+        seq: i64,
+        from: Option<&'static str>,
+        to: &'static str,
+    ) -> TransitionRow {
+        TransitionRow {
+            from_status: from,
+            to_status: to,
+            ..transition(run_id, seq)
+        }
+    }
+
+    fn counts(w: &BatchWrite<'_>) -> Vec<(String, String, i32, String, i64)> {
+        let c = &w.counts;
+        (0..c.delta.len())
+            .map(|k| {
+                let (t, w, s) = (c.tenant[k], c.workflow[k], c.status[k]);
+                (t.into(), w.into(), c.version[k], s.into(), c.delta[k])
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_counts_move_from_each_runs_first_status_to_its_last_netted_per_key() {
+        let mut runs = HashMap::new();
+        for (id, version) in [("new", None), ("done", Some(4)), ("busy", Some(2))] {
+            runs.insert(id.to_owned(), loaded(started(id, 1), version, true));
+        }
+        let mut other = started("other", 1);
+        other.workflow_version = 2;
+        runs.insert("other".to_owned(), loaded(other, Some(3), true));
+        let writes = Writes {
+            transitions: vec![
+                // New, and finished within the batch: from none to failed.
+                moved("new", 2, Some("running"), "failed"),
+                moved("new", 1, None, "running"),
+                // Running to succeeded, in the order the fold wrote them.
+                moved("done", 5, Some("running"), "running"),
+                moved("done", 6, Some("running"), "succeeded"),
+                // Still running: no move.
+                moved("busy", 3, Some("running"), "running"),
+                // Another version counts apart.
+                moved("other", 4, Some("failed"), "running"),
+            ],
+            ..Writes::default()
+        };
+        let plan = plan(&runs, &writes, None).expect("plans");
+        let key = |v: i32, s: &str, d: i64| ("acme".into(), "example".into(), v, s.into(), d);
+        assert_eq!(
+            counts(&plan.write),
+            [
+                key(1, "failed", 1),
+                key(1, "running", -1),
+                key(1, "succeeded", 1),
+                key(2, "failed", -1),
+                key(2, "running", 1),
+            ]
+        );
+        assert!(plan.write.columns_aligned());
+    }
+
+    #[test]
+    fn moves_that_cancel_out_are_not_sent() {
+        let mut runs = HashMap::new();
+        runs.insert("a".to_owned(), loaded(started("a", 1), None, true));
+        runs.insert("b".to_owned(), loaded(started("b", 1), Some(2), true));
+        let writes = Writes {
+            transitions: vec![
+                moved("a", 1, None, "running"),
+                moved("b", 3, Some("running"), "cancelled"),
+            ],
+            ..Writes::default()
+        };
+        let plan = plan(&runs, &writes, None).expect("plans");
+        let cancelled = ("acme".into(), "example".into(), 1, "cancelled".into(), 1);
+        assert_eq!(counts(&plan.write), [cancelled]);
     }
 
     #[test]

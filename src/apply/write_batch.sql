@@ -78,35 +78,13 @@ WITH ins AS (
     DELETE FROM eec_effect_intent WHERE cancel_key = ANY($44::text[])
         AND CASE WHEN status = 'pending' THEN true END
     RETURNING 1
-), moved AS (
-    -- Each run whose status the batch changes: its status before the batch
-    -- (NULL for a new run: its first transition comes from none) and after,
-    -- with what it counts under, from the new run's row or the stored one.
-    SELECT COALESCE(n.tenant, r.tenant_scope) AS tenant,
-        COALESCE(n.workflow, r.workflow_name) AS workflow,
-        COALESCE(n.version, r.workflow_version) AS version, m.before, m.after
-    FROM (
-        SELECT u.run_id, (array_agg(u.from_status ORDER BY u.seq))[1] AS before,
-            (array_agg(u.to_status ORDER BY u.seq DESC))[1] AS after
-        FROM UNNEST($19::text[], $20::int8[], $23::text[], $24::text[])
-            AS u(run_id, seq, from_status, to_status)
-        GROUP BY u.run_id
-    ) m
-    LEFT JOIN UNNEST($1::text[], $2::text[], $4::text[], $5::int4[])
-        AS n(run_id, tenant, workflow, version) ON n.run_id = m.run_id
-    LEFT JOIN runs r ON r.run_id = m.run_id AND n.run_id IS NULL
-    WHERE m.before IS DISTINCT FROM m.after
 ), counted AS (
-    -- The runs' counts by status, moved in key order (see run_counts).
+    -- The runs' counts by status, as the batch moves them ($62..$66, netted
+    -- per key by the plan), in key order (see run_counts).
     INSERT INTO run_counts AS c (tenant_scope, workflow_name, workflow_version, status, n)
-    SELECT k.tenant, k.workflow, k.version, k.status, sum(k.delta)
-    FROM (
-        SELECT tenant, workflow, version, before AS status, -1 AS delta
-        FROM moved WHERE before IS NOT NULL
-        UNION ALL
-        SELECT tenant, workflow, version, after, 1 FROM moved
-    ) k
-    GROUP BY 1, 2, 3, 4 HAVING sum(k.delta) <> 0 ORDER BY 1, 2, 3, 4
+    SELECT * FROM UNNEST($62::text[], $63::text[], $64::int4[], $65::text[], $66::int8[])
+        AS k(tenant, workflow, version, status, delta)
+    ORDER BY 1, 2, 3, 4
     ON CONFLICT (tenant_scope, workflow_name, workflow_version, status)
         DO UPDATE SET n = c.n + EXCLUDED.n
     RETURNING 1
