@@ -3,8 +3,9 @@
 //! and what that cost the runs.
 //!
 //! The serve runs in a process of its own under a `kafka.group_instance_id`
-//! (static membership), the worker in this one and always answers at
-//! once, and every step has a short timeout and no retry: an attempt that
+//! (static membership; `--dynamic-membership` measures a serve without
+//! one), the worker in this one and always answers at once, and every step
+//! has a short timeout and no retry: an attempt that
 //! times out fails its run, so a crash that made a healthy run wait past
 //! its step's clock shows as a failure. The report is one JSON line:
 //! `{"runs":N,"succeeded":N,"failed":N,"timed_out_attempts":N,
@@ -42,9 +43,18 @@ pub struct RestartArgs {
     /// Seconds after the first start at which the serve is SIGKILLed.
     #[arg(long, default_value_t = 5.0)]
     pub kill_after_s: f64,
-    /// Timeout of each of the workflow's two steps (no retries).
+    /// Steps of the workflow.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=16))]
+    pub steps: u32,
+    /// Timeout of each step (no retries).
     #[arg(long, default_value_t = 2_000)]
     pub step_timeout_ms: u64,
+    /// Run the serve without a `kafka.group_instance_id`, as a deployment
+    /// without static membership does: the restarted serve then gets its
+    /// partitions back only once the group let the killed member go
+    /// (`kafka.session_timeout_ms`).
+    #[arg(long)]
+    pub dynamic_membership: bool,
     /// How long the runs may take to end after the last start.
     #[arg(long, default_value_t = 300)]
     pub settle_timeout_s: u64,
@@ -80,19 +90,16 @@ impl RestartReport {
     }
 }
 
-/// Two steps on the pool `restart`, each `timeout_ms`, never retried.
-fn workflow_toml(timeout_ms: u64) -> String {
-    let step = |name: &str| {
+/// `steps` steps on the pool `restart`, each `timeout_ms`, never retried.
+fn workflow_toml(steps: u32, timeout_ms: u64) -> String {
+    let step = |n: u32| {
         format!(
-            "[[steps]]\nname = \"{name}\"\npool = \"{WORKFLOW}\"\ntimeout_ms = {timeout_ms}\n\
+            "[[steps]]\nname = \"step-{n}\"\npool = \"{WORKFLOW}\"\ntimeout_ms = {timeout_ms}\n\
              [steps.retry]\nmax_attempts = 1\n"
         )
     };
-    format!(
-        "name = \"{WORKFLOW}\"\nversion = 1\n\n{}\n{}",
-        step("first"),
-        step("second")
-    )
+    let steps: Vec<String> = (1..=steps).map(step).collect();
+    format!("name = \"{WORKFLOW}\"\nversion = 1\n\n{}", steps.join("\n"))
 }
 
 /// Runs the measurement on `config`'s database and topic prefix.
@@ -102,12 +109,14 @@ pub async fn run(config: &Config, args: &RestartArgs) -> anyhow::Result<RestartR
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     std::fs::write(
         dir.join(format!("{WORKFLOW}.toml")),
-        workflow_toml(args.step_timeout_ms),
+        workflow_toml(args.steps, args.step_timeout_ms),
     )?;
     let mut config = config.clone();
     config.coordinator.workflows_dir = dir.clone();
     config.kafka.step_pools = vec![WORKFLOW.into()];
-    if config.kafka.group_instance_id.is_none() {
+    if args.dynamic_membership {
+        config.kafka.group_instance_id = None;
+    } else if config.kafka.group_instance_id.is_none() {
         config.kafka.group_instance_id = Some(format!("{}-restart", config.kafka.group_id));
     }
     ductor::infra::db::migrate_database(&config.database).await?;
@@ -282,13 +291,17 @@ mod tests {
     }
 
     #[test]
-    fn the_workflow_has_two_steps_without_retries() {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("restart.toml"), workflow_toml(1_500)).unwrap();
-        let workflows = ductor::infra::workflows::load_dir(dir.path()).unwrap();
-        let def = workflows.iter().next().expect("one workflow");
-        assert_eq!(def.name, WORKFLOW);
-        assert_eq!(def.steps.len(), 2);
-        assert!(def.steps.iter().all(|s| s.timeout_ms == 1_500));
+    fn the_workflow_has_the_steps_asked_for_without_retries() {
+        for steps in [1, 2, 3] {
+            let dir = tempfile::tempdir().unwrap();
+            let toml = workflow_toml(steps, 1_500);
+            std::fs::write(dir.path().join("restart.toml"), toml).unwrap();
+            let workflows = ductor::infra::workflows::load_dir(dir.path()).unwrap();
+            let def = workflows.iter().next().expect("one workflow");
+            assert_eq!(def.name, WORKFLOW);
+            assert_eq!(def.steps.len(), steps as usize);
+            assert!(def.steps.iter().all(|s| s.timeout_ms == 1_500));
+            assert!(def.steps.iter().all(|s| s.retry.max_attempts == 1));
+        }
     }
 }

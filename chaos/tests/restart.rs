@@ -17,7 +17,9 @@ async fn a_serve_killed_and_restarted_mid_load_fails_no_run() {
         runs: 400,
         rate: 100.0,
         kill_after_s: 2.0,
+        steps: 2,
         step_timeout_ms: 2_000,
+        dynamic_membership: false,
         settle_timeout_s: 120,
         serve_bin: Some(common::ductor_bin()),
     };
