@@ -1241,6 +1241,89 @@ async fn a_dispatch_claimed_by_a_drainer_that_died_is_redriven_and_its_timeout_w
     env.db.drop_db().await;
 }
 
+/// How many intents of `run_id` `drainer_id` holds claimed.
+async fn claimed_by(env: &Env, run_id: &str, drainer_id: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM eec_effect_intent \
+         WHERE run_id = $1 AND status = 'claimed' AND claimed_by = $2",
+    )
+    .bind(run_id)
+    .bind(drainer_id)
+    .fetch_one(&env.db.pool)
+    .await
+    .unwrap()
+}
+
+/// A serve restarted under its instance name (`kafka.group_instance_id`)
+/// takes back the claims its killed predecessor held as soon as its own
+/// drainer is recorded, without waiting for the predecessor's heartbeat to
+/// be silent for a member timeout (ten minutes here, as is the lease); a
+/// drainer of another name, or of none, takes nothing.
+#[tokio::test]
+async fn a_restarted_instance_takes_back_its_predecessors_claims_at_once() {
+    let env = Env::new("max_attempts = 1", 300_000, |c| {
+        c.drainer.lease_ms = 600_000;
+        c.drainer.member_timeout_ms = 600_000;
+    })
+    .await;
+    let dead = env.drainer().with_instance(Some("serve-1".into()));
+    dead.heartbeat().await.unwrap();
+    let (handoff, lane) = dead.fast_lane(&Wakeup::default());
+    drop(lane);
+    let mut ingress = env.stepped_ingress();
+    ingress.applier.handoff = Some(handoff);
+    let run_id = unique("reborn-");
+    let sent = env.start_runs(std::slice::from_ref(&run_id)).await;
+    env.step_starts(&ingress, &sent).await;
+    ductor::ingress::close(&ingress);
+    drop(ingress);
+    let held = claimed_by(&env, &run_id, &dead.drainer_id).await;
+    assert!(held > 0, "the dead process holds the run's effects");
+
+    for other in [
+        env.drainer().with_instance(Some("serve-2".into())),
+        env.drainer(),
+    ] {
+        other.heartbeat().await.unwrap();
+        assert_eq!(other.take_over_predecessors().await.unwrap(), 0);
+        assert_eq!(
+            other.reconcile().await.unwrap(),
+            0,
+            "the dead one is not silent long enough"
+        );
+    }
+    assert_eq!(claimed_by(&env, &run_id, &dead.drainer_id).await, held);
+
+    let reborn = env.drainer().with_instance(Some("serve-1".into()));
+    reborn.heartbeat().await.unwrap();
+    assert_eq!(reborn.take_over_predecessors().await.unwrap(), held as u64);
+    assert_eq!(claimed_by(&env, &run_id, &dead.drainer_id).await, 0);
+    let members: Vec<String> =
+        sqlx::query_scalar("SELECT drainer_id FROM eec_drainer_member WHERE instance = 'serve-1'")
+            .fetch_all(&env.db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        members,
+        [reborn.drainer_id.as_str()],
+        "the predecessor is forgotten"
+    );
+    // A second take-over finds nothing left.
+    assert_eq!(reborn.take_over_predecessors().await.unwrap(), 0);
+
+    reborn.drain_once().await.expect("a drain round");
+    let due_left: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM eec_effect_intent \
+         WHERE run_id = $1 AND cancel_key IS NULL AND status <> 'completed'",
+    )
+    .bind(&run_id)
+    .fetch_one(&env.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(due_left, 0, "the given-back effects are published");
+    env.db.drop_db().await;
+}
+
 /// A worker answers in time while no serve reads the attempt results (the
 /// one that owned them crashed): the step's timeout is held until the
 /// result has been applied, and the run succeeds instead of failing.

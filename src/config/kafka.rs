@@ -63,8 +63,10 @@ pub struct KafkaConfig {
     /// takes its partitions back at once, without a rebalance and without
     /// waiting out `session_timeout_ms`; one that does not come back has
     /// its partitions moved after `session_timeout_ms` (a clean stop
-    /// included: a static member does not leave the group). Unset, the
-    /// default: dynamic membership.
+    /// included: a static member does not leave the group). The drainer
+    /// records the name too: a restarted `serve` gives back at once the
+    /// outbox claims its killed predecessor held, instead of after
+    /// `drainer.member_timeout_ms`. Unset, the default: dynamic membership.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub group_instance_id: Option<String>,
     /// Refuse input topics of different partition counts (`serve` and

@@ -156,10 +156,11 @@ impl Drainer {
     /// back once its heartbeat is older than `member_timeout_ms`.
     pub async fn heartbeat(&self) -> anyhow::Result<()> {
         let beat = sqlx::query(
-            "INSERT INTO eec_drainer_member (drainer_id) VALUES ($1) \
+            "INSERT INTO eec_drainer_member (drainer_id, instance) VALUES ($1, $2) \
              ON CONFLICT (drainer_id) DO UPDATE SET heartbeat_at = now()",
         )
         .bind(&self.drainer_id)
+        .bind(self.instance.as_deref())
         .execute(&self.pool)
         .await;
         let now_ms = Utc::now().timestamp_millis();
@@ -217,6 +218,39 @@ impl Drainer {
             metrics::counter!("ductor_outbox_redrives_total").increment(redriven);
         }
         Ok(redriven)
+    }
+
+    /// Gives back the claims of this process's earlier incarnations (the
+    /// drainers recorded under its instance name, see
+    /// [`Drainer::with_instance`]) and forgets them; returns how many
+    /// claims. Nothing without an instance name.
+    pub async fn take_over_predecessors(&self) -> anyhow::Result<u64> {
+        let Some(instance) = &self.instance else {
+            return Ok(0);
+        };
+        let taken = sqlx::query(
+            "WITH gone AS ( \
+                 DELETE FROM eec_drainer_member WHERE instance = $1 AND drainer_id <> $2 \
+                 RETURNING drainer_id) \
+             UPDATE eec_effect_intent i SET status = 'pending', claimed_by = NULL, \
+                 claim_expires_at = NULL, last_error = 'its drainer restarted' \
+             WHERE i.status = 'claimed' AND i.claimed_by IN (SELECT drainer_id FROM gone)",
+        )
+        .bind(instance)
+        .bind(&self.drainer_id)
+        .execute(&self.pool)
+        .await
+        .context("taking back the claims of this process's earlier incarnations")?
+        .rows_affected();
+        if taken > 0 {
+            tracing::info!(
+                taken,
+                instance,
+                "took back the claims of an earlier incarnation"
+            );
+            metrics::counter!("ductor_outbox_redrives_total").increment(taken);
+        }
+        Ok(taken)
     }
 
     /// Puts parked intents back into the claim rounds, due at once, with
@@ -330,12 +364,25 @@ pub(super) async fn maintenance(drainer: &Drainer, wakeup: &Wakeup, shutdown: Ca
     for i in [&mut reconcile, &mut purge, &mut observe, &mut heartbeat] {
         i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     }
+    // Until the earlier incarnations' claims are given back (once this
+    // drainer is recorded, so that a later incarnation finds it in turn).
+    let mut predecessors_left = drainer.instance.is_some();
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = heartbeat.tick() => {
                 if let Err(e) = drainer.heartbeat().await {
                     tracing::warn!(error = format!("{e:#}"), "drainer heartbeat failed");
+                } else if predecessors_left {
+                    match drainer.take_over_predecessors().await {
+                        Ok(taken) => {
+                            predecessors_left = false;
+                            if taken > 0 {
+                                wakeup.wake();
+                            }
+                        }
+                        Err(e) => tracing::warn!(error = format!("{e:#}"), "taking over failed"),
+                    }
                 }
             }
             _ = reconcile.tick() => match drainer.reconcile().await {

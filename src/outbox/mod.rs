@@ -115,6 +115,9 @@ pub struct Drainer {
     pub(super) solo: Option<crate::infra::kafka::LazyProducer>,
     /// Held while an intent that failed before is sent: one at a time.
     pub(super) solo_turn: tokio::sync::Mutex<()>,
+    /// The name of the process this drainer runs in, stable across its
+    /// restarts (see [`Drainer::with_instance`]).
+    pub(super) instance: Option<String>,
     /// Timeout timers wait for it to pass their deadline.
     pub(super) frontier: Frontier,
     /// The events topic, when parked effects get a notice there.
@@ -151,7 +154,19 @@ impl Drainer {
             frontier: Frontier::default(),
             parked_notices: None,
             timer_key: None,
+            instance: None,
         }
+    }
+
+    /// Names the process this drainer runs in with a name that stays the
+    /// same across its restarts and that no other live process has
+    /// (`kafka.group_instance_id`). Once its first heartbeat is recorded,
+    /// the drainer gives back the claims its earlier incarnations left
+    /// (they died with their process) at once, instead of after
+    /// `member_timeout_ms` of silence.
+    pub fn with_instance(mut self, instance: Option<String>) -> Self {
+        self.instance = instance;
+        self
     }
 
     /// Signs every timer it publishes with serve's `key`, which the ingress
