@@ -151,20 +151,57 @@ async fn drive(
     args: &RestartArgs,
     serve: &mut ServeProcess,
 ) -> anyhow::Result<RestartReport> {
-    let producer: FutureProducer = ductor::infra::kafka::producer(&config.kafka, "restart")?;
     let prefix = format!("restart-{}", uuid::Uuid::new_v4().simple());
+    // The starts keep coming while the serve is down, as a producer's do.
+    let sending = send_starts(config, args, &prefix);
+    let killing = async {
+        tokio::time::sleep(Duration::from_secs_f64(args.kill_after_s.max(0.0))).await;
+        let at = Utc::now();
+        serve.kill_and_restart().await.map(|()| at)
+    };
+    let (sent_at, killed_at) = tokio::join!(sending, killing);
+    let (sent_at, killed_at) = (sent_at?, killed_at?);
+    let last_sent = sent_at.values().max().copied();
+    anyhow::ensure!(
+        last_sent.is_some_and(|last| last > killed_at),
+        "the runs were all sent before the kill: raise --runs"
+    );
+    let pool = ductor::infra::db::connect(&config.database).await?;
+    let pattern = format!("{prefix}-%");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.settle_timeout_s);
+    loop {
+        let running: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM runs WHERE run_id LIKE $1 AND status = 'running'",
+        )
+        .bind(&pattern)
+        .fetch_one(&pool)
+        .await?;
+        let all: i64 = sqlx::query_scalar("SELECT count(*) FROM runs WHERE run_id LIKE $1")
+            .bind(&pattern)
+            .fetch_one(&pool)
+            .await?;
+        if (running == 0 && all as usize == args.runs) || tokio::time::Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    measure(&pool, &pattern, &sent_at, killed_at).await
+}
+
+/// Produces `args.runs` start requests at `args.rate`; returns when each
+/// was sent, by run id, once every send was acknowledged.
+async fn send_starts(
+    config: &Config,
+    args: &RestartArgs,
+    prefix: &str,
+) -> anyhow::Result<HashMap<String, DateTime<Utc>>> {
+    let producer: FutureProducer = ductor::infra::kafka::producer(&config.kafka, "restart")?;
     let topic = config.topic_names().requests();
     let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / args.rate));
-    let started = tokio::time::Instant::now();
-    let mut killed_at: Option<DateTime<Utc>> = None;
     let mut sends = Vec::with_capacity(args.runs);
     let mut sent_at = HashMap::with_capacity(args.runs);
     for i in 0..args.runs {
         tick.tick().await;
-        if killed_at.is_none() && started.elapsed().as_secs_f64() >= args.kill_after_s {
-            killed_at = Some(Utc::now());
-            serve.kill_and_restart().await?;
-        }
         let run_id = format!("{prefix}-{i}");
         sent_at.insert(run_id.clone(), Utc::now());
         let value = json!({"type": "run.start", "schema_version": 1, "run_id": run_id,
@@ -186,27 +223,7 @@ async fn drive(
     for send in sends {
         send.await.context("a start's send task")??;
     }
-    let killed_at = killed_at.context("the runs ended before the kill: raise --runs")?;
-    let pool = ductor::infra::db::connect(&config.database).await?;
-    let pattern = format!("{prefix}-%");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.settle_timeout_s);
-    loop {
-        let running: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM runs WHERE run_id LIKE $1 AND status = 'running'",
-        )
-        .bind(&pattern)
-        .fetch_one(&pool)
-        .await?;
-        let all: i64 = sqlx::query_scalar("SELECT count(*) FROM runs WHERE run_id LIKE $1")
-            .bind(&pattern)
-            .fetch_one(&pool)
-            .await?;
-        if (running == 0 && all as usize == args.runs) || tokio::time::Instant::now() >= deadline {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    measure(&pool, &pattern, &sent_at, killed_at).await
+    Ok(sent_at)
 }
 
 async fn measure(
