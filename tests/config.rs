@@ -706,3 +706,32 @@ fn a_password_in_the_database_url_query_is_redacted_and_tls_settings_stay_visibl
     );
     assert!(config.database.url.expose().contains("pg-hunter2"));
 }
+
+/// The instance name goes to the broker (`group.instance.id`) and into
+/// Postgres (`eec_drainer_member.instance`, at most 256 characters): only
+/// up to 200 of the characters a topic name may have are accepted (the
+/// message says so); anything else is refused, naming the key.
+#[test]
+fn an_instance_name_either_side_would_refuse_is_refused() {
+    let load = |id: &str| Config::load_from(None, env(&[("DUCTOR__KAFKA__GROUP_INSTANCE_ID", id)]));
+    let ok = load("serve-1.a_b").expect("a plain name is accepted");
+    assert_eq!(ok.kafka.group_instance_id.as_deref(), Some("serve-1.a_b"));
+    let long = load(&"x".repeat(200));
+    assert!(long.is_ok(), "200 characters are accepted: {long:?}");
+    for bad in [
+        "",
+        &"x".repeat(201),
+        "a\0b",
+        "serve\u{FFFD}",
+        "sérve",
+        "serve 1",
+        "pod/1",
+    ] {
+        let err = load(bad).expect_err("refused").to_string();
+        assert!(err.contains("kafka.group_instance_id"), "{bad:?}: {err}");
+    }
+    let err = load_toml("[kafka]\ngroup_instance_id = 7\n")
+        .expect_err("a number is not a name")
+        .to_string();
+    assert!(err.contains("group_instance_id"), "{err}");
+}

@@ -167,11 +167,11 @@ impl KafkaConfig {
             return Err(invalid("kafka.group_id", "must not be empty"));
         }
         if let Some(id) = &self.group_instance_id
-            && (id.is_empty() || id.len() > 249 || !valid_topic_chars(id))
+            && (id.is_empty() || !valid_topic_chars(id))
         {
             return Err(invalid(
                 "kafka.group_instance_id",
-                "must be 1 to 249 ASCII letters, digits, '.', '_' and '-'",
+                "must be 1 to 200 ASCII letters, digits, '.', '_' and '-'",
             ));
         }
         if self.partitions < 1 {
