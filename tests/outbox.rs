@@ -1211,34 +1211,33 @@ async fn a_dispatch_claimed_by_a_drainer_that_died_is_redriven_and_its_timeout_w
         c.drainer.reconcile_interval_ms = 250;
     })
     .await;
-    // The process that dies: its drainer announced itself and its fast
-    // lane is gone, as a SIGKILL leaves it.
     let dead = env.drainer();
-    dead.heartbeat().await.unwrap();
-    let (handoff, lane) = dead.fast_lane(&Wakeup::default());
-    drop(lane);
-    let mut ingress = env.stepped_ingress();
-    ingress.applier.handoff = Some(handoff);
-    let run_id = unique("orphan-");
-    let sent = env.start_runs(std::slice::from_ref(&run_id)).await;
-    env.step_starts(&ingress, &sent).await;
+    let run_id = started_under(&env, &dead, "orphan-").await;
     env.attempt_stamp(&run_id, 0).await;
-    ductor::ingress::close(&ingress);
-    drop(ingress);
-    let claimed_by_dead: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM eec_effect_intent \
-         WHERE run_id = $1 AND status = 'claimed' AND claimed_by = $2",
-    )
-    .bind(&run_id)
-    .bind(&dead.drainer_id)
-    .fetch_one(&env.db.pool)
-    .await
-    .unwrap();
+    let claimed_by_dead = claimed_by(&env, &run_id, &dead.drainer_id).await;
     assert!(claimed_by_dead > 0, "the dead process holds the dispatch");
     drop(dead);
 
     env.serve_until_it_succeeds_on_time(&run_id).await;
     env.db.drop_db().await;
+}
+
+/// Starts a run (id `prefix` and a unique suffix) in a process that then
+/// dies: `dead` announced itself, and its fast lane claimed the run's
+/// effects at commit and is gone before publishing them, as a SIGKILL
+/// leaves it.
+async fn started_under(env: &Env, dead: &Drainer, prefix: &str) -> String {
+    dead.heartbeat().await.unwrap();
+    let (handoff, lane) = dead.fast_lane(&Wakeup::default());
+    drop(lane);
+    let mut ingress = env.stepped_ingress();
+    ingress.applier.handoff = Some(handoff);
+    let run_id = unique(prefix);
+    let sent = env.start_runs(std::slice::from_ref(&run_id)).await;
+    env.step_starts(&ingress, &sent).await;
+    ductor::ingress::close(&ingress);
+    drop(ingress);
+    run_id
 }
 
 /// How many intents of `run_id` `drainer_id` holds claimed.
@@ -1267,16 +1266,7 @@ async fn a_restarted_instance_takes_back_its_predecessors_claims_at_once() {
     })
     .await;
     let dead = env.drainer().with_instance(Some("serve-1".into()));
-    dead.heartbeat().await.unwrap();
-    let (handoff, lane) = dead.fast_lane(&Wakeup::default());
-    drop(lane);
-    let mut ingress = env.stepped_ingress();
-    ingress.applier.handoff = Some(handoff);
-    let run_id = unique("reborn-");
-    let sent = env.start_runs(std::slice::from_ref(&run_id)).await;
-    env.step_starts(&ingress, &sent).await;
-    ductor::ingress::close(&ingress);
-    drop(ingress);
+    let run_id = started_under(&env, &dead, "reborn-").await;
     let held = claimed_by(&env, &run_id, &dead.drainer_id).await;
     assert!(held > 0, "the dead process holds the run's effects");
 
