@@ -16,6 +16,7 @@ use common::*;
 use ductor::client::worker::{StepDispatch, StepOutcome};
 use ductor::config::Config;
 use ductor::infra::crash::CrashPoint;
+use ductor::infra::prompt_producer::PromptProducer;
 use ductor::ingress::IngressContext;
 use ductor::outbox::{Drainer, FastLane, Handoff, RoundOutcome, Wakeup};
 use futures::future::join_all;
@@ -148,8 +149,12 @@ impl Env {
     /// intents it published. The lane runs until the last handoff is gone:
     /// drop it before stopping the drainer.
     fn ingress_with_fast_lane(&self) -> (Task, Task, Handoff) {
+        self.ingress_with_lane_of(self.drainer())
+    }
+
+    /// [`Env::ingress_with_fast_lane`] with a drainer of the test's making.
+    fn ingress_with_lane_of(&self, drainer: Drainer) -> (Task, Task, Handoff) {
         let wakeup = Wakeup::default();
-        let drainer = self.drainer();
         let (handoff, lane) = drainer.fast_lane(&wakeup);
         let mut ctx = self.ingress_context();
         ctx.wakeup = Some(wakeup.clone());
@@ -428,6 +433,100 @@ async fn committed_effects_take_the_fast_lane_and_runs_finish_without_polling() 
     worker.stop().await;
     ingress.stop().await;
     drainer.stop().await;
+    env.db.drop_db().await;
+}
+
+/// Settings under which a lingering producer would hold every record for
+/// ten minutes, far past [`WAIT`].
+fn lingering(config: &mut Config) {
+    config.kafka.linger_ms = 600_000;
+    config.kafka.delivery_timeout_ms = 900_000;
+    config.drainer.lease_ms = 1_000_000;
+}
+
+/// A quiet drainer sends on its prompt producer: with a linger of ten
+/// minutes, a fresh run's event and first dispatch still arrive at once.
+/// Without the prompt producer (or with `prompt_max_in_flight` 0) they
+/// would wait out the linger, and the test would time out.
+#[tokio::test]
+async fn a_quiet_drainers_effects_do_not_wait_for_the_linger() {
+    let env = Env::new(
+        "max_attempts = 1\ninitial_backoff_ms = 20\nmax_backoff_ms = 20\nmultiplier = 1.0\njitter = 0.0",
+        600_000,
+        |c| {
+            lingering(c);
+            c.drainer.poll_interval_ms = 600_000;
+        },
+    )
+    .await;
+    assert!(env.config.drainer.prompt_max_in_flight > 0, "on by default");
+    let prompt = PromptProducer::new(ductor::infra::kafka::producer_config(
+        &env.config.kafka,
+        "test-prompt",
+    ))
+    .unwrap();
+    let (ingress, drainer, handoff) =
+        env.ingress_with_lane_of(env.drainer().with_prompt_producer(prompt));
+    let run_id = unique("quiet");
+    env.start_runs(std::slice::from_ref(&run_id)).await;
+    let names = env.config.topic_names();
+    // The first transition's effects: its event, then the dispatch.
+    for (topic, index) in [(names.events(), 0), (names.steps("p"), 1)] {
+        let key = ductor::contract::idempotency_key(&run_id, 1, index);
+        let messages = read_keys(&topic, &HashSet::from([key.clone()])).await;
+        assert!(
+            messages
+                .iter()
+                .any(|m| header(m, "idempotency-key").as_deref() == Some(key.as_str())),
+            "{topic} carries {key}"
+        );
+    }
+    drop(handoff);
+    ingress.stop().await;
+    drainer.stop().await;
+    env.db.drop_db().await;
+}
+
+/// The prompt producer's poller stops when nothing is in flight and starts
+/// again with the next send: bursts one after another, each awaited
+/// whole, are all acknowledged, and every record is in its topic.
+#[tokio::test]
+async fn the_prompt_producer_delivers_burst_after_burst() {
+    const BURSTS: usize = 4;
+    const RECORDS: usize = 50;
+    let env = Env::new("max_attempts = 1", 60_000, lingering).await;
+    let prompt = PromptProducer::new(ductor::infra::kafka::producer_config(
+        &env.config.kafka,
+        "test-prompt",
+    ))
+    .unwrap();
+    let topic = env.output_topic();
+    let mut keys = HashSet::new();
+    for burst in 0..BURSTS {
+        let sends = (0..RECORDS).map(|i| {
+            let key = format!("{}-{burst}-{i}", unique("burst"));
+            keys.insert(key.clone());
+            let prompt = &prompt;
+            let topic = &topic;
+            async move {
+                let mut headers = rdkafka::message::OwnedHeaders::new();
+                headers = headers.insert(rdkafka::message::Header {
+                    key: "idempotency-key",
+                    value: Some(key.as_bytes()),
+                });
+                prompt.send(topic, key.as_bytes(), b"{}", headers).await
+            }
+        });
+        let delivered = tokio::time::timeout(WAIT, join_all(sends))
+            .await
+            .unwrap_or_else(|_| panic!("burst {burst} not acknowledged in {WAIT:?}"));
+        for delivery in delivered {
+            let delivery = delivery.expect("acknowledged");
+            assert!(delivery.offset >= 0, "{delivery:?}");
+        }
+    }
+    let messages = read_keys(&topic, &keys).await;
+    assert!(messages.len() >= BURSTS * RECORDS);
     env.db.drop_db().await;
 }
 

@@ -345,6 +345,9 @@ fn local_drainer(
     .with_solo_producer(crate::infra::kafka::LazyProducer::new(
         crate::infra::kafka::producer_config(&config.kafka, "drainer-solo"),
     )?)
+    .with_prompt_producer(crate::infra::prompt_producer::PromptProducer::new(
+        crate::infra::kafka::producer_config(&config.kafka, "drainer-prompt"),
+    )?)
     .with_instance(config.kafka.group_instance_id.clone())
     .with_results_frontier(results_frontier(
         config,

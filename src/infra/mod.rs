@@ -18,6 +18,7 @@ pub mod health;
 pub mod http_server;
 pub mod kafka;
 pub mod otlp;
+pub mod prompt_producer;
 pub mod telemetry;
 pub mod traces;
 pub mod workflows;

@@ -66,6 +66,7 @@ pub(crate) use self::maintenance::hostname;
 use self::maintenance::maintenance;
 use crate::config::DrainerConfig;
 use crate::infra::crash::{CrashHooks, CrashPoint};
+use crate::infra::prompt_producer::{InFlight, PromptProducer};
 
 #[cfg(any(test, feature = "internals"))]
 pub use self::claim::COMPLETE_SQL;
@@ -115,6 +116,11 @@ pub struct Drainer {
     pub(super) solo: Option<crate::infra::kafka::LazyProducer>,
     /// Held while an intent that failed before is sent: one at a time.
     pub(super) solo_turn: tokio::sync::Mutex<()>,
+    /// Sends without linger while few publishes are in flight (see
+    /// [`Drainer::with_prompt_producer`]).
+    pub(super) prompt: Option<PromptProducer>,
+    /// This drainer's publishes in flight.
+    pub(super) in_flight: InFlight,
     /// The name of the process this drainer runs in, stable across its
     /// restarts (see [`Drainer::with_instance`]).
     pub(super) instance: Option<String>,
@@ -151,6 +157,8 @@ impl Drainer {
             healthy_since_ms: AtomicI64::new(0),
             solo: None,
             solo_turn: tokio::sync::Mutex::new(()),
+            prompt: None,
+            in_flight: InFlight::default(),
             frontier: Frontier::default(),
             parked_notices: None,
             timer_key: None,
@@ -193,6 +201,19 @@ impl Drainer {
     pub fn with_solo_producer(self, producer: crate::infra::kafka::LazyProducer) -> Self {
         Drainer {
             solo: Some(producer),
+            ..self
+        }
+    }
+
+    /// A producer without linger for the publishes that start while fewer
+    /// than `drainer.prompt_max_in_flight` others are in flight: a quiet
+    /// system's effects go out at once instead of after `kafka.linger_ms`.
+    /// A run's effects on one topic stay in order whichever producer
+    /// carries each: a chain publishes one effect at a time, each after
+    /// the acknowledgement of the one before.
+    pub fn with_prompt_producer(self, producer: PromptProducer) -> Self {
+        Drainer {
+            prompt: Some(producer),
             ..self
         }
     }

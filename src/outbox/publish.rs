@@ -26,6 +26,7 @@ use tracing::Instrument;
 use super::{ClaimedIntent, Drainer};
 use crate::contract::TraceContext;
 use crate::contract::headers::{TRACEPARENT, TRACESTATE};
+use crate::infra::prompt_producer::is_quiet;
 use crate::infra::traces;
 
 /// An intent's headers in the order every delivery of it carries them:
@@ -122,12 +123,9 @@ fn is_permanent(error: &rdkafka::error::KafkaError) -> bool {
     )
 }
 
-/// The record of an effect: its topic, key, payload and headers, as every
-/// delivery of it carries them, and last the `signature` of a timer.
-fn effect_record<'a>(
-    intent: &'a ClaimedIntent,
-    signature: Option<&'a str>,
-) -> FutureRecord<'a, Vec<u8>, Vec<u8>> {
+/// The headers of an effect's record, as every delivery of it carries
+/// them, and last the `signature` of a timer.
+fn effect_headers(intent: &ClaimedIntent, signature: Option<&str>) -> OwnedHeaders {
     let mut headers = OwnedHeaders::new_with_capacity(intent.headers.len() + 1);
     for (k, v) in &intent.headers {
         headers = headers.insert(Header {
@@ -141,6 +139,14 @@ fn effect_record<'a>(
             value: Some(signature.as_bytes()),
         });
     }
+    headers
+}
+
+/// The record of an effect: its topic, key, payload and headers.
+fn effect_record(
+    intent: &ClaimedIntent,
+    headers: OwnedHeaders,
+) -> FutureRecord<'_, Vec<u8>, Vec<u8>> {
     FutureRecord::to(&intent.topic)
         .key(&intent.message_key)
         .payload(&intent.payload)
@@ -253,7 +259,8 @@ impl Drainer {
 
     async fn publish_one_in(&self, intent: &ClaimedIntent) -> Result<(), Unpublished> {
         let signature = self.timer_signature(intent);
-        let record = effect_record(intent, signature.as_deref());
+        let headers = effect_headers(intent, signature.as_deref());
+        let (others, _publishing) = self.in_flight.enter();
         let started = Instant::now();
         let sent = if intent.publish_failures > 0 {
             // One at a time, so that the batch it goes in is its own. A
@@ -266,17 +273,29 @@ impl Drainer {
             let _one_at_a_time = self.solo_turn.lock().await;
             solo.as_ref()
                 .unwrap_or(&self.producer)
-                .send(record, self.publish_timeout)
+                .send(effect_record(intent, headers), self.publish_timeout)
+                .await
+                .map_err(|(e, _)| e)
+        } else if let Some(prompt) = self
+            .prompt
+            .as_ref()
+            .filter(|_| is_quiet(others, self.config.prompt_max_in_flight))
+        {
+            prompt
+                .send(&intent.topic, &intent.message_key, &intent.payload, headers)
                 .await
         } else {
-            self.producer.send(record, self.publish_timeout).await
+            self.producer
+                .send(effect_record(intent, headers), self.publish_timeout)
+                .await
+                .map_err(|(e, _)| e)
         };
         match sent {
             Ok(delivery) => {
                 note_delivered(intent, &delivery, started);
                 Ok(())
             }
-            Err((e, _)) => Err(note_publish_failure(intent, e)),
+            Err(e) => Err(note_publish_failure(intent, e)),
         }
     }
 }
