@@ -446,7 +446,7 @@ fn lingering(config: &mut Config) {
 
 /// A quiet drainer sends on its prompt producer: with a linger of ten
 /// minutes, a fresh run's event and first dispatch still arrive at once.
-/// Without the prompt producer (or with `prompt_max_in_flight` 0) they
+/// Without the prompt producer (or with `kafka.prompt_max_in_flight` 0) they
 /// would wait out the linger, and the test would time out.
 #[tokio::test]
 async fn a_quiet_drainers_effects_do_not_wait_for_the_linger() {
@@ -459,11 +459,11 @@ async fn a_quiet_drainers_effects_do_not_wait_for_the_linger() {
         },
     )
     .await;
-    assert!(env.config.drainer.prompt_max_in_flight > 0, "on by default");
-    let prompt = PromptProducer::new(ductor::infra::kafka::producer_config(
-        &env.config.kafka,
-        "test-prompt",
-    ))
+    assert!(env.config.kafka.prompt_max_in_flight > 0, "on by default");
+    let prompt = PromptProducer::new(
+        ductor::infra::kafka::producer_config(&env.config.kafka, "test-prompt"),
+        env.config.kafka.prompt_max_in_flight,
+    )
     .unwrap();
     let (ingress, drainer, handoff) =
         env.ingress_with_lane_of(env.drainer().with_prompt_producer(prompt));
@@ -487,6 +487,19 @@ async fn a_quiet_drainers_effects_do_not_wait_for_the_linger() {
     env.db.drop_db().await;
 }
 
+/// A run that moves alone crosses no linger: with a linger of ten
+/// minutes, serve's drainer and the worker library both send each of the
+/// run's effects and results at once, and its three steps finish in the
+/// test's time.
+#[tokio::test]
+async fn a_run_alone_crosses_no_linger_in_serve_or_the_worker() {
+    let env = Env::new("max_attempts = 1", 600_000, lingering).await;
+    let run_id = unique("alone");
+    env.start_runs(std::slice::from_ref(&run_id)).await;
+    env.serve_until_it_succeeds_on_time(&run_id).await;
+    env.db.drop_db().await;
+}
+
 /// The prompt producer's poller stops when nothing is in flight and starts
 /// again with the next send: bursts one after another, each awaited
 /// whole, are all acknowledged, and every record is in its topic.
@@ -495,10 +508,10 @@ async fn the_prompt_producer_delivers_burst_after_burst() {
     const BURSTS: usize = 4;
     const RECORDS: usize = 50;
     let env = Env::new("max_attempts = 1", 60_000, lingering).await;
-    let prompt = PromptProducer::new(ductor::infra::kafka::producer_config(
-        &env.config.kafka,
-        "test-prompt",
-    ))
+    let prompt = PromptProducer::new(
+        ductor::infra::kafka::producer_config(&env.config.kafka, "test-prompt"),
+        1,
+    )
     .unwrap();
     let topic = env.output_topic();
     let mut keys = HashSet::new();

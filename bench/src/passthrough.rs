@@ -37,6 +37,7 @@ use super::pipeline::{produce_start_requests, spawn_echo_worker};
 use super::stats::{CpuCores, CpuTicks, Progress, Watchdog, messages_between, topic_offsets};
 use ductor::config::Config;
 use ductor::contract::EffectKind;
+use ductor::infra::prompt_producer::PromptProducer;
 
 /// Kafka-only throughput of the pipeline's traffic.
 #[derive(Debug, Clone, Serialize)]
@@ -317,6 +318,12 @@ async fn coordinate(
 ) -> anyhow::Result<()> {
     let consumer = passthrough_consumer(&config)?;
     let producer: FutureProducer = ductor::infra::kafka::producer(&config.kafka, "b2-drainer")?;
+    // Ductor's drainer sends a quiet round without linger; the relay does
+    // the same, with the same bound.
+    let prompt = PromptProducer::new(
+        ductor::infra::kafka::producer_config(&config.kafka, "b2-drainer-prompt"),
+        config.kafka.prompt_max_in_flight,
+    )?;
     let mut runs = Runs::new(&config);
     let max_batch = config.coordinator.batch_max_inputs;
     let linger = Duration::from_millis(config.coordinator.batch_linger_ms);
@@ -348,7 +355,7 @@ async fn coordinate(
         if let Some(store) = &mut store {
             store.commit(&hops).await?;
         }
-        publish(&producer, &outs, timeout).await?;
+        publish(&producer, &prompt, &outs, timeout).await?;
         counters.count_batch(&hops, epoch);
         store_offsets(&consumer, &batch);
     }
@@ -492,16 +499,27 @@ fn step_dispatch(run_id: &str, run: &RunMemo, now: DateTime<Utc>, input: Value) 
 }
 
 /// Publishes a batch's effects and waits for every acknowledgement.
-async fn publish(producer: &FutureProducer, outs: &[Out], timeout: Duration) -> anyhow::Result<()> {
-    let sends = outs.iter().map(|o| {
+async fn publish(
+    producer: &FutureProducer,
+    prompt: &PromptProducer,
+    outs: &[Out],
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    let turn = prompt.enter(outs.len());
+    let sends = outs.iter().map(|o| async {
+        if turn.prompt {
+            return prompt
+                .send(&o.topic, o.key.as_bytes(), &o.payload, o.headers.clone())
+                .await;
+        }
         let record = FutureRecord::to(&o.topic)
             .key(&o.key)
             .payload(&o.payload)
             .headers(o.headers.clone());
-        producer.send(record, timeout)
+        producer.send(record, timeout).await.map_err(|(e, _)| e)
     });
     for result in join_all(sends).await {
-        if let Err((e, _)) = result {
+        if let Err(e) = result {
             anyhow::bail!("passthrough publish failed: {e}");
         }
     }

@@ -76,13 +76,6 @@ pub struct DrainerConfig {
     /// four times that: under load, when the coordinator is never quite
     /// caught up, timeouts are published up to this much late.
     pub results_frontier_lag_ms: u64,
-    /// A publish that starts while fewer than this many of the drainer's
-    /// publishes are in flight goes out at once, on a producer without
-    /// linger, instead of waiting up to `kafka.linger_ms` for others to
-    /// batch with: at idle every hop of a run skips the linger, under load
-    /// the publishes batch as before. 0 sends every publish through the
-    /// lingering producer.
-    pub prompt_max_in_flight: usize,
 }
 
 impl DrainerConfig {

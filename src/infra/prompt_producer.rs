@@ -5,11 +5,14 @@
 //! CPU, but a quiet system pays the whole linger on every hop of a run (a
 //! three-step run crosses four drainer publishes and three worker results).
 //! A [`PromptProducer`] is the same producer with `linger.ms` 0, used by
-//! the drainer and the worker only while few of their publishes are in
-//! flight ([`is_quiet`]), so the linger grows from nothing at idle to
-//! `kafka.linger_ms` under load.
+//! the drainer and the worker only when they are quiet: a round of at most
+//! `kafka.prompt_max_in_flight` publishes that starts with nothing else of
+//! theirs in flight ([`PromptProducer::enter`]). So a run that moves alone
+//! crosses no linger, and under load, when publishes overlap, they batch
+//! as before.
 //!
-//! In: a producer configuration (the one the shared producer is made from).
+//! In: a producer configuration (the one the lingering producer is made
+//! from) and the bound.
 //! Out: each record's delivery, as a `FutureProducer` reports it. Guarantees: the producer is made when the first
 //! record is sent, and then polled for delivery reports only while it has
 //! records in flight, on a blocking thread, so with nothing to send it
@@ -33,33 +36,40 @@ use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, ProducerContex
 /// Longest wait of one poll for delivery reports; a report ends it early.
 const POLL_WAIT: Duration = Duration::from_millis(100);
 
-/// Whether a publish that starts with `in_flight` others of its process
-/// still unacknowledged goes out at once: fewer than `quiet_max`
-/// (0: never).
-pub fn is_quiet(in_flight: usize, quiet_max: usize) -> bool {
-    in_flight < quiet_max
+/// Whether a round of `publishes` that starts with `in_flight` others
+/// still unacknowledged goes out at once: nothing else is in flight, and
+/// the round is at most `quiet_max` (0: never).
+fn is_quiet(in_flight: usize, publishes: usize, quiet_max: usize) -> bool {
+    in_flight == 0 && publishes <= quiet_max && quiet_max > 0
+}
+
+/// A round of publishes in flight, from [`PromptProducer::enter`].
+pub struct Turn<'a> {
+    /// Whether it goes out on the prompt producer.
+    pub prompt: bool,
+    _guard: InFlightGuard<'a>,
 }
 
 /// Counts a process's publishes in flight for [`is_quiet`]; each
-/// [`InFlight::enter`] is one publish until its guard drops.
+/// [`InFlight::enter`] is a round of them until its guard drops.
 #[derive(Debug, Default)]
-pub struct InFlight(AtomicUsize);
+struct InFlight(AtomicUsize);
 
 impl InFlight {
-    /// Registers a publish; returns how many others were in flight, and the
-    /// guard that ends it.
-    pub fn enter(&self) -> (usize, InFlightGuard<'_>) {
-        let before = self.0.fetch_add(1, Ordering::AcqRel);
-        (before, InFlightGuard(&self.0))
+    /// Registers `n` publishes; returns how many others were in flight, and
+    /// the guard that ends them.
+    fn enter(&self, n: usize) -> (usize, InFlightGuard<'_>) {
+        let before = self.0.fetch_add(n, Ordering::AcqRel);
+        (before, InFlightGuard(&self.0, n))
     }
 }
 
-/// One publish in flight; dropping it ends it.
-pub struct InFlightGuard<'a>(&'a AtomicUsize);
+/// A round of publishes in flight; dropping it ends them.
+struct InFlightGuard<'a>(&'a AtomicUsize, usize);
 
 impl Drop for InFlightGuard<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        self.0.fetch_sub(self.1, Ordering::AcqRel);
     }
 }
 
@@ -100,12 +110,17 @@ pub struct PromptProducer {
     config: ClientConfig,
     made: Arc<OnceLock<Arc<Made>>>,
     making: Arc<Mutex<()>>,
+    /// Every publish of its process, on this producer or the lingering one.
+    in_flight: Arc<InFlight>,
+    quiet_max: usize,
 }
 
 impl PromptProducer {
     /// From the configuration of the producer it stands in for, with
-    /// `linger.ms` 0; the configuration is checked now.
-    pub fn new(mut config: ClientConfig) -> anyhow::Result<PromptProducer> {
+    /// `linger.ms` 0, used for quiet rounds of at most `quiet_max`
+    /// publishes (`kafka.prompt_max_in_flight`); the configuration is
+    /// checked now.
+    pub fn new(mut config: ClientConfig, quiet_max: usize) -> anyhow::Result<PromptProducer> {
         config.set("linger.ms", "0");
         config
             .create_native_config()
@@ -114,7 +129,20 @@ impl PromptProducer {
             config,
             made: Arc::default(),
             making: Arc::default(),
+            in_flight: Arc::default(),
+            quiet_max,
         })
+    }
+
+    /// Registers a round of `publishes` about to start, on whichever
+    /// producer; the turn says whether they go out on this one, and ends
+    /// when dropped.
+    pub fn enter(&self, publishes: usize) -> Turn<'_> {
+        let (others, guard) = self.in_flight.enter(publishes);
+        Turn {
+            prompt: is_quiet(others, publishes, self.quiet_max),
+            _guard: guard,
+        }
     }
 
     fn made(&self) -> anyhow::Result<Arc<Made>> {
@@ -186,31 +214,32 @@ mod tests {
     use super::*;
 
     #[test]
-    fn quiet_means_fewer_in_flight_than_the_bound() {
-        assert!(is_quiet(0, 1));
-        assert!(is_quiet(7, 8));
-        assert!(!is_quiet(8, 8));
-        assert!(!is_quiet(0, 0), "0 turns it off");
+    fn quiet_means_nothing_else_in_flight_and_a_small_round() {
+        assert!(is_quiet(0, 1, 4));
+        assert!(is_quiet(0, 4, 4));
+        assert!(!is_quiet(0, 5, 4), "a round larger than the bound batches");
+        assert!(!is_quiet(1, 1, 4), "others in flight: batch with them");
+        assert!(!is_quiet(0, 1, 0), "0 turns it off");
     }
 
     #[test]
     fn in_flight_counts_the_others_and_ends_with_its_guard() {
         let count = InFlight::default();
-        let (first, a) = count.enter();
-        let (second, b) = count.enter();
-        assert_eq!((first, second), (0, 1));
+        let (first, a) = count.enter(2);
+        let (second, b) = count.enter(1);
+        assert_eq!((first, second), (0, 2));
         drop(a);
-        let (third, c) = count.enter();
+        let (third, c) = count.enter(1);
         assert_eq!(third, 1);
         drop((b, c));
-        assert_eq!(count.enter().0, 0);
+        assert_eq!(count.enter(1).0, 0);
     }
 
     #[test]
     fn a_configuration_the_client_refuses_is_refused_at_once() {
         let mut config = ClientConfig::new();
         config.set("acks", "not a number");
-        let refused = PromptProducer::new(config).err().expect("refused");
+        let refused = PromptProducer::new(config, 4).err().expect("refused");
         assert!(format!("{refused:#}").contains("acks"), "{refused:#}");
     }
 
@@ -218,7 +247,20 @@ mod tests {
     fn its_linger_is_zero_whatever_it_was_given() {
         let mut config = ClientConfig::new();
         config.set("linger.ms", "50");
-        let prompt = PromptProducer::new(config).expect("valid");
+        let prompt = PromptProducer::new(config, 4).expect("valid");
         assert_eq!(prompt.config.get("linger.ms"), Some("0"));
+    }
+
+    #[test]
+    fn a_turn_is_prompt_only_alone() {
+        let prompt = PromptProducer::new(ClientConfig::new(), 2).expect("valid");
+        let first = prompt.enter(2);
+        assert!(first.prompt);
+        assert!(!prompt.enter(1).prompt, "the first is still in flight");
+        drop(first);
+        assert!(prompt.enter(1).prompt, "alone again");
+        assert!(!prompt.enter(3).prompt, "a round over the bound");
+        let off = PromptProducer::new(ClientConfig::new(), 0).expect("valid");
+        assert!(!off.enter(1).prompt, "0 turns it off");
     }
 }

@@ -66,7 +66,7 @@ pub(crate) use self::maintenance::hostname;
 use self::maintenance::maintenance;
 use crate::config::DrainerConfig;
 use crate::infra::crash::{CrashHooks, CrashPoint};
-use crate::infra::prompt_producer::{InFlight, PromptProducer};
+use crate::infra::prompt_producer::PromptProducer;
 
 #[cfg(any(test, feature = "internals"))]
 pub use self::claim::COMPLETE_SQL;
@@ -119,8 +119,6 @@ pub struct Drainer {
     /// Sends without linger while few publishes are in flight (see
     /// [`Drainer::with_prompt_producer`]).
     pub(super) prompt: Option<PromptProducer>,
-    /// This drainer's publishes in flight.
-    pub(super) in_flight: InFlight,
     /// The name of the process this drainer runs in, stable across its
     /// restarts (see [`Drainer::with_instance`]).
     pub(super) instance: Option<String>,
@@ -158,7 +156,6 @@ impl Drainer {
             solo: None,
             solo_turn: tokio::sync::Mutex::new(()),
             prompt: None,
-            in_flight: InFlight::default(),
             frontier: Frontier::default(),
             parked_notices: None,
             timer_key: None,
@@ -206,7 +203,7 @@ impl Drainer {
     }
 
     /// A producer without linger for the publishes that start while fewer
-    /// than `drainer.prompt_max_in_flight` others are in flight: a quiet
+    /// than `kafka.prompt_max_in_flight` others are in flight: a quiet
     /// system's effects go out at once instead of after `kafka.linger_ms`.
     /// A run's effects on one topic stay in order whichever producer
     /// carries each: a chain publishes one effect at a time, each after

@@ -26,7 +26,6 @@ use tracing::Instrument;
 use super::{ClaimedIntent, Drainer};
 use crate::contract::TraceContext;
 use crate::contract::headers::{TRACEPARENT, TRACESTATE};
-use crate::infra::prompt_producer::is_quiet;
 use crate::infra::traces;
 
 /// An intent's headers in the order every delivery of it carries them:
@@ -215,7 +214,14 @@ impl Drainer {
         for chain in chains.values_mut() {
             chain.sort_by_key(|i| (i.seq, i.effect_index));
         }
-        let results = join_all(chains.into_values().map(|chain| self.publish_chain(chain))).await;
+        let turn = self.prompt.as_ref().map(|p| p.enter(intents.len()));
+        let prompt = turn.as_ref().is_some_and(|t| t.prompt);
+        let results = join_all(
+            chains
+                .into_values()
+                .map(|chain| self.publish_chain(chain, prompt)),
+        )
+        .await;
         let mut delivered = Vec::new();
         let mut failed = Vec::new();
         for (ok, err) in results {
@@ -226,12 +232,16 @@ impl Drainer {
     }
 
     /// Publishes a chain in order; returns (delivered, not delivered) ids.
-    async fn publish_chain(&self, chain: Vec<&ClaimedIntent>) -> (Vec<i64>, Vec<Unpublished>) {
+    async fn publish_chain(
+        &self,
+        chain: Vec<&ClaimedIntent>,
+        prompt: bool,
+    ) -> (Vec<i64>, Vec<Unpublished>) {
         let mut delivered = Vec::with_capacity(chain.len());
         let mut failed = Vec::new();
         let mut iter = chain.into_iter();
         for intent in iter.by_ref() {
-            match self.publish_one(intent).await {
+            match self.publish_one(intent, prompt).await {
                 Ok(()) => delivered.push(intent.intent_id),
                 Err(unpublished) => {
                     failed.push(unpublished);
@@ -252,15 +262,18 @@ impl Drainer {
     /// Publishes one intent and waits for the broker's acknowledgement; an
     /// intent that failed before goes through the solo producer. A failure
     /// comes back as the reason it stays undelivered.
-    async fn publish_one(&self, intent: &ClaimedIntent) -> Result<(), Unpublished> {
+    async fn publish_one(&self, intent: &ClaimedIntent, prompt: bool) -> Result<(), Unpublished> {
         let span = publish_span(intent);
-        self.publish_one_in(intent).instrument(span).await
+        self.publish_one_in(intent, prompt).instrument(span).await
     }
 
-    async fn publish_one_in(&self, intent: &ClaimedIntent) -> Result<(), Unpublished> {
+    async fn publish_one_in(
+        &self,
+        intent: &ClaimedIntent,
+        prompt: bool,
+    ) -> Result<(), Unpublished> {
         let signature = self.timer_signature(intent);
         let headers = effect_headers(intent, signature.as_deref());
-        let (others, _publishing) = self.in_flight.enter();
         let started = Instant::now();
         let sent = if intent.publish_failures > 0 {
             // One at a time, so that the batch it goes in is its own. A
@@ -276,12 +289,8 @@ impl Drainer {
                 .send(effect_record(intent, headers), self.publish_timeout)
                 .await
                 .map_err(|(e, _)| e)
-        } else if let Some(prompt) = self
-            .prompt
-            .as_ref()
-            .filter(|_| is_quiet(others, self.config.prompt_max_in_flight))
-        {
-            prompt
+        } else if let Some(producer) = self.prompt.as_ref().filter(|_| prompt) {
+            producer
                 .send(&intent.topic, &intent.message_key, &intent.payload, headers)
                 .await
         } else {

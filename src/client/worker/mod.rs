@@ -120,6 +120,14 @@ where
             .create()
             .context("creating worker consumer")?;
     let producer = crate::infra::kafka::producer(&options.kafka, "worker")?;
+    let prompt = (options.kafka.prompt_max_in_flight > 0)
+        .then(|| {
+            crate::infra::prompt_producer::PromptProducer::new(
+                crate::infra::kafka::producer_config(&options.kafka, "worker-prompt"),
+                options.kafka.prompt_max_in_flight,
+            )
+        })
+        .transpose()?;
     consumer
         .subscribe(&[options.steps_topic.as_str()])
         .with_context(|| format!("subscribing to {}", options.steps_topic))?;
@@ -132,6 +140,7 @@ where
     let shared = Arc::new(Shared {
         handler,
         producer,
+        prompt,
         results_topic: options.results_topic.clone(),
         pool: options.pool.clone(),
         handler_timeout: options.handler_timeout,
@@ -168,6 +177,8 @@ where
 struct Shared<F> {
     handler: F,
     producer: FutureProducer,
+    /// Sends a result at once while few are in flight.
+    prompt: Option<crate::infra::prompt_producer::PromptProducer>,
     results_topic: String,
     pool: String,
     handler_timeout: Option<Duration>,

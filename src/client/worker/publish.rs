@@ -5,7 +5,9 @@
 //! error once shutdown has begun. Guarantees: the record is keyed by
 //! `run_id` (one run's results keep their order on one partition), signed
 //! when the tenant has a signing key, and carries the trace context of the
-//! attempt's handler when its dispatch had one; retries back off between
+//! attempt's handler when its dispatch had one; it goes out without linger
+//! when no other result of the worker is in flight (see
+//! [`PromptProducer`](crate::infra::prompt_producer::PromptProducer)); retries back off between
 //! [`PUBLISH_RETRY_MIN`] and [`PUBLISH_RETRY_MAX`] and stop at shutdown,
 //! never sooner.
 
@@ -54,6 +56,19 @@ pub(super) async fn publish<F>(
         });
     }
     let send = || async {
+        let turn = shared.prompt.as_ref().map(|p| p.enter(1));
+        if let Some(prompt) =
+            (shared.prompt.as_ref()).filter(|_| turn.as_ref().is_some_and(|t| t.prompt))
+        {
+            return prompt
+                .send(
+                    &shared.results_topic,
+                    run_id.as_bytes(),
+                    payload,
+                    headers.clone(),
+                )
+                .await;
+        }
         let record = FutureRecord::to(&shared.results_topic)
             .key(run_id)
             .payload(payload)
