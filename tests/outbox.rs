@@ -438,8 +438,10 @@ async fn committed_effects_take_the_fast_lane_and_runs_finish_without_polling() 
 
 /// Settings under which a lingering producer would hold every record for
 /// ten minutes, far past [`WAIT`].
+/// Rounds that follow each other by a millisecond are still quiet.
 fn lingering(config: &mut Config) {
     config.kafka.linger_ms = 600_000;
+    config.kafka.prompt_after_ms = 1;
     config.kafka.delivery_timeout_ms = 900_000;
     config.drainer.lease_ms = 1_000_000;
 }
@@ -463,6 +465,7 @@ async fn a_quiet_drainers_effects_do_not_wait_for_the_linger() {
     let prompt = PromptProducer::new(
         ductor::infra::kafka::producer_config(&env.config.kafka, "test-prompt"),
         env.config.kafka.prompt_max_in_flight,
+        Duration::from_millis(env.config.kafka.prompt_after_ms),
     )
     .unwrap();
     let (ingress, drainer, handoff) =
@@ -511,6 +514,7 @@ async fn the_prompt_producer_delivers_burst_after_burst() {
     let prompt = PromptProducer::new(
         ductor::infra::kafka::producer_config(&env.config.kafka, "test-prompt"),
         1,
+        Duration::ZERO,
     )
     .unwrap();
     let topic = env.output_topic();

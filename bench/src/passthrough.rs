@@ -323,6 +323,7 @@ async fn coordinate(
     let prompt = PromptProducer::new(
         ductor::infra::kafka::producer_config(&config.kafka, "b2-drainer-prompt"),
         config.kafka.prompt_max_in_flight,
+        Duration::from_millis(config.kafka.prompt_after_ms),
     )?;
     let mut runs = Runs::new(&config);
     let max_batch = config.coordinator.batch_max_inputs;

@@ -348,6 +348,7 @@ fn local_drainer(
     .with_prompt_producer(crate::infra::prompt_producer::PromptProducer::new(
         crate::infra::kafka::producer_config(&config.kafka, "drainer-prompt"),
         config.kafka.prompt_max_in_flight,
+        Duration::from_millis(config.kafka.prompt_after_ms),
     )?)
     .with_instance(config.kafka.group_instance_id.clone())
     .with_results_frontier(results_frontier(

@@ -106,12 +106,17 @@ pub struct KafkaConfig {
     /// `linger.ms` of the producers.
     pub linger_ms: u64,
     /// A round of at most this many publishes of the drainer (or one
-    /// result of a worker) that starts with nothing else of theirs in flight
-    /// goes out at once, on a producer without linger, instead of waiting
-    /// up to `linger_ms` for records to batch with: a run that moves alone
-    /// crosses no linger, and publishes that overlap under load batch as
-    /// before. 0 sends every publish through the lingering producer.
+    /// result of a worker) that starts with nothing else of theirs in
+    /// flight, more than `prompt_after_ms` after their last round, goes out
+    /// at once, on a producer without linger, instead of waiting up to
+    /// `linger_ms` for records to batch with: a run that moves alone
+    /// crosses no linger, and publishes that overlap or follow closely
+    /// under load batch as before. 0 sends every publish through the
+    /// lingering producer.
     pub prompt_max_in_flight: usize,
+    /// See `prompt_max_in_flight`. A linger pays only if another record
+    /// comes within it, so keep it near `linger_ms`.
+    pub prompt_after_ms: u64,
     /// `message.max.bytes` of the producers.
     pub message_max_bytes: u64,
     /// `request.timeout.ms` of the producers.

@@ -7,9 +7,12 @@
 //! A [`PromptProducer`] is the same producer with `linger.ms` 0, used by
 //! the drainer and the worker only when they are quiet: a round of at most
 //! `kafka.prompt_max_in_flight` publishes that starts with nothing else of
-//! theirs in flight ([`PromptProducer::enter`]). So a run that moves alone
-//! crosses no linger, and under load, when publishes overlap, they batch
-//! as before.
+//! theirs in flight and more than `kafka.prompt_after_ms` after the round
+//! before it ([`PromptProducer::enter`]). A linger pays only if another
+//! record comes within it; when the last one came longer ago than a linger,
+//! the next likely will too, so the default is `kafka.linger_ms`'s.
+//! So a run that moves alone crosses no linger, and under load, when
+//! publishes overlap or follow each other closely, they batch as before.
 //!
 //! In: a producer configuration (the one the lingering producer is made
 //! from) and the bound.
@@ -20,9 +23,9 @@
 //! of a core, always). A record the producer cannot take is given back as
 //! an error; nothing is retried here.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use futures::channel::oneshot;
@@ -37,10 +40,17 @@ use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, ProducerContex
 const POLL_WAIT: Duration = Duration::from_millis(100);
 
 /// Whether a round of `publishes` that starts with `in_flight` others
-/// still unacknowledged goes out at once: nothing else is in flight, and
-/// the round is at most `quiet_max` (0: never).
-fn is_quiet(in_flight: usize, publishes: usize, quiet_max: usize) -> bool {
-    in_flight == 0 && publishes <= quiet_max && quiet_max > 0
+/// still unacknowledged, `since_last` after the round before it, goes out
+/// at once: nothing else is in flight, the last round came more than
+/// `after` ago, and the round is at most `quiet_max` (0: never).
+fn is_quiet(
+    in_flight: usize,
+    since_last: Duration,
+    publishes: usize,
+    after: Duration,
+    quiet_max: usize,
+) -> bool {
+    in_flight == 0 && since_last > after && publishes <= quiet_max && quiet_max > 0
 }
 
 /// A round of publishes in flight, from [`PromptProducer::enter`].
@@ -112,15 +122,25 @@ pub struct PromptProducer {
     making: Arc<Mutex<()>>,
     /// Every publish of its process, on this producer or the lingering one.
     in_flight: Arc<InFlight>,
+    /// When the last round started, in microseconds since `epoch`.
+    last_round_us: Arc<AtomicU64>,
+    epoch: Instant,
+    /// How long after the last round a round may be quiet.
+    quiet_after: Duration,
     quiet_max: usize,
 }
 
 impl PromptProducer {
     /// From the configuration of the producer it stands in for, with
     /// `linger.ms` 0, used for quiet rounds of at most `quiet_max`
-    /// publishes (`kafka.prompt_max_in_flight`); the configuration is
-    /// checked now.
-    pub fn new(mut config: ClientConfig, quiet_max: usize) -> anyhow::Result<PromptProducer> {
+    /// publishes (`kafka.prompt_max_in_flight`) that start more than
+    /// `quiet_after` after the round before (`kafka.prompt_after_ms`); the
+    /// configuration is checked now.
+    pub fn new(
+        mut config: ClientConfig,
+        quiet_max: usize,
+        quiet_after: Duration,
+    ) -> anyhow::Result<PromptProducer> {
         config.set("linger.ms", "0");
         config
             .create_native_config()
@@ -130,6 +150,9 @@ impl PromptProducer {
             made: Arc::default(),
             making: Arc::default(),
             in_flight: Arc::default(),
+            last_round_us: Arc::default(),
+            epoch: Instant::now(),
+            quiet_after,
             quiet_max,
         })
     }
@@ -139,8 +162,23 @@ impl PromptProducer {
     /// when dropped.
     pub fn enter(&self, publishes: usize) -> Turn<'_> {
         let (others, guard) = self.in_flight.enter(publishes);
+        // Microseconds since the epoch, plus one so that no round is at 0,
+        // which stands for "none yet".
+        let now_us = u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX - 1) + 1;
+        let last_us = self.last_round_us.swap(now_us, Ordering::AcqRel);
+        let since_last = if last_us == 0 {
+            Duration::MAX
+        } else {
+            Duration::from_micros(now_us.saturating_sub(last_us))
+        };
         Turn {
-            prompt: is_quiet(others, publishes, self.quiet_max),
+            prompt: is_quiet(
+                others,
+                since_last,
+                publishes,
+                self.quiet_after,
+                self.quiet_max,
+            ),
             _guard: guard,
         }
     }
@@ -214,12 +252,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn quiet_means_nothing_else_in_flight_and_a_small_round() {
-        assert!(is_quiet(0, 1, 4));
-        assert!(is_quiet(0, 4, 4));
-        assert!(!is_quiet(0, 5, 4), "a round larger than the bound batches");
-        assert!(!is_quiet(1, 1, 4), "others in flight: batch with them");
-        assert!(!is_quiet(0, 1, 0), "0 turns it off");
+    fn quiet_means_alone_a_linger_after_the_last_round_and_small() {
+        let ms = Duration::from_millis;
+        assert!(is_quiet(0, ms(10), 1, ms(2), 4));
+        assert!(is_quiet(0, Duration::MAX, 4, ms(2), 4), "the first round");
+        assert!(
+            !is_quiet(0, ms(10), 5, ms(2), 4),
+            "a round larger than the bound batches"
+        );
+        assert!(
+            !is_quiet(1, ms(10), 1, ms(2), 4),
+            "others in flight: batch with them"
+        );
+        assert!(
+            !is_quiet(0, ms(1), 1, ms(2), 4),
+            "the last round came within a linger"
+        );
+        assert!(!is_quiet(0, ms(10), 1, ms(2), 0), "0 turns it off");
     }
 
     #[test]
@@ -239,7 +288,9 @@ mod tests {
     fn a_configuration_the_client_refuses_is_refused_at_once() {
         let mut config = ClientConfig::new();
         config.set("acks", "not a number");
-        let refused = PromptProducer::new(config, 4).err().expect("refused");
+        let refused = PromptProducer::new(config, 4, Duration::ZERO)
+            .err()
+            .expect("refused");
         assert!(format!("{refused:#}").contains("acks"), "{refused:#}");
     }
 
@@ -247,20 +298,32 @@ mod tests {
     fn its_linger_is_zero_whatever_it_was_given() {
         let mut config = ClientConfig::new();
         config.set("linger.ms", "50");
-        let prompt = PromptProducer::new(config, 4).expect("valid");
+        let prompt = PromptProducer::new(config, 4, Duration::ZERO).expect("valid");
         assert_eq!(prompt.config.get("linger.ms"), Some("0"));
     }
 
     #[test]
-    fn a_turn_is_prompt_only_alone() {
-        let prompt = PromptProducer::new(ClientConfig::new(), 2).expect("valid");
+    fn a_turn_is_prompt_only_alone_and_after_a_pause() {
+        let config = ClientConfig::new();
+        let after = Duration::from_millis(2);
+        let mut prompt = PromptProducer::new(config.clone(), 2, after).expect("valid");
+        // Its clock started a second ago, so that a round at its start is a
+        // second before now.
+        prompt.epoch -= Duration::from_secs(1);
         let first = prompt.enter(2);
-        assert!(first.prompt);
-        assert!(!prompt.enter(1).prompt, "the first is still in flight");
+        assert!(first.prompt, "the first round");
         drop(first);
-        assert!(prompt.enter(1).prompt, "alone again");
+        assert!(!prompt.enter(1).prompt, "right after the round before");
+        // The last round at the clock's start: a second ago.
+        prompt.last_round_us.store(1, Ordering::Release);
+        let alone = prompt.enter(1);
+        assert!(alone.prompt, "alone, a pause after the last round");
+        prompt.last_round_us.store(1, Ordering::Release);
+        assert!(!prompt.enter(1).prompt, "the last one is still in flight");
+        drop(alone);
+        prompt.last_round_us.store(1, Ordering::Release);
         assert!(!prompt.enter(3).prompt, "a round over the bound");
-        let off = PromptProducer::new(ClientConfig::new(), 0).expect("valid");
+        let off = PromptProducer::new(config, 0, after).expect("valid");
         assert!(!off.enter(1).prompt, "0 turns it off");
     }
 }

@@ -125,6 +125,7 @@ where
             crate::infra::prompt_producer::PromptProducer::new(
                 crate::infra::kafka::producer_config(&options.kafka, "worker-prompt"),
                 options.kafka.prompt_max_in_flight,
+                Duration::from_millis(options.kafka.prompt_after_ms),
             )
         })
         .transpose()?;
