@@ -18,12 +18,12 @@
 //! from) and the bound.
 //! Out: each record's delivery, as a `FutureProducer` reports it. Guarantees: the producer is made when the first
 //! record is sent, and then polled for delivery reports only while it has
-//! records in flight, on a blocking thread, so with nothing to send it
+//! records in flight, on one blocking thread, so with nothing to send it
 //! costs no CPU (a `FutureProducer`'s own polling thread costs about 1 %
 //! of a core, always). A record the producer cannot take is given back as
 //! an error; nothing is retried here.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -36,8 +36,9 @@ use rdkafka::message::{Message, OwnedHeaders};
 use rdkafka::producer::future_producer::Delivery;
 use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, ProducerContext};
 
-/// Longest wait of one poll for delivery reports; a report ends it early.
-const POLL_WAIT: Duration = Duration::from_millis(100);
+/// How long one poll for delivery reports lasts (it serves every report
+/// that comes meanwhile): the poller ends at most this long after the last.
+const POLL_WAIT: Duration = Duration::from_millis(5);
 
 /// Whether a round of `publishes` that starts with `in_flight` others
 /// still unacknowledged, `since_last` after the round before it, goes out
@@ -111,6 +112,8 @@ impl ProducerContext for Reports {
 struct Made {
     producer: BaseProducer<Reports>,
     outstanding: Arc<AtomicUsize>,
+    /// Whether a poller runs; there is at most one.
+    polling: AtomicBool,
 }
 
 /// A producer with no linger, made on first use and polled only while it
@@ -201,6 +204,7 @@ impl PromptProducer {
         let made = Arc::new(Made {
             producer,
             outstanding,
+            polling: AtomicBool::new(false),
         });
         let _ = self.made.set(made.clone());
         Ok(made)
@@ -224,25 +228,34 @@ impl PromptProducer {
             .payload(payload)
             .headers(headers);
         // Counted before it is handed over: its report may come at once.
-        let before = made.outstanding.fetch_add(1, Ordering::AcqRel);
+        made.outstanding.fetch_add(1, Ordering::AcqRel);
         if let Err((error, _)) = made.producer.send(record) {
             made.outstanding.fetch_sub(1, Ordering::AcqRel);
             return Err(error);
         }
-        if before == 0 {
+        if !made.polling.swap(true, Ordering::AcqRel) {
             poll_while_outstanding(made);
         }
         report.await.unwrap_or(Err(KafkaError::Canceled))
     }
 }
 
-/// Serves delivery reports on a blocking thread until none is awaited.
-/// Started by the send that found nothing outstanding; a send that comes
-/// while the last poller is ending starts another, which is harmless.
+/// Serves delivery reports on a blocking thread until none is awaited; the
+/// one poller, started by a send that found none running. Before it ends
+/// it looks once more: a send that came while it was ending found it still
+/// running and started none.
 fn poll_while_outstanding(made: Arc<Made>) {
     tokio::task::spawn_blocking(move || {
-        while made.outstanding.load(Ordering::Acquire) > 0 {
-            made.producer.poll(POLL_WAIT);
+        loop {
+            while made.outstanding.load(Ordering::Acquire) > 0 {
+                made.producer.poll(POLL_WAIT);
+            }
+            made.polling.store(false, Ordering::Release);
+            if made.outstanding.load(Ordering::Acquire) == 0
+                || made.polling.swap(true, Ordering::AcqRel)
+            {
+                return;
+            }
         }
     });
 }
