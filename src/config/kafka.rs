@@ -115,7 +115,8 @@ pub struct KafkaConfig {
     /// lingering producer.
     pub prompt_max_in_flight: usize,
     /// See `prompt_max_in_flight`. A linger pays only if another record
-    /// comes within it, so keep it near `linger_ms`.
+    /// comes within it; at a few times `linger_ms` the publishes of a busy
+    /// process, which come every few milliseconds, keep batching.
     pub prompt_after_ms: u64,
     /// `message.max.bytes` of the producers.
     pub message_max_bytes: u64,
