@@ -735,3 +735,36 @@ fn an_instance_name_either_side_would_refuse_is_refused() {
         .to_string();
     assert!(err.contains("group_instance_id"), "{err}");
 }
+
+/// The prompt sends' two settings: defaults that turn them on, either one
+/// set by environment, and a value of the wrong kind refused naming its key.
+#[test]
+fn the_prompt_settings_take_counts_and_refuse_anything_else() {
+    let defaults = Config::load_from(None, env(&[])).expect("defaults");
+    assert_eq!(defaults.kafka.prompt_max_in_flight, 4);
+    assert_eq!(defaults.kafka.prompt_after_ms, 10);
+    let set = Config::load_from(
+        None,
+        env(&[
+            ("DUCTOR__KAFKA__PROMPT_MAX_IN_FLIGHT", "0"),
+            ("DUCTOR__KAFKA__PROMPT_AFTER_MS", "25"),
+        ]),
+    )
+    .expect("counts are accepted");
+    assert_eq!(set.kafka.prompt_max_in_flight, 0, "0 turns them off");
+    assert_eq!(set.kafka.prompt_after_ms, 25);
+    for (key, bad) in [
+        ("DUCTOR__KAFKA__PROMPT_MAX_IN_FLIGHT", "-1"),
+        ("DUCTOR__KAFKA__PROMPT_MAX_IN_FLIGHT", "four"),
+        ("DUCTOR__KAFKA__PROMPT_AFTER_MS", "1\0"),
+        ("DUCTOR__KAFKA__PROMPT_AFTER_MS", "2.5"),
+    ] {
+        let err = Config::load_from(None, env(&[(key, bad)]))
+            .expect_err("refused")
+            .to_string();
+        assert!(
+            err.to_lowercase().contains("prompt_"),
+            "{key}={bad:?}: {err}"
+        );
+    }
+}
