@@ -18,15 +18,16 @@
 //!
 //! In: a producer configuration (the one the lingering producer is made
 //! from) and the bound.
-//! Out: each record's delivery, as a `FutureProducer` reports it. Guarantees: the producer is made when the first
-//! record is sent, and then polled for delivery reports only while it has
+//! Out: each record's delivery, as a `FutureProducer` reports it.
+//! Guarantees: the producer is made with its owner, at start (so the first
+//! quiet run does not wait for its connection and producer id), and polled for delivery reports only while it has
 //! records in flight, on one blocking thread, so with nothing to send it
 //! costs no CPU (a `FutureProducer`'s own polling thread costs about 1 %
 //! of a core, always). A record the producer cannot take is given back as
 //! an error; nothing is retried here.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -120,13 +121,11 @@ struct Made {
     polling: AtomicBool,
 }
 
-/// A producer with no linger, made on first use and polled only while it
-/// has records in flight. Cheap to clone.
+/// A producer with no linger, polled only while it has records in flight.
+/// Cheap to clone.
 #[derive(Clone)]
 pub struct PromptProducer {
-    config: ClientConfig,
-    made: Arc<OnceLock<Arc<Made>>>,
-    making: Arc<Mutex<()>>,
+    made: Arc<Made>,
     /// Every publish of its process, on this producer or the lingering one.
     in_flight: Arc<InFlight>,
     /// When the last round started, in microseconds since `epoch`.
@@ -142,20 +141,25 @@ impl PromptProducer {
     /// `linger.ms` 0, used for quiet rounds of at most `quiet_max`
     /// publishes (`kafka.prompt_max_in_flight`) that start more than
     /// `quiet_after` after the round before (`kafka.prompt_after_ms`); the
-    /// configuration is checked now.
+    /// producer is made now, and a configuration the client refuses is
+    /// refused now.
     pub fn new(
-        mut config: ClientConfig,
+        config: ClientConfig,
         quiet_max: usize,
         quiet_after: Duration,
     ) -> anyhow::Result<PromptProducer> {
-        config.set("linger.ms", "0");
-        config
-            .create_native_config()
-            .context("checking a kafka producer's configuration")?;
+        let outstanding = Arc::new(AtomicUsize::new(0));
+        let producer = unlingered(config)
+            .create_with_context(Reports {
+                outstanding: outstanding.clone(),
+            })
+            .context("creating a kafka producer")?;
         Ok(PromptProducer {
-            config,
-            made: Arc::default(),
-            making: Arc::default(),
+            made: Arc::new(Made {
+                producer,
+                outstanding,
+                polling: AtomicBool::new(false),
+            }),
             in_flight: Arc::default(),
             last_round_us: Arc::default(),
             epoch: Instant::now(),
@@ -190,30 +194,6 @@ impl PromptProducer {
         }
     }
 
-    fn made(&self) -> anyhow::Result<Arc<Made>> {
-        if let Some(made) = self.made.get() {
-            return Ok(made.clone());
-        }
-        let _one = self.making.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(made) = self.made.get() {
-            return Ok(made.clone());
-        }
-        let outstanding = Arc::new(AtomicUsize::new(0));
-        let producer = self
-            .config
-            .create_with_context(Reports {
-                outstanding: outstanding.clone(),
-            })
-            .context("creating kafka producer")?;
-        let made = Arc::new(Made {
-            producer,
-            outstanding,
-            polling: AtomicBool::new(false),
-        });
-        let _ = self.made.set(made.clone());
-        Ok(made)
-    }
-
     /// Sends one record and waits for the broker's acknowledgement (or the
     /// producer's `message.timeout.ms`).
     pub async fn send(
@@ -223,9 +203,7 @@ impl PromptProducer {
         payload: &[u8],
         headers: OwnedHeaders,
     ) -> Result<Delivery, KafkaError> {
-        let made = self
-            .made()
-            .map_err(|e| KafkaError::ClientCreation(format!("{e:#}")))?;
+        let made = &self.made;
         let (sender, report) = oneshot::channel();
         let record = BaseRecord::with_opaque_to(topic, Box::new(sender))
             .key(key)
@@ -238,10 +216,17 @@ impl PromptProducer {
             return Err(error);
         }
         if !made.polling.swap(true, Ordering::AcqRel) {
-            poll_while_outstanding(made);
+            poll_while_outstanding(made.clone());
         }
         report.await.unwrap_or(Err(KafkaError::Canceled))
     }
+}
+
+/// The configuration of the prompt producer: its lingering twin's, with
+/// `linger.ms` 0.
+fn unlingered(mut config: ClientConfig) -> ClientConfig {
+    config.set("linger.ms", "0");
+    config
 }
 
 /// Serves delivery reports on a blocking thread until none is awaited; the
@@ -315,8 +300,7 @@ mod tests {
     fn its_linger_is_zero_whatever_it_was_given() {
         let mut config = ClientConfig::new();
         config.set("linger.ms", "50");
-        let prompt = PromptProducer::new(config, 4, Duration::ZERO).expect("valid");
-        assert_eq!(prompt.config.get("linger.ms"), Some("0"));
+        assert_eq!(unlingered(config).get("linger.ms"), Some("0"));
     }
 
     #[test]
