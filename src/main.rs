@@ -79,6 +79,11 @@ enum Command {
         #[command(subcommand)]
         command: KeysCommand,
     },
+    /// Check workflow definition files as `serve` loads them.
+    Workflows {
+        #[command(subcommand)]
+        command: WorkflowsCommand,
+    },
     /// Write the JSON Schemas of every message and header set of the
     /// contract, and the HTTP API's OpenAPI document, under a directory
     /// (the repository's are in `schemas/`).
@@ -86,6 +91,19 @@ enum Command {
         /// Where to write them.
         #[arg(long, default_value = "schemas")]
         out: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+enum WorkflowsCommand {
+    /// Read, parse and validate each file (and refuse a name and version
+    /// that two of them define); print one line per file, `ok` or why it
+    /// is refused (its workflow, step, field and rule). Exits with 1 when
+    /// any is refused.
+    Check {
+        /// The files, as in `coordinator.workflows_dir` (one workflow each).
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
     },
 }
 
@@ -340,6 +358,23 @@ async fn runs(
     }
 }
 
+async fn dlq(
+    client: &ApiClient,
+    command: DlqCommand,
+    output: operator::Output,
+) -> Result<String, CliError> {
+    match command {
+        DlqCommand::List {
+            filter,
+            limit,
+            after,
+        } => operator::list_letters(client, &filter, limit, after, output).await,
+        DlqCommand::Show { id } => operator::show_letter(client, id).await,
+        DlqCommand::Replay { id, filter } => operator::replay_letters(client, id, &filter).await,
+        DlqCommand::Discard { id, reason } => operator::discard_letter(client, id, &reason).await,
+    }
+}
+
 async fn run(command: Command, config: Config) -> anyhow::Result<()> {
     match command {
         Command::Migrate => {
@@ -365,21 +400,7 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
         }
         Command::Dlq { api, command } => {
             let client = api.client(&config)?;
-            let printed = match command {
-                DlqCommand::List {
-                    filter,
-                    limit,
-                    after,
-                } => operator::list_letters(&client, &filter, limit, after, api.output).await?,
-                DlqCommand::Show { id } => operator::show_letter(&client, id).await?,
-                DlqCommand::Replay { id, filter } => {
-                    operator::replay_letters(&client, id, &filter).await?
-                }
-                DlqCommand::Discard { id, reason } => {
-                    operator::discard_letter(&client, id, &reason).await?
-                }
-            };
-            println!("{printed}");
+            println!("{}", dlq(&client, command, api.output).await?);
         }
         Command::Runs { api, command } => {
             let client = api.client(&config)?;
@@ -402,11 +423,28 @@ async fn run(command: Command, config: Config) -> anyhow::Result<()> {
         }
         Command::Keys { command } => keys(command, &config).await?,
         Command::Config => println!("{config:#?}"),
+        Command::Workflows { command } => workflows(command)?,
         Command::Schemas { out } => {
             for line in commands::write_schemas(&out)? {
                 println!("{line}");
             }
         }
+    }
+    Ok(())
+}
+
+fn workflows(command: WorkflowsCommand) -> anyhow::Result<()> {
+    let WorkflowsCommand::Check { files } = command;
+    let checked = commands::check_workflows(&files);
+    for line in &checked.lines {
+        println!("{line}");
+    }
+    if checked.refused > 0 {
+        anyhow::bail!(
+            "{} of {} workflow files refused",
+            checked.refused,
+            files.len()
+        );
     }
     Ok(())
 }

@@ -71,6 +71,10 @@ struct Scenario {
     /// failure of the run, naming it; ids repeat on purpose, so that a run
     /// is retried at most three times.
     retries: Vec<(u8, i64)>,
+    /// Whether the workflow moves data by selection: every other step
+    /// takes the run's input (`/input`), the others the whole document,
+    /// and the run ends with the first step's result (`/steps/step0`).
+    selects: bool,
 }
 
 fn behaviour() -> impl Strategy<Value = Behaviour> {
@@ -95,15 +99,17 @@ fn scenario() -> impl Strategy<Value = Scenario> {
             1 => Just(Vec::new()),
             1 => prop::collection::vec((0u8..3, 0i64..5_000), 1..4),
         ],
+        any::<bool>(),
     )
         .prop_map(
-            |(steps, output_topic, script, signals, cancel_at, retries)| Scenario {
+            |(steps, output_topic, script, signals, cancel_at, retries, selects)| Scenario {
                 steps,
                 output_topic,
                 script,
                 signals,
                 cancel_at,
                 retries,
+                selects,
             },
         )
 }
@@ -118,7 +124,7 @@ fn definition(name: &str, scn: &Scenario) -> WorkflowDefinition {
             .enumerate()
             .map(|(i, spec)| {
                 let name = format!("step{i}");
-                match *spec {
+                let step = match *spec {
                     StepSpec::Task(timeout_ms, max_attempts) => StepDefinition {
                         retry: RetryPolicy {
                             max_attempts,
@@ -138,10 +144,16 @@ fn definition(name: &str, scn: &Scenario) -> WorkflowDefinition {
                         };
                         StepDefinition::await_signal(&name, "poke", timeout_ms, on_timeout)
                     }
+                };
+                let input = if i % 2 == 0 { "/input" } else { "" };
+                StepDefinition {
+                    input: scn.selects.then(|| input.to_owned()),
+                    ..step
                 }
             })
             .collect(),
         output_topic: scn.output_topic.then(|| "out.topic".to_owned()),
+        output: scn.selects.then(|| "/steps/step0".to_owned()),
     }
 }
 
@@ -575,8 +587,9 @@ proptest! {
         prop_assert_eq!(retried, n);
     }
 
-    /// The state keeps only the newest output, and a signal's payload only
-    /// while a later step may consume it; the history keeps every step's
+    /// The state keeps only the newest output (or, in a run that selects
+    /// data, the output it selects once it succeeded), and a signal's
+    /// payload only while a later step may consume it; the history keeps every step's
     /// output, in step order, and every signal's payload. A waiting step's
     /// output is its input with a member named after it: the time a sleep
     /// ended, the signal an await got, or that it timed out.
@@ -596,7 +609,12 @@ proptest! {
                 completed.push((passed["step_index"].as_u64().unwrap(), passed["output"].clone()));
             }
             if let Some((_, newest)) = completed.get(before..).and_then(<[_]>::last) {
-                prop_assert_eq!(&t.state.output, newest);
+                // A run that selects its output ends with the first step's result.
+                let output = match completed.first() {
+                    Some((_, first)) if scn.selects && t.state.status == RunStatus::Succeeded => first,
+                    _ => newest,
+                };
+                prop_assert_eq!(&t.state.output, output);
             }
         }
         for (n, (i, output)) in completed.iter().enumerate() {
@@ -616,7 +634,10 @@ proptest! {
             }
         }
         let last = once.state.clone().unwrap();
-        let newest = completed.last().map_or(Value::Null, |(_, o)| o.clone());
+        let newest = match (completed.first(), completed.last()) {
+            (Some((_, first)), _) if scn.selects && last.status == RunStatus::Succeeded => first.clone(),
+            (_, newest) => newest.map_or(Value::Null, |(_, o)| o.clone()),
+        };
         prop_assert_eq!(&last.output, &newest);
         if last.status == RunStatus::Succeeded {
             prop_assert_eq!(completed.len(), def.steps.len());

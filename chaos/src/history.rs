@@ -819,6 +819,7 @@ mod tests {
             version: 1,
             steps: vec![StepDefinition::task("a", "p", 60_000)],
             output_topic: None,
+            output: None,
         }])
         .unwrap()
     }

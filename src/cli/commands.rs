@@ -157,3 +157,35 @@ pub fn write_schemas(dir: &std::path::Path) -> anyhow::Result<Vec<String>> {
     }
     Ok(lines)
 }
+
+/// What `ductor workflows check` found: a line per file, and how many
+/// were refused.
+pub struct Checked {
+    pub lines: Vec<String>,
+    pub refused: usize,
+}
+
+/// `ductor workflows check FILE...`: each file as `serve` would load it;
+/// `ok <file>: workflow "order" version 1, 5 steps`, or the refusal
+/// naming the file, the workflow, the step, the field and the rule.
+pub fn check_workflows(files: &[std::path::PathBuf]) -> Checked {
+    let mut refused = 0;
+    let lines = crate::infra::workflows::check_files(files)
+        .into_iter()
+        .zip(files)
+        .map(|(outcome, file)| match outcome {
+            Ok(def) => format!(
+                "ok {}: workflow {:?} version {}, {} steps",
+                file.display(),
+                def.name,
+                def.version,
+                def.steps.len()
+            ),
+            Err(e) => {
+                refused += 1;
+                format!("refused {e}")
+            }
+        })
+        .collect();
+    Checked { lines, refused }
+}

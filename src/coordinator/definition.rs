@@ -14,6 +14,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use super::document::{self, MAX_POINTER_LEN};
 use crate::contract::names::{MAX_NAME_LEN, is_name, is_topic};
 
 /// Most steps one workflow may declare.
@@ -40,6 +41,10 @@ pub struct WorkflowDefinition {
     /// Topic that receives the run's final output, if any.
     #[serde(default)]
     pub output_topic: Option<String>,
+    /// The run's output: a JSON pointer over the run's document. Without
+    /// it, the last step's output.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<String>,
 }
 
 /// One step of a workflow.
@@ -75,6 +80,15 @@ pub struct StepDefinition {
     /// step's input (`/ship_at`); a time already past ends it at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub until: Option<String>,
+    /// The step's input: a JSON pointer over the run's document
+    /// (`/input/order`, `/steps/charge`). Without it, the output of the
+    /// step before (the run's input for the first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<String>,
+    /// Where the step's result goes in the run's document: a JSON pointer
+    /// outside `/input`. Without it, `/steps/<name>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<String>,
 }
 
 /// The kinds of step.
@@ -157,20 +171,72 @@ fn clamp_unit(x: f64) -> f64 {
 }
 
 /// A definition that does not validate: `field` is a path such as
-/// `steps[1].retry.multiplier`.
+/// `steps[1].retry.multiplier`, `step` the name of the step it is in, and
+/// `rule` the rule it breaks.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: {message}")]
+#[error("{field}: [{}] {message}", rule.as_str())]
 pub struct DefinitionError {
     pub field: String,
+    pub step: Option<String>,
+    pub rule: Rule,
     pub message: String,
+}
+
+/// The rules a definition is checked against, each with a stable name
+/// that every refusal prints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rule {
+    /// A field out of its bounds or format.
+    Invalid,
+    /// A field that the step's kind does not take.
+    FieldOfOtherKind,
+    /// Two steps of one name.
+    DuplicateStep,
+    /// A workflow name and version defined twice.
+    DuplicateVersion,
+    /// A pointer that nothing in the run's document can answer where it
+    /// is read: the input, or the result of a step before it.
+    UnresolvablePointer,
+    /// A result path that cannot hold a result.
+    ResultPath,
+    /// A file that is no TOML, or a value of the wrong type.
+    Syntax,
+    /// A field that no definition has.
+    UnknownField,
+}
+
+impl Rule {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Rule::Invalid => "invalid",
+            Rule::FieldOfOtherKind => "field_of_other_kind",
+            Rule::DuplicateStep => "duplicate_step",
+            Rule::DuplicateVersion => "duplicate_version",
+            Rule::UnresolvablePointer => "unresolvable_pointer",
+            Rule::ResultPath => "result_path",
+            Rule::Syntax => "syntax",
+            Rule::UnknownField => "unknown_field",
+        }
+    }
 }
 
 impl DefinitionError {
     fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::of(Rule::Invalid, field, message)
+    }
+
+    fn of(rule: Rule, field: impl Into<String>, message: impl Into<String>) -> Self {
         Self {
             field: field.into(),
+            step: None,
+            rule,
             message: message.into(),
         }
+    }
+
+    fn in_step(mut self, name: &str) -> Self {
+        self.step = Some(name.to_owned());
+        self
     }
 }
 
@@ -193,14 +259,18 @@ impl WorkflowDefinition {
             ));
         }
         for (i, step) in self.steps.iter().enumerate() {
-            step.validate(&format!("steps[{i}]"))?;
+            step.validate(&format!("steps[{i}]"))
+                .map_err(|e| e.in_step(&step.name))?;
             if self.steps[..i].iter().any(|s| s.name == step.name) {
-                return Err(DefinitionError::new(
+                return Err(DefinitionError::of(
+                    Rule::DuplicateStep,
                     format!("steps[{i}].name"),
                     format!("duplicate step name \"{}\"", step.name),
-                ));
+                )
+                .in_step(&step.name));
             }
         }
+        self.validate_data()?;
         if let Some(topic) = &self.output_topic
             && !is_topic(topic)
         {
@@ -210,6 +280,101 @@ impl WorkflowDefinition {
             ));
         }
         Ok(())
+    }
+}
+
+/// The data a workflow moves between its steps: its selections and result
+/// paths, checked where they are read.
+impl WorkflowDefinition {
+    /// Whether its runs keep a document of results: a step selects its
+    /// input or places its result, or the run selects its output.
+    pub fn uses_document(&self) -> bool {
+        self.output.is_some()
+            || self
+                .steps
+                .iter()
+                .any(|s| s.input.is_some() || s.result.is_some())
+    }
+
+    /// Each pointer is a JSON pointer; each result goes outside `/input`,
+    /// and under `/steps` only at the step's own name; each selection
+    /// reads the input or what a step before it placed.
+    fn validate_data(&self) -> Result<(), DefinitionError> {
+        for (i, step) in self.steps.iter().enumerate() {
+            let at = |field: &str| format!("steps[{i}].{field}");
+            if let Some(result) = &step.result {
+                check_result(&step.name, result)
+                    .map_err(|(rule, m)| DefinitionError::of(rule, at("result"), m))
+                    .map_err(|e| e.in_step(&step.name))?;
+            }
+            if let Some(input) = &step.input {
+                check_read(input, &self.steps[..i])
+                    .map_err(|(rule, m)| DefinitionError::of(rule, at("input"), m))
+                    .map_err(|e| e.in_step(&step.name))?;
+            }
+        }
+        if let Some(output) = &self.output {
+            check_read(output, &self.steps)
+                .map_err(|(rule, m)| DefinitionError::of(rule, "output", m))?;
+        }
+        Ok(())
+    }
+}
+
+fn pointer_tokens(pointer: &str) -> Result<Vec<String>, (Rule, String)> {
+    document::tokens(pointer)
+        .filter(|_| pointer.len() <= MAX_POINTER_LEN)
+        .ok_or_else(|| {
+            (
+                Rule::Invalid,
+                format!(
+                    "must be a JSON pointer (\"/input/order\"), at most {MAX_POINTER_LEN} bytes"
+                ),
+            )
+        })
+}
+
+fn check_result(name: &str, pointer: &str) -> Result<(), (Rule, String)> {
+    let tokens = pointer_tokens(pointer)?;
+    match tokens.first().map(String::as_str) {
+        None => Err((Rule::ResultPath, "cannot replace the whole document".into())),
+        Some(document::INPUT) => Err((
+            Rule::ResultPath,
+            "cannot go in the run's input (/input)".into(),
+        )),
+        Some(document::STEPS) if tokens.get(1).map(String::as_str) != Some(name) => Err((
+            Rule::ResultPath,
+            format!(
+                "under /steps a step places only its own result: {}",
+                document::default_result(name)
+            ),
+        )),
+        Some(_) => Ok(()),
+    }
+}
+
+/// `pointer` reads the whole document, the input, or what one of `before`
+/// places: at, under or above its result path.
+fn check_read(pointer: &str, before: &[StepDefinition]) -> Result<(), (Rule, String)> {
+    let tokens = pointer_tokens(pointer)?;
+    if tokens.first().is_none_or(|t| t == document::INPUT) {
+        return Ok(());
+    }
+    let placed = before.iter().any(|step| {
+        let path = step.result_path();
+        let path = document::tokens(&path).unwrap_or_default();
+        let common = path.len().min(tokens.len());
+        path[..common] == tokens[..common]
+    });
+    if placed {
+        Ok(())
+    } else {
+        Err((
+            Rule::UnresolvablePointer,
+            format!(
+                "{pointer} reads neither /input nor what a step before it places (/steps/<name>, or its result path)"
+            ),
+        ))
     }
 }
 
@@ -227,6 +392,8 @@ impl StepDefinition {
             on_timeout: OnTimeout::default(),
             duration_ms: None,
             until: None,
+            input: None,
+            result: None,
         }
     }
 
@@ -288,7 +455,8 @@ impl StepDefinition {
             .iter()
             .find(|(_, present, kinds)| *present && !kinds.contains(&self.kind))
         {
-            Some((field, _, _)) => Err(DefinitionError::new(
+            Some((field, _, _)) => Err(DefinitionError::of(
+                Rule::FieldOfOtherKind,
                 format!("{at}.{field}"),
                 format!("is not a field of a {} step", self.kind.as_str()),
             )),
@@ -341,6 +509,13 @@ impl StepDefinition {
         }
         validate_timeout(at, self.timeout_ms)?;
         self.retry.validate(&format!("{at}.retry"))
+    }
+
+    /// Where its result goes in the run's document.
+    pub fn result_path(&self) -> String {
+        self.result
+            .clone()
+            .unwrap_or_else(|| document::default_result(&self.name))
     }
 
     /// The pool whose workers run it: a task's, none for a wait.
@@ -415,7 +590,8 @@ impl Workflows {
             def.validate()?;
             let versions = by_name.entry(def.name.clone()).or_default();
             if versions.contains_key(&def.version) {
-                return Err(DefinitionError::new(
+                return Err(DefinitionError::of(
+                    Rule::DuplicateVersion,
                     "version",
                     format!(
                         "workflow \"{}\" version {} is defined twice",

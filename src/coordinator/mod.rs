@@ -43,6 +43,7 @@
 //! lifecycle event comes first, then step dispatches, timers and the run output.
 
 pub mod definition;
+pub mod document;
 pub mod fold;
 pub mod state;
 pub mod stored;
@@ -72,6 +73,8 @@ pub use state::{
     Waiting,
 };
 
+#[cfg(test)]
+mod data_tests;
 #[cfg(test)]
 mod retry_tests;
 #[cfg(test)]

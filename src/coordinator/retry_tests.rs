@@ -43,6 +43,7 @@ fn workflows() -> Workflows {
             task("ship"),
         ],
         output_topic: None,
+        output: None,
     }])
     .unwrap()
 }

@@ -13,7 +13,7 @@
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
+use serde_json::{Map, Value};
 use uuid::Uuid;
 
 /// Most distinct signals one run records; more are rejected. A record is
@@ -172,8 +172,9 @@ pub struct Purged {
 /// document without `v` is version 1, the shape of every state written
 /// before the version was kept; version 3 keeps `retries` and `failed_seq`
 /// (see [`super::stored`]), and came with the migration
-/// `20261206000021_state_version_3`, which the column's comment names.
-pub const STATE_VERSION: u32 = 3;
+/// `20261206000021_state_version_3`; version 4 keeps `results`, and came
+/// with `20261207000024_state_version_4`, which the column's comment names.
+pub const STATE_VERSION: u32 = 4;
 
 /// The version of a document that has no `v`.
 pub(super) fn unversioned() -> u32 {
@@ -204,6 +205,13 @@ pub struct RunState {
     /// step succeeded. Every step's output is in the detail of the
     /// transition its success made, so the state does not grow with them.
     pub output: Value,
+    /// The run's document but its `input`: each finished step's result at
+    /// its result path (`steps/<name>` by default), for the steps that
+    /// select their input and the run's output selection
+    /// ([`super::document`]). Absent in runs of workflows that select no
+    /// data.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub results: Option<Map<String, Value>>,
     pub outstanding: Option<Outstanding>,
     pub pending_retry: Option<PendingRetry>,
     /// The step the run waits in, if it waits.

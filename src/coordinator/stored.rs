@@ -38,6 +38,14 @@
 //!    loads as it is, with those fields or without: without `failed_seq`,
 //!    a failed run is failed by its last transition
 //!    ([`RunState::failure_seq`]).
+//! 4. `"v": 4`: version 3 and `results` (each finished step's result at
+//!    its result path, for workflows that select their steps' inputs or
+//!    their output; [`super::document`]), optional, under a version of its
+//!    own that came with the migration `20261207000024_state_version_4`:
+//!    a binary of version 3 would write a run back without its results, and
+//!    a later step that reads one would find nothing. A version 3 state
+//!    loads as it is: its workflow selected no data, which no binary of
+//!    version 3 knew.
 //!
 //! A new version adds a step to [`upgrade`] and a fixture of the version
 //! before it. Binaries before this version ignore fields they do not know
@@ -96,6 +104,9 @@ pub fn upgrade(mut document: Value) -> Result<Value, StateDecodeError> {
     if version < 3 {
         document = from_version_2(document);
     }
+    if version < 4 {
+        document = from_version_3(document);
+    }
     Ok(document)
 }
 
@@ -147,6 +158,15 @@ fn from_version_1(mut document: Value) -> Value {
 fn from_version_2(mut document: Value) -> Value {
     if let Some(fields) = document.as_object_mut() {
         fields.insert("v".into(), 3.into());
+    }
+    document
+}
+
+/// Version 3 to 4: the same fields, and no `results` (no binary of
+/// version 3 selected data), so only the version is written.
+fn from_version_3(mut document: Value) -> Value {
+    if let Some(fields) = document.as_object_mut() {
+        fields.insert("v".into(), 4.into());
     }
     document
 }
@@ -262,16 +282,16 @@ mod tests {
     fn a_state_of_version_2_loads_as_it_is_with_or_without_retries() {
         let retried = version_2_retried();
         let mut expected = retried.clone();
-        expected["v"] = json!(3);
+        expected["v"] = json!(STATE_VERSION);
         assert_eq!(upgrade(retried.clone()), Ok(expected));
         let state = decode(&bytes(&retried)).unwrap();
         assert_eq!(state.encoding_version, STATE_VERSION);
         assert_eq!(state.retries.len(), 1);
         assert_eq!(state.retries[0].action_id, "retry-1");
         assert_eq!(state.failure_seq(), Some(5));
-        // Written back in version 3, with both.
+        // Written back in the current version, with both.
         let written = serde_json::to_value(&state).unwrap();
-        assert_eq!(written["v"], 3);
+        assert_eq!(written["v"], STATE_VERSION);
         assert_eq!(written["retries"], retried["retries"]);
         assert_eq!(written["failed_seq"], 5);
         assert_eq!(decode(&bytes(&written)).unwrap(), state);
@@ -299,6 +319,25 @@ mod tests {
             decode(&bytes(&running)).unwrap(),
             decode(&bytes(&current)).unwrap()
         );
+    }
+
+    #[test]
+    fn a_state_of_version_3_loads_as_it_is_without_results_and_keeps_them_once_made() {
+        let mut three = version_2_retried();
+        three["v"] = json!(3);
+        let mut expected = three.clone();
+        expected["v"] = json!(4);
+        assert_eq!(upgrade(three.clone()), Ok(expected));
+        let mut state = decode(&bytes(&three)).unwrap();
+        assert_eq!(state.results, None);
+        let written = serde_json::to_value(&state).unwrap();
+        assert!(written.get("results").is_none(), "{written}");
+        // A run that selects data keeps its results, and reads them back.
+        let results = json!({"steps": {"reserve": {"held": 3}}});
+        state.results = results.as_object().cloned();
+        let written = serde_json::to_value(&state).unwrap();
+        assert_eq!(written["results"], results);
+        assert_eq!(decode(&bytes(&written)).unwrap(), state);
     }
 
     #[test]

@@ -14,17 +14,17 @@ use super::*;
 use crate::contract::*;
 
 /// A state cap no test run reaches unless it means to.
-const STATE_CAP: usize = 1 << 20;
+pub(super) const STATE_CAP: usize = 1 << 20;
 
-fn t(ms: i64) -> DateTime<Utc> {
+pub(super) fn t(ms: i64) -> DateTime<Utc> {
     DateTime::from_timestamp_millis(1_700_000_000_000 + ms).unwrap()
 }
 
-fn stamp(n: u128) -> Uuid {
+pub(super) fn stamp(n: u128) -> Uuid {
     Uuid::from_u128(n)
 }
 
-fn entropy(n: u128) -> Entropy {
+pub(super) fn entropy(n: u128) -> Entropy {
     Entropy {
         stamp: stamp(n),
         jitter_unit: 0.5,
@@ -52,6 +52,7 @@ fn def(steps: usize, max_attempts: u32) -> WorkflowDefinition {
             })
             .collect(),
         output_topic: Some("out.topic".into()),
+        output: None,
     }
 }
 
@@ -59,7 +60,7 @@ fn registry(steps: usize, max_attempts: u32) -> Workflows {
     Workflows::new(vec![def(steps, max_attempts)]).unwrap()
 }
 
-fn start_input() -> Input {
+pub(super) fn start_input() -> Input {
     Input::Start(RunStart {
         run_id: "r1".into(),
         tenant: "t1".into(),
@@ -71,7 +72,7 @@ fn start_input() -> Input {
     })
 }
 
-fn result_ok(s: Uuid, output: Value) -> Input {
+pub(super) fn result_ok(s: Uuid, output: Value) -> Input {
     Input::Result(AttemptResult {
         run_id: "r1".into(),
         tenant: "t1".into(),
@@ -120,7 +121,7 @@ fn cancel() -> Input {
     })
 }
 
-fn transition(d: Decision) -> Transition {
+pub(super) fn transition(d: Decision) -> Transition {
     match d {
         Decision::Transition(t) => *t,
         other => panic!("expected a transition, got {other:?}"),
@@ -131,11 +132,17 @@ fn started(wf: &Workflows) -> RunState {
     transition(fold(None, &start_input(), wf, STATE_CAP, t(0), &entropy(1))).state
 }
 
-fn apply(state: &RunState, input: &Input, wf: &Workflows, now: i64, e: u128) -> Transition {
+pub(super) fn apply(
+    state: &RunState,
+    input: &Input,
+    wf: &Workflows,
+    now: i64,
+    e: u128,
+) -> Transition {
     transition(fold(Some(state), input, wf, STATE_CAP, t(now), &entropy(e)))
 }
 
-fn rejection_class(d: Decision) -> RejectionClass {
+pub(super) fn rejection_class(d: Decision) -> RejectionClass {
     match d {
         Decision::Rejection(r) => r.class,
         other => panic!("expected a rejection, got {other:?}"),
@@ -1304,7 +1311,7 @@ fn named_signal(id: &str, name: &str, payload: Value) -> Input {
     })
 }
 
-fn dispatch_of(tr: &Transition) -> Option<&Value> {
+pub(super) fn dispatch_of(tr: &Transition) -> Option<&Value> {
     tr.effects
         .iter()
         .find(|e| matches!(e.target, EffectTarget::StepQueue { .. }))

@@ -13,7 +13,7 @@
 use std::fmt;
 use std::path::Path;
 
-use crate::coordinator::definition::{WorkflowDefinition, Workflows};
+use crate::coordinator::definition::{DefinitionError, Rule, WorkflowDefinition, Workflows};
 
 /// Largest workflow file read, so a stray file cannot exhaust memory.
 pub const MAX_WORKFLOW_FILE_BYTES: u64 = 1024 * 1024;
@@ -22,15 +22,22 @@ pub const MAX_WORKFLOW_FILES: usize = 1024;
 
 /// A workflow file that cannot be read, parsed or validated.
 ///
-/// Displays as `config/workflows/order.toml: workflow "order": steps[1].retry.multiplier: must be >= 1.0`.
+/// Displays as `config/workflows/order.toml: workflow "order": step "b":
+/// steps[1].retry.multiplier: [invalid] must be >= 1.0`: the file, the
+/// workflow and the step when known, the field, the rule it breaks.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub struct WorkflowFileError {
     /// The file (or directory) label.
     pub file: String,
     /// The workflow's `name`, when it could be read.
     pub workflow: Option<String>,
+    /// The step's `name`, when the refusal is about one step (boxed, to
+    /// keep the error small).
+    pub step: Option<Box<str>>,
     /// The field path (`steps[1].retry.multiplier`) or TOML location (`line 3, column 1`).
     pub field: Option<String>,
+    /// The rule the definition breaks; none when the file cannot be read.
+    pub rule: Option<Rule>,
     pub message: String,
 }
 
@@ -40,8 +47,14 @@ impl fmt::Display for WorkflowFileError {
         if let Some(workflow) = &self.workflow {
             write!(f, "workflow \"{workflow}\": ")?;
         }
+        if let Some(step) = &self.step {
+            write!(f, "step \"{step}\": ")?;
+        }
         if let Some(field) = &self.field {
             write!(f, "{field}: ")?;
+        }
+        if let Some(rule) = self.rule {
+            write!(f, "[{}] ", rule.as_str())?;
         }
         f.write_str(&self.message)
     }
@@ -52,8 +65,21 @@ impl WorkflowFileError {
         Self {
             file: file.to_owned(),
             workflow: None,
+            step: None,
             field: None,
+            rule: None,
             message: message.into(),
+        }
+    }
+
+    fn of_definition(file: &str, workflow: &str, e: DefinitionError) -> Self {
+        Self {
+            file: file.to_owned(),
+            workflow: Some(workflow.to_owned()),
+            step: e.step.map(String::into_boxed_str),
+            field: Some(e.field),
+            rule: Some(e.rule),
+            message: e.message,
         }
     }
 }
@@ -89,21 +115,58 @@ pub fn load_dir(dir: &Path) -> Result<Workflows, WorkflowFileError> {
         let text =
             read_bounded(&path).map_err(|message| WorkflowFileError::new(&label, message))?;
         let def = parse_str(&label, &text)?;
-        if let Some((first, _)) = definitions
-            .iter()
-            .find(|(_, d)| d.name == def.name && d.version == def.version)
-        {
-            return Err(WorkflowFileError {
-                file: label,
-                workflow: Some(def.name),
-                field: Some("version".to_owned()),
-                message: format!("version {} is already defined in {first}", def.version),
-            });
+        if let Some(error) = defined_before(&definitions, &label, &def) {
+            return Err(error);
         }
         definitions.push((label, def));
     }
     Workflows::new(definitions.into_iter().map(|(_, d)| d).collect())
         .map_err(|e| WorkflowFileError::new(&dir_label, e.to_string()))
+}
+
+/// The refusal of `def` (in `label`) when one of `earlier` has its name
+/// and version.
+fn defined_before(
+    earlier: &[(String, WorkflowDefinition)],
+    label: &str,
+    def: &WorkflowDefinition,
+) -> Option<WorkflowFileError> {
+    let (first, _) = earlier
+        .iter()
+        .find(|(_, d)| d.name == def.name && d.version == def.version)?;
+    Some(WorkflowFileError {
+        file: label.to_owned(),
+        workflow: Some(def.name.clone()),
+        step: None,
+        field: Some("version".to_owned()),
+        rule: Some(Rule::DuplicateVersion),
+        message: format!("version {} is already defined in {first}", def.version),
+    })
+}
+
+/// `ductor workflows check`: each file read, parsed and validated as
+/// `serve` would load it, and checked against the files before it for a
+/// name and version defined twice; one outcome per file, in order.
+pub fn check_files(
+    paths: &[std::path::PathBuf],
+) -> Vec<Result<WorkflowDefinition, WorkflowFileError>> {
+    let mut loaded: Vec<(String, WorkflowDefinition)> = Vec::new();
+    let mut outcomes = Vec::with_capacity(paths.len());
+    for path in paths {
+        let label = path.display().to_string();
+        let outcome = read_bounded(path)
+            .map_err(|message| WorkflowFileError::new(&label, message))
+            .and_then(|text| parse_str(&label, &text))
+            .and_then(|def| match defined_before(&loaded, &label, &def) {
+                Some(error) => Err(error),
+                None => Ok(def),
+            });
+        if let Ok(def) = &outcome {
+            loaded.push((label, def.clone()));
+        }
+        outcomes.push(outcome);
+    }
+    outcomes
 }
 
 fn read_bounded(path: &Path) -> Result<String, String> {
@@ -120,18 +183,22 @@ fn read_bounded(path: &Path) -> Result<String, String> {
 
 /// Parses and validates one workflow definition; `file_label` names it in errors.
 pub fn parse_str(file_label: &str, text: &str) -> Result<WorkflowDefinition, WorkflowFileError> {
-    let def: WorkflowDefinition = toml::from_str(text).map_err(|e| WorkflowFileError {
-        file: file_label.to_owned(),
-        workflow: name_of(text),
-        field: e.span().map(|span| location(text, span.start)),
-        message: e.message().trim().to_owned(),
+    let def: WorkflowDefinition = toml::from_str(text).map_err(|e| {
+        let message = e.message().trim().to_owned();
+        let rule = if message.starts_with("unknown field") {
+            Rule::UnknownField
+        } else {
+            Rule::Syntax
+        };
+        WorkflowFileError {
+            workflow: name_of(text),
+            field: e.span().map(|span| location(text, span.start)),
+            rule: Some(rule),
+            ..WorkflowFileError::new(file_label, message)
+        }
     })?;
-    def.validate().map_err(|e| WorkflowFileError {
-        file: file_label.to_owned(),
-        workflow: Some(def.name.clone()),
-        field: Some(e.field),
-        message: e.message,
-    })?;
+    def.validate()
+        .map_err(|e| WorkflowFileError::of_definition(file_label, &def.name, e))?;
     Ok(def)
 }
 
@@ -249,7 +316,7 @@ multiplier = 0.5
         let err = parse_str("config/workflows/order.toml", GOOD).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "config/workflows/order.toml: workflow \"order\": steps[1].retry.multiplier: must be >= 1.0"
+            "config/workflows/order.toml: workflow \"order\": step \"b\": steps[1].retry.multiplier: [invalid] must be >= 1.0"
         );
     }
 

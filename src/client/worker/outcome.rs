@@ -107,6 +107,7 @@ mod tests {
             version: 3,
             steps: vec![step("reserve"), step("charge")],
             output_topic: None,
+            output: None,
         }])
         .unwrap()
     }

@@ -73,10 +73,19 @@ impl Ctx<'_> {
     ) -> Decision {
         let mut b = self.builder();
         b.finish_attempt(attempt.stamp, AttemptStatus::Succeeded, None);
-        b.state.output = output.clone();
         b.detail("stamp", attempt.stamp.to_string().into());
         b.detail("completed_step", attempt.step_index.into());
         b.detail("output", output.clone());
+        let Some(done) = step(def, attempt.step_index) else {
+            return reject(
+                RejectionClass::UnknownWorkflow,
+                "workflow has fewer steps than the run",
+            );
+        };
+        if let Err(error) = b.step_done(done, output.clone()) {
+            b.fail_data(attempt.step_index, super::RESULT_PATH_BLOCKED, error);
+            return b.finish(TransitionKind::RunFailed, self.input.dedup_ref());
+        }
         match b.after_step(def, attempt.step_index.saturating_add(1)) {
             Ok(kind) => b.finish(kind, self.input.dedup_ref()),
             Err(rejection) => rejection,
@@ -128,8 +137,22 @@ impl Ctx<'_> {
             }
             TimerKind::Wake => Decision::NoOp(NoOpReason::DuplicateTimer),
             TimerKind::Retry => {
+                let index = self.state.step_index;
                 let next_attempt = self.state.attempt.saturating_add(1);
-                let Some(stamp) = b.dispatch(def, self.state.step_index, next_attempt) else {
+                let Some(retried) = step(def, index) else {
+                    return reject(
+                        RejectionClass::UnknownWorkflow,
+                        "workflow has fewer steps than the run",
+                    );
+                };
+                let input = match b.step_input(retried, index) {
+                    Ok(input) => input,
+                    Err(error) => {
+                        b.fail_data(index, super::UNRESOLVED_POINTER, error);
+                        return b.finish(TransitionKind::RunFailed, self.input.dedup_ref());
+                    }
+                };
+                let Some(stamp) = b.dispatch(def, index, next_attempt, input) else {
                     return reject(
                         RejectionClass::UnknownWorkflow,
                         "workflow has fewer steps than the run",

@@ -60,13 +60,15 @@ impl<'a> Builder<'a> {
         self.detail.insert(key.to_owned(), value);
     }
 
-    /// Dispatches `attempt` of step `step_index` with the entropy's stamp: the attempt
-    /// row, the step message and its timeout timer. `None` if the step does not exist.
+    /// Dispatches `attempt` of step `step_index` with the entropy's stamp and
+    /// `input`: the attempt row, the step message and its timeout timer.
+    /// `None` if the step does not exist.
     pub(super) fn dispatch(
         &mut self,
         def: &WorkflowDefinition,
         step_index: u32,
         attempt: u32,
+        input: Value,
     ) -> Option<Uuid> {
         let step = step(def, step_index)?;
         let stamp = self.entropy.stamp;
@@ -94,11 +96,6 @@ impl<'a> Builder<'a> {
         };
         s.attempts.push(record.clone());
         self.attempt_writes.push(AttemptWrite::Insert(record));
-        let step_input = if step_index == 0 {
-            s.input.clone()
-        } else {
-            s.output.clone()
-        };
         let dispatch = StepDispatch {
             schema_version: SCHEMA_VERSION,
             run_id: s.run_id.clone(),
@@ -111,7 +108,7 @@ impl<'a> Builder<'a> {
             step_key: names::step_key(&s.run_id, step_index),
             stamp,
             deadline,
-            input: step_input,
+            input,
         };
         let target = EffectTarget::StepQueue {
             pool: step.pool.clone(),

@@ -55,9 +55,15 @@ impl Ctx<'_> {
             b.detail("reason", truncate(reason.clone(), MAX_REASON_LEN).into());
         }
         let entered = if failed_step.kind == StepKind::Task {
-            match b.dispatch(def, s.step_index, self.next_attempt()) {
-                Some(stamp) => Entered::Started(stamp),
-                None => return fewer_steps(),
+            match b.step_input(failed_step, s.step_index) {
+                Ok(input) => match b.dispatch(def, s.step_index, self.next_attempt(), input) {
+                    Some(stamp) => Entered::Started(stamp),
+                    None => return fewer_steps(),
+                },
+                Err(error) => {
+                    b.fail_data(s.step_index, super::UNRESOLVED_POINTER, error);
+                    Entered::Failed
+                }
             }
         } else {
             match b.enter(def, s.step_index) {

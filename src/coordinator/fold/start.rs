@@ -54,6 +54,7 @@ pub(super) fn on_start(
         attempt: 1,
         input: start.input.clone(),
         output: Value::Null,
+        results: super::data::initial_results(def),
         outstanding: None,
         pending_retry: None,
         waiting: None,

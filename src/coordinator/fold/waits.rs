@@ -47,18 +47,32 @@ impl Builder<'_> {
     ) -> Result<Entered, Decision> {
         loop {
             if index as usize == def.steps.len() {
+                if let Err(error) = self.select_output(def) {
+                    let last = index.saturating_sub(1);
+                    self.fail_data(last, super::UNRESOLVED_POINTER, error);
+                    return Ok(Entered::Failed);
+                }
                 self.succeed_run(def);
                 return Ok(Entered::Succeeded);
             }
             let Some(step) = step(def, index) else {
                 return Err(fewer_steps());
             };
+            let input = match self.step_input(step, index) {
+                Ok(input) => input,
+                Err(error) => {
+                    self.fail_data(index, super::UNRESOLVED_POINTER, error);
+                    return Ok(Entered::Failed);
+                }
+            };
             let member = match step.kind {
                 StepKind::Task => {
-                    let stamp = self.dispatch(def, index, 1).ok_or_else(fewer_steps)?;
+                    let stamp = self
+                        .dispatch(def, index, 1, input)
+                        .ok_or_else(fewer_steps)?;
                     return Ok(Entered::Started(stamp));
                 }
-                StepKind::Sleep => match self.sleep_until(index, step) {
+                StepKind::Sleep => match sleep_until(self.now, index, step, &input) {
                     Ok(until) if until > self.now => {
                         return Ok(Entered::Started(self.wait(index, until, None)));
                     }
@@ -79,8 +93,12 @@ impl Builder<'_> {
                     }
                 }
             };
-            let output = self.step_output(index, step, member);
+            let output = wait_output(input, step, member);
             self.state.step_index = index;
+            if let Err(error) = self.step_done(step, output.clone()) {
+                self.fail_data(index, super::RESULT_PATH_BLOCKED, error);
+                return Ok(Entered::Failed);
+            }
             let passed = json!({ "step_index": index, "output": output });
             match self.detail.get_mut("passed_steps") {
                 Some(Value::Array(steps)) => steps.push(passed),
@@ -99,10 +117,23 @@ impl Builder<'_> {
     ) -> Result<TransitionKind, Decision> {
         let waiting = self.state.waiting.take().ok_or_else(fewer_steps)?;
         let step = step(def, waiting.step_index).ok_or_else(fewer_steps)?;
-        let output = self.step_output(waiting.step_index, step, member);
         self.detail("wait_stamp", waiting.stamp.to_string().into());
         self.detail("completed_step", waiting.step_index.into());
-        self.detail("output", output);
+        // Nothing changed the document while the step waited: its input
+        // is the one it began with.
+        let input = match self.step_input(step, waiting.step_index) {
+            Ok(input) => input,
+            Err(error) => {
+                self.fail_data(waiting.step_index, super::UNRESOLVED_POINTER, error);
+                return Ok(TransitionKind::RunFailed);
+            }
+        };
+        let output = wait_output(input, step, member);
+        self.detail("output", output.clone());
+        if let Err(error) = self.step_done(step, output) {
+            self.fail_data(waiting.step_index, super::RESULT_PATH_BLOCKED, error);
+            return Ok(TransitionKind::RunFailed);
+        }
         self.after_step(def, waiting.step_index.saturating_add(1))
     }
 
@@ -154,29 +185,6 @@ impl Builder<'_> {
         stamp
     }
 
-    /// When a sleep step entered now ends.
-    fn sleep_until(&self, index: u32, step: &StepDefinition) -> Result<DateTime<Utc>, String> {
-        if let Some(ms) = step.duration_ms {
-            return Ok(super::add_ms(self.now, ms));
-        }
-        let pointer = step.until.as_deref().unwrap_or_default();
-        let input = self.step_input(index);
-        let text = input.pointer(pointer).and_then(Value::as_str).ok_or_else(|| {
-            format!(
-                "step {index} ({}) sleeps until the time at {pointer}, and its input has no string there",
-                step.name
-            )
-        })?;
-        DateTime::parse_from_rfc3339(text)
-            .map(|t| t.with_timezone(&Utc))
-            .map_err(|_| {
-                format!(
-                    "step {index} ({}) sleeps until the time at {pointer}, which is not an RFC 3339 time",
-                    step.name
-                )
-            })
-    }
-
     /// The oldest signal of this name kept for a step, consumed by `index`.
     fn take_kept_signal(&mut self, name: &str, index: u32) -> Option<Value> {
         let record = self
@@ -189,30 +197,45 @@ impl Builder<'_> {
         let payload = record.payload.take().unwrap_or(Value::Null);
         Some(json!({ "signal_id": record.signal_id, "payload": payload }))
     }
+}
 
-    /// The input of step `index`: the run's for the first, the previous
-    /// step's output after.
-    pub(super) fn step_input(&self, index: u32) -> Value {
-        if index == 0 {
-            self.state.input.clone()
-        } else {
-            self.state.output.clone()
-        }
+/// When a sleep step entered at `now` with `input` ends.
+fn sleep_until(
+    now: DateTime<Utc>,
+    index: u32,
+    step: &StepDefinition,
+    input: &Value,
+) -> Result<DateTime<Utc>, String> {
+    if let Some(ms) = step.duration_ms {
+        return Ok(super::add_ms(now, ms));
     }
+    let pointer = step.until.as_deref().unwrap_or_default();
+    let text = input.pointer(pointer).and_then(Value::as_str).ok_or_else(|| {
+        format!(
+            "step {index} ({}) sleeps until the time at {pointer}, and its input has no string there",
+            step.name
+        )
+    })?;
+    DateTime::parse_from_rfc3339(text)
+        .map(|t| t.with_timezone(&Utc))
+        .map_err(|_| {
+            format!(
+                "step {index} ({}) sleeps until the time at {pointer}, which is not an RFC 3339 time",
+                step.name
+            )
+        })
+}
 
-    /// A waiting step's output: its input with `member` under its name (an
-    /// input that is no object is kept as `"input"`). Also the run's output.
-    fn step_output(&mut self, index: u32, step: &StepDefinition, member: Value) -> Value {
-        let mut output = match self.step_input(index) {
-            Value::Object(map) => map,
-            Value::Null => Map::new(),
-            other => Map::from_iter([("input".to_owned(), other)]),
-        };
-        output.insert(step.name.clone(), member);
-        let output = Value::Object(output);
-        self.state.output = output.clone();
-        output
-    }
+/// A waiting step's output: its input with `member` under its name (an
+/// input that is no object is kept as `"input"`).
+fn wait_output(input: Value, step: &StepDefinition, member: Value) -> Value {
+    let mut output = match input {
+        Value::Object(map) => map,
+        Value::Null => Map::new(),
+        other => Map::from_iter([("input".to_owned(), other)]),
+    };
+    output.insert(step.name.clone(), member);
+    Value::Object(output)
 }
 
 impl Ctx<'_> {

@@ -1,0 +1,233 @@
+//! Workflows that move data between their steps, end to end on the real
+//! stack: `serve` folds the inputs, the example worker runs the tasks (its
+//! output is its input with a member named after the step), and each step
+//! gets what its selection names; a selection that finds nothing fails the
+//! run with its cause. And `ductor workflows check`, the binary itself,
+//! refuses each malformed definition with its rule.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::{TestDb, eventually, example_worker, produce, producer, test_config};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+const DONE: Duration = Duration::from_secs(120);
+
+/// `checkout`: the items to `reserve`, the total to `charge` (its result
+/// at `/payment`), the whole document to `notify`; the run's output is the
+/// payment. `picky`: a step that selects what the input lacks.
+fn workflows(dir: &Path) {
+    let checkout = "name = \"checkout\"\nversion = 1\noutput = \"/payment\"\n\n\
+         [[steps]]\nname = \"reserve\"\npool = \"p\"\ntimeout_ms = 5000\n\
+         input = \"/input/order/items\"\n\n\
+         [[steps]]\nname = \"charge\"\npool = \"p\"\ntimeout_ms = 5000\n\
+         input = \"/input/order/total\"\nresult = \"/payment\"\n\n\
+         [[steps]]\nname = \"notify\"\npool = \"p\"\ntimeout_ms = 5000\ninput = \"\"\n";
+    let picky = "name = \"picky\"\nversion = 1\n\n\
+         [[steps]]\nname = \"first\"\npool = \"p\"\ntimeout_ms = 5000\n\
+         input = \"/input/customer\"\n";
+    std::fs::write(dir.join("checkout.toml"), checkout).unwrap();
+    std::fs::write(dir.join("picky.toml"), picky).unwrap();
+}
+
+async fn finished(db: &TestDb, run_id: &str) -> (String, Value) {
+    eventually(&format!("{run_id} ended"), DONE, || async {
+        let row: Option<(String, Value)> =
+            sqlx::query_as("SELECT status, state FROM runs WHERE run_id = $1")
+                .bind(run_id)
+                .fetch_optional(&db.pool)
+                .await
+                .unwrap();
+        row.filter(|(status, _)| status != "running")
+    })
+    .await
+}
+
+/// The `output` in the detail of each transition that finished a step, by
+/// the step's index.
+async fn step_outputs(db: &TestDb, run_id: &str) -> Vec<(i64, Value)> {
+    sqlx::query_as(
+        "SELECT (detail->>'completed_step')::bigint, detail->'output' FROM run_transitions \
+         WHERE run_id = $1 AND detail ? 'completed_step' ORDER BY seq",
+    )
+    .bind(run_id)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn each_step_gets_what_its_selection_names_and_the_run_ends_with_its_output() {
+    let db = TestDb::migrated().await;
+    let mut config = test_config(&db);
+    let dir = tempfile::tempdir().unwrap();
+    workflows(dir.path());
+    config.coordinator.workflows_dir = PathBuf::from(dir.path());
+    config.kafka.step_pools = vec!["p".into()];
+    ductor::infra::kafka::create_configured_topics(&config)
+        .await
+        .expect("creating topics");
+    let shutdown = CancellationToken::new();
+    let serve = tokio::spawn(ductor::cli::serve::run(config.clone(), shutdown.clone()));
+    let mut worker = example_worker(&config)
+        .args(["--pool", "p", "--fail-rate", "0", "--work-ms", "0"])
+        .spawn()
+        .expect("starting the example worker");
+
+    let p = producer();
+    let (good, bad) = (common::unique("checkout"), common::unique("picky"));
+    let order = json!({"order": {"items": ["tea", "cups"], "total": 30}});
+    for (run_id, workflow, input) in [
+        (&good, "checkout", order.clone()),
+        (&bad, "picky", json!({"order": 1})),
+    ] {
+        let start = json!({
+            "type": "run.start", "schema_version": 1, "run_id": run_id, "tenant": "acme",
+            "workflow": workflow, "input": input,
+        });
+        let topic = config.topic_names().requests();
+        produce(&p, &topic, run_id, start.to_string().as_bytes(), &[]).await;
+    }
+
+    let (status, state) = finished(&db, &good).await;
+    assert_eq!(status, "succeeded", "{state}");
+    let outputs = step_outputs(&db, &good).await;
+    let steps: Vec<i64> = outputs.iter().map(|(i, _)| *i).collect();
+    assert_eq!(steps, [0, 1, 2]);
+    // The worker echoes its input beside its own member.
+    assert_eq!(outputs[0].1["input"], json!(["tea", "cups"]));
+    assert_eq!(outputs[1].1["input"], json!(30));
+    let notified = &outputs[2].1;
+    assert_eq!(notified["input"], order, "{notified}");
+    assert_eq!(notified["steps"]["reserve"], outputs[0].1, "{notified}");
+    assert_eq!(notified["payment"], outputs[1].1, "{notified}");
+    assert!(notified["notify"]["done"].as_bool().unwrap(), "{notified}");
+    assert_eq!(state["output"], outputs[1].1, "the run ends with /payment");
+    assert_eq!(state["results"]["payment"], outputs[1].1);
+    assert_eq!(state["results"]["steps"]["notify"], *notified);
+
+    let (status, state) = finished(&db, &bad).await;
+    assert_eq!(status, "failed");
+    let error = state["error"].as_str().unwrap();
+    assert!(error.starts_with("unresolved_pointer"), "{error}");
+    assert!(error.contains("/input/customer"), "{error}");
+    // It fails in its first transition, the start's.
+    let cause: Option<String> = sqlx::query_scalar(
+        "SELECT detail->>'cause' FROM run_transitions WHERE run_id = $1 AND to_status = 'failed'",
+    )
+    .bind(&bad)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(cause.as_deref(), Some("unresolved_pointer"));
+    let attempts: i64 = sqlx::query_scalar("SELECT count(*) FROM run_attempts WHERE run_id = $1")
+        .bind(&bad)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(attempts, 0, "nothing was dispatched with a missing input");
+
+    shutdown.cancel();
+    serve.await.unwrap().unwrap();
+    worker.kill().await.unwrap();
+    db.drop_db().await;
+}
+
+/// One file per rule of `ductor workflows check`, and a good one first:
+/// its name, its text, and what its line must say.
+fn one_file_per_rule() -> Vec<(&'static str, String, &'static str)> {
+    let task = |name: &str, extra: &str| {
+        format!("[[steps]]\nname = \"{name}\"\npool = \"p\"\ntimeout_ms = 1000\n{extra}\n")
+    };
+    let head = |name: &str| format!("name = \"{name}\"\nversion = 1\n");
+    vec![
+        (
+            "good",
+            head("good") + &task("a", "") + &task("b", "input = \"/steps/a\""),
+            "ok",
+        ),
+        ("syntax", "name = ".to_owned(), "[syntax]"),
+        (
+            "unknown",
+            head("unknown") + &task("a", "colour = \"red\""),
+            "[unknown_field]",
+        ),
+        (
+            "invalid",
+            head("invalid") + &task("a", "").replace("1000", "0"),
+            "[invalid]",
+        ),
+        (
+            "other_kind",
+            head("other_kind") + &task("a", "duration_ms = 5"),
+            "[field_of_other_kind]",
+        ),
+        (
+            "twice",
+            head("twice") + &task("a", "") + &task("a", ""),
+            "[duplicate_step]",
+        ),
+        (
+            "ahead",
+            head("ahead") + &task("a", "input = \"/steps/b\"") + &task("b", ""),
+            "[unresolvable_pointer]",
+        ),
+        (
+            "into_input",
+            head("into_input") + &task("a", "result = \"/input/x\""),
+            "[result_path]",
+        ),
+        (
+            "again",
+            head("good") + &task("a", ""),
+            "[duplicate_version]",
+        ),
+    ]
+}
+
+/// One malformed definition per rule, each refused by the binary with it;
+/// a good file beside them passes, and the status says that one was not.
+#[test]
+fn workflows_check_refuses_each_malformed_definition_with_its_rule() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = one_file_per_rule();
+    let mut paths = Vec::new();
+    for (name, text, _) in &files {
+        let path = dir.path().join(format!("{name}.toml"));
+        std::fs::write(&path, text).unwrap();
+        paths.push(path);
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ductor"))
+        .args(["workflows", "check"])
+        .args(&paths)
+        .output()
+        .expect("running ductor workflows check");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), files.len(), "{stdout}");
+    for ((name, _, expected), line) in files.iter().zip(&lines) {
+        assert!(line.contains(&format!("{name}.toml")), "{line}");
+        if *expected == "ok" {
+            assert!(line.starts_with("ok "), "{line}");
+        } else {
+            assert!(line.starts_with("refused "), "{line}");
+            assert!(line.contains(expected), "{name}: {line}");
+        }
+    }
+    // The step is named where the refusal is about one.
+    assert!(lines[6].contains("step \"a\""), "{}", lines[6]);
+    assert!(stderr.contains("8 of 9 workflow files refused"), "{stderr}");
+
+    // Every file good: status 0.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ductor"))
+        .args(["workflows", "check", "config/workflows/order.toml"])
+        .arg(&paths[0])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+}
