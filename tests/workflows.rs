@@ -33,6 +33,25 @@ fn workflows(dir: &Path) {
     std::fs::write(dir.join("picky.toml"), picky).unwrap();
 }
 
+/// `route`: fast orders to `express` (then `done`), the rest to
+/// `standard`. `spin`: `count`, then back to it while its result says
+/// done, at most twice.
+fn choosing_workflows(dir: &Path) {
+    let route = "name = \"route\"\nversion = 1\n\n\
+         [[steps]]\nname = \"pick\"\nkind = \"choice\"\ndefault = \"standard\"\n\
+         choices = [{ next = \"express\", when = { pointer = \"/input/speed\", equals = \"fast\" } }]\n\n\
+         [[steps]]\nname = \"express\"\npool = \"p\"\ntimeout_ms = 5000\nnext = \"done\"\n\n\
+         [[steps]]\nname = \"standard\"\npool = \"p\"\ntimeout_ms = 5000\n\n\
+         [[steps]]\nname = \"done\"\npool = \"p\"\ntimeout_ms = 5000\n";
+    let spin = "name = \"spin\"\nversion = 1\n\n\
+         [[steps]]\nname = \"count\"\npool = \"p\"\ntimeout_ms = 5000\nmax_visits = 2\n\n\
+         [[steps]]\nname = \"again\"\nkind = \"choice\"\nmax_visits = 5\ndefault = \"stop\"\n\
+         choices = [{ next = \"count\", when = { pointer = \"/steps/count/count/done\", equals = true } }]\n\n\
+         [[steps]]\nname = \"stop\"\npool = \"p\"\ntimeout_ms = 5000\n";
+    std::fs::write(dir.join("route.toml"), route).unwrap();
+    std::fs::write(dir.join("spin.toml"), spin).unwrap();
+}
+
 async fn finished(db: &TestDb, run_id: &str) -> (String, Value) {
     eventually(&format!("{run_id} ended"), DONE, || async {
         let row: Option<(String, Value)> =
@@ -136,6 +155,85 @@ async fn each_step_gets_what_its_selection_names_and_the_run_ends_with_its_outpu
     db.drop_db().await;
 }
 
+/// The steps a run's attempts were dispatched to, with their step keys,
+/// in order.
+async fn dispatched(db: &TestDb, run_id: &str) -> Vec<(String, String)> {
+    sqlx::query_as(
+        "SELECT convert_from(payload, 'UTF8')::jsonb->>'step', \
+                convert_from(payload, 'UTF8')::jsonb->>'step_key' \
+         FROM eec_effect_intent WHERE run_id = $1 AND ce_type = 'ductor.step.dispatch' \
+         ORDER BY seq, effect_index",
+    )
+    .bind(run_id)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_choice_picks_the_next_step_and_a_loop_stops_at_its_bound() {
+    let db = TestDb::migrated().await;
+    let mut config = test_config(&db);
+    let dir = tempfile::tempdir().unwrap();
+    choosing_workflows(dir.path());
+    config.coordinator.workflows_dir = PathBuf::from(dir.path());
+    config.kafka.step_pools = vec!["p".into()];
+    ductor::infra::kafka::create_configured_topics(&config)
+        .await
+        .expect("creating topics");
+    let shutdown = CancellationToken::new();
+    let serve = tokio::spawn(ductor::cli::serve::run(config.clone(), shutdown.clone()));
+    let mut worker = example_worker(&config)
+        .args(["--pool", "p", "--fail-rate", "0", "--work-ms", "0"])
+        .spawn()
+        .expect("starting the example worker");
+    let p = producer();
+    let (fast, slow, spin) = (
+        common::unique("fast"),
+        common::unique("slow"),
+        common::unique("spin"),
+    );
+    for (run_id, workflow, input) in [
+        (&fast, "route", json!({"speed": "fast"})),
+        (&slow, "route", json!({"speed": "slow"})),
+        (&spin, "spin", json!({})),
+    ] {
+        let start = json!({
+            "type": "run.start", "schema_version": 1, "run_id": run_id, "tenant": "acme",
+            "workflow": workflow, "input": input,
+        });
+        let topic = config.topic_names().requests();
+        produce(&p, &topic, run_id, start.to_string().as_bytes(), &[]).await;
+    }
+    let steps = |d: Vec<(String, String)>| d.into_iter().map(|(s, _)| s).collect::<Vec<_>>();
+    assert_eq!(finished(&db, &fast).await.0, "succeeded");
+    assert_eq!(steps(dispatched(&db, &fast).await), ["express", "done"]);
+    assert_eq!(finished(&db, &slow).await.0, "succeeded");
+    assert_eq!(steps(dispatched(&db, &slow).await), ["standard", "done"]);
+
+    let (status, state) = finished(&db, &spin).await;
+    assert_eq!(status, "failed", "{state}");
+    assert!(
+        state["error"].as_str().unwrap().starts_with("loop_bound"),
+        "{state}"
+    );
+    let keys = dispatched(&db, &spin).await;
+    assert_eq!(
+        keys,
+        [
+            ("count".to_owned(), format!("{spin}/step/0")),
+            ("count".to_owned(), format!("{spin}/step/0/visit/2")),
+        ]
+    );
+    assert_eq!(state["visits"]["0"]["count"], 3);
+    assert_eq!(state["visits"]["1"]["count"], 2);
+
+    shutdown.cancel();
+    serve.await.unwrap().unwrap();
+    worker.kill().await.unwrap();
+    db.drop_db().await;
+}
+
 /// One file per rule of `ductor workflows check`, and a good one first:
 /// its name, its text, and what its line must say.
 fn one_file_per_rule() -> Vec<(&'static str, String, &'static str)> {
@@ -185,6 +283,26 @@ fn one_file_per_rule() -> Vec<(&'static str, String, &'static str)> {
             head("good") + &task("a", ""),
             "[duplicate_version]",
         ),
+        (
+            "nowhere",
+            head("nowhere") + &task("a", "next = \"zz\""),
+            "[unknown_step]",
+        ),
+        (
+            "island",
+            head("island") + &task("a", "end = true") + &task("b", ""),
+            "[unreachable_step]",
+        ),
+        (
+            "unbounded",
+            head("unbounded") + &task("a", "next = \"a\""),
+            "[unbounded_back_edge]",
+        ),
+        (
+            "circle",
+            head("circle") + &task("a", "next = \"a\"\nmax_visits = 2"),
+            "[no_end]",
+        ),
     ]
 }
 
@@ -221,7 +339,10 @@ fn workflows_check_refuses_each_malformed_definition_with_its_rule() {
     }
     // The step is named where the refusal is about one.
     assert!(lines[6].contains("step \"a\""), "{}", lines[6]);
-    assert!(stderr.contains("8 of 9 workflow files refused"), "{stderr}");
+    assert!(
+        stderr.contains("12 of 13 workflow files refused"),
+        "{stderr}"
+    );
 
     // Every file good: status 0.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_ductor"))

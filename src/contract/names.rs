@@ -87,6 +87,18 @@ pub fn step_key(run_id: &str, step_index: u32) -> String {
     format!("{run_id}/step/{step_index}")
 }
 
+/// The key of the `visit`-th start of one step of a run that loops: the
+/// first is [`step_key`], each later one its own (`<run>/step/<index>/visit/<n>`),
+/// so that a step run again by a loop makes its external call again,
+/// while a retried attempt of one visit does not.
+pub fn step_key_of_visit(run_id: &str, step_index: u32, visit: u32) -> String {
+    if visit <= 1 {
+        step_key(run_id, step_index)
+    } else {
+        format!("{run_id}/step/{step_index}/visit/{visit}")
+    }
+}
+
 /// The idempotency key of the `run.effect_parked` notice of the effect whose
 /// key is `effect_key`: one notice per parked effect.
 pub fn parked_notice_key(effect_key: &str) -> String {

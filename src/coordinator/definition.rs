@@ -14,7 +14,9 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use super::condition::Condition;
 use super::document::{self, MAX_POINTER_LEN};
+use super::flow;
 use crate::contract::names::{MAX_NAME_LEN, is_name, is_topic};
 
 /// Most steps one workflow may declare.
@@ -27,6 +29,10 @@ pub const MAX_SLEEP_MS: u64 = 366 * 86_400_000;
 pub const MAX_ATTEMPTS_LIMIT: u32 = 100;
 /// Longest retry backoff (one day).
 pub const MAX_BACKOFF_LIMIT_MS: u64 = 86_400_000;
+/// Most choices one `choice` step may list.
+pub const MAX_CHOICES: usize = 32;
+/// Largest `max_visits` of a step.
+pub const MAX_VISITS_LIMIT: u32 = 1_000;
 
 /// One versioned workflow: an ordered list of steps.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -89,6 +95,35 @@ pub struct StepDefinition {
     /// outside `/input`. Without it, `/steps/<name>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub result: Option<String>,
+    /// The step the run goes on to once this one is done. Without it, the
+    /// step after it (the run ends after the last).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next: Option<String>,
+    /// The run succeeds once this step is done.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub end: bool,
+    /// How many times the step may start in one run: needed by a step
+    /// that goes back (its `next` or a choice names itself or a step
+    /// before it). One more fails the run with cause `loop_bound`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_visits: Option<u32>,
+    /// A `choice`: its rules, tried in order; the first whose condition
+    /// holds names the next step.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub choices: Vec<ChoiceRule>,
+    /// A `choice`: the next step when no rule holds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default: Option<String>,
+}
+
+/// One rule of a `choice` step: where to go when its condition holds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChoiceRule {
+    /// The step to go to.
+    pub next: String,
+    /// The condition, over the run's document.
+    pub when: Condition,
 }
 
 /// The kinds of step.
@@ -103,6 +138,9 @@ pub enum StepKind {
     AwaitSignal,
     /// The run waits for `duration_ms`, or until the time named by `until`.
     Sleep,
+    /// The run goes on at the step its first holding rule names, or at its
+    /// default; at once, with nothing dispatched.
+    Choice,
 }
 
 /// What the timeout of an `await_signal` step does.
@@ -199,6 +237,14 @@ pub enum Rule {
     UnresolvablePointer,
     /// A result path that cannot hold a result.
     ResultPath,
+    /// A `next`, choice or default that names no step.
+    UnknownStep,
+    /// A step that no path from the first step reaches.
+    UnreachableStep,
+    /// A step from which no path reaches the end of the run.
+    NoEnd,
+    /// A step that goes back without `max_visits`.
+    UnboundedBackEdge,
     /// A file that is no TOML, or a value of the wrong type.
     Syntax,
     /// A field that no definition has.
@@ -214,6 +260,10 @@ impl Rule {
             Rule::DuplicateVersion => "duplicate_version",
             Rule::UnresolvablePointer => "unresolvable_pointer",
             Rule::ResultPath => "result_path",
+            Rule::UnknownStep => "unknown_step",
+            Rule::UnreachableStep => "unreachable_step",
+            Rule::NoEnd => "no_end",
+            Rule::UnboundedBackEdge => "unbounded_back_edge",
             Rule::Syntax => "syntax",
             Rule::UnknownField => "unknown_field",
         }
@@ -270,6 +320,7 @@ impl WorkflowDefinition {
                 .in_step(&step.name));
             }
         }
+        self.validate_flow()?;
         self.validate_data()?;
         if let Some(topic) = &self.output_topic
             && !is_topic(topic)
@@ -293,7 +344,7 @@ impl WorkflowDefinition {
             || self
                 .steps
                 .iter()
-                .any(|s| s.input.is_some() || s.result.is_some())
+                .any(|s| s.input.is_some() || s.result.is_some() || s.kind == StepKind::Choice)
     }
 
     /// Each pointer is a JSON pointer; each result goes outside `/input`,
@@ -307,15 +358,89 @@ impl WorkflowDefinition {
                     .map_err(|(rule, m)| DefinitionError::of(rule, at("result"), m))
                     .map_err(|e| e.in_step(&step.name))?;
             }
+            let before: Vec<StepDefinition> = flow::before(self, i)
+                .into_iter()
+                .map(|j| self.steps[j].clone())
+                .collect();
             if let Some(input) = &step.input {
-                check_read(input, &self.steps[..i])
+                check_read(input, &before)
                     .map_err(|(rule, m)| DefinitionError::of(rule, at("input"), m))
                     .map_err(|e| e.in_step(&step.name))?;
+            }
+            for (j, rule) in step.choices.iter().enumerate() {
+                for pointer in rule.when.pointers() {
+                    check_read(pointer, &before)
+                        .map_err(|(r, m)| {
+                            DefinitionError::of(r, at(&format!("choices[{j}].when")), m)
+                        })
+                        .map_err(|e| e.in_step(&step.name))?;
+                }
             }
         }
         if let Some(output) = &self.output {
             check_read(output, &self.steps)
                 .map_err(|(rule, m)| DefinitionError::of(rule, "output", m))?;
+        }
+        Ok(())
+    }
+}
+
+/// The graph of a workflow's steps: each name an edge names is a step,
+/// every step is reachable and can reach the end, every back edge is
+/// bounded ([`flow`]).
+impl WorkflowDefinition {
+    fn validate_flow(&self) -> Result<(), DefinitionError> {
+        for (i, step) in self.steps.iter().enumerate() {
+            let refuse = |rule: Rule, field: String, message: String| {
+                Err(
+                    DefinitionError::of(rule, format!("steps[{i}].{field}"), message)
+                        .in_step(&step.name),
+                )
+            };
+            let mut choice = 0;
+            for (field, name) in flow::named_targets(step) {
+                let field = if field == "choices" {
+                    choice += 1;
+                    format!("choices[{}].next", choice - 1)
+                } else {
+                    field.to_owned()
+                };
+                if flow::index_of(self, name).is_none() {
+                    return refuse(
+                        Rule::UnknownStep,
+                        field,
+                        format!("names no step of this workflow: {name:?}"),
+                    );
+                }
+            }
+            if flow::has_back_edge(self, i) && step.max_visits.is_none() {
+                return refuse(
+                    Rule::UnboundedBackEdge,
+                    "max_visits".into(),
+                    "the step goes back to itself or a step before it, so it needs max_visits to bound the loop".into(),
+                );
+            }
+        }
+        let reachable = flow::reachable(self);
+        let ending = flow::ending(self);
+        for (i, step) in self.steps.iter().enumerate() {
+            let at = format!("steps[{i}]");
+            if !reachable.contains(&i) {
+                return Err(DefinitionError::of(
+                    Rule::UnreachableStep,
+                    at,
+                    "no path from the first step reaches it",
+                )
+                .in_step(&step.name));
+            }
+            if !ending.contains(&i) {
+                return Err(DefinitionError::of(
+                    Rule::NoEnd,
+                    at,
+                    "no path from it reaches the end of the run: it only loops",
+                )
+                .in_step(&step.name));
+            }
         }
         Ok(())
     }
@@ -394,6 +519,28 @@ impl StepDefinition {
             until: None,
             input: None,
             result: None,
+            next: None,
+            end: false,
+            max_visits: None,
+            choices: Vec::new(),
+            default: None,
+        }
+    }
+
+    /// A choice among `choices` (next step, condition), else `default`.
+    #[cfg(any(test, feature = "internals"))]
+    pub fn choice(name: &str, choices: Vec<(&str, Condition)>, default: &str) -> Self {
+        Self {
+            kind: StepKind::Choice,
+            choices: choices
+                .into_iter()
+                .map(|(next, when)| ChoiceRule {
+                    next: next.to_owned(),
+                    when,
+                })
+                .collect(),
+            default: Some(default.to_owned()),
+            ..Self::task(name, "", 0)
         }
     }
 
@@ -428,17 +575,69 @@ impl StepDefinition {
             ));
         }
         self.validate_fields_of_kind(at)?;
+        if let Some(max) = self.max_visits
+            && !(1..=MAX_VISITS_LIMIT).contains(&max)
+        {
+            return Err(DefinitionError::new(
+                format!("{at}.max_visits"),
+                format!("must be in 1..={MAX_VISITS_LIMIT}"),
+            ));
+        }
+        if self.end && self.next.is_some() {
+            return Err(DefinitionError::new(
+                format!("{at}.next"),
+                "a step that ends the run goes nowhere next: end or next, not both",
+            ));
+        }
         match self.kind {
             StepKind::Task => self.validate_task(at),
             StepKind::AwaitSignal => self.validate_await(at),
             StepKind::Sleep => self.validate_sleep(at),
+            StepKind::Choice => self.validate_choice(at),
         }
+    }
+
+    fn validate_choice(&self, at: &str) -> Result<(), DefinitionError> {
+        if self.choices.is_empty() || self.choices.len() > MAX_CHOICES {
+            return Err(DefinitionError::new(
+                format!("{at}.choices"),
+                format!("a choice step needs 1 to {MAX_CHOICES} choices"),
+            ));
+        }
+        for (j, rule) in self.choices.iter().enumerate() {
+            rule.when.validate().map_err(|(path, message)| {
+                let field = format!("{at}.choices[{j}].when");
+                let field = if path.is_empty() {
+                    field
+                } else {
+                    format!("{field}.{path}")
+                };
+                DefinitionError::new(field, message)
+            })?;
+            for pointer in rule.when.pointers() {
+                if pointer_tokens(pointer).is_err() {
+                    return Err(DefinitionError::new(
+                        format!("{at}.choices[{j}].when"),
+                        format!(
+                            "{pointer:?} is no JSON pointer of at most {MAX_POINTER_LEN} bytes"
+                        ),
+                    ));
+                }
+            }
+        }
+        if self.default.is_none() {
+            return Err(DefinitionError::new(
+                format!("{at}.default"),
+                "a choice step needs a default: the next step when no choice holds",
+            ));
+        }
+        Ok(())
     }
 
     /// A field of another kind of step is a mistake, not something to ignore.
     fn validate_fields_of_kind(&self, at: &str) -> Result<(), DefinitionError> {
-        use StepKind::{AwaitSignal, Sleep, Task};
-        let given: [(&str, bool, &[StepKind]); 7] = [
+        use StepKind::{AwaitSignal, Choice, Sleep, Task};
+        let given: [(&str, bool, &[StepKind]); 13] = [
             ("pool", !self.pool.is_empty(), &[Task]),
             ("retry", self.retry != RetryPolicy::default(), &[Task]),
             ("timeout_ms", self.timeout_ms != 0, &[Task, AwaitSignal]),
@@ -450,6 +649,12 @@ impl StepDefinition {
             ),
             ("duration_ms", self.duration_ms.is_some(), &[Sleep]),
             ("until", self.until.is_some(), &[Sleep]),
+            ("input", self.input.is_some(), &[Task, AwaitSignal, Sleep]),
+            ("result", self.result.is_some(), &[Task, AwaitSignal, Sleep]),
+            ("next", self.next.is_some(), &[Task, AwaitSignal, Sleep]),
+            ("end", self.end, &[Task, AwaitSignal, Sleep]),
+            ("choices", !self.choices.is_empty(), &[Choice]),
+            ("default", self.default.is_some(), &[Choice]),
         ];
         match given
             .iter()
@@ -542,6 +747,7 @@ impl StepKind {
             StepKind::Task => "task",
             StepKind::AwaitSignal => "await_signal",
             StepKind::Sleep => "sleep",
+            StepKind::Choice => "choice",
         }
     }
 }

@@ -17,7 +17,8 @@
 //! existing run passes first (its run, its tenant). Each kind of input is decided
 //! in a file of its own: `start`, `attempts` (results, timeouts, retries),
 //! `signals`, `waits` (sleeps and waits for a signal, and moving from one step
-//! to the next), `data` (what a step gets and where its result goes), `halt`
+//! to the next), `choice` (choices, and the visits that bound a loop),
+//! `data` (what a step gets and where its result goes), `halt`
 //! (a cancel, and the failures from outside a run's steps),
 //! `retry` (a failed run started again from the step it failed in);
 //! `builder` accumulates what any of them writes.
@@ -33,6 +34,7 @@ use crate::contract::{Effect, TransitionKind, fingerprint};
 
 mod attempts;
 mod builder;
+mod choice;
 mod data;
 mod halt;
 mod retry;
@@ -40,6 +42,7 @@ mod signals;
 mod start;
 mod waits;
 use builder::Builder;
+pub use choice::LOOP_BOUND;
 pub use data::{RESULT_PATH_BLOCKED, UNRESOLVED_POINTER};
 pub use halt::fail_missing_workflow;
 

@@ -42,8 +42,10 @@
 //! Effect order within a transition is part of the contract: the `ductor.events`
 //! lifecycle event comes first, then step dispatches, timers and the run output.
 
+pub mod condition;
 pub mod definition;
 pub mod document;
+pub mod flow;
 pub mod fold;
 pub mod state;
 pub mod stored;
@@ -63,7 +65,8 @@ pub use stored::StateDecodeError;
 // The rest of the fold's vocabulary, for the harnesses and the tests.
 #[cfg(any(test, feature = "internals"))]
 pub use definition::{
-    DefinitionError, OnTimeout, RetryPolicy, StepDefinition, StepKind, WorkflowDefinition,
+    ChoiceRule, DefinitionError, OnTimeout, RetryPolicy, StepDefinition, StepKind,
+    WorkflowDefinition,
 };
 #[cfg(any(test, feature = "internals"))]
 pub use fold::{RejectionClass, STATE_TOO_LARGE, TransitionRecord, WORKFLOW_MISSING};
@@ -75,6 +78,8 @@ pub use state::{
 
 #[cfg(test)]
 mod data_tests;
+#[cfg(test)]
+mod flow_tests;
 #[cfg(test)]
 mod retry_tests;
 #[cfg(test)]

@@ -11,6 +11,8 @@
 //! still loads; a run records at most [`MAX_SIGNALS_PER_RUN`] signals, a
 //! bound the fold enforces.
 
+use std::collections::BTreeMap;
+
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -105,6 +107,17 @@ pub struct Waiting {
     pub signal: Option<String>,
 }
 
+/// How often a step of a looping run has started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Visits {
+    /// Starts so far, this one included.
+    pub count: u32,
+    /// The number of the current visit's first attempt: attempts are
+    /// numbered on across visits (each number names one attempt of the
+    /// step), and a visit's retries count from here.
+    pub first_attempt: u32,
+}
+
 /// A retry waiting for its timer; the timer names the failed attempt's stamp.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PendingRetry {
@@ -172,7 +185,8 @@ pub struct Purged {
 /// document without `v` is version 1, the shape of every state written
 /// before the version was kept; version 3 keeps `retries` and `failed_seq`
 /// (see [`super::stored`]), and came with the migration
-/// `20261206000021_state_version_3`; version 4 keeps `results`, and came
+/// `20261206000021_state_version_3`; version 4 keeps `results` and
+/// `visits`, and came
 /// with `20261207000024_state_version_4`, which the column's comment names.
 pub const STATE_VERSION: u32 = 4;
 
@@ -212,6 +226,12 @@ pub struct RunState {
     /// data.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub results: Option<Map<String, Value>>,
+    /// The starts of each step (by index), in a run of a workflow that
+    /// loops ([`super::flow::has_loops`]): the bound of `max_visits`, the
+    /// visit a step key names, and where the attempts of the current visit
+    /// begin. Absent otherwise.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub visits: BTreeMap<u32, Visits>,
     pub outstanding: Option<Outstanding>,
     pub pending_retry: Option<PendingRetry>,
     /// The step the run waits in, if it waits.

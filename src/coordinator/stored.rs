@@ -40,7 +40,9 @@
 //!    ([`RunState::failure_seq`]).
 //! 4. `"v": 4`: version 3 and `results` (each finished step's result at
 //!    its result path, for workflows that select their steps' inputs or
-//!    their output; [`super::document`]), optional, under a version of its
+//!    their output, or choose; [`super::document`]) and `visits` (how many
+//!    times each step started, for workflows that loop; [`super::flow`]),
+//!    both optional, under a version of its
 //!    own that came with the migration `20261207000024_state_version_4`:
 //!    a binary of version 3 would write a run back without its results, and
 //!    a later step that reads one would find nothing. A version 3 state
@@ -162,8 +164,9 @@ fn from_version_2(mut document: Value) -> Value {
     document
 }
 
-/// Version 3 to 4: the same fields, and no `results` (no binary of
-/// version 3 selected data), so only the version is written.
+/// Version 3 to 4: the same fields, and no `results` or `visits` (no
+/// binary of version 3 selected data or looped), so only the version is
+/// written.
 fn from_version_3(mut document: Value) -> Value {
     if let Some(fields) = document.as_object_mut() {
         fields.insert("v".into(), 4.into());

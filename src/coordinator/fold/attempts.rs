@@ -86,7 +86,7 @@ impl Ctx<'_> {
             b.fail_data(attempt.step_index, super::RESULT_PATH_BLOCKED, error);
             return b.finish(TransitionKind::RunFailed, self.input.dedup_ref());
         }
-        match b.after_step(def, attempt.step_index.saturating_add(1)) {
+        match b.after_step(def, super::choice::after(def, attempt.step_index)) {
             Ok(kind) => b.finish(kind, self.input.dedup_ref()),
             Err(rejection) => rejection,
         }

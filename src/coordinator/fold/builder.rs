@@ -105,7 +105,11 @@ impl<'a> Builder<'a> {
             step: step.name.clone(),
             step_index,
             attempt,
-            step_key: names::step_key(&s.run_id, step_index),
+            step_key: names::step_key_of_visit(
+                &s.run_id,
+                step_index,
+                s.visits.get(&step_index).map_or(1, |v| v.count),
+            ),
             stamp,
             deadline,
             input,
@@ -198,9 +202,17 @@ impl<'a> Builder<'a> {
             truncate(error.clone(), MAX_DETAIL_ERROR_LEN).into(),
         );
         let policy = step(def, attempt.step_index).map(|s| &s.retry);
+        // The attempt's number within its visit of the step (a loop's later
+        // visits number their attempts on).
+        let first = self
+            .state
+            .visits
+            .get(&attempt.step_index)
+            .map_or(1, |v| v.first_attempt);
+        let nth = attempt.attempt.saturating_sub(first).saturating_add(1);
         match policy {
-            Some(policy) if retryable && attempt.attempt < policy.max_attempts => {
-                let backoff_ms = policy.backoff_ms(attempt.attempt, self.entropy.jitter_unit);
+            Some(policy) if retryable && nth < policy.max_attempts => {
+                let backoff_ms = policy.backoff_ms(nth, self.entropy.jitter_unit);
                 let due_at = add_ms(self.now, backoff_ms);
                 self.state.pending_retry = Some(PendingRetry {
                     after_stamp: attempt.stamp,

@@ -55,6 +55,7 @@ pub(super) fn on_start(
         input: start.input.clone(),
         output: Value::Null,
         results: super::data::initial_results(def),
+        visits: std::collections::BTreeMap::new(),
         outstanding: None,
         pending_retry: None,
         waiting: None,

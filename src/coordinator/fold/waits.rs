@@ -58,6 +58,10 @@ impl Builder<'_> {
             let Some(step) = step(def, index) else {
                 return Err(fewer_steps());
             };
+            if let Err(error) = self.visit(def, index, step) {
+                self.fail_data(index, super::LOOP_BOUND, error);
+                return Ok(Entered::Failed);
+            }
             let input = match self.step_input(step, index) {
                 Ok(input) => input,
                 Err(error) => {
@@ -67,8 +71,9 @@ impl Builder<'_> {
             };
             let member = match step.kind {
                 StepKind::Task => {
+                    let attempt = self.first_attempt(index);
                     let stamp = self
-                        .dispatch(def, index, 1, input)
+                        .dispatch(def, index, attempt, input)
                         .ok_or_else(fewer_steps)?;
                     return Ok(Entered::Started(stamp));
                 }
@@ -82,6 +87,10 @@ impl Builder<'_> {
                         return Ok(Entered::Failed);
                     }
                 },
+                StepKind::Choice => {
+                    index = self.choose(def, index, step);
+                    continue;
+                }
                 StepKind::AwaitSignal => {
                     let name = step.signal.clone().unwrap_or_default();
                     match self.take_kept_signal(&name, index) {
@@ -99,12 +108,16 @@ impl Builder<'_> {
                 self.fail_data(index, super::RESULT_PATH_BLOCKED, error);
                 return Ok(Entered::Failed);
             }
-            let passed = json!({ "step_index": index, "output": output });
-            match self.detail.get_mut("passed_steps") {
-                Some(Value::Array(steps)) => steps.push(passed),
-                _ => self.detail("passed_steps", json!([passed])),
-            }
-            index = index.saturating_add(1);
+            self.pass(json!({ "step_index": index, "output": output }));
+            index = super::choice::after(def, index);
+        }
+    }
+
+    /// Records a step passed in this transition in `detail.passed_steps`.
+    pub(super) fn pass(&mut self, passed: Value) {
+        match self.detail.get_mut("passed_steps") {
+            Some(Value::Array(steps)) => steps.push(passed),
+            _ => self.detail("passed_steps", json!([passed])),
         }
     }
 
@@ -134,7 +147,7 @@ impl Builder<'_> {
             self.fail_data(waiting.step_index, super::RESULT_PATH_BLOCKED, error);
             return Ok(TransitionKind::RunFailed);
         }
-        self.after_step(def, waiting.step_index.saturating_add(1))
+        self.after_step(def, super::choice::after(def, waiting.step_index))
     }
 
     /// After step `next - 1` succeeded: the kind of the transition.
