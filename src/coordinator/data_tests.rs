@@ -5,7 +5,9 @@ use serde_json::{Value, json};
 
 use super::definition::Rule;
 use super::fold::*;
-use super::tests::{STATE_CAP, apply, dispatch_of, entropy, result_ok, stamp, t, transition};
+use super::tests::{
+    apply, dispatch_of, entropy, result_ok, stamp, start_with as start, t, transition,
+};
 use super::*;
 use crate::contract::*;
 
@@ -25,19 +27,6 @@ fn workflow(steps: Vec<StepDefinition>, output: Option<&str>) -> WorkflowDefinit
 
 fn registry(def: WorkflowDefinition) -> Workflows {
     Workflows::new(vec![def]).unwrap()
-}
-
-fn start(wf: &Workflows, input: Value) -> Transition {
-    let start = Input::Start(RunStart {
-        run_id: "r1".into(),
-        tenant: "t1".into(),
-        workflow: "wf".into(),
-        workflow_version: None,
-        pool: "default".into(),
-        input,
-        correlation_id: None,
-    });
-    transition(fold(None, &start, wf, STATE_CAP, t(0), &entropy(1)))
 }
 
 fn input_of(tr: &Transition) -> &Value {

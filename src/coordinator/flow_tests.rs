@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 use super::condition::Condition;
 use super::definition::Rule;
 use super::fold::*;
-use super::tests::{STATE_CAP, apply, dispatch_of, entropy, result_ok, stamp, t, transition};
+use super::tests::{apply, dispatch_of, result_ok, stamp, start_with as start};
 use super::*;
 use crate::contract::*;
 
@@ -36,19 +36,6 @@ fn workflow(steps: Vec<StepDefinition>) -> WorkflowDefinition {
         output_topic: None,
         output: None,
     }
-}
-
-fn start(wf: &Workflows, input: Value) -> Transition {
-    let start = Input::Start(RunStart {
-        run_id: "r1".into(),
-        tenant: "t1".into(),
-        workflow: "wf".into(),
-        workflow_version: None,
-        pool: "default".into(),
-        input,
-        correlation_id: None,
-    });
-    transition(fold(None, &start, wf, STATE_CAP, t(0), &entropy(1)))
 }
 
 fn step_of(tr: &Transition) -> Value {
@@ -140,9 +127,14 @@ fn a_step_that_ends_the_run_skips_the_rest() {
 /// `charge`, then `check`: back to `charge` until its result says paid, at
 /// most three times.
 fn looping() -> Workflows {
+    looping_with(RetryPolicy::default())
+}
+
+fn looping_with(retry: RetryPolicy) -> Workflows {
     Workflows::new(vec![workflow(vec![
         StepDefinition {
             max_visits: Some(3),
+            retry,
             ..task("charge")
         },
         StepDefinition {
@@ -372,24 +364,10 @@ fn each_rule_of_the_graph_names_its_step_and_field() {
 
 #[test]
 fn each_visit_of_a_step_has_its_own_retries() {
-    let mut charge = StepDefinition {
-        max_visits: Some(3),
-        ..task("charge")
-    };
-    charge.retry.max_attempts = 2;
-    let wf = Workflows::new(vec![workflow(vec![
-        charge,
-        StepDefinition {
-            max_visits: Some(3),
-            ..StepDefinition::choice(
-                "check",
-                vec![("charge", when("/steps/charge/paid", json!(false)))],
-                "ship",
-            )
-        },
-        task("ship"),
-    ])])
-    .unwrap();
+    let wf = looping_with(RetryPolicy {
+        max_attempts: 2,
+        ..RetryPolicy::default()
+    });
     let failed = |n: u128| {
         Input::Result(AttemptResult {
             run_id: "r1".into(),

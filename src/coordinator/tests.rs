@@ -72,6 +72,20 @@ pub(super) fn start_input() -> Input {
     })
 }
 
+/// The start of run `r1` of workflow `wf` (its latest version) with `input`.
+pub(super) fn start_with(wf: &Workflows, input: Value) -> Transition {
+    let start = Input::Start(RunStart {
+        run_id: "r1".into(),
+        tenant: "t1".into(),
+        workflow: "wf".into(),
+        workflow_version: None,
+        pool: "default".into(),
+        input,
+        correlation_id: None,
+    });
+    transition(fold(None, &start, wf, STATE_CAP, t(0), &entropy(1)))
+}
+
 pub(super) fn result_ok(s: Uuid, output: Value) -> Input {
     Input::Result(AttemptResult {
         run_id: "r1".into(),
