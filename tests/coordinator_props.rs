@@ -1,6 +1,8 @@
 //! Property tests of the pure coordinator: a simulated world of workers and timers
 //! drives runs to completion, then the same inputs are re-delivered duplicated,
 //! interleaved across runs and mixed with nonsense, and the outcomes are compared.
+//! The simulated workflows are straight lines of tasks, sleeps and waits, some of
+//! them selecting their data by pointer, some looping back through a choice.
 
 #![allow(
     clippy::too_many_lines,
@@ -75,6 +77,16 @@ struct Scenario {
     /// takes the run's input (`/input`), the others the whole document,
     /// and the run ends with the first step's result (`/steps/step0`).
     selects: bool,
+    /// Whether the workflow loops (with two steps or more): a choice after
+    /// the first step goes back to it while its result names its first
+    /// attempt, so the first step runs once or twice.
+    loops: bool,
+}
+
+impl Scenario {
+    fn loops(&self) -> bool {
+        self.loops && self.steps.len() >= 2
+    }
 }
 
 fn behaviour() -> impl Strategy<Value = Behaviour> {
@@ -100,9 +112,10 @@ fn scenario() -> impl Strategy<Value = Scenario> {
             1 => prop::collection::vec((0u8..3, 0i64..5_000), 1..4),
         ],
         any::<bool>(),
+        any::<bool>(),
     )
         .prop_map(
-            |(steps, output_topic, script, signals, cancel_at, retries, selects)| Scenario {
+            |(steps, output_topic, script, signals, cancel_at, retries, selects, loops)| Scenario {
                 steps,
                 output_topic,
                 script,
@@ -110,11 +123,29 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                 cancel_at,
                 retries,
                 selects,
+                loops,
             },
         )
 }
 
 fn definition(name: &str, scn: &Scenario) -> WorkflowDefinition {
+    let mut def = straight(name, scn);
+    if scn.loops() {
+        let back = condition::Condition {
+            pointer: Some("/steps/step0/attempt".into()),
+            less: Some(2.0),
+            ..condition::Condition::default()
+        };
+        let again = StepDefinition {
+            max_visits: Some(3),
+            ..StepDefinition::choice("again", vec![("step0", back)], "step1")
+        };
+        def.steps.insert(1, again);
+    }
+    def
+}
+
+fn straight(name: &str, scn: &Scenario) -> WorkflowDefinition {
     WorkflowDefinition {
         name: name.to_owned(),
         version: 1,
@@ -562,7 +593,9 @@ proptest! {
         for (i, step) in def.steps.iter().enumerate() {
             let retried = last.retries.iter().filter(|r| r.step_index as usize == i).count() as u32;
             let mut attempts: Vec<u32> = last.attempts.iter().filter(|a| a.step_index as usize == i).map(|a| a.attempt).collect();
-            prop_assert!(attempts.len() as u32 <= step.retry.max_attempts + retried);
+            // Each visit of a step that a loop starts again has its own attempts.
+            let visits = last.visits.get(&(i as u32)).map_or(1, |v| v.count.max(1));
+            prop_assert!(attempts.len() as u32 <= step.retry.max_attempts * visits + retried);
             attempts.sort_unstable();
             let numbered: Vec<u32> = (1..=attempts.len() as u32).collect();
             prop_assert_eq!(attempts, numbered);
@@ -595,6 +628,8 @@ proptest! {
     /// ended, the signal an await got, or that it timed out.
     #[test]
     fn outputs_and_payloads_are_kept_in_the_history(scn in scenario()) {
+        // Step by step in order: a loop runs its first step again.
+        prop_assume!(!scn.loops());
         let (wf, once) = solo(&scn);
         let trs = once.transitions();
         let def = wf.get("wf", 1).unwrap();
