@@ -81,6 +81,12 @@ struct Scenario {
     /// the first step goes back to it while its result names its first
     /// attempt, so the first step runs once or twice.
     loops: bool,
+    /// Whether the workflow ends with a parallel step, and what a failed
+    /// branch does: branch `a` runs a task and a sleep, `b` a task.
+    parallel: Option<OnFailure>,
+    /// Whether branch `b` answers at once and branch `a` just before its
+    /// deadline, rather than each half-way to its deadline.
+    b_first: bool,
 }
 
 impl Scenario {
@@ -113,9 +119,14 @@ fn scenario() -> impl Strategy<Value = Scenario> {
         ],
         any::<bool>(),
         any::<bool>(),
+        prop_oneof![
+            2 => Just(None),
+            1 => Just(Some(OnFailure::FailFast)),
+            1 => Just(Some(OnFailure::AllSettled)),
+        ],
     )
         .prop_map(
-            |(steps, output_topic, script, signals, cancel_at, retries, selects, loops)| Scenario {
+            |(
                 steps,
                 output_topic,
                 script,
@@ -124,6 +135,20 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                 retries,
                 selects,
                 loops,
+                parallel,
+            )| {
+                Scenario {
+                    steps,
+                    output_topic,
+                    script,
+                    signals,
+                    cancel_at,
+                    retries,
+                    selects,
+                    loops,
+                    parallel,
+                    b_first: false,
+                }
             },
         )
 }
@@ -141,6 +166,29 @@ fn definition(name: &str, scn: &Scenario) -> WorkflowDefinition {
             ..StepDefinition::choice("again", vec![("step0", back)], "step1")
         };
         def.steps.insert(1, again);
+    }
+    if let Some(on_failure) = scn.parallel {
+        let task = |name: &str, timeout_ms: u64, max_attempts: u32| StepDefinition {
+            retry: RetryPolicy {
+                max_attempts,
+                ..RetryPolicy::default()
+            },
+            ..StepDefinition::task(name, "pool-fan", timeout_ms)
+        };
+        let fan = StepDefinition {
+            on_failure,
+            ..StepDefinition::parallel(
+                "fan",
+                vec![
+                    (
+                        "a",
+                        vec![task("fa1", 2_000, 2), StepDefinition::sleep("fa2", 300)],
+                    ),
+                    ("b", vec![task("fb1", 1_500, 3)]),
+                ],
+            )
+        };
+        def.steps.push(fan);
     }
     def
 }
@@ -382,7 +430,13 @@ fn simulate_capped(
                         let deadline =
                             DateTime::parse_from_rfc3339(p["deadline"].as_str().unwrap()).unwrap();
                         let deadline_ms = ms_of(deadline.with_timezone(&Utc));
-                        let soon = (ms + deadline_ms) / 2;
+                        let soon = match (p["branch"].as_str(), scn.b_first) {
+                            (Some("b"), true) | (Some("a"), false) if scn.parallel.is_some() => {
+                                ms + 1
+                            }
+                            (Some(_), _) => deadline_ms - 1,
+                            (None, _) => (ms + deadline_ms) / 2,
+                        };
                         let output = json!({"step": p["step_index"], "attempt": p["attempt"]});
                         let behaviour = scn
                             .script
@@ -589,9 +643,12 @@ proptest! {
         prop_assert_eq!(last.last_transition_seq, trs.len() as i64);
         prop_assert!(last.status.is_terminal(), "run did not finish: {:?}", last.status);
         prop_assert!(last.outstanding.is_none() && last.pending_retry.is_none() && last.waiting.is_none());
+        prop_assert!(last.lanes.is_empty(), "an ended run keeps no branches");
         let def = wf.get("wf", 1).unwrap();
-        for (i, step) in def.steps.iter().enumerate() {
-            let retried = last.retries.iter().filter(|r| r.step_index as usize == i).count() as u32;
+        for (i, (step, place)) in def.layout().into_iter().enumerate() {
+            // A retry of the run from a parallel step starts its branches again.
+            let top = place.parallel.map_or(i, |p| p as usize);
+            let retried = last.retries.iter().filter(|r| r.step_index as usize == top).count() as u32;
             let mut attempts: Vec<u32> = last.attempts.iter().filter(|a| a.step_index as usize == i).map(|a| a.attempt).collect();
             // Each visit of a step that a loop starts again has its own attempts.
             let visits = last.visits.get(&(i as u32)).map_or(1, |v| v.count.max(1));
@@ -628,8 +685,9 @@ proptest! {
     /// ended, the signal an await got, or that it timed out.
     #[test]
     fn outputs_and_payloads_are_kept_in_the_history(scn in scenario()) {
-        // Step by step in order: a loop runs its first step again.
-        prop_assume!(!scn.loops());
+        // Step by step in order: a loop runs its first step again, and
+        // branches run at once.
+        prop_assume!(!scn.loops() && scn.parallel.is_none());
         let (wf, once) = solo(&scn);
         let trs = once.transitions();
         let def = wf.get("wf", 1).unwrap();
@@ -757,6 +815,44 @@ proptest! {
             }
         }
         prop_assert!(capped.decisions[..k].iter().all(|d| size(d) <= cap));
+    }
+
+    /// A parallel step's branches answered in either order end the run
+    /// the same: its status, output, document and attempts per step.
+    #[test]
+    fn branches_in_either_order_end_the_same(scn in scenario()) {
+        prop_assume!(scn.parallel.is_some());
+        // Every attempt succeeds, nothing else arrives.
+        let scn = Scenario { script: Vec::new(), signals: Vec::new(), cancel_at: None, ..scn };
+        let (wf, a_first) = solo(&scn);
+        let b_first = simulate(&Scenario { b_first: true, ..scn.clone() }, "run-0", "tenant-0", "wf", &wf);
+        let (x, y) = (a_first.state.unwrap(), b_first.state.unwrap());
+        // A sleep's output says when it ended, which the order moves.
+        fn untimed(v: &Value) -> Value {
+            match v {
+                Value::Object(m) => m.iter().filter(|(k, _)| *k != "until").map(|(k, v)| (k.clone(), untimed(v))).collect(),
+                Value::Array(a) => a.iter().map(untimed).collect(),
+                other => other.clone(),
+            }
+        }
+        let ended = |s: &RunState| {
+            let mut steps: Vec<u32> = s.attempts.iter().map(|a| a.step_index).collect();
+            steps.sort_unstable();
+            let results = s.results.clone().map(|r| untimed(&Value::Object(r)));
+            (s.status, untimed(&s.output), results, steps)
+        };
+        prop_assert_eq!(ended(&x), ended(&y));
+        let fan = wf.get("wf", 1).unwrap().steps.len() - 1;
+        if x.status == RunStatus::Succeeded && !scn.selects {
+            prop_assert!(x.output.get("a").is_some() && x.output.get("b").is_some(), "output {}", x.output);
+        }
+        // The order differed: the other branch's attempt finished first.
+        let finished_first = |s: &RunState| {
+            s.attempts.iter().filter(|a| a.step_index as usize > fan).min_by_key(|a| a.finished_at).map(|a| a.step_index)
+        };
+        if x.status == RunStatus::Succeeded {
+            prop_assert_ne!(finished_first(&x), finished_first(&y));
+        }
     }
 
     /// Runs interleaved in a random order each end where they end alone.

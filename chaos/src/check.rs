@@ -459,7 +459,7 @@ impl<'a> Index<'a> {
     fn attempt_dispatched_before(&self, run: &str, stamp: Uuid, seq: i64) -> bool {
         self.transitions(run)
             .iter()
-            .any(|t| t.seq < seq && history::introduced_stamp(t) == Some(stamp))
+            .any(|t| t.seq < seq && history::introduced(t, stamp))
     }
 }
 

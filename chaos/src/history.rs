@@ -68,8 +68,8 @@ use ductor::contract::TopicNames;
 use ductor::contract::TransitionKind;
 use ductor::contract::{Input, InputTopic, MISSING_WORKFLOW_REF, RunStart, fingerprint};
 use ductor::coordinator::{
-    Decision, Entropy, RunState, STATE_TOO_LARGE, Transition, WORKFLOW_MISSING, Workflows,
-    fail_missing_workflow, fold,
+    Decision, Entropy, MAX_STEPS_IN_ALL, RunState, STATE_TOO_LARGE, Transition, WORKFLOW_MISSING,
+    Workflows, derived_stamp, fail_missing_workflow, fold,
 };
 
 /// What the replay needs besides the run's own rows.
@@ -406,13 +406,19 @@ fn attempts_explained(
         let explained = match a.status.as_str() {
             "succeeded" | "failed" => refs.contains(format!("result:{s}").as_str()),
             "timed_out" => refs.contains(format!("timer:timeout:{s}").as_str()),
-            "cancelled" => last.is_some_and(|t| {
-                abandons_attempts(t)
-                    && t.detail.get("stamp").and_then(Value::as_str) == Some(&s.to_string())
-            }),
+            "cancelled" => {
+                last.is_some_and(|t| {
+                    abandons_attempts(t)
+                        && t.detail.get("stamp").and_then(Value::as_str) == Some(&s.to_string())
+                }) || ts.iter().any(|t| cancels(t, s))
+            }
             "dispatched" => {
                 !state.status.is_terminal()
-                    && state.outstanding.as_ref().is_some_and(|o| o.stamp == s)
+                    && state
+                        .outstanding
+                        .iter()
+                        .chain(state.lanes.iter().filter_map(|l| l.outstanding.as_ref()))
+                        .any(|o| o.stamp == s)
             }
             _ => false,
         };
@@ -423,6 +429,16 @@ fn attempts_explained(
             ));
         }
     }
+}
+
+/// Whether `t` cancelled the attempt `stamp` of a branch: its own failed
+/// first, or the run ended.
+fn cancels(t: &TransitionRow, stamp: Uuid) -> bool {
+    let stamp = stamp.to_string();
+    t.detail
+        .get("cancelled_stamps")
+        .and_then(Value::as_array)
+        .is_some_and(|stamps| stamps.iter().any(|s| s.as_str() == Some(&stamp)))
 }
 
 /// The signals in the state are, in order, those the history recorded:
@@ -457,17 +473,31 @@ fn at_most_once(id: &str, ts: &[TransitionRow], v: &mut Violations) {
     }
 }
 
-/// The stamp a transition introduced, if it dispatched an attempt.
+/// The stamp a transition introduced, if it dispatched an attempt or
+/// began a wait: the first of them, from which the others derive (a
+/// transition that starts branches introduces several). A transition that
+/// names none of them records it as `first_stamp`.
 pub fn introduced_stamp(t: &TransitionRow) -> Option<Uuid> {
     let field = match t.kind.as_str() {
         "run.started" | "step.retried" => "stamp",
         "step.succeeded" | "run.retried" => "next_stamp",
-        _ => return None,
+        _ => "first_stamp",
     };
     t.detail
         .get(field)
+        .or_else(|| t.detail.get("first_stamp"))
         .and_then(Value::as_str)
         .and_then(|s| Uuid::parse_str(s).ok())
+}
+
+/// Whether transition `t` introduced `stamp`: the first stamp it
+/// introduced, or one derived from it.
+pub fn introduced(t: &TransitionRow, stamp: Uuid) -> bool {
+    let Some(first) = introduced_stamp(t) else {
+        return false;
+    };
+    let most = u32::try_from(MAX_STEPS_IN_ALL).unwrap_or(u32::MAX);
+    (0..most).any(|n| derived_stamp(first, n) == stamp)
 }
 
 enum Rebuild {
@@ -703,7 +733,10 @@ fn recover_jitter(
     }
     let s = state?;
     let def = ctx.workflows.get(&s.workflow, s.workflow_version)?;
-    let jitter = def.steps.get(s.step_index as usize)?.retry.jitter;
+    // The step of the attempt that failed: the run's, or a branch's.
+    let failed = t.detail.get("stamp")?.as_str()?;
+    let failed = s.attempt_by_stamp(Uuid::parse_str(failed).ok()?)?;
+    let jitter = def.step(failed.step_index)?.retry.jitter;
     if jitter <= 0.0 {
         return None;
     }

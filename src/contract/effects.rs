@@ -173,10 +173,13 @@ pub enum TransitionKind {
     RunCancelled,
     /// A failed run started again from the step it failed in.
     RunRetried,
+    /// A branch of a `parallel` step failed for good while others still
+    /// run (`on_failure = "all_settled"`).
+    BranchFailed,
 }
 
 impl TransitionKind {
-    pub const ALL: [TransitionKind; 10] = [
+    pub const ALL: [TransitionKind; 11] = [
         TransitionKind::RunStarted,
         TransitionKind::StepSucceeded,
         TransitionKind::StepRetryScheduled,
@@ -187,6 +190,7 @@ impl TransitionKind {
         TransitionKind::RunSignalled,
         TransitionKind::RunCancelled,
         TransitionKind::RunRetried,
+        TransitionKind::BranchFailed,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -201,6 +205,7 @@ impl TransitionKind {
             TransitionKind::RunSignalled => "run.signalled",
             TransitionKind::RunCancelled => "run.cancelled",
             TransitionKind::RunRetried => "run.retried",
+            TransitionKind::BranchFailed => "branch.failed",
         }
     }
 
@@ -341,6 +346,11 @@ pub struct StepDispatch {
     /// The run's input for the first step, the previous step's output after.
     #[schemars(with = "AnyValue")]
     pub input: Value,
+    /// The branch of a `parallel` step the attempt runs in, by name
+    /// (absent outside branches).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<Name>")]
+    pub branch: Option<String>,
 }
 
 /// A dispatch that does not follow the contract: a version mismatch between
@@ -407,6 +417,10 @@ impl StepDispatch {
                 .map_err(|_| DecodeError::new("stamp: must be a UUID"))?,
             deadline,
             input: obj.get("input").cloned().unwrap_or(Value::Null),
+            branch: match obj.get("branch") {
+                None | Some(Value::Null) => None,
+                Some(_) => Some(f.name("branch")?),
+            },
         })
     }
 
@@ -495,6 +509,7 @@ mod tests {
                 .unwrap()
                 .with_timezone(&Utc),
             input: serde_json::json!({"amount": 5}),
+            branch: None,
         }
     }
 

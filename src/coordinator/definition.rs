@@ -33,6 +33,14 @@ pub const MAX_BACKOFF_LIMIT_MS: u64 = 86_400_000;
 pub const MAX_CHOICES: usize = 32;
 /// Largest `max_visits` of a step.
 pub const MAX_VISITS_LIMIT: u32 = 1_000;
+/// Most branches one `parallel` step may have.
+pub const MAX_BRANCHES: usize = 16;
+/// Most steps one workflow may declare in all, its branches' steps
+/// included.
+pub const MAX_STEPS_IN_ALL: usize = 256;
+/// How deep `parallel` steps may nest: a step in a branch of a parallel
+/// step in a branch is at depth 2.
+pub const MAX_DEPTH: u32 = 3;
 
 /// One versioned workflow: an ordered list of steps.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -114,6 +122,36 @@ pub struct StepDefinition {
     /// A `choice`: the next step when no rule holds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub default: Option<String>,
+    /// A `parallel`: its branches, which run at once.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub branches: Vec<Branch>,
+    /// A `parallel`: what a branch that fails for good does.
+    #[serde(default)]
+    pub on_failure: OnFailure,
+}
+
+/// One branch of a `parallel` step: a sequence of steps, run in order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Branch {
+    /// Its name, unique within the step: its result's key in the step's
+    /// result, and the `branch` of its attempts' dispatches.
+    pub name: String,
+    /// Its steps: tasks, sleeps and `parallel` steps, each taking the
+    /// output of the one before (the first takes the parallel step's input).
+    pub steps: Vec<StepDefinition>,
+}
+
+/// What a branch of a `parallel` step that fails for good does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnFailure {
+    /// The step fails at once, and the other branches' attempts are
+    /// cancelled.
+    #[default]
+    FailFast,
+    /// The step fails once every branch has ended.
+    AllSettled,
 }
 
 /// One rule of a `choice` step: where to go when its condition holds.
@@ -141,6 +179,9 @@ pub enum StepKind {
     /// The run goes on at the step its first holding rule names, or at its
     /// default; at once, with nothing dispatched.
     Choice,
+    /// Its branches run at once; it ends when each has ended, with an
+    /// object of their results by branch name.
+    Parallel,
 }
 
 /// What the timeout of an `await_signal` step does.
@@ -245,6 +286,10 @@ pub enum Rule {
     NoEnd,
     /// A step that goes back without `max_visits`.
     UnboundedBackEdge,
+    /// A step or field that a branch of a `parallel` step cannot hold.
+    NotInBranch,
+    /// `parallel` steps nested deeper than [`MAX_DEPTH`].
+    TooDeep,
     /// A file that is no TOML, or a value of the wrong type.
     Syntax,
     /// A field that no definition has.
@@ -264,6 +309,8 @@ impl Rule {
             Rule::UnreachableStep => "unreachable_step",
             Rule::NoEnd => "no_end",
             Rule::UnboundedBackEdge => "unbounded_back_edge",
+            Rule::NotInBranch => "not_in_branch",
+            Rule::TooDeep => "too_deep",
             Rule::Syntax => "syntax",
             Rule::UnknownField => "unknown_field",
         }
@@ -308,18 +355,7 @@ impl WorkflowDefinition {
                 format!("must declare 1 to {MAX_STEPS} steps"),
             ));
         }
-        for (i, step) in self.steps.iter().enumerate() {
-            step.validate(&format!("steps[{i}]"))
-                .map_err(|e| e.in_step(&step.name))?;
-            if self.steps[..i].iter().any(|s| s.name == step.name) {
-                return Err(DefinitionError::of(
-                    Rule::DuplicateStep,
-                    format!("steps[{i}].name"),
-                    format!("duplicate step name \"{}\"", step.name),
-                )
-                .in_step(&step.name));
-            }
-        }
+        self.validate_steps()?;
         self.validate_flow()?;
         self.validate_data()?;
         if let Some(topic) = &self.output_topic
@@ -334,6 +370,189 @@ impl WorkflowDefinition {
     }
 }
 
+/// Where a step sits in its workflow, by the index that numbers every
+/// step of the workflow: first the steps of its own sequence in order
+/// (the indices of a workflow without `parallel` steps), then, for each
+/// `parallel` step in the order of its index, its branches' steps, each
+/// branch's in a row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Place {
+    /// The `parallel` step whose branch holds it; `None` in the
+    /// workflow's own sequence.
+    pub parallel: Option<u32>,
+    /// The branch of that step (0 in the workflow's own sequence).
+    pub branch: u32,
+    /// The index of the first step of its sequence.
+    pub first: u32,
+    /// How many steps its sequence has.
+    pub len: u32,
+    /// How many `parallel` steps enclose it.
+    pub depth: u32,
+}
+
+impl WorkflowDefinition {
+    /// Every step with its place, by index.
+    pub fn layout(&self) -> Vec<(&StepDefinition, Place)> {
+        let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        let top = Place {
+            parallel: None,
+            branch: 0,
+            first: 0,
+            len: count(self.steps.len()),
+            depth: 0,
+        };
+        let mut out: Vec<(&StepDefinition, Place)> = self.steps.iter().map(|s| (s, top)).collect();
+        let mut i = 0;
+        while i < out.len() && out.len() <= MAX_STEPS_IN_ALL {
+            let (step, place) = out[i];
+            for (b, branch) in step.branches.iter().enumerate() {
+                let inner = Place {
+                    parallel: Some(count(i)),
+                    branch: count(b),
+                    first: count(out.len()),
+                    len: count(branch.steps.len()),
+                    depth: place.depth.saturating_add(1),
+                };
+                out.extend(branch.steps.iter().map(|s| (s, inner)));
+            }
+            i += 1;
+        }
+        out
+    }
+
+    /// The step of index `index` (see [`Place`]).
+    pub fn step(&self, index: u32) -> Option<&StepDefinition> {
+        let i = usize::try_from(index).ok()?;
+        match self.steps.get(i) {
+            Some(step) => Some(step),
+            None if self.has_branches() => self.layout().get(i).map(|(s, _)| *s),
+            None => None,
+        }
+    }
+
+    /// Where the step of index `index` sits.
+    pub fn place(&self, index: u32) -> Option<Place> {
+        let i = usize::try_from(index).ok()?;
+        if !self.has_branches() {
+            return (i < self.steps.len()).then_some(Place {
+                parallel: None,
+                branch: 0,
+                first: 0,
+                len: u32::try_from(self.steps.len()).unwrap_or(u32::MAX),
+                depth: 0,
+            });
+        }
+        self.layout().get(i).map(|(_, p)| *p)
+    }
+
+    /// The index of the first step of branch `branch` of the parallel
+    /// step of index `parallel`.
+    pub fn branch_first(&self, parallel: u32, branch: u32) -> Option<u32> {
+        let layout = self.layout();
+        let i = layout
+            .iter()
+            .position(|(_, p)| p.parallel == Some(parallel) && p.branch == branch)?;
+        u32::try_from(i).ok()
+    }
+
+    /// Whether any step runs branches.
+    pub fn has_branches(&self) -> bool {
+        self.steps.iter().any(|s| s.kind == StepKind::Parallel)
+    }
+
+    /// The path of the step of index `index` in its file
+    /// (`steps[2].branches[0].steps[1]`).
+    fn path_of(&self, layout: &[(&StepDefinition, Place)], index: usize) -> String {
+        let Some((_, place)) = layout.get(index) else {
+            return String::new();
+        };
+        let position = index.saturating_sub(place.first as usize);
+        match place.parallel {
+            None => format!("steps[{position}]"),
+            Some(parallel) => format!(
+                "{}.branches[{}].steps[{position}]",
+                self.path_of(layout, parallel as usize),
+                place.branch
+            ),
+        }
+    }
+
+    /// The index, in the workflow's own sequence, of the step that holds
+    /// the step of index `index` (itself, outside branches).
+    fn top_of(layout: &[(&StepDefinition, Place)], mut index: usize) -> usize {
+        while let Some(parallel) = layout.get(index).and_then(|(_, p)| p.parallel) {
+            index = parallel as usize;
+        }
+        index
+    }
+
+    /// Each step, in the workflow's sequence or in a branch, within its
+    /// bounds, of a unique name, and of a kind and with fields that its
+    /// place allows.
+    fn validate_steps(&self) -> Result<(), DefinitionError> {
+        let layout = self.layout();
+        if layout.len() > MAX_STEPS_IN_ALL {
+            return Err(DefinitionError::new(
+                "steps",
+                format!(
+                    "must declare at most {MAX_STEPS_IN_ALL} steps in all, with those of branches"
+                ),
+            ));
+        }
+        for (i, (step, place)) in layout.iter().enumerate() {
+            let at = self.path_of(&layout, i);
+            let refuse = |rule: Rule, field: &str, message: String| {
+                Err(DefinitionError::of(rule, format!("{at}{field}"), message).in_step(&step.name))
+            };
+            step.validate(&at).map_err(|e| e.in_step(&step.name))?;
+            if layout[..i].iter().any(|(s, _)| s.name == step.name) {
+                return refuse(
+                    Rule::DuplicateStep,
+                    ".name",
+                    format!("duplicate step name \"{}\"", step.name),
+                );
+            }
+            if place.depth > MAX_DEPTH {
+                return refuse(
+                    Rule::TooDeep,
+                    "",
+                    format!("parallel steps nest at most {MAX_DEPTH} deep"),
+                );
+            }
+            if place.parallel.is_none() {
+                continue;
+            }
+            if !matches!(
+                step.kind,
+                StepKind::Task | StepKind::Sleep | StepKind::Parallel
+            ) {
+                return refuse(
+                    Rule::NotInBranch,
+                    ".kind",
+                    format!(
+                        "a branch runs task, sleep and parallel steps; a {} step runs in the workflow's own sequence",
+                        step.kind.as_str()
+                    ),
+                );
+            }
+            let fields = [
+                ("next", step.next.is_some()),
+                ("end", step.end),
+                ("max_visits", step.max_visits.is_some()),
+                ("result", step.result.is_some()),
+            ];
+            if let Some((field, _)) = fields.iter().find(|(_, given)| *given) {
+                return refuse(
+                    Rule::NotInBranch,
+                    &format!(".{field}"),
+                    "a branch's steps run in order, and its result is its last step's output: a step in a branch takes no next, end, max_visits or result".into(),
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The data a workflow moves between its steps: its selections and result
 /// paths, checked where they are read.
 impl WorkflowDefinition {
@@ -342,23 +561,26 @@ impl WorkflowDefinition {
     pub fn uses_document(&self) -> bool {
         self.output.is_some()
             || self
-                .steps
+                .layout()
                 .iter()
-                .any(|s| s.input.is_some() || s.result.is_some() || s.kind == StepKind::Choice)
+                .any(|(s, _)| s.input.is_some() || s.result.is_some() || s.kind == StepKind::Choice)
     }
 
     /// Each pointer is a JSON pointer; each result goes outside `/input`,
     /// and under `/steps` only at the step's own name; each selection
     /// reads the input or what a step before it placed.
     fn validate_data(&self) -> Result<(), DefinitionError> {
-        for (i, step) in self.steps.iter().enumerate() {
-            let at = |field: &str| format!("steps[{i}].{field}");
+        let layout = self.layout();
+        for (i, (step, _)) in layout.iter().enumerate() {
+            let path = self.path_of(&layout, i);
+            let at = |field: &str| format!("{path}.{field}");
             if let Some(result) = &step.result {
                 check_result(&step.name, result)
                     .map_err(|(rule, m)| DefinitionError::of(rule, at("result"), m))
                     .map_err(|e| e.in_step(&step.name))?;
             }
-            let before: Vec<StepDefinition> = flow::before(self, i)
+            // A step in a branch reads what its parallel step could.
+            let before: Vec<StepDefinition> = flow::before(self, Self::top_of(&layout, i))
                 .into_iter()
                 .map(|j| self.steps[j].clone())
                 .collect();
@@ -524,6 +746,24 @@ impl StepDefinition {
             max_visits: None,
             choices: Vec::new(),
             default: None,
+            branches: Vec::new(),
+            on_failure: OnFailure::default(),
+        }
+    }
+
+    /// A parallel step of `branches` (name, steps), failing fast.
+    #[cfg(any(test, feature = "internals"))]
+    pub fn parallel(name: &str, branches: Vec<(&str, Vec<StepDefinition>)>) -> Self {
+        Self {
+            kind: StepKind::Parallel,
+            branches: branches
+                .into_iter()
+                .map(|(name, steps)| Branch {
+                    name: name.to_owned(),
+                    steps,
+                })
+                .collect(),
+            ..Self::task(name, "", 0)
         }
     }
 
@@ -594,7 +834,39 @@ impl StepDefinition {
             StepKind::AwaitSignal => self.validate_await(at),
             StepKind::Sleep => self.validate_sleep(at),
             StepKind::Choice => self.validate_choice(at),
+            StepKind::Parallel => self.validate_parallel(at),
         }
+    }
+
+    fn validate_parallel(&self, at: &str) -> Result<(), DefinitionError> {
+        if self.branches.is_empty() || self.branches.len() > MAX_BRANCHES {
+            return Err(DefinitionError::new(
+                format!("{at}.branches"),
+                format!("a parallel step needs 1 to {MAX_BRANCHES} branches"),
+            ));
+        }
+        for (b, branch) in self.branches.iter().enumerate() {
+            let field = format!("{at}.branches[{b}]");
+            if !is_name(&branch.name, MAX_NAME_LEN) {
+                return Err(DefinitionError::new(
+                    format!("{field}.name"),
+                    "must be 1 to 100 characters of [A-Za-z0-9_.-]",
+                ));
+            }
+            if self.branches[..b].iter().any(|o| o.name == branch.name) {
+                return Err(DefinitionError::new(
+                    format!("{field}.name"),
+                    format!("duplicate branch name {:?}", branch.name),
+                ));
+            }
+            if branch.steps.is_empty() {
+                return Err(DefinitionError::new(
+                    format!("{field}.steps"),
+                    "a branch needs at least one step",
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn validate_choice(&self, at: &str) -> Result<(), DefinitionError> {
@@ -636,8 +908,8 @@ impl StepDefinition {
 
     /// A field of another kind of step is a mistake, not something to ignore.
     fn validate_fields_of_kind(&self, at: &str) -> Result<(), DefinitionError> {
-        use StepKind::{AwaitSignal, Choice, Sleep, Task};
-        let given: [(&str, bool, &[StepKind]); 13] = [
+        use StepKind::{AwaitSignal, Choice, Parallel, Sleep, Task};
+        let given: [(&str, bool, &[StepKind]); 15] = [
             ("pool", !self.pool.is_empty(), &[Task]),
             ("retry", self.retry != RetryPolicy::default(), &[Task]),
             ("timeout_ms", self.timeout_ms != 0, &[Task, AwaitSignal]),
@@ -649,12 +921,30 @@ impl StepDefinition {
             ),
             ("duration_ms", self.duration_ms.is_some(), &[Sleep]),
             ("until", self.until.is_some(), &[Sleep]),
-            ("input", self.input.is_some(), &[Task, AwaitSignal, Sleep]),
-            ("result", self.result.is_some(), &[Task, AwaitSignal, Sleep]),
-            ("next", self.next.is_some(), &[Task, AwaitSignal, Sleep]),
-            ("end", self.end, &[Task, AwaitSignal, Sleep]),
+            (
+                "input",
+                self.input.is_some(),
+                &[Task, AwaitSignal, Sleep, Parallel],
+            ),
+            (
+                "result",
+                self.result.is_some(),
+                &[Task, AwaitSignal, Sleep, Parallel],
+            ),
+            (
+                "next",
+                self.next.is_some(),
+                &[Task, AwaitSignal, Sleep, Parallel],
+            ),
+            ("end", self.end, &[Task, AwaitSignal, Sleep, Parallel]),
             ("choices", !self.choices.is_empty(), &[Choice]),
             ("default", self.default.is_some(), &[Choice]),
+            ("branches", !self.branches.is_empty(), &[Parallel]),
+            (
+                "on_failure",
+                self.on_failure != OnFailure::default(),
+                &[Parallel],
+            ),
         ];
         match given
             .iter()
@@ -748,6 +1038,7 @@ impl StepKind {
             StepKind::AwaitSignal => "await_signal",
             StepKind::Sleep => "sleep",
             StepKind::Choice => "choice",
+            StepKind::Parallel => "parallel",
         }
     }
 }

@@ -37,14 +37,17 @@ mod builder;
 mod choice;
 mod data;
 mod halt;
+mod parallel;
 mod retry;
 mod signals;
 mod start;
 mod waits;
 use builder::Builder;
+pub use builder::derived_stamp;
 pub use choice::LOOP_BOUND;
 pub use data::{RESULT_PATH_BLOCKED, UNRESOLVED_POINTER};
 pub use halt::fail_missing_workflow;
+pub use parallel::BRANCH_FAILED;
 
 /// Longest error text copied into a transition's `detail`.
 pub const MAX_DETAIL_ERROR_LEN: usize = 256;
@@ -255,6 +258,7 @@ fn decide(
         workflows,
         now,
         entropy,
+        focus: Vec::new(),
     };
     match input {
         Input::Start(start) => start::on_duplicate_start(state, start),
@@ -299,16 +303,24 @@ struct Ctx<'a> {
     workflows: &'a Workflows,
     now: DateTime<Utc>,
     entropy: &'a Entropy,
+    /// The lanes whose cursors are in `state`'s own fields, outermost
+    /// first: the input is a branch's (see `parallel`).
+    focus: Vec<usize>,
 }
 
 impl Ctx<'_> {
     fn builder(&self) -> Builder<'_> {
-        Builder::new(
+        let mut b = Builder::new(
             self.state.clone(),
             Some(self.state.status),
             self.now,
             self.entropy,
-        )
+        );
+        if !self.focus.is_empty() {
+            b.focus.clone_from(&self.focus);
+            b.def = self.definition().ok();
+        }
+        b
     }
 
     fn definition(&self) -> Result<&WorkflowDefinition, Decision> {
@@ -338,7 +350,7 @@ impl Ctx<'_> {
 }
 
 fn step(def: &WorkflowDefinition, index: u32) -> Option<&StepDefinition> {
-    def.steps.get(usize::try_from(index).ok()?)
+    def.step(index)
 }
 
 /// `t + ms`, saturating at the largest representable time.

@@ -65,21 +65,26 @@ pub use stored::StateDecodeError;
 // The rest of the fold's vocabulary, for the harnesses and the tests.
 #[cfg(any(test, feature = "internals"))]
 pub use definition::{
-    ChoiceRule, DefinitionError, OnTimeout, RetryPolicy, StepDefinition, StepKind,
-    WorkflowDefinition,
+    Branch, ChoiceRule, DefinitionError, MAX_STEPS_IN_ALL, OnFailure, OnTimeout, RetryPolicy,
+    StepDefinition, StepKind, WorkflowDefinition,
 };
 #[cfg(any(test, feature = "internals"))]
-pub use fold::{RejectionClass, STATE_TOO_LARGE, TransitionRecord, WORKFLOW_MISSING};
+pub use fold::{
+    BRANCH_FAILED, RejectionClass, STATE_TOO_LARGE, TransitionRecord, WORKFLOW_MISSING,
+    derived_stamp,
+};
 #[cfg(any(test, feature = "internals"))]
 pub use state::{
-    MAX_RETRIES_PER_RUN, MAX_SIGNALS_PER_RUN, Outstanding, PendingRetry, RetryRecord, SignalRecord,
-    Waiting,
+    Lane, LaneStatus, MAX_RETRIES_PER_RUN, MAX_SIGNALS_PER_RUN, Outstanding, PendingRetry,
+    RetryRecord, SignalRecord, Waiting,
 };
 
 #[cfg(test)]
 mod data_tests;
 #[cfg(test)]
 mod flow_tests;
+#[cfg(test)]
+mod parallel_tests;
 #[cfg(test)]
 mod retry_tests;
 #[cfg(test)]

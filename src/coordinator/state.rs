@@ -118,6 +118,46 @@ pub struct Visits {
     pub first_attempt: u32,
 }
 
+/// What became of a branch of a `parallel` step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LaneStatus {
+    Running,
+    Succeeded,
+    Failed,
+    /// Stopped because another branch failed first (`fail_fast`), or the
+    /// run ended.
+    Cancelled,
+}
+
+/// Where one branch of a running `parallel` step stands: the same
+/// cursor as the run's own (its step, attempt, outstanding attempt,
+/// pending retry and wait), with its own stamps. Steps are numbered
+/// across the whole workflow ([`crate::coordinator::definition::Place`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Lane {
+    /// The index of the `parallel` step.
+    pub parallel: u32,
+    /// Which of its branches, by position.
+    pub branch: u32,
+    pub status: LaneStatus,
+    /// Its current step (its last, once it succeeded).
+    pub step_index: u32,
+    pub attempt: u32,
+    /// The output of its newest finished step (the parallel step's input
+    /// before one did): the branch's result once it succeeded.
+    pub output: Value,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outstanding: Option<Outstanding>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_retry: Option<PendingRetry>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<Waiting>,
+    /// Why it failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
 /// A retry waiting for its timer; the timer names the failed attempt's stamp.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PendingRetry {
@@ -187,8 +227,9 @@ pub struct Purged {
 /// (see [`super::stored`]), and came with the migration
 /// `20261206000021_state_version_3`; version 4 keeps `results` and
 /// `visits`, and came
-/// with `20261207000024_state_version_4`, which the column's comment names.
-pub const STATE_VERSION: u32 = 4;
+/// with `20261207000024_state_version_4`; version 5 keeps `lanes`, and came
+/// with `20261208000025_state_version_5`, which the column's comment names.
+pub const STATE_VERSION: u32 = 5;
 
 /// The version of a document that has no `v`.
 pub(super) fn unversioned() -> u32 {
@@ -234,6 +275,11 @@ pub struct RunState {
     pub visits: BTreeMap<u32, Visits>,
     pub outstanding: Option<Outstanding>,
     pub pending_retry: Option<PendingRetry>,
+    /// The branches of the `parallel` steps the run is in (the run's own
+    /// cursor stays on the parallel step meanwhile), in the order they
+    /// started. Absent when it is in none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lanes: Vec<Lane>,
     /// The step the run waits in, if it waits.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting: Option<Waiting>,

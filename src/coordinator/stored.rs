@@ -48,6 +48,12 @@
 //!    a later step that reads one would find nothing. A version 3 state
 //!    loads as it is: its workflow selected no data, which no binary of
 //!    version 3 knew.
+//! 5. `"v": 5`: version 4 and `lanes` (where each branch of the `parallel`
+//!    steps a run is in stands), optional, under a version of its own
+//!    that came with the migration `20261208000025_state_version_5`: a
+//!    binary of version 4 would write a run back without its branches,
+//!    and no result of theirs could then apply. A version 4 state loads as
+//!    it is: no binary of version 4 ran branches.
 //!
 //! A new version adds a step to [`upgrade`] and a fixture of the version
 //! before it. Binaries before this version ignore fields they do not know
@@ -108,6 +114,9 @@ pub fn upgrade(mut document: Value) -> Result<Value, StateDecodeError> {
     }
     if version < 4 {
         document = from_version_3(document);
+    }
+    if version < 5 {
+        document = from_version_4(document);
     }
     Ok(document)
 }
@@ -170,6 +179,15 @@ fn from_version_2(mut document: Value) -> Value {
 fn from_version_3(mut document: Value) -> Value {
     if let Some(fields) = document.as_object_mut() {
         fields.insert("v".into(), 4.into());
+    }
+    document
+}
+
+/// Version 4 to 5: the same fields, and no `lanes` (no binary of version
+/// 4 ran branches), so only the version is written.
+fn from_version_4(mut document: Value) -> Value {
+    if let Some(fields) = document.as_object_mut() {
+        fields.insert("v".into(), 5.into());
     }
     document
 }
@@ -329,7 +347,7 @@ mod tests {
         let mut three = version_2_retried();
         three["v"] = json!(3);
         let mut expected = three.clone();
-        expected["v"] = json!(4);
+        expected["v"] = json!(STATE_VERSION);
         assert_eq!(upgrade(three.clone()), Ok(expected));
         let mut state = decode(&bytes(&three)).unwrap();
         assert_eq!(state.results, None);
@@ -340,6 +358,27 @@ mod tests {
         state.results = results.as_object().cloned();
         let written = serde_json::to_value(&state).unwrap();
         assert_eq!(written["results"], results);
+        assert_eq!(decode(&bytes(&written)).unwrap(), state);
+    }
+
+    #[test]
+    fn a_state_of_version_4_loads_as_it_is_without_lanes_and_keeps_them_once_made() {
+        let mut four = version_2_retried();
+        four["v"] = json!(4);
+        four["results"] = json!({"steps": {"reserve": {"held": 3}}});
+        let mut expected = four.clone();
+        expected["v"] = json!(5);
+        assert_eq!(upgrade(four.clone()), Ok(expected));
+        let mut state = decode(&bytes(&four)).unwrap();
+        assert!(state.lanes.is_empty());
+        let written = serde_json::to_value(&state).unwrap();
+        assert!(written.get("lanes").is_none(), "{written}");
+        // A run in a parallel step keeps its lanes, and reads them back.
+        let lane = json!({"parallel": 0, "branch": 1, "status": "running", "step_index": 4,
+                          "attempt": 1, "output": {"n": 1}});
+        state.lanes = vec![serde_json::from_value(lane.clone()).unwrap()];
+        let written = serde_json::to_value(&state).unwrap();
+        assert_eq!(written["lanes"], json!([lane]));
         assert_eq!(decode(&bytes(&written)).unwrap(), state);
     }
 

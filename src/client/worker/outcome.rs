@@ -162,6 +162,7 @@ mod tests {
                 stamp: Uuid::from_u128(42),
                 deadline: now() + chrono::TimeDelta::milliseconds(5_000),
                 input: json!({"order": 7}),
+                branch: None,
             }
         );
         assert!(!step.is_expired(now()));

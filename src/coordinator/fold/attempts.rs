@@ -19,6 +19,12 @@ use crate::coordinator::state::{AttemptRecord, AttemptStatus};
 
 impl Ctx<'_> {
     pub(super) fn on_result(&self, result: &AttemptResult) -> Decision {
+        let stamp = result.stamp;
+        if let Some(chain) =
+            self.lane_of(|l| l.outstanding.as_ref().is_some_and(|o| o.stamp == stamp))
+        {
+            return self.in_lane(chain, |ctx| ctx.on_result(result));
+        }
         let Some(attempt) = self.state.attempt_by_stamp(result.stamp) else {
             return reject(
                 RejectionClass::UnknownStamp,
@@ -93,6 +99,9 @@ impl Ctx<'_> {
     }
 
     pub(super) fn on_timer(&self, timer: &TimerWakeup) -> Decision {
+        if let Some(chain) = self.lane_of(|lane| lane.names(timer)) {
+            return self.in_lane(chain, |ctx| ctx.on_timer(timer));
+        }
         if timer.timer == TimerKind::Wake {
             return self.on_wake(timer);
         }
@@ -136,32 +145,40 @@ impl Ctx<'_> {
                 b.finish(kind, self.input.dedup_ref())
             }
             TimerKind::Wake => Decision::NoOp(NoOpReason::DuplicateTimer),
-            TimerKind::Retry => {
-                let index = self.state.step_index;
-                let next_attempt = self.state.attempt.saturating_add(1);
-                let Some(retried) = step(def, index) else {
-                    return reject(
-                        RejectionClass::UnknownWorkflow,
-                        "workflow has fewer steps than the run",
-                    );
-                };
-                let input = match b.step_input(retried, index) {
-                    Ok(input) => input,
-                    Err(error) => {
-                        b.fail_data(index, super::UNRESOLVED_POINTER, error);
-                        return b.finish(TransitionKind::RunFailed, self.input.dedup_ref());
-                    }
-                };
-                let Some(stamp) = b.dispatch(def, index, next_attempt, input) else {
-                    return reject(
-                        RejectionClass::UnknownWorkflow,
-                        "workflow has fewer steps than the run",
-                    );
-                };
-                b.detail("after_stamp", timer.stamp.to_string().into());
-                b.detail("stamp", stamp.to_string().into());
-                b.finish(TransitionKind::StepRetried, self.input.dedup_ref())
-            }
+            TimerKind::Retry => self.retry_attempt(def, b, timer),
         }
+    }
+
+    /// The retry timer of the pending retry: the step's next attempt.
+    fn retry_attempt(
+        &self,
+        def: &WorkflowDefinition,
+        mut b: super::Builder<'_>,
+        timer: &TimerWakeup,
+    ) -> Decision {
+        let index = self.state.step_index;
+        let next_attempt = self.state.attempt.saturating_add(1);
+        let Some(retried) = step(def, index) else {
+            return reject(
+                RejectionClass::UnknownWorkflow,
+                "workflow has fewer steps than the run",
+            );
+        };
+        let input = match b.step_input(retried, index) {
+            Ok(input) => input,
+            Err(error) => {
+                b.fail_data(index, super::UNRESOLVED_POINTER, error);
+                return b.finish(TransitionKind::RunFailed, self.input.dedup_ref());
+            }
+        };
+        let Some(stamp) = b.dispatch(def, index, next_attempt, input) else {
+            return reject(
+                RejectionClass::UnknownWorkflow,
+                "workflow has fewer steps than the run",
+            );
+        };
+        b.detail("after_stamp", timer.stamp.to_string().into());
+        b.detail("stamp", stamp.to_string().into());
+        b.finish(TransitionKind::StepRetried, self.input.dedup_ref())
     }
 }

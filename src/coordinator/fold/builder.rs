@@ -27,6 +27,19 @@ use crate::coordinator::state::{
     AttemptRecord, AttemptStatus, Outstanding, PendingRetry, RunState, RunStatus,
 };
 
+/// The `n`th stamp a transition with the entropy stamp `first`
+/// introduces (from 0): `first` itself, then stamps derived from it. An odd
+/// multiplier gives each `n` another stamp; the version and variant bits
+/// are set again, so that each is a random UUID as `first` is.
+pub fn derived_stamp(first: Uuid, n: u32) -> Uuid {
+    if n == 0 {
+        return first;
+    }
+    let mixed =
+        first.as_u128() ^ u128::from(n).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835);
+    uuid::Builder::from_random_bytes(mixed.to_be_bytes()).into_uuid()
+}
+
 /// Accumulates one transition: the new state, attempt writes, effects after the event.
 pub(super) struct Builder<'a> {
     pub(super) state: RunState,
@@ -36,6 +49,13 @@ pub(super) struct Builder<'a> {
     pub(super) attempt_writes: Vec<AttemptWrite>,
     pub(super) effects: Vec<Effect>,
     pub(super) detail: Map<String, Value>,
+    /// How many stamps the transition introduced so far ([`Builder::stamp`]).
+    pub(super) stamps: u32,
+    /// The branches whose cursors are in the state's own fields, outermost
+    /// first, each swapped with the cursor it stands in for (`parallel`).
+    pub(super) focus: Vec<usize>,
+    /// The definition a focused transition settles its branches with.
+    pub(super) def: Option<&'a WorkflowDefinition>,
 }
 
 impl<'a> Builder<'a> {
@@ -53,7 +73,20 @@ impl<'a> Builder<'a> {
             attempt_writes: Vec::new(),
             effects: Vec::new(),
             detail: Map::new(),
+            stamps: 0,
+            focus: Vec::new(),
+            def: None,
         }
+    }
+
+    /// A stamp new to the run: the entropy's for the first the transition
+    /// introduces, then stamps derived from it (a transition that starts
+    /// branches dispatches several attempts), so that the entropy's stamp
+    /// alone reproduces them all.
+    pub(super) fn stamp(&mut self) -> Uuid {
+        let n = self.stamps;
+        self.stamps = self.stamps.saturating_add(1);
+        derived_stamp(self.entropy.stamp, n)
     }
 
     pub(super) fn detail(&mut self, key: &str, value: Value) {
@@ -71,7 +104,8 @@ impl<'a> Builder<'a> {
         input: Value,
     ) -> Option<Uuid> {
         let step = step(def, step_index)?;
-        let stamp = self.entropy.stamp;
+        let stamp = self.stamp();
+        let branch = self.branch_name(def);
         let deadline = add_ms(self.now, step.timeout_ms);
         let s = &mut self.state;
         s.step_index = step_index;
@@ -113,6 +147,7 @@ impl<'a> Builder<'a> {
             stamp,
             deadline,
             input,
+            branch,
         };
         let target = EffectTarget::StepQueue {
             pool: step.pool.clone(),
@@ -167,6 +202,18 @@ impl<'a> Builder<'a> {
         status: AttemptStatus,
         error: Option<String>,
     ) {
+        self.close_attempt(stamp, status, error);
+        self.state.outstanding = None;
+    }
+
+    /// Closes the dispatched attempt `stamp` with a final status, whichever
+    /// cursor it is outstanding in.
+    pub(super) fn close_attempt(
+        &mut self,
+        stamp: Uuid,
+        status: AttemptStatus,
+        error: Option<String>,
+    ) {
         if let Some(record) = self
             .state
             .attempts
@@ -177,7 +224,6 @@ impl<'a> Builder<'a> {
             record.finished_at = Some(self.now);
             record.error.clone_from(&error);
         }
-        self.state.outstanding = None;
         self.attempt_writes.push(AttemptWrite::Finish {
             stamp,
             status,
@@ -238,7 +284,22 @@ impl<'a> Builder<'a> {
     }
 
     /// Numbers the transition, prepends the lifecycle event and seals it.
+    /// A transition of a branch first settles it: what its end does to its
+    /// parallel step and the cursors around it.
     pub(super) fn finish(mut self, kind: TransitionKind, input_ref: String) -> Decision {
+        let kind = match self.settle(kind) {
+            Ok(kind) => kind,
+            Err(rejection) => return rejection,
+        };
+        // The entropy's stamp reproduces every stamp the transition
+        // introduced; a transition that names none of them (a branch
+        // started and cancelled at once) records it.
+        let named = ["stamp", "next_stamp"].iter().any(|k| {
+            self.detail.get(*k).and_then(Value::as_str) == Some(&self.entropy.stamp.to_string())
+        });
+        if self.stamps > 0 && !named {
+            self.detail("first_stamp", self.entropy.stamp.to_string().into());
+        }
         let seq = self.state.last_transition_seq.saturating_add(1);
         self.state.failed_seq = match self.state.status {
             RunStatus::Failed if kind == TransitionKind::RunFailed => Some(seq),

@@ -33,9 +33,23 @@ pub(super) fn index_of(def: &WorkflowDefinition, target: Target) -> u32 {
     u32::try_from(index).unwrap_or(u32::MAX)
 }
 
-/// The step after `index`, done: its `end`, its `next`, or the one after it.
+/// The index `enter` takes for the end of a branch's steps.
+pub(super) const END_OF_BRANCH: u32 = u32::MAX;
+
+/// The step after `index`, done: its `end`, its `next`, or the one after
+/// it; in a branch, the one after it or the branch's end.
 pub(super) fn after(def: &WorkflowDefinition, index: u32) -> u32 {
-    index_of(def, flow::after(def, index as usize))
+    match def.place(index) {
+        Some(place) if place.parallel.is_some() => {
+            let next = index.saturating_add(1);
+            if next < place.first.saturating_add(place.len) {
+                next
+            } else {
+                END_OF_BRANCH
+            }
+        }
+        _ => index_of(def, flow::after(def, index as usize)),
+    }
 }
 
 impl Builder<'_> {

@@ -52,9 +52,16 @@ impl Builder<'_> {
     }
 
     /// Step `step` finished with `output`: the newest output, kept at its
-    /// result path in a run with a document.
+    /// result path in a run with a document. A step in a branch keeps it
+    /// in its branch only: the branches' results reach the document
+    /// together, as their parallel step's result.
     pub(super) fn step_done(&mut self, step: &StepDefinition, output: Value) -> Result<(), String> {
-        if let Some(results) = self.state.results.as_mut() {
+        if let Some(results) = self
+            .state
+            .results
+            .as_mut()
+            .filter(|_| self.focus.is_empty())
+        {
             document::place(results, &step.result_path(), output.clone()).map_err(|why| {
                 format!(
                     "{RESULT_PATH_BLOCKED}: step {:?} cannot place its result: {why}",

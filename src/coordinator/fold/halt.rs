@@ -156,6 +156,7 @@ fn fail_run(
     }
     b.state.pending_retry = None;
     b.state.waiting = None;
+    b.cancel_all_lanes(&error);
     b.state.status = RunStatus::Failed;
     b.detail("cause", cause.into());
     b.detail(
@@ -188,6 +189,7 @@ impl Ctx<'_> {
         }
         b.state.pending_retry = None;
         b.state.waiting = None;
+        b.cancel_all_lanes(&reason);
         // No step will consume a signal kept for it: the history has its
         // payload.
         for signal in b.state.signals.iter_mut().filter(|s| s.kept) {

@@ -58,6 +58,7 @@ pub(super) fn on_start(
         visits: std::collections::BTreeMap::new(),
         outstanding: None,
         pending_retry: None,
+        lanes: Vec::new(),
         waiting: None,
         attempts: Vec::new(),
         signals: Vec::new(),

@@ -22,6 +22,7 @@ use chrono::{DateTime, Utc};
 use serde_json::{Map, Value, json};
 use uuid::Uuid;
 
+use super::parallel::Branches;
 use super::{Builder, Ctx, Decision, NoOpReason, RejectionClass, reject, step};
 use crate::contract::effects::rfc3339;
 use crate::contract::{TimerKind, TimerWakeup, TransitionKind};
@@ -46,7 +47,11 @@ impl Builder<'_> {
         mut index: u32,
     ) -> Result<Entered, Decision> {
         loop {
-            if index as usize == def.steps.len() {
+            if self.at_end_of_branch(index) {
+                self.state.status = RunStatus::Succeeded;
+                return Ok(Entered::Succeeded);
+            }
+            if self.focus.is_empty() && index as usize == def.steps.len() {
                 if let Err(error) = self.select_output(def) {
                     let last = index.saturating_sub(1);
                     self.fail_data(last, super::UNRESOLVED_POINTER, error);
@@ -58,18 +63,10 @@ impl Builder<'_> {
             let Some(step) = step(def, index) else {
                 return Err(fewer_steps());
             };
-            if let Err(error) = self.visit(def, index, step) {
-                self.fail_data(index, super::LOOP_BOUND, error);
+            let Some(input) = self.begin(def, index, step) else {
                 return Ok(Entered::Failed);
-            }
-            let input = match self.step_input(step, index) {
-                Ok(input) => input,
-                Err(error) => {
-                    self.fail_data(index, super::UNRESOLVED_POINTER, error);
-                    return Ok(Entered::Failed);
-                }
             };
-            let member = match step.kind {
+            let output = match step.kind {
                 StepKind::Task => {
                     let attempt = self.first_attempt(index);
                     let stamp = self
@@ -81,7 +78,7 @@ impl Builder<'_> {
                     Ok(until) if until > self.now => {
                         return Ok(Entered::Started(self.wait(index, until, None)));
                     }
-                    Ok(until) => json!({ "until": rfc3339(until) }),
+                    Ok(until) => wait_output(input, step, json!({ "until": rfc3339(until) })),
                     Err(error) => {
                         self.fail_run(index, error);
                         return Ok(Entered::Failed);
@@ -91,10 +88,15 @@ impl Builder<'_> {
                     index = self.choose(def, index, step);
                     continue;
                 }
+                StepKind::Parallel => match self.enter_parallel(def, index, input)? {
+                    Branches::Running(stamp) => return Ok(Entered::Started(stamp)),
+                    Branches::Failed => return Ok(Entered::Failed),
+                    Branches::Succeeded(output) => output,
+                },
                 StepKind::AwaitSignal => {
                     let name = step.signal.clone().unwrap_or_default();
                     match self.take_kept_signal(&name, index) {
-                        Some(got) => got,
+                        Some(got) => wait_output(input, step, got),
                         None => {
                             let until = super::add_ms(self.now, step.timeout_ms);
                             return Ok(Entered::Started(self.wait(index, until, Some(name))));
@@ -102,7 +104,6 @@ impl Builder<'_> {
                     }
                 }
             };
-            let output = wait_output(input, step, member);
             self.state.step_index = index;
             if let Err(error) = self.step_done(step, output.clone()) {
                 self.fail_data(index, super::RESULT_PATH_BLOCKED, error);
@@ -110,6 +111,27 @@ impl Builder<'_> {
             }
             self.pass(json!({ "step_index": index, "output": output }));
             index = super::choice::after(def, index);
+        }
+    }
+
+    /// Counts a start of step `index` and selects its input; `None` when
+    /// either fails the run.
+    fn begin(
+        &mut self,
+        def: &WorkflowDefinition,
+        index: u32,
+        step: &StepDefinition,
+    ) -> Option<Value> {
+        if let Err(error) = self.visit(def, index, step) {
+            self.fail_data(index, super::LOOP_BOUND, error);
+            return None;
+        }
+        match self.step_input(step, index) {
+            Ok(input) => Some(input),
+            Err(error) => {
+                self.fail_data(index, super::UNRESOLVED_POINTER, error);
+                None
+            }
         }
     }
 
@@ -157,8 +179,9 @@ impl Builder<'_> {
         next: u32,
     ) -> Result<TransitionKind, Decision> {
         Ok(match self.enter(def, next)? {
-            Entered::Started(stamp) => {
-                self.detail("next_stamp", stamp.to_string().into());
+            Entered::Started(_) => {
+                // The first stamp the transition introduced.
+                self.detail("next_stamp", self.entropy.stamp.to_string().into());
                 TransitionKind::StepSucceeded
             }
             Entered::Succeeded => TransitionKind::RunSucceeded,
@@ -181,7 +204,7 @@ impl Builder<'_> {
 
     /// The run waits in step `index` until `until`, or for `signal`.
     fn wait(&mut self, index: u32, until: DateTime<Utc>, signal: Option<String>) -> Uuid {
-        let stamp = self.entropy.stamp;
+        let stamp = self.stamp();
         let s = &mut self.state;
         s.step_index = index;
         s.attempt = 1;
