@@ -82,8 +82,11 @@ struct Scenario {
     /// attempt, so the first step runs once or twice.
     loops: bool,
     /// Whether the workflow ends with a parallel step, and what a failed
-    /// branch does: branch `a` runs a task and a sleep, `b` a task.
+    /// branch does: branch `a` runs a task and a sleep, `b` a task. With
+    /// `map`, a map of that task and sleep over the input's three items,
+    /// two at once, instead.
     parallel: Option<OnFailure>,
+    map: bool,
     /// Whether branch `b` answers at once and branch `a` just before its
     /// deadline, rather than each half-way to its deadline.
     b_first: bool,
@@ -119,11 +122,14 @@ fn scenario() -> impl Strategy<Value = Scenario> {
         ],
         any::<bool>(),
         any::<bool>(),
-        prop_oneof![
-            2 => Just(None),
-            1 => Just(Some(OnFailure::FailFast)),
-            1 => Just(Some(OnFailure::AllSettled)),
-        ],
+        (
+            prop_oneof![
+                2 => Just(None),
+                1 => Just(Some(OnFailure::FailFast)),
+                1 => Just(Some(OnFailure::AllSettled)),
+            ],
+            any::<bool>(),
+        ),
     )
         .prop_map(
             |(
@@ -135,7 +141,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                 retries,
                 selects,
                 loops,
-                parallel,
+                (parallel, map),
             )| {
                 Scenario {
                     steps,
@@ -147,11 +153,15 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                     selects,
                     loops,
                     parallel,
+                    map,
                     b_first: false,
                 }
             },
         )
 }
+
+/// The items of every run's input, which a map step maps over.
+const ITEMS: [u32; 3] = [1, 2, 3];
 
 fn definition(name: &str, scn: &Scenario) -> WorkflowDefinition {
     let mut def = straight(name, scn);
@@ -175,18 +185,22 @@ fn definition(name: &str, scn: &Scenario) -> WorkflowDefinition {
             },
             ..StepDefinition::task(name, "pool-fan", timeout_ms)
         };
-        let fan = StepDefinition {
-            on_failure,
-            ..StepDefinition::parallel(
-                "fan",
-                vec![
-                    (
-                        "a",
-                        vec![task("fa1", 2_000, 2), StepDefinition::sleep("fa2", 300)],
-                    ),
-                    ("b", vec![task("fb1", 1_500, 3)]),
-                ],
-            )
+        let a = vec![task("fa1", 2_000, 2), StepDefinition::sleep("fa2", 300)];
+        let fan = if scn.map {
+            StepDefinition {
+                on_failure,
+                input: Some("/input/items".into()),
+                max_concurrency: Some(2),
+                ..StepDefinition::map("fan", a)
+            }
+        } else {
+            StepDefinition {
+                on_failure,
+                ..StepDefinition::parallel(
+                    "fan",
+                    vec![("a", a), ("b", vec![task("fb1", 1_500, 3)])],
+                )
+            }
         };
         def.steps.push(fan);
     }
@@ -375,7 +389,7 @@ fn simulate_capped(
             workflow: workflow.to_owned(),
             workflow_version: None,
             pool: "default".to_owned(),
-            input: json!({"order": run_id}),
+            input: json!({"order": run_id, "items": ITEMS}),
             correlation_id: None,
         }),
     );
@@ -430,10 +444,14 @@ fn simulate_capped(
                         let deadline =
                             DateTime::parse_from_rfc3339(p["deadline"].as_str().unwrap()).unwrap();
                         let deadline_ms = ms_of(deadline.with_timezone(&Utc));
-                        let soon = match (p["branch"].as_str(), scn.b_first) {
-                            (Some("b"), true) | (Some("a"), false) if scn.parallel.is_some() => {
-                                ms + 1
-                            }
+                        // A map's first item answers as branch `a`, the others as `b`.
+                        let lane = match (p["branch"].as_str(), p["item"].as_u64()) {
+                            (Some(branch), _) => Some(branch == "a"),
+                            (None, Some(item)) => Some(item == 0),
+                            (None, None) => None,
+                        };
+                        let soon = match (lane, scn.b_first) {
+                            (Some(false), true) | (Some(true), false) => ms + 1,
                             (Some(_), _) => deadline_ms - 1,
                             (None, _) => (ms + deadline_ms) / 2,
                         };
@@ -652,7 +670,16 @@ proptest! {
             let mut attempts: Vec<u32> = last.attempts.iter().filter(|a| a.step_index as usize == i).map(|a| a.attempt).collect();
             // Each visit of a step that a loop starts again has its own attempts.
             let visits = last.visits.get(&(i as u32)).map_or(1, |v| v.count.max(1));
-            prop_assert!(attempts.len() as u32 <= step.retry.max_attempts * visits + retried);
+            // A retry of the run gives a step of its own one more attempt,
+            // and the steps of a parallel step or a map it starts again
+            // their whole policy again; a map runs its steps once per item.
+            let bound = if place.parallel.is_some() {
+                let items = if scn.map { ITEMS.len() as u32 } else { 1 };
+                step.retry.max_attempts * visits * (1 + retried) * items
+            } else {
+                step.retry.max_attempts * visits + retried
+            };
+            prop_assert!(attempts.len() as u32 <= bound, "step {}: {} attempts over {}", i, attempts.len(), bound);
             attempts.sort_unstable();
             let numbered: Vec<u32> = (1..=attempts.len() as u32).collect();
             prop_assert_eq!(attempts, numbered);
@@ -821,9 +848,14 @@ proptest! {
     /// the same: its status, output, document and attempts per step.
     #[test]
     fn branches_in_either_order_end_the_same(scn in scenario()) {
-        prop_assume!(scn.parallel.is_some());
         // Every attempt succeeds, nothing else arrives.
-        let scn = Scenario { script: Vec::new(), signals: Vec::new(), cancel_at: None, ..scn };
+        let scn = Scenario {
+            script: Vec::new(),
+            signals: Vec::new(),
+            cancel_at: None,
+            parallel: scn.parallel.or(Some(OnFailure::FailFast)),
+            ..scn
+        };
         let (wf, a_first) = solo(&scn);
         let b_first = simulate(&Scenario { b_first: true, ..scn.clone() }, "run-0", "tenant-0", "wf", &wf);
         let (x, y) = (a_first.state.unwrap(), b_first.state.unwrap());
@@ -844,11 +876,15 @@ proptest! {
         prop_assert_eq!(ended(&x), ended(&y));
         let fan = wf.get("wf", 1).unwrap().steps.len() - 1;
         if x.status == RunStatus::Succeeded && !scn.selects {
-            prop_assert!(x.output.get("a").is_some() && x.output.get("b").is_some(), "output {}", x.output);
+            if scn.map {
+                prop_assert_eq!(x.output.as_array().map(Vec::len), Some(ITEMS.len()), "output {}", x.output);
+            } else {
+                prop_assert!(x.output.get("a").is_some() && x.output.get("b").is_some(), "output {}", x.output);
+            }
         }
         // The order differed: the other branch's attempt finished first.
         let finished_first = |s: &RunState| {
-            s.attempts.iter().filter(|a| a.step_index as usize > fan).min_by_key(|a| a.finished_at).map(|a| a.step_index)
+            s.attempts.iter().filter(|a| a.step_index as usize > fan).min_by_key(|a| a.finished_at).map(|a| (a.step_index, a.attempt))
         };
         if x.status == RunStatus::Succeeded {
             prop_assert_ne!(finished_first(&x), finished_first(&y));

@@ -5,12 +5,18 @@
 //! run with its cause. And `ductor workflows check`, the binary itself,
 //! refuses each malformed definition with its rule.
 
+#![allow(
+    clippy::too_many_lines,
+    reason = "a test reads as one story, from its setup to its last assertion"
+)]
+
 mod common;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::{TestDb, eventually, example_worker, produce, producer, test_config};
+use ductor::client::worker::{StepDispatch, StepOutcome};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
@@ -234,6 +240,222 @@ async fn a_choice_picks_the_next_step_and_a_loop_stops_at_its_bound() {
     db.drop_db().await;
 }
 
+/// `fan`: `reserve` runs `east` (two steps) and `west` at once, then
+/// `ship` gets their results. `fragile`: `slow`, which no worker answers,
+/// beside `broken`, which fails for good.
+fn parallel_workflows(dir: &Path) {
+    let task = |name: &str, timeout_ms: u64| {
+        format!("name = \"{name}\"\npool = \"p\"\ntimeout_ms = {timeout_ms}\n")
+    };
+    let fan = format!(
+        "name = \"fan\"\nversion = 1\n\n\
+         [[steps]]\nname = \"reserve\"\nkind = \"parallel\"\n\n\
+         [[steps.branches]]\nname = \"east\"\n\
+         [[steps.branches.steps]]\n{}\n[[steps.branches.steps]]\n{}\n\
+         [[steps.branches]]\nname = \"west\"\n\
+         [[steps.branches.steps]]\n{}\n\
+         [[steps]]\n{}",
+        task("east1", 5000),
+        task("east2", 5000),
+        task("west1", 5000),
+        task("ship", 5000)
+    );
+    let fragile = format!(
+        "name = \"fragile\"\nversion = 1\n\n\
+         [[steps]]\nname = \"reserve\"\nkind = \"parallel\"\n\n\
+         [[steps.branches]]\nname = \"good\"\n[[steps.branches.steps]]\n{}\n\
+         [[steps.branches]]\nname = \"bad\"\n[[steps.branches.steps]]\n{}",
+        task("slow", 60_000),
+        task("broken", 5000)
+    );
+    let pack = format!(
+        "name = \"pack\"\nversion = 1\n\n\
+         [[steps]]\nname = \"each\"\nkind = \"map\"\ninput = \"/input/items\"\n\
+         max_concurrency = 2\n\n\
+         [[steps.steps]]\n{}\n\
+         [[steps]]\n{}",
+        task("wrap", 5000),
+        task("ship", 5000)
+    );
+    std::fs::write(dir.join("pack.toml"), pack).unwrap();
+    std::fs::write(dir.join("fan.toml"), fan).unwrap();
+    std::fs::write(dir.join("fragile.toml"), fragile).unwrap();
+}
+
+/// Answers each attempt with its step, branch and input; `broken` fails
+/// for good, and `slow` is never answered.
+async fn branch_worker(step: StepDispatch) -> StepOutcome {
+    match step.step.as_str() {
+        "broken" => StepOutcome::Failed {
+            message: "out of stock".into(),
+            retryable: false,
+        },
+        "slow" => std::future::pending().await,
+        "wrap" => StepOutcome::Succeeded(json!({ "wrapped": step.input, "item": step.item })),
+        _ => StepOutcome::Succeeded(json!({
+            "step": step.step, "branch": step.branch, "input": step.input,
+        })),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn parallel_steps_join_their_branches_a_failed_branch_cancels_the_rest_and_a_map_keeps_its_order()
+ {
+    let db = TestDb::migrated().await;
+    let mut config = test_config(&db);
+    let dir = tempfile::tempdir().unwrap();
+    parallel_workflows(dir.path());
+    config.coordinator.workflows_dir = PathBuf::from(dir.path());
+    config.kafka.step_pools = vec!["p".into()];
+    ductor::infra::kafka::create_configured_topics(&config)
+        .await
+        .expect("creating topics");
+    let shutdown = CancellationToken::new();
+    let serve = tokio::spawn(ductor::cli::serve::run(config.clone(), shutdown.clone()));
+    let options = ductor::client::worker::WorkerOptions::from_config(&config, "p");
+    let worker = tokio::spawn(ductor::client::worker::run(
+        options,
+        branch_worker,
+        CancellationToken::new(),
+    ));
+    let p = producer();
+    let (fan, fragile, pack) = (
+        common::unique("fan"),
+        common::unique("fragile"),
+        common::unique("pack"),
+    );
+    for (run_id, workflow) in [(&fan, "fan"), (&fragile, "fragile"), (&pack, "pack")] {
+        let start = json!({
+            "type": "run.start", "schema_version": 1, "run_id": run_id, "tenant": "acme",
+            "workflow": workflow, "input": {"order": 9, "items": ["cup", "pot", "tray"]},
+        });
+        let topic = config.topic_names().requests();
+        produce(&p, &topic, run_id, start.to_string().as_bytes(), &[]).await;
+    }
+
+    let (status, state) = finished(&db, &fan).await;
+    assert_eq!(status, "succeeded", "{state}");
+    assert_eq!(state["v"], 5);
+    assert!(state.get("lanes").is_none(), "{state}");
+    // Both branches were dispatched by the start, each under its own
+    // stamp and step key; ship came last, outside any branch.
+    let sent: Vec<(i64, String, Option<String>, String)> = sqlx::query_as(
+        "SELECT seq, convert_from(payload, 'UTF8')::jsonb->>'step', \
+                convert_from(payload, 'UTF8')::jsonb->>'branch', \
+                convert_from(payload, 'UTF8')::jsonb->>'step_key' \
+         FROM eec_effect_intent WHERE run_id = $1 AND ce_type = 'ductor.step.dispatch' \
+         ORDER BY seq, effect_index",
+    )
+    .bind(&fan)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let first: Vec<_> = sent
+        .iter()
+        .filter(|d| d.0 == 1)
+        .map(|d| (d.1.as_str(), d.2.as_deref(), d.3.clone()))
+        .collect();
+    assert_eq!(
+        first,
+        [
+            ("east1", Some("east"), format!("{fan}/step/2")),
+            ("west1", Some("west"), format!("{fan}/step/4")),
+        ]
+    );
+    let last = sent.last().unwrap();
+    assert_eq!((last.1.as_str(), last.2.as_deref()), ("ship", None));
+    let stamps: std::collections::HashSet<uuid::Uuid> =
+        sqlx::query_scalar("SELECT stamp FROM run_attempts WHERE run_id = $1")
+            .bind(&fan)
+            .fetch_all(&db.pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+    assert_eq!(stamps.len(), 4, "four attempts, four stamps");
+    // ship got the branches' results by name; east2 got east1's.
+    let outputs = step_outputs(&db, &fan).await;
+    let ship = &outputs.last().unwrap().1;
+    assert_eq!(ship["step"], "ship");
+    let joined = &ship["input"];
+    assert_eq!(joined["west"]["input"]["order"], 9, "{joined}");
+    assert_eq!(joined["east"]["step"], "east2", "{joined}");
+    assert_eq!(joined["east"]["input"]["step"], "east1", "{joined}");
+
+    let (status, state) = finished(&db, &fragile).await;
+    assert_eq!(status, "failed", "{state}");
+    let error = state["error"].as_str().unwrap();
+    assert!(
+        error.starts_with("branch_failed: branch \"bad\""),
+        "{error}"
+    );
+    let detail: Value = sqlx::query_scalar(
+        "SELECT detail FROM run_transitions WHERE run_id = $1 AND to_status = 'failed'",
+    )
+    .bind(&fragile)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(detail["cause"], "branch_failed");
+    assert_eq!(detail["branch_cause"], "not_retryable");
+    let attempts: Vec<(String, String)> = sqlx::query_as(
+        "SELECT status, coalesce(error, '') FROM run_attempts WHERE run_id = $1 ORDER BY step_index",
+    )
+    .bind(&fragile)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(attempts.len(), 2);
+    assert_eq!(
+        attempts[0].0, "cancelled",
+        "slow's attempt ends with the step"
+    );
+    assert!(attempts[0].1.starts_with("branch_failed"), "{attempts:?}");
+    assert_eq!(attempts[1].0, "failed");
+
+    // The map wrapped each item, its results in item order, each item's
+    // attempt keyed apart.
+    let (status, state) = finished(&db, &pack).await;
+    assert_eq!(status, "succeeded", "{state}");
+    let ship = step_outputs(&db, &pack).await.pop().unwrap().1;
+    assert_eq!(
+        ship["input"],
+        json!([
+            {"wrapped": "cup", "item": 0},
+            {"wrapped": "pot", "item": 1},
+            {"wrapped": "tray", "item": 2},
+        ])
+    );
+    let keys: Vec<String> = dispatched(&db, &pack)
+        .await
+        .into_iter()
+        .filter(|(step, _)| step == "wrap")
+        .map(|(_, key)| key)
+        .collect();
+    let mut sorted = keys.clone();
+    sorted.sort();
+    assert_eq!(
+        sorted,
+        (0..3)
+            .map(|k| format!("{pack}/step/2/item/{k}"))
+            .collect::<Vec<_>>()
+    );
+    let first: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM eec_effect_intent WHERE run_id = $1 AND seq = 1 \
+         AND ce_type = 'ductor.step.dispatch'",
+    )
+    .bind(&pack)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(first, 2, "two items at once (max_concurrency)");
+
+    shutdown.cancel();
+    serve.await.unwrap().unwrap();
+    worker.abort();
+    db.drop_db().await;
+}
+
 /// One file per rule of `ductor workflows check`, and a good one first:
 /// its name, its text, and what its line must say.
 fn one_file_per_rule() -> Vec<(&'static str, String, &'static str)> {
@@ -303,7 +525,31 @@ fn one_file_per_rule() -> Vec<(&'static str, String, &'static str)> {
             head("circle") + &task("a", "next = \"a\"\nmax_visits = 2"),
             "[no_end]",
         ),
+        (
+            "in_branch",
+            head("in_branch")
+                + "[[steps]]\nname = \"p\"\nkind = \"parallel\"\n\
+                   branches = [{ name = \"b\", steps = [{ name = \"w\", kind = \"await_signal\", \
+                   signal = \"go\", timeout_ms = 1000 }] }]\n",
+            "[not_in_branch]",
+        ),
+        ("deep", head("deep") + &nested(4), "[too_deep]"),
     ]
+}
+
+/// A parallel step with a parallel step in its branch, `depth` deep, a
+/// task at the bottom.
+fn nested(depth: u32) -> String {
+    let mut step = "{ name = \"leaf\", pool = \"p\", timeout_ms = 1000 }".to_owned();
+    for d in 1..depth {
+        step = format!(
+            "{{ name = \"p{d}\", kind = \"parallel\", branches = [{{ name = \"b\", steps = [{step}] }}] }}"
+        );
+    }
+    format!(
+        "[[steps]]\nname = \"p{depth}\"\nkind = \"parallel\"\n\
+         branches = [{{ name = \"b\", steps = [{step}] }}]\n"
+    )
 }
 
 /// One malformed definition per rule, each refused by the binary with it;
@@ -340,7 +586,7 @@ fn workflows_check_refuses_each_malformed_definition_with_its_rule() {
     // The step is named where the refusal is about one.
     assert!(lines[6].contains("step \"a\""), "{}", lines[6]);
     assert!(
-        stderr.contains("12 of 13 workflow files refused"),
+        stderr.contains("14 of 15 workflow files refused"),
         "{stderr}"
     );
 

@@ -475,8 +475,9 @@ fn at_most_once(id: &str, ts: &[TransitionRow], v: &mut Violations) {
 
 /// The stamp a transition introduced, if it dispatched an attempt or
 /// began a wait: the first of them, from which the others derive (a
-/// transition that starts branches introduces several). A transition that
-/// names none of them records it as `first_stamp`.
+/// transition that starts branches introduces several). A transition
+/// whose kind names none (a `branch.failed` that started a map's next
+/// item) records it as `next_stamp`, or else as `first_stamp`.
 pub fn introduced_stamp(t: &TransitionRow) -> Option<Uuid> {
     let field = match t.kind.as_str() {
         "run.started" | "step.retried" => "stamp",
@@ -485,6 +486,7 @@ pub fn introduced_stamp(t: &TransitionRow) -> Option<Uuid> {
     };
     t.detail
         .get(field)
+        .or_else(|| t.detail.get("next_stamp"))
         .or_else(|| t.detail.get("first_stamp"))
         .and_then(Value::as_str)
         .and_then(|s| Uuid::parse_str(s).ok())

@@ -351,6 +351,10 @@ pub struct StepDispatch {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(with = "Option<Name>")]
     pub branch: Option<String>,
+    /// The item of a `map` step the attempt runs for, by position in the
+    /// map's input (absent outside maps; the innermost, for nested maps).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub item: Option<u32>,
 }
 
 /// A dispatch that does not follow the contract: a version mismatch between
@@ -420,6 +424,10 @@ impl StepDispatch {
             branch: match obj.get("branch") {
                 None | Some(Value::Null) => None,
                 Some(_) => Some(f.name("branch")?),
+            },
+            item: match obj.get("item") {
+                None | Some(Value::Null) => None,
+                Some(_) => Some(f.u32("item")?),
             },
         })
     }
@@ -510,6 +518,7 @@ mod tests {
                 .with_timezone(&Utc),
             input: serde_json::json!({"amount": 5}),
             branch: None,
+            item: None,
         }
     }
 

@@ -99,6 +99,22 @@ pub fn step_key_of_visit(run_id: &str, step_index: u32, visit: u32) -> String {
     }
 }
 
+/// The key of one start of a step inside the items of `map` steps:
+/// [`step_key_of_visit`], then `/item/<k>` with the item of each map it is
+/// in, outermost first (`<run>/step/<index>/item/3`), so that each item
+/// makes its own external call.
+pub fn step_key_of_items(run_id: &str, step_index: u32, visit: u32, items: &[u32]) -> String {
+    let mut key = step_key_of_visit(run_id, step_index, visit);
+    if !items.is_empty() {
+        key.push_str("/item");
+        for item in items {
+            key.push('/');
+            key.push_str(&item.to_string());
+        }
+    }
+    key
+}
+
 /// The idempotency key of the `run.effect_parked` notice of the effect whose
 /// key is `effect_key`: one notice per parked effect.
 pub fn parked_notice_key(effect_key: &str) -> String {

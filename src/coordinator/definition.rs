@@ -38,9 +38,17 @@ pub const MAX_BRANCHES: usize = 16;
 /// Most steps one workflow may declare in all, its branches' steps
 /// included.
 pub const MAX_STEPS_IN_ALL: usize = 256;
-/// How deep `parallel` steps may nest: a step in a branch of a parallel
-/// step in a branch is at depth 2.
+/// How deep `parallel` and `map` steps may nest: a step in a branch of a
+/// parallel step in a branch is at depth 2.
 pub const MAX_DEPTH: u32 = 3;
+/// Largest `max_items` of a `map` step.
+pub const MAX_ITEMS_LIMIT: u32 = 1_000;
+/// The `max_items` of a `map` step that names none.
+pub const DEFAULT_MAX_ITEMS: u32 = 100;
+/// Largest `max_concurrency` of a `map` step.
+pub const MAX_CONCURRENCY_LIMIT: u32 = 64;
+/// The `max_concurrency` of a `map` step that names none.
+pub const DEFAULT_MAX_CONCURRENCY: u32 = 8;
 
 /// One versioned workflow: an ordered list of steps.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -125,9 +133,21 @@ pub struct StepDefinition {
     /// A `parallel`: its branches, which run at once.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub branches: Vec<Branch>,
-    /// A `parallel`: what a branch that fails for good does.
+    /// A `parallel` or a `map`: what a branch or an item that fails for
+    /// good does.
     #[serde(default)]
     pub on_failure: OnFailure,
+    /// A `map`: the steps run for each item of its input, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub steps: Vec<StepDefinition>,
+    /// A `map`: how many items run at once (default
+    /// [`DEFAULT_MAX_CONCURRENCY`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_concurrency: Option<u32>,
+    /// A `map`: the most items its input may have (default
+    /// [`DEFAULT_MAX_ITEMS`]); more fail the run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_items: Option<u32>,
 }
 
 /// One branch of a `parallel` step: a sequence of steps, run in order.
@@ -182,6 +202,9 @@ pub enum StepKind {
     /// Its branches run at once; it ends when each has ended, with an
     /// object of their results by branch name.
     Parallel,
+    /// Its steps run for each item of its input (an array), some items at
+    /// once; it ends with their results in item order.
+    Map,
 }
 
 /// What the timeout of an `await_signal` step does.
@@ -405,15 +428,15 @@ impl WorkflowDefinition {
         let mut i = 0;
         while i < out.len() && out.len() <= MAX_STEPS_IN_ALL {
             let (step, place) = out[i];
-            for (b, branch) in step.branches.iter().enumerate() {
+            for (b, steps) in step.sequences().into_iter().enumerate() {
                 let inner = Place {
                     parallel: Some(count(i)),
                     branch: count(b),
                     first: count(out.len()),
-                    len: count(branch.steps.len()),
+                    len: count(steps.len()),
                     depth: place.depth.saturating_add(1),
                 };
-                out.extend(branch.steps.iter().map(|s| (s, inner)));
+                out.extend(steps.iter().map(|s| (s, inner)));
             }
             i += 1;
         }
@@ -455,9 +478,11 @@ impl WorkflowDefinition {
         u32::try_from(i).ok()
     }
 
-    /// Whether any step runs branches.
+    /// Whether any step runs steps inside it (a parallel step or a map).
     pub fn has_branches(&self) -> bool {
-        self.steps.iter().any(|s| s.kind == StepKind::Parallel)
+        self.steps
+            .iter()
+            .any(|s| matches!(s.kind, StepKind::Parallel | StepKind::Map))
     }
 
     /// The path of the step of index `index` in its file
@@ -467,13 +492,13 @@ impl WorkflowDefinition {
             return String::new();
         };
         let position = index.saturating_sub(place.first as usize);
-        match place.parallel {
-            None => format!("steps[{position}]"),
-            Some(parallel) => format!(
-                "{}.branches[{}].steps[{position}]",
-                self.path_of(layout, parallel as usize),
-                place.branch
-            ),
+        let Some(parallel) = place.parallel else {
+            return format!("steps[{position}]");
+        };
+        let outer = self.path_of(layout, parallel as usize);
+        match layout.get(parallel as usize).map(|(s, _)| s.kind) {
+            Some(StepKind::Map) => format!("{outer}.steps[{position}]"),
+            _ => format!("{outer}.branches[{}].steps[{position}]", place.branch),
         }
     }
 
@@ -748,6 +773,19 @@ impl StepDefinition {
             default: None,
             branches: Vec::new(),
             on_failure: OnFailure::default(),
+            steps: Vec::new(),
+            max_concurrency: None,
+            max_items: None,
+        }
+    }
+
+    /// A map of `steps` over the items of its input.
+    #[cfg(any(test, feature = "internals"))]
+    pub fn map(name: &str, steps: Vec<StepDefinition>) -> Self {
+        Self {
+            kind: StepKind::Map,
+            steps,
+            ..Self::task(name, "", 0)
         }
     }
 
@@ -835,7 +873,54 @@ impl StepDefinition {
             StepKind::Sleep => self.validate_sleep(at),
             StepKind::Choice => self.validate_choice(at),
             StepKind::Parallel => self.validate_parallel(at),
+            StepKind::Map => self.validate_map(at),
         }
+    }
+
+    fn validate_map(&self, at: &str) -> Result<(), DefinitionError> {
+        if self.steps.is_empty() {
+            return Err(DefinitionError::new(
+                format!("{at}.steps"),
+                "a map step needs at least one step to run for each item",
+            ));
+        }
+        let bounds = [
+            (
+                "max_concurrency",
+                self.max_concurrency,
+                MAX_CONCURRENCY_LIMIT,
+            ),
+            ("max_items", self.max_items, MAX_ITEMS_LIMIT),
+        ];
+        for (field, value, limit) in bounds {
+            if value.is_some_and(|v| !(1..=limit).contains(&v)) {
+                return Err(DefinitionError::new(
+                    format!("{at}.{field}"),
+                    format!("must be in 1..={limit}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The sequences of steps the step runs inside it: a parallel step's
+    /// branches', a map's steps; none for any other kind.
+    pub fn sequences(&self) -> Vec<&[StepDefinition]> {
+        match self.kind {
+            StepKind::Parallel => self.branches.iter().map(|b| b.steps.as_slice()).collect(),
+            StepKind::Map => vec![self.steps.as_slice()],
+            _ => Vec::new(),
+        }
+    }
+
+    /// A map's `max_concurrency`, or its default.
+    pub fn concurrency(&self) -> u32 {
+        self.max_concurrency.unwrap_or(DEFAULT_MAX_CONCURRENCY)
+    }
+
+    /// A map's `max_items`, or its default.
+    pub fn item_limit(&self) -> u32 {
+        self.max_items.unwrap_or(DEFAULT_MAX_ITEMS)
     }
 
     fn validate_parallel(&self, at: &str) -> Result<(), DefinitionError> {
@@ -908,8 +993,8 @@ impl StepDefinition {
 
     /// A field of another kind of step is a mistake, not something to ignore.
     fn validate_fields_of_kind(&self, at: &str) -> Result<(), DefinitionError> {
-        use StepKind::{AwaitSignal, Choice, Parallel, Sleep, Task};
-        let given: [(&str, bool, &[StepKind]); 15] = [
+        use StepKind::{AwaitSignal, Choice, Map, Parallel, Sleep, Task};
+        let given: [(&str, bool, &[StepKind]); 18] = [
             ("pool", !self.pool.is_empty(), &[Task]),
             ("retry", self.retry != RetryPolicy::default(), &[Task]),
             ("timeout_ms", self.timeout_ms != 0, &[Task, AwaitSignal]),
@@ -924,27 +1009,30 @@ impl StepDefinition {
             (
                 "input",
                 self.input.is_some(),
-                &[Task, AwaitSignal, Sleep, Parallel],
+                &[Task, AwaitSignal, Sleep, Parallel, Map],
             ),
             (
                 "result",
                 self.result.is_some(),
-                &[Task, AwaitSignal, Sleep, Parallel],
+                &[Task, AwaitSignal, Sleep, Parallel, Map],
             ),
             (
                 "next",
                 self.next.is_some(),
-                &[Task, AwaitSignal, Sleep, Parallel],
+                &[Task, AwaitSignal, Sleep, Parallel, Map],
             ),
-            ("end", self.end, &[Task, AwaitSignal, Sleep, Parallel]),
+            ("end", self.end, &[Task, AwaitSignal, Sleep, Parallel, Map]),
             ("choices", !self.choices.is_empty(), &[Choice]),
             ("default", self.default.is_some(), &[Choice]),
             ("branches", !self.branches.is_empty(), &[Parallel]),
             (
                 "on_failure",
                 self.on_failure != OnFailure::default(),
-                &[Parallel],
+                &[Parallel, Map],
             ),
+            ("steps", !self.steps.is_empty(), &[Map]),
+            ("max_concurrency", self.max_concurrency.is_some(), &[Map]),
+            ("max_items", self.max_items.is_some(), &[Map]),
         ];
         match given
             .iter()
@@ -1039,6 +1127,7 @@ impl StepKind {
             StepKind::Sleep => "sleep",
             StepKind::Choice => "choice",
             StepKind::Parallel => "parallel",
+            StepKind::Map => "map",
         }
     }
 }

@@ -47,7 +47,7 @@ pub use builder::derived_stamp;
 pub use choice::LOOP_BOUND;
 pub use data::{RESULT_PATH_BLOCKED, UNRESOLVED_POINTER};
 pub use halt::fail_missing_workflow;
-pub use parallel::BRANCH_FAILED;
+pub use parallel::{BRANCH_FAILED, ITEM_FAILED, NOT_AN_ARRAY, TOO_MANY_ITEMS};
 
 /// Longest error text copied into a transition's `detail`.
 pub const MAX_DETAIL_ERROR_LEN: usize = 256;

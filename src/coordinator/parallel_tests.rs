@@ -578,3 +578,252 @@ fn a_transition_that_dispatches_nothing_of_its_own_introduces_no_stamp() {
             .all(|a| a.stamp != tests::stamp(77))
     );
 }
+
+/// `pack` wraps each item of `/input/items`, two at once; `ship` gets the
+/// wrapped items. Indices: pack 0, ship 1, wrap 2.
+fn packing(on_failure: OnFailure, max_items: Option<u32>) -> Workflows {
+    let map = StepDefinition {
+        input: Some("/input/items".into()),
+        max_concurrency: Some(2),
+        max_items,
+        on_failure,
+        ..StepDefinition::map("pack", vec![task("wrap")])
+    };
+    Workflows::new(vec![workflow(vec![map, task("ship")])]).unwrap()
+}
+
+/// The stamp of the attempt outstanding for item `item`.
+fn item_stamp(s: &RunState, item: u32) -> Uuid {
+    s.lanes
+        .iter()
+        .find(|l| l.item == Some(item))
+        .and_then(|l| l.outstanding.as_ref())
+        .map(|o| o.stamp)
+        .unwrap_or_else(|| panic!("no attempt outstanding for item {item}"))
+}
+
+#[test]
+fn a_map_runs_its_steps_for_each_item_a_few_at_once_and_keeps_their_order() {
+    let wf = packing(OnFailure::FailFast, None);
+    let tr = start(&wf, json!({"items": ["a", "b", "c"]}));
+    let sent = dispatches(&tr);
+    assert_eq!(sent.len(), 2, "max_concurrency 2");
+    for (k, d) in sent.iter().enumerate() {
+        assert_eq!(d["step"], "wrap");
+        assert_eq!(d["item"], k);
+        assert_eq!(d.get("branch"), None);
+        assert_eq!(d["step_key"], format!("r1/step/2/item/{k}"));
+        assert_eq!(
+            d["attempt"],
+            k + 1,
+            "a step's attempts are numbered across its items"
+        );
+    }
+    assert_eq!(
+        (&sent[0]["input"], &sent[1]["input"]),
+        (&json!("a"), &json!("b"))
+    );
+    // Item 1 ends: item 2 starts in the same transition.
+    let b = item_stamp(&tr.state, 1);
+    let tr = apply(&tr.state, &result_ok(b, json!("B")), &wf, 10, 2);
+    assert_eq!(tr.record.kind, TransitionKind::StepSucceeded);
+    let sent = dispatches(&tr);
+    assert_eq!(
+        (&sent[0]["item"], &sent[0]["input"], &sent[0]["attempt"]),
+        (&json!(2), &json!("c"), &json!(3))
+    );
+    assert_eq!(tr.record.detail["next_stamp"], tests::stamp(2).to_string());
+    let c = item_stamp(&tr.state, 2);
+    let tr = apply(&tr.state, &result_ok(c, json!("C")), &wf, 20, 3);
+    assert!(dispatches(&tr).is_empty());
+    let a = item_stamp(&tr.state, 0);
+    let tr = apply(&tr.state, &result_ok(a, json!("A")), &wf, 30, 4);
+    let sent = dispatches(&tr);
+    assert_eq!(sent[0]["step"], "ship");
+    assert_eq!(
+        sent[0]["input"],
+        json!(["A", "B", "C"]),
+        "results in item order"
+    );
+    assert_eq!(sent[0].get("item"), None);
+    assert!(tr.state.lanes.is_empty());
+}
+
+#[test]
+fn an_item_retries_on_its_own_count_and_its_failure_fails_the_map() {
+    let wf = packing(OnFailure::FailFast, None);
+    let tr = start(&wf, json!({"items": [1, 2]}));
+    let first = item_stamp(&tr.state, 0);
+    let other = item_stamp(&tr.state, 1);
+    let tr = apply(&tr.state, &result_err(first, true), &wf, 10, 2);
+    assert_eq!(tr.record.kind, TransitionKind::StepRetryScheduled);
+    let tr = apply(&tr.state, &timer(TimerKind::Retry, first), &wf, 400, 3);
+    let sent = dispatches(&tr);
+    assert_eq!(
+        (&sent[0]["item"], &sent[0]["attempt"]),
+        (&json!(0), &json!(3))
+    );
+    assert_eq!(sent[0]["step_key"], "r1/step/2/item/0");
+    // The item's second attempt is its last (max_attempts 2), whatever
+    // the step's attempt numbers.
+    let second = item_stamp(&tr.state, 0);
+    let tr = apply(&tr.state, &result_err(second, true), &wf, 500, 4);
+    assert_eq!(tr.record.kind, TransitionKind::RunFailed);
+    let d = &tr.record.detail;
+    assert_eq!(
+        (&d["cause"], &d["failed_item"], &d["branch_cause"]),
+        (&json!(ITEM_FAILED), &json!(0), &json!("attempts_exhausted"))
+    );
+    assert_eq!(d["cancelled_stamps"], json!([other.to_string()]));
+    let error = tr.state.error.unwrap();
+    assert!(
+        error.starts_with("item_failed: item 0 of step 0 (pack) failed: "),
+        "{error}"
+    );
+}
+
+#[test]
+fn with_all_settled_every_item_runs_before_the_map_fails() {
+    let wf = packing(OnFailure::AllSettled, None);
+    let tr = start(&wf, json!({"items": [1, 2, 3]}));
+    let first = item_stamp(&tr.state, 0);
+    let tr = apply(&tr.state, &result_err(first, false), &wf, 10, 2);
+    assert_eq!(tr.record.kind, TransitionKind::BranchFailed);
+    assert_eq!(dispatches(&tr)[0]["item"], 2, "the next item starts");
+    let tr = apply(
+        &tr.state,
+        &result_ok(item_stamp(&tr.state, 1), json!(2)),
+        &wf,
+        20,
+        3,
+    );
+    let tr = apply(
+        &tr.state,
+        &result_ok(item_stamp(&tr.state, 2), json!(3)),
+        &wf,
+        30,
+        4,
+    );
+    assert_eq!(tr.record.kind, TransitionKind::RunFailed);
+    assert_eq!(tr.record.detail["failed_item"], 0);
+}
+
+#[test]
+fn a_map_of_nothing_ends_at_once_and_one_of_no_array_or_too_many_items_fails() {
+    let wf = packing(OnFailure::FailFast, Some(2));
+    let tr = start(&wf, json!({"items": []}));
+    let sent = dispatches(&tr);
+    assert_eq!(
+        (&sent[0]["step"], &sent[0]["input"]),
+        (&json!("ship"), &json!([]))
+    );
+    assert_eq!(
+        tr.record.detail["passed_steps"],
+        json!([{"step_index": 0, "output": []}])
+    );
+    for (input, cause) in [
+        (json!({"items": {"a": 1}}), NOT_AN_ARRAY),
+        (json!({"items": [1, 2, 3]}), TOO_MANY_ITEMS),
+    ] {
+        let tr = start(&wf, input);
+        assert_eq!(tr.state.status, RunStatus::Failed);
+        assert_eq!(tr.record.detail["cause"], cause);
+        assert!(tr.state.error.as_deref().unwrap().starts_with(cause));
+        assert!(dispatches(&tr).is_empty() && tr.state.lanes.is_empty());
+    }
+}
+
+#[test]
+fn a_parallel_step_in_a_map_keys_each_item_and_branch_apart() {
+    // Indices: each 0, both 1, x 2, y 3.
+    let both =
+        StepDefinition::parallel("both", vec![("x", vec![task("x")]), ("y", vec![task("y")])]);
+    let wf = Workflows::new(vec![workflow(vec![StepDefinition::map(
+        "each",
+        vec![both],
+    )])])
+    .unwrap();
+    let tr = start(&wf, json!([10, 20]));
+    let keys: Vec<(Value, Value, Value)> = dispatches(&tr)
+        .iter()
+        .map(|d| {
+            (
+                d["step_key"].clone(),
+                d["branch"].clone(),
+                d["item"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            (json!("r1/step/2/item/0"), json!("x"), json!(0)),
+            (json!("r1/step/3/item/0"), json!("y"), json!(0)),
+            (json!("r1/step/2/item/1"), json!("x"), json!(1)),
+            (json!("r1/step/3/item/1"), json!("y"), json!(1)),
+        ]
+    );
+    let mut tr = tr;
+    for (e, n) in (10..).zip(0..4) {
+        let stamp = tr
+            .state
+            .lanes
+            .iter()
+            .filter_map(|l| l.outstanding.as_ref())
+            .map(|o| o.stamp)
+            .next()
+            .unwrap();
+        tr = apply(
+            &tr.state,
+            &result_ok(stamp, json!(n)),
+            &wf,
+            e,
+            u128::from(u32::try_from(e).unwrap()),
+        );
+    }
+    assert_eq!(tr.record.kind, TransitionKind::RunSucceeded);
+    let out = &tr.state.output;
+    assert_eq!(out.as_array().map(Vec::len), Some(2), "{out}");
+    assert!(out[0]["x"].is_number() && out[1]["y"].is_number(), "{out}");
+}
+
+#[test]
+fn map_definitions_are_checked() {
+    let check =
+        |steps: Vec<StepDefinition>| workflow(steps).validate().map_err(|e| (e.rule, e.field));
+    assert_eq!(
+        check(vec![StepDefinition::map("m", vec![])]),
+        Err((Rule::Invalid, "steps[0].steps".into()))
+    );
+    assert_eq!(
+        check(vec![StepDefinition {
+            max_concurrency: Some(0),
+            ..StepDefinition::map("m", vec![task("t")])
+        }]),
+        Err((Rule::Invalid, "steps[0].max_concurrency".into()))
+    );
+    assert_eq!(
+        check(vec![StepDefinition {
+            max_items: Some(1001),
+            ..StepDefinition::map("m", vec![task("t")])
+        }]),
+        Err((Rule::Invalid, "steps[0].max_items".into()))
+    );
+    assert_eq!(
+        check(vec![StepDefinition {
+            steps: vec![task("t")],
+            ..task("x")
+        }]),
+        Err((Rule::FieldOfOtherKind, "steps[0].steps".into()))
+    );
+    assert_eq!(
+        check(vec![StepDefinition::map(
+            "m",
+            vec![StepDefinition {
+                end: true,
+                ..task("t")
+            }]
+        )]),
+        Err((Rule::NotInBranch, "steps[0].steps[0].end".into()))
+    );
+}

@@ -118,7 +118,7 @@ pub struct Visits {
     pub first_attempt: u32,
 }
 
-/// What became of a branch of a `parallel` step.
+/// What became of a branch of a `parallel` step or an item of a `map`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LaneStatus {
@@ -136,10 +136,23 @@ pub enum LaneStatus {
 /// across the whole workflow ([`crate::coordinator::definition::Place`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Lane {
-    /// The index of the `parallel` step.
+    /// Its number, unique among the run's lanes.
+    pub id: u32,
+    /// The lane whose step it runs in (by `id`); `None` when that is the
+    /// run's own cursor. A map's items run the steps inside it at once, so
+    /// a nested step's lanes are told apart by the lane they belong to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<u32>,
+    /// The index of the `parallel` or `map` step.
     pub parallel: u32,
-    /// Which of its branches, by position.
+    /// Which of its branches, by position (0 in a map).
     pub branch: u32,
+    /// In a map: the item, by position in its input.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub item: Option<u32>,
+    /// Attempts of its current task step so far: its retries count them.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub tries: u32,
     pub status: LaneStatus,
     /// Its current step (its last, once it succeeded).
     pub step_index: u32,
@@ -156,6 +169,10 @@ pub struct Lane {
     /// Why it failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// A retry waiting for its timer; the timer names the failed attempt's stamp.

@@ -374,7 +374,7 @@ mod tests {
         let written = serde_json::to_value(&state).unwrap();
         assert!(written.get("lanes").is_none(), "{written}");
         // A run in a parallel step keeps its lanes, and reads them back.
-        let lane = json!({"parallel": 0, "branch": 1, "status": "running", "step_index": 4,
+        let lane = json!({"id": 0, "parallel": 0, "branch": 1, "status": "running", "step_index": 4,
                           "attempt": 1, "output": {"n": 1}});
         state.lanes = vec![serde_json::from_value(lane.clone()).unwrap()];
         let written = serde_json::to_value(&state).unwrap();

@@ -163,6 +163,7 @@ mod tests {
                 deadline: now() + chrono::TimeDelta::milliseconds(5_000),
                 input: json!({"order": 7}),
                 branch: None,
+                item: None,
             }
         );
         assert!(!step.is_expired(now()));

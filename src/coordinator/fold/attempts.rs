@@ -157,7 +157,10 @@ impl Ctx<'_> {
         timer: &TimerWakeup,
     ) -> Decision {
         let index = self.state.step_index;
-        let next_attempt = self.state.attempt.saturating_add(1);
+        // After every attempt of the step: a map's items number them
+        // between them.
+        let next_attempt = b.first_attempt(index);
+        b.count_try(false);
         let Some(retried) = step(def, index) else {
             return reject(
                 RejectionClass::UnknownWorkflow,

@@ -105,7 +105,7 @@ impl<'a> Builder<'a> {
     ) -> Option<Uuid> {
         let step = step(def, step_index)?;
         let stamp = self.stamp();
-        let branch = self.branch_name(def);
+        let (branch, items) = self.lane_labels(def);
         let deadline = add_ms(self.now, step.timeout_ms);
         let s = &mut self.state;
         s.step_index = step_index;
@@ -139,15 +139,17 @@ impl<'a> Builder<'a> {
             step: step.name.clone(),
             step_index,
             attempt,
-            step_key: names::step_key_of_visit(
+            step_key: names::step_key_of_items(
                 &s.run_id,
                 step_index,
                 s.visits.get(&step_index).map_or(1, |v| v.count),
+                &items,
             ),
             stamp,
             deadline,
             input,
             branch,
+            item: items.last().copied(),
         };
         let target = EffectTarget::StepQueue {
             pool: step.pool.clone(),
@@ -255,7 +257,12 @@ impl<'a> Builder<'a> {
             .visits
             .get(&attempt.step_index)
             .map_or(1, |v| v.first_attempt);
-        let nth = attempt.attempt.saturating_sub(first).saturating_add(1);
+        // A branch or an item counts its own: a map's items number the
+        // attempts of one step between them.
+        let nth = match self.tries() {
+            Some(tries) => tries,
+            None => attempt.attempt.saturating_sub(first).saturating_add(1),
+        };
         match policy {
             Some(policy) if retryable && nth < policy.max_attempts => {
                 let backoff_ms = policy.backoff_ms(nth, self.entropy.jitter_unit);

@@ -1,4 +1,5 @@
-//! Steps that run branches at once: `parallel` steps.
+//! Steps that run branches at once: `parallel` steps, and `map` steps,
+//! whose items run as branches do.
 //!
 //! Entering a parallel step leaves the run's own cursor on it and starts
 //! one [`Lane`] per branch: each lane is a cursor like the run's (its step,
@@ -15,7 +16,12 @@
 //! good fails the step at once, cancelling the others' outstanding
 //! attempts (`fail_fast`), or once every branch ended (`all_settled`); the
 //! step's failure is its cursor's, and fails the run (cause
-//! [`BRANCH_FAILED`]) or, nested, the branch around it. A transition
+//! [`BRANCH_FAILED`]) or, nested, the branch around it. A map starts a
+//! lane per item of its input, at most its `max_concurrency` at once, the
+//! next as one ends; its result is the items' results in item order, and
+//! a failed item fails it as a branch does (cause [`ITEM_FAILED`]). Each
+//! lane names the lane it runs in (`owner`), since a map's items run the
+//! steps inside it at once. A transition
 //! introduces one stamp per attempt or wait it starts, the first the
 //! entropy's, the others derived from it ([`Builder::stamp`]).
 //!
@@ -31,11 +37,48 @@ use super::waits::Entered;
 use super::{Builder, Ctx, Decision, RejectionClass, reject, step};
 use crate::contract::input::truncate;
 use crate::contract::{TimerKind, TimerWakeup, TransitionKind};
-use crate::coordinator::definition::{OnFailure, WorkflowDefinition};
+use crate::coordinator::definition::{OnFailure, StepDefinition, StepKind, WorkflowDefinition};
 use crate::coordinator::state::{AttemptStatus, Lane, LaneStatus, RunState, RunStatus};
 
 /// The cause of a run failed because a branch of a parallel step failed.
 pub const BRANCH_FAILED: &str = "branch_failed";
+/// The cause of a run failed because an item of a map failed.
+pub const ITEM_FAILED: &str = "item_failed";
+/// The cause of a run failed because a map's input is no array.
+pub const NOT_AN_ARRAY: &str = "not_an_array";
+/// The cause of a run failed because a map's input has more items than
+/// its `max_items`.
+pub const TOO_MANY_ITEMS: &str = "too_many_items";
+
+/// The items of map step `index` with `input`, or the cause and error
+/// that fail it.
+fn items_of(
+    index: u32,
+    step: &StepDefinition,
+    input: &Value,
+) -> Result<usize, (&'static str, String)> {
+    let Value::Array(items) = input else {
+        return Err((
+            NOT_AN_ARRAY,
+            format!(
+                "{NOT_AN_ARRAY}: step {index} ({}) maps over its input, which is no array",
+                step.name
+            ),
+        ));
+    };
+    let limit = step.item_limit();
+    if items.len() > limit as usize {
+        return Err((
+            TOO_MANY_ITEMS,
+            format!(
+                "{TOO_MANY_ITEMS}: step {index} ({}) maps over {} items, over its max_items of {limit}",
+                step.name,
+                items.len()
+            ),
+        ));
+    }
+    Ok(items.len())
+}
 
 /// What entering a parallel step, or ending one of its branches, did.
 pub(super) enum Branches {
@@ -99,29 +142,33 @@ fn swap(state: &mut RunState, i: usize) {
     state.status = run_status(status);
 }
 
-/// Whether step `index` is in a branch of the parallel step `parallel`,
-/// at any depth.
-fn within(def: &WorkflowDefinition, mut index: u32, parallel: u32) -> bool {
-    while let Some(outer) = def.place(index).and_then(|p| p.parallel) {
-        if outer == parallel {
-            return true;
-        }
-        index = outer;
+/// The lanes of step `parallel` run by the cursor `owner` (a lane's id,
+/// `None` for the run's own), and every lane inside them.
+fn lanes_under(state: &RunState, owner: Option<u32>, parallel: u32) -> Vec<usize> {
+    let lanes = &state.lanes;
+    let mut ids: Vec<u32> = lanes
+        .iter()
+        .filter(|l| l.owner == owner && l.parallel == parallel)
+        .map(|l| l.id)
+        .collect();
+    let mut i = 0;
+    while i < ids.len() {
+        let id = ids[i];
+        ids.extend(lanes.iter().filter(|l| l.owner == Some(id)).map(|l| l.id));
+        i += 1;
     }
-    false
-}
-
-/// The lanes of the parallel step `parallel` and of those nested in it.
-fn lanes_under(state: &RunState, def: &WorkflowDefinition, parallel: u32) -> Vec<usize> {
-    (0..state.lanes.len())
-        .filter(|&i| {
-            let p = state.lanes[i].parallel;
-            p == parallel || within(def, p, parallel)
-        })
+    (0..lanes.len())
+        .filter(|&i| ids.contains(&lanes[i].id))
         .collect()
 }
 
 impl Builder<'_> {
+    /// The id of the lane in focus: the owner of the lanes it starts.
+    fn owner(&self) -> Option<u32> {
+        let &i = self.focus.last()?;
+        self.state.lanes.get(i).map(|l| l.id)
+    }
+
     fn focus(&mut self, lane: usize) {
         swap(&mut self.state, lane);
         self.focus.push(lane);
@@ -138,12 +185,39 @@ impl Builder<'_> {
         !self.focus.is_empty() && index == super::choice::END_OF_BRANCH
     }
 
-    /// The name of the branch in focus, for its dispatches.
-    pub(super) fn branch_name(&self, def: &WorkflowDefinition) -> Option<String> {
+    /// What the dispatches of the lane in focus name: the innermost branch
+    /// of a parallel step around it, and the items of the maps around it,
+    /// outermost first.
+    pub(super) fn lane_labels(&self, def: &WorkflowDefinition) -> (Option<String>, Vec<u32>) {
+        let lanes = self.focus.iter().filter_map(|&i| self.state.lanes.get(i));
+        let items: Vec<u32> = lanes.clone().filter_map(|l| l.item).collect();
+        let branch = lanes
+            .filter(|l| l.item.is_none())
+            .filter_map(|l| step(def, l.parallel)?.branches.get(l.branch as usize))
+            .map(|b| b.name.clone())
+            .next_back();
+        (branch, items)
+    }
+
+    /// Counts an attempt of the task step of the lane in focus: its first,
+    /// or one more.
+    pub(super) fn count_try(&mut self, first: bool) {
+        let Some(&i) = self.focus.last() else {
+            return;
+        };
+        if let Some(lane) = self.state.lanes.get_mut(i) {
+            lane.tries = if first {
+                1
+            } else {
+                lane.tries.saturating_add(1)
+            };
+        }
+    }
+
+    /// The attempts the lane in focus made of its current step, if one is.
+    pub(super) fn tries(&self) -> Option<u32> {
         let lane = self.state.lanes.get(*self.focus.last()?)?;
-        let parallel = step(def, lane.parallel)?;
-        let branch = parallel.branches.get(lane.branch as usize)?;
-        Some(branch.name.clone())
+        (lane.tries > 0).then_some(lane.tries)
     }
 
     /// Enters parallel step `index` with `input`: a lane per branch, each
@@ -154,7 +228,7 @@ impl Builder<'_> {
         index: u32,
         input: Value,
     ) -> Result<Branches, Decision> {
-        let parallel = step(def, index).ok_or_else(fewer_steps)?;
+        let step = step(def, index).ok_or_else(fewer_steps)?;
         let s = &mut self.state;
         s.step_index = index;
         s.attempt = 1;
@@ -162,83 +236,183 @@ impl Builder<'_> {
         s.pending_retry = None;
         s.waiting = None;
         // What an earlier start of the step left (a loop, a retry of the run).
-        let old = lanes_under(&self.state, def, index);
+        let old = lanes_under(&self.state, self.owner(), index);
         self.drop_lanes(&old);
-        for branch in 0..parallel.branches.len() {
+        if step.kind == StepKind::Map {
+            if let Err((cause, error)) = items_of(index, step, &input) {
+                self.detail("cause", cause.into());
+                self.fail_run(index, error);
+                return Ok(Branches::Failed);
+            }
+            return self.branches_of(def, index);
+        }
+        for branch in 0..step.branches.len() {
             let branch = u32::try_from(branch).unwrap_or(u32::MAX);
-            let first = def.branch_first(index, branch).ok_or_else(fewer_steps)?;
-            self.state.lanes.push(Lane {
-                parallel: index,
-                branch,
-                status: LaneStatus::Running,
-                step_index: first,
-                attempt: 1,
-                output: input.clone(),
-                outstanding: None,
-                pending_retry: None,
-                waiting: None,
-                error: None,
-            });
-            self.focus(self.state.lanes.len() - 1);
-            let entered = self.enter(def, first);
-            self.unfocus();
-            if matches!(entered?, Entered::Failed) && parallel.on_failure == OnFailure::FailFast {
+            let failed = self.start_lane(def, index, branch, None, input.clone())?;
+            if failed && step.on_failure == OnFailure::FailFast {
                 break;
             }
         }
         self.branches_of(def, index)
     }
 
-    /// Where the branches of parallel step `index` stand, its cursor in
-    /// the state's own fields: running, or the step ended (its lanes gone).
-    fn branches_of(&mut self, def: &WorkflowDefinition, index: u32) -> Result<Branches, Decision> {
-        let parallel = step(def, index).ok_or_else(fewer_steps)?;
-        let mine: Vec<usize> = (0..self.state.lanes.len())
-            .filter(|&i| self.state.lanes[i].parallel == index)
-            .collect();
-        let lanes = &self.state.lanes;
-        let failed = mine
+    /// Starts a lane of step `index` (branch `branch`, or item `item` of a
+    /// map) with `input`, entering its first step; whether it failed there.
+    fn start_lane(
+        &mut self,
+        def: &WorkflowDefinition,
+        index: u32,
+        branch: u32,
+        item: Option<u32>,
+        input: Value,
+    ) -> Result<bool, Decision> {
+        let first = def.branch_first(index, branch).ok_or_else(fewer_steps)?;
+        let id = self
+            .state
+            .lanes
             .iter()
-            .copied()
-            .find(|&i| lanes[i].status == LaneStatus::Failed);
-        let settled = mine.iter().all(|&i| lanes[i].status != LaneStatus::Running);
-        if let Some(failed) = failed
-            && (settled || parallel.on_failure == OnFailure::FailFast)
-        {
-            let lane = &lanes[failed];
-            let name = parallel
-                .branches
-                .get(lane.branch as usize)
-                .map_or("", |b| b.name.as_str());
-            let error = format!(
-                "{BRANCH_FAILED}: branch {name:?} of step {index} ({}) failed: {}",
-                parallel.name,
-                lane.error.as_deref().unwrap_or_default()
-            );
-            self.detail("failed_branch", name.into());
-            let under = lanes_under(&self.state, def, index);
-            self.cancel_lanes(&under, &error);
+            .map(|l| l.id.saturating_add(1))
+            .max()
+            .unwrap_or(0);
+        let owner = self.owner();
+        self.state.lanes.push(Lane {
+            id,
+            owner,
+            parallel: index,
+            branch,
+            item,
+            tries: 0,
+            status: LaneStatus::Running,
+            step_index: first,
+            attempt: 1,
+            output: input,
+            outstanding: None,
+            pending_retry: None,
+            waiting: None,
+            error: None,
+        });
+        self.focus(self.state.lanes.len() - 1);
+        let entered = self.enter(def, first);
+        self.unfocus();
+        Ok(matches!(entered?, Entered::Failed))
+    }
+
+    /// Where the lanes of step `index` stand, its cursor in the state's own
+    /// fields: a map starts its next items while fewer than its
+    /// `max_concurrency` run; then the step runs, or it ended (its lanes
+    /// gone).
+    fn branches_of(&mut self, def: &WorkflowDefinition, index: u32) -> Result<Branches, Decision> {
+        let step = step(def, index).ok_or_else(fewer_steps)?;
+        let items = match step.kind {
+            // Nothing writes the document while a map runs: its input is
+            // the one it started with.
+            StepKind::Map => match self.step_input(step, index) {
+                Ok(Value::Array(items)) => items,
+                _ => return Err(fewer_steps()),
+            },
+            _ => Vec::new(),
+        };
+        let total = match step.kind {
+            StepKind::Map => items.len(),
+            _ => step.branches.len(),
+        };
+        let owner = self.owner();
+        loop {
+            let mine: Vec<usize> = (0..self.state.lanes.len())
+                .filter(|&i| {
+                    let lane = &self.state.lanes[i];
+                    lane.parallel == index && lane.owner == owner
+                })
+                .collect();
+            let lanes = &self.state.lanes;
+            let running = mine
+                .iter()
+                .filter(|&&i| lanes[i].status == LaneStatus::Running)
+                .count();
+            let failed = mine
+                .iter()
+                .copied()
+                .find(|&i| lanes[i].status == LaneStatus::Failed);
+            let settled = running == 0 && mine.len() == total;
+            if let Some(failed) = failed
+                && (settled || step.on_failure == OnFailure::FailFast)
+            {
+                self.fail_step(def, index, failed);
+                return Ok(Branches::Failed);
+            }
+            if mine.len() < total && running < step.concurrency() as usize {
+                let item = u32::try_from(mine.len()).unwrap_or(u32::MAX);
+                let input = items.get(mine.len()).cloned().unwrap_or(Value::Null);
+                self.start_lane(def, index, 0, Some(item), input)?;
+                continue;
+            }
+            if !settled {
+                return Ok(Branches::Running(self.entropy.stamp));
+            }
+            let output = match step.kind {
+                StepKind::Map => {
+                    let mut done: Vec<(u32, Value)> = mine
+                        .iter()
+                        .map(|&i| (lanes[i].item.unwrap_or(0), lanes[i].output.clone()))
+                        .collect();
+                    done.sort_by_key(|(item, _)| *item);
+                    Value::Array(done.into_iter().map(|(_, output)| output).collect())
+                }
+                _ => {
+                    let mut output = Map::new();
+                    for &i in &mine {
+                        if let Some(branch) = step.branches.get(lanes[i].branch as usize) {
+                            output.insert(branch.name.clone(), lanes[i].output.clone());
+                        }
+                    }
+                    Value::Object(output)
+                }
+            };
+            let under = lanes_under(&self.state, owner, index);
             self.drop_lanes(&under);
-            if let Some(cause) = self.detail.remove("cause") {
-                self.detail("branch_cause", cause);
+            return Ok(Branches::Succeeded(output));
+        }
+    }
+
+    /// Step `index` fails because its lane `failed` did: the others are
+    /// cancelled, and its cursor fails with the cause of its kind.
+    fn fail_step(&mut self, def: &WorkflowDefinition, index: u32, failed: usize) {
+        let Some(step) = step(def, index) else {
+            return;
+        };
+        let lane = &self.state.lanes[failed];
+        let why = lane.error.clone().unwrap_or_default();
+        let (item, branch) = (lane.item, lane.branch);
+        let (cause, error) = match item {
+            Some(item) => {
+                self.detail("failed_item", item.into());
+                let error = format!(
+                    "{ITEM_FAILED}: item {item} of step {index} ({}) failed: {why}",
+                    step.name
+                );
+                (ITEM_FAILED, error)
             }
-            self.detail("cause", BRANCH_FAILED.into());
-            self.fail_run(index, error);
-            return Ok(Branches::Failed);
-        }
-        if !settled {
-            return Ok(Branches::Running(self.entropy.stamp));
-        }
-        let mut output = Map::new();
-        for &i in &mine {
-            let lane = &self.state.lanes[i];
-            if let Some(branch) = parallel.branches.get(lane.branch as usize) {
-                output.insert(branch.name.clone(), lane.output.clone());
+            None => {
+                let name = step
+                    .branches
+                    .get(branch as usize)
+                    .map_or("", |b| b.name.as_str());
+                let error = format!(
+                    "{BRANCH_FAILED}: branch {name:?} of step {index} ({}) failed: {why}",
+                    step.name
+                );
+                self.detail("failed_branch", name.into());
+                (BRANCH_FAILED, error)
             }
-        }
-        let under = lanes_under(&self.state, def, index);
+        };
+        let under = lanes_under(&self.state, self.owner(), index);
+        self.cancel_lanes(&under, &error);
         self.drop_lanes(&under);
-        Ok(Branches::Succeeded(Value::Object(output)))
+        if let Some(cause) = self.detail.remove("cause") {
+            self.detail("branch_cause", cause);
+        }
+        self.detail("cause", cause.into());
+        self.fail_run(index, error);
     }
 
     /// Ends the running ones among `lanes`: each outstanding attempt is
@@ -299,7 +473,12 @@ impl Builder<'_> {
             }
             let failed = ended.status == LaneStatus::Failed;
             let index = ended.parallel;
-            kind = match self.branches_of(def, index)? {
+            let progress = self.branches_of(def, index)?;
+            if matches!(progress, Branches::Running(_)) && self.stamps > 0 {
+                // A map's next item started.
+                self.detail("next_stamp", self.entropy.stamp.to_string().into());
+            }
+            kind = match progress {
                 Branches::Running(_) if failed => TransitionKind::BranchFailed,
                 Branches::Running(_) => TransitionKind::StepSucceeded,
                 Branches::Failed => TransitionKind::RunFailed,
@@ -334,17 +513,11 @@ impl<'a> Ctx<'a> {
         if !self.focus.is_empty() || s.status.is_terminal() || s.lanes.is_empty() {
             return None;
         }
-        let def = self.definition().ok()?;
         let running = |l: &Lane| l.status == LaneStatus::Running;
         let mut current = s.lanes.iter().position(|l| running(l) && pick(l))?;
         let mut chain = vec![current];
-        while let Some(place) = def.place(s.lanes[current].parallel)
-            && let Some(outer) = place.parallel
-        {
-            current = s
-                .lanes
-                .iter()
-                .position(|l| running(l) && l.parallel == outer && l.branch == place.branch)?;
+        while let Some(owner) = s.lanes[current].owner {
+            current = s.lanes.iter().position(|l| running(l) && l.id == owner)?;
             chain.push(current);
         }
         chain.reverse();

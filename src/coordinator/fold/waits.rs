@@ -69,6 +69,7 @@ impl Builder<'_> {
             let output = match step.kind {
                 StepKind::Task => {
                     let attempt = self.first_attempt(index);
+                    self.count_try(true);
                     let stamp = self
                         .dispatch(def, index, attempt, input)
                         .ok_or_else(fewer_steps)?;
@@ -88,11 +89,13 @@ impl Builder<'_> {
                     index = self.choose(def, index, step);
                     continue;
                 }
-                StepKind::Parallel => match self.enter_parallel(def, index, input)? {
-                    Branches::Running(stamp) => return Ok(Entered::Started(stamp)),
-                    Branches::Failed => return Ok(Entered::Failed),
-                    Branches::Succeeded(output) => output,
-                },
+                StepKind::Parallel | StepKind::Map => {
+                    match self.enter_parallel(def, index, input)? {
+                        Branches::Running(stamp) => return Ok(Entered::Started(stamp)),
+                        Branches::Failed => return Ok(Entered::Failed),
+                        Branches::Succeeded(output) => output,
+                    }
+                }
                 StepKind::AwaitSignal => {
                     let name = step.signal.clone().unwrap_or_default();
                     match self.take_kept_signal(&name, index) {
