@@ -278,6 +278,17 @@ fn parallel_workflows(dir: &Path) {
         task("ship", 5000)
     );
     std::fs::write(dir.join("pack.toml"), pack).unwrap();
+    let stalled = format!(
+        "name = \"stalled\"\nversion = 1\n\n\
+         [[steps]]\nname = \"both\"\nkind = \"parallel\"\n\n\
+         [[steps.branches]]\nname = \"one\"\n[[steps.branches.steps]]\n{}\n\
+         [steps.branches.steps.retry]\nmax_attempts = 1\n\n\
+         [[steps.branches]]\nname = \"two\"\n[[steps.branches.steps]]\n{}\n\
+         [steps.branches.steps.retry]\nmax_attempts = 1\n",
+        task("hang1", 1000),
+        task("hang2", 1000)
+    );
+    std::fs::write(dir.join("stalled.toml"), stalled).unwrap();
     std::fs::write(dir.join("fan.toml"), fan).unwrap();
     std::fs::write(dir.join("fragile.toml"), fragile).unwrap();
 }
@@ -290,7 +301,7 @@ async fn branch_worker(step: StepDispatch) -> StepOutcome {
             message: "out of stock".into(),
             retryable: false,
         },
-        "slow" => std::future::pending().await,
+        "slow" | "hang1" | "hang2" => std::future::pending().await,
         "wrap" => StepOutcome::Succeeded(json!({ "wrapped": step.input, "item": step.item })),
         _ => StepOutcome::Succeeded(json!({
             "step": step.step, "branch": step.branch, "input": step.input,
@@ -319,12 +330,19 @@ async fn parallel_steps_join_their_branches_a_failed_branch_cancels_the_rest_and
         CancellationToken::new(),
     ));
     let p = producer();
-    let (fan, fragile, pack) = (
+    let (fan, fragile, pack, stalled) = (
         common::unique("fan"),
         common::unique("fragile"),
         common::unique("pack"),
+        common::unique("stalled"),
     );
-    for (run_id, workflow) in [(&fan, "fan"), (&fragile, "fragile"), (&pack, "pack")] {
+    let runs = [
+        (&fan, "fan"),
+        (&fragile, "fragile"),
+        (&pack, "pack"),
+        (&stalled, "stalled"),
+    ];
+    for (run_id, workflow) in runs {
         let start = json!({
             "type": "run.start", "schema_version": 1, "run_id": run_id, "tenant": "acme",
             "workflow": workflow, "input": {"order": 9, "items": ["cup", "pot", "tray"]},
@@ -449,6 +467,20 @@ async fn parallel_steps_join_their_branches_a_failed_branch_cancels_the_rest_and
     .await
     .unwrap();
     assert_eq!(first, 2, "two items at once (max_concurrency)");
+
+    // Both branches' timeout timers, committed by one transition, fire:
+    // the first fails the step and cancels the other attempt.
+    let (status, state) = finished(&db, &stalled).await;
+    assert_eq!(status, "failed", "{state}");
+    let detail: Value = sqlx::query_scalar(
+        "SELECT detail FROM run_transitions WHERE run_id = $1 AND to_status = 'failed'",
+    )
+    .bind(&stalled)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(detail["branch_cause"], "attempts_exhausted", "{detail}");
+    assert_eq!(detail["cancelled_stamps"].as_array().map(Vec::len), Some(1));
 
     shutdown.cancel();
     serve.await.unwrap().unwrap();

@@ -1304,7 +1304,7 @@ fn result_kept(input: &Logged<'_>, ix: &Index<'_>, v: &mut Violations) {
 }
 
 /// The seq at which an attempt stopped being outstanding for another
-/// reason than its result (timeout or cancel).
+/// reason than its result (timeout, cancel, or another branch's failure).
 fn ended_seq(transitions: &[TransitionRow], a: &AttemptRow) -> Option<i64> {
     transitions
         .iter()
@@ -1313,6 +1313,7 @@ fn ended_seq(transitions: &[TransitionRow], a: &AttemptRow) -> Option<i64> {
                 || (t.kind == "run.cancelled"
                     && t.detail.get("stamp").and_then(Value::as_str)
                         == Some(a.stamp.to_string().as_str()))
+                || history::cancels(t, a.stamp)
         })
         .map(|t| t.seq)
 }

@@ -433,7 +433,7 @@ fn attempts_explained(
 
 /// Whether `t` cancelled the attempt `stamp` of a branch: its own failed
 /// first, or the run ended.
-fn cancels(t: &TransitionRow, stamp: Uuid) -> bool {
+pub fn cancels(t: &TransitionRow, stamp: Uuid) -> bool {
     let stamp = stamp.to_string();
     t.detail
         .get("cancelled_stamps")

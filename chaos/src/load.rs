@@ -646,7 +646,9 @@ impl Driver {
 
     fn input(&self) -> Value {
         let pad = "x".repeat(rand::random_range(0..MAX_PAD));
-        json!({ "n": self.next_n(), "pad": pad })
+        // What a map step maps over: none to three items.
+        let items: Vec<u32> = (0..rand::random_range(0..4)).collect();
+        json!({ "n": self.next_n(), "pad": pad, "items": items })
     }
 
     /// Produces one message and logs its fate. Returns partition and offset

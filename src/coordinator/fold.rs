@@ -43,10 +43,12 @@ mod signals;
 mod start;
 mod waits;
 use builder::Builder;
+#[cfg(any(test, feature = "internals"))]
 pub use builder::derived_stamp;
 pub use choice::LOOP_BOUND;
 pub use data::{RESULT_PATH_BLOCKED, UNRESOLVED_POINTER};
 pub use halt::fail_missing_workflow;
+#[cfg(any(test, feature = "internals"))]
 pub use parallel::{BRANCH_FAILED, ITEM_FAILED, NOT_AN_ARRAY, TOO_MANY_ITEMS};
 
 /// Longest error text copied into a transition's `detail`.

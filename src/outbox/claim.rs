@@ -38,7 +38,9 @@ use super::publish::{Cause, Unpublished, ordered_headers};
 /// rounds with 200 undelivered intents, and quadratic beyond.
 ///
 /// A step's timeout timer waits, besides, for the other effects of its
-/// transition (the step's dispatch above all): a timer must not end an
+/// transition (the step's dispatch above all) but the other timeout
+/// timers (a transition that starts branches has one per attempt, and
+/// they would wait for each other for ever): a timer must not end an
 /// attempt whose dispatch no worker could have seen yet; and for the
 /// results frontier (`$4`, see [`crate::outbox::frontier`]) to pass its deadline: a
 /// timer must not beat a result the worker sent in time.
@@ -64,6 +66,7 @@ const CLAIM_SQL: &str = "WITH candidate AS ( \
      AND NOT (c.cancel_key IS NOT NULL AND EXISTS ( \
          SELECT 1 FROM eec_effect_intent d \
          WHERE d.run_id = c.run_id AND d.seq = c.seq AND d.intent_id <> c.intent_id \
+           AND d.cancel_key IS NULL \
            AND d.status <> 'completed' AND d.status <> 'parked' \
          OFFSET 0)) \
  ) \
