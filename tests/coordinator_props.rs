@@ -87,6 +87,9 @@ struct Scenario {
     /// two at once, instead.
     parallel: Option<OnFailure>,
     map: bool,
+    /// Whether that parallel step or map catches its failure: the run then
+    /// goes on at a last step, `rescue`.
+    catches: bool,
     /// Whether branch `b` answers at once and branch `a` just before its
     /// deadline, rather than each half-way to its deadline.
     b_first: bool,
@@ -129,6 +132,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                 1 => Just(Some(OnFailure::AllSettled)),
             ],
             any::<bool>(),
+            any::<bool>(),
         ),
     )
         .prop_map(
@@ -141,7 +145,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                 retries,
                 selects,
                 loops,
-                (parallel, map),
+                (parallel, map, catches),
             )| {
                 Scenario {
                     steps,
@@ -154,6 +158,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                     loops,
                     parallel,
                     map,
+                    catches,
                     b_first: false,
                 }
             },
@@ -202,7 +207,20 @@ fn definition(name: &str, scn: &Scenario) -> WorkflowDefinition {
                 )
             }
         };
-        def.steps.push(fan);
+        if scn.catches {
+            let fan = StepDefinition {
+                end: true,
+                catch: Some(Catch {
+                    next: "rescue".into(),
+                    result: None,
+                }),
+                ..fan
+            };
+            def.steps.push(fan);
+            def.steps.push(task("rescue", 1_000, 2));
+        } else {
+            def.steps.push(fan);
+        }
     }
     def
 }
@@ -692,6 +710,18 @@ proptest! {
             }
             if let Decision::Transition(t) = d {
                 finished = t.state.status.is_terminal().then_some(t.state.status);
+            }
+        }
+        // A caught failure goes on at the rescue; a parallel step or map
+        // that catches never fails the run itself.
+        for t in &trs {
+            if t.record.kind == TransitionKind::StepCaught {
+                prop_assert!(scn.catches, "caught without a catch: {}", t.record.detail);
+                prop_assert_eq!(&t.record.detail["caught"]["step"], &json!("fan"));
+            }
+            let cause = t.record.detail["cause"].as_str();
+            if scn.catches && cause.is_some_and(|c| [BRANCH_FAILED, ITEM_FAILED].contains(&c)) {
+                prop_assert!(false, "a caught failure failed the run: {}", t.record.detail);
             }
         }
         // Each action id revives the run once at most.

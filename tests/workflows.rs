@@ -289,6 +289,16 @@ fn parallel_workflows(dir: &Path) {
         task("hang2", 1000)
     );
     std::fs::write(dir.join("stalled.toml"), stalled).unwrap();
+    let rescued = format!(
+        "name = \"rescued\"\nversion = 1\n\n\
+         [[steps]]\n{}catch = {{ next = \"apologize\" }}\n\n\
+         [[steps]]\n{}end = true\n\n\
+         [[steps]]\n{}input = \"/errors/broken\"\n",
+        task("broken", 5000),
+        task("ship", 5000),
+        task("apologize", 5000)
+    );
+    std::fs::write(dir.join("rescued.toml"), rescued).unwrap();
     std::fs::write(dir.join("fan.toml"), fan).unwrap();
     std::fs::write(dir.join("fragile.toml"), fragile).unwrap();
 }
@@ -310,8 +320,7 @@ async fn branch_worker(step: StepDispatch) -> StepOutcome {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn parallel_steps_join_their_branches_a_failed_branch_cancels_the_rest_and_a_map_keeps_its_order()
- {
+async fn branches_join_a_failed_one_cancels_the_rest_a_map_keeps_its_order_and_a_catch_goes_on() {
     let db = TestDb::migrated().await;
     let mut config = test_config(&db);
     let dir = tempfile::tempdir().unwrap();
@@ -330,17 +339,19 @@ async fn parallel_steps_join_their_branches_a_failed_branch_cancels_the_rest_and
         CancellationToken::new(),
     ));
     let p = producer();
-    let (fan, fragile, pack, stalled) = (
+    let (fan, fragile, pack, stalled, rescued) = (
         common::unique("fan"),
         common::unique("fragile"),
         common::unique("pack"),
         common::unique("stalled"),
+        common::unique("rescued"),
     );
     let runs = [
         (&fan, "fan"),
         (&fragile, "fragile"),
         (&pack, "pack"),
         (&stalled, "stalled"),
+        (&rescued, "rescued"),
     ];
     for (run_id, workflow) in runs {
         let start = json!({
@@ -481,6 +492,30 @@ async fn parallel_steps_join_their_branches_a_failed_branch_cancels_the_rest_and
     .unwrap();
     assert_eq!(detail["branch_cause"], "attempts_exhausted", "{detail}");
     assert_eq!(detail["cancelled_stamps"].as_array().map(Vec::len), Some(1));
+
+    // broken fails for good: its catch takes the run on to apologize,
+    // which reads the error, and the run succeeds.
+    let (status, state) = finished(&db, &rescued).await;
+    assert_eq!(status, "succeeded", "{state}");
+    let kinds: Vec<String> =
+        sqlx::query_scalar("SELECT kind FROM run_transitions WHERE run_id = $1 ORDER BY seq")
+            .bind(&rescued)
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(kinds, ["run.started", "step.caught", "run.succeeded"]);
+    let apologized = step_outputs(&db, &rescued).await.pop().unwrap().1;
+    assert_eq!(apologized["step"], "apologize");
+    let error = &apologized["input"];
+    assert_eq!(
+        (&error["step"], &error["cause"]),
+        (&json!("broken"), &json!("not_retryable"))
+    );
+    assert!(
+        error["error"].as_str().unwrap().ends_with("out of stock"),
+        "{error}"
+    );
+    assert_eq!(state["results"]["errors"]["broken"], *error);
 
     shutdown.cancel();
     serve.await.unwrap().unwrap();

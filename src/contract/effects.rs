@@ -176,10 +176,13 @@ pub enum TransitionKind {
     /// A branch of a `parallel` step failed for good while others still
     /// run (`on_failure = "all_settled"`).
     BranchFailed,
+    /// A step failed for good and its `catch` took the run on to another
+    /// step.
+    StepCaught,
 }
 
 impl TransitionKind {
-    pub const ALL: [TransitionKind; 11] = [
+    pub const ALL: [TransitionKind; 12] = [
         TransitionKind::RunStarted,
         TransitionKind::StepSucceeded,
         TransitionKind::StepRetryScheduled,
@@ -191,6 +194,7 @@ impl TransitionKind {
         TransitionKind::RunCancelled,
         TransitionKind::RunRetried,
         TransitionKind::BranchFailed,
+        TransitionKind::StepCaught,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -206,6 +210,7 @@ impl TransitionKind {
             TransitionKind::RunCancelled => "run.cancelled",
             TransitionKind::RunRetried => "run.retried",
             TransitionKind::BranchFailed => "branch.failed",
+            TransitionKind::StepCaught => "step.caught",
         }
     }
 

@@ -148,6 +148,22 @@ pub struct StepDefinition {
     /// [`DEFAULT_MAX_ITEMS`]); more fail the run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_items: Option<u32>,
+    /// What happens when the step fails for good: the run goes on at
+    /// another step, with the error in its document.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub catch: Option<Catch>,
+}
+
+/// Where a run goes on when a step fails for good.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Catch {
+    /// The step the run goes on at; it gets the error as its input.
+    pub next: String,
+    /// Where the error goes in the run's document: a JSON pointer outside
+    /// `/input`. Without it, `/errors/<step>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<String>,
 }
 
 /// One branch of a `parallel` step: a sequence of steps, run in order.
@@ -565,12 +581,13 @@ impl WorkflowDefinition {
                 ("end", step.end),
                 ("max_visits", step.max_visits.is_some()),
                 ("result", step.result.is_some()),
+                ("catch", step.catch.is_some()),
             ];
             if let Some((field, _)) = fields.iter().find(|(_, given)| *given) {
                 return refuse(
                     Rule::NotInBranch,
                     &format!(".{field}"),
-                    "a branch's steps run in order, and its result is its last step's output: a step in a branch takes no next, end, max_visits or result".into(),
+                    "a branch's steps run in order, and its result is its last step's output: a step in a branch takes no next, end, max_visits, result or catch".into(),
                 );
             }
         }
@@ -585,10 +602,12 @@ impl WorkflowDefinition {
     /// input or places its result, or the run selects its output.
     pub fn uses_document(&self) -> bool {
         self.output.is_some()
-            || self
-                .layout()
-                .iter()
-                .any(|(s, _)| s.input.is_some() || s.result.is_some() || s.kind == StepKind::Choice)
+            || self.layout().iter().any(|(s, _)| {
+                s.input.is_some()
+                    || s.result.is_some()
+                    || s.catch.is_some()
+                    || s.kind == StepKind::Choice
+            })
     }
 
     /// Each pointer is a JSON pointer; each result goes outside `/input`,
@@ -602,6 +621,11 @@ impl WorkflowDefinition {
             if let Some(result) = &step.result {
                 check_result(&step.name, result)
                     .map_err(|(rule, m)| DefinitionError::of(rule, at("result"), m))
+                    .map_err(|e| e.in_step(&step.name))?;
+            }
+            if let Some(result) = step.catch.as_ref().and_then(|c| c.result.as_ref()) {
+                check_result(&step.name, result)
+                    .map_err(|(rule, m)| DefinitionError::of(rule, at("catch.result"), m))
                     .map_err(|e| e.in_step(&step.name))?;
             }
             // A step in a branch reads what its parallel step could.
@@ -646,11 +670,13 @@ impl WorkflowDefinition {
             };
             let mut choice = 0;
             for (field, name) in flow::named_targets(step) {
-                let field = if field == "choices" {
-                    choice += 1;
-                    format!("choices[{}].next", choice - 1)
-                } else {
-                    field.to_owned()
+                let field = match field {
+                    "choices" => {
+                        choice += 1;
+                        format!("choices[{}].next", choice - 1)
+                    }
+                    "catch" => "catch.next".to_owned(),
+                    other => other.to_owned(),
                 };
                 if flow::index_of(self, name).is_none() {
                     return refuse(
@@ -733,10 +759,12 @@ fn check_read(pointer: &str, before: &[StepDefinition]) -> Result<(), (Rule, Str
         return Ok(());
     }
     let placed = before.iter().any(|step| {
-        let path = step.result_path();
-        let path = document::tokens(&path).unwrap_or_default();
-        let common = path.len().min(tokens.len());
-        path[..common] == tokens[..common]
+        let paths = [Some(step.result_path()), step.error_path()];
+        paths.into_iter().flatten().any(|path| {
+            let path = document::tokens(&path).unwrap_or_default();
+            let common = path.len().min(tokens.len());
+            path[..common] == tokens[..common]
+        })
     });
     if placed {
         Ok(())
@@ -776,6 +804,7 @@ impl StepDefinition {
             steps: Vec::new(),
             max_concurrency: None,
             max_items: None,
+            catch: None,
         }
     }
 
@@ -994,7 +1023,7 @@ impl StepDefinition {
     /// A field of another kind of step is a mistake, not something to ignore.
     fn validate_fields_of_kind(&self, at: &str) -> Result<(), DefinitionError> {
         use StepKind::{AwaitSignal, Choice, Map, Parallel, Sleep, Task};
-        let given: [(&str, bool, &[StepKind]); 18] = [
+        let given: [(&str, bool, &[StepKind]); 19] = [
             ("pool", !self.pool.is_empty(), &[Task]),
             ("retry", self.retry != RetryPolicy::default(), &[Task]),
             ("timeout_ms", self.timeout_ms != 0, &[Task, AwaitSignal]),
@@ -1033,6 +1062,11 @@ impl StepDefinition {
             ("steps", !self.steps.is_empty(), &[Map]),
             ("max_concurrency", self.max_concurrency.is_some(), &[Map]),
             ("max_items", self.max_items.is_some(), &[Map]),
+            (
+                "catch",
+                self.catch.is_some(),
+                &[Task, AwaitSignal, Sleep, Parallel, Map],
+            ),
         ];
         match given
             .iter()
@@ -1092,6 +1126,18 @@ impl StepDefinition {
         }
         validate_timeout(at, self.timeout_ms)?;
         self.retry.validate(&format!("{at}.retry"))
+    }
+
+    /// Where the error of its caught failure goes in the run's document,
+    /// if it has a catch.
+    pub fn error_path(&self) -> Option<String> {
+        let catch = self.catch.as_ref()?;
+        Some(
+            catch
+                .result
+                .clone()
+                .unwrap_or_else(|| document::default_error(&self.name)),
+        )
     }
 
     /// Where its result goes in the run's document.

@@ -54,9 +54,24 @@ fn unescape(token: &str) -> Option<String> {
     Some(out)
 }
 
+/// The document's member under which the error of each caught failure
+/// goes by default.
+pub const ERRORS: &str = "errors";
+
 /// The pointer of step `name`'s default result: `/steps/<name>`.
 pub fn default_result(name: &str) -> String {
-    format!("/{STEPS}/{}", name.replace('~', "~0").replace('/', "~1"))
+    format!("/{STEPS}/{}", escape(name))
+}
+
+/// The pointer of the error of step `name`'s caught failure by default:
+/// `/errors/<name>`.
+pub fn default_error(name: &str) -> String {
+    format!("/{ERRORS}/{}", escape(name))
+}
+
+/// `token` escaped for a JSON pointer (`~` as `~0`, `/` as `~1`).
+pub fn escape(token: &str) -> String {
+    token.replace('~', "~0").replace('/', "~1")
 }
 
 /// The value at `pointer` in the document of `input` and `results`, cloned;

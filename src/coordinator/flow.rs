@@ -2,7 +2,8 @@
 //!
 //! A step goes on to its `next`, or to the step after it; an `end` step,
 //! and the last one, end the run; a `choice` goes to the first of its
-//! `choices` whose condition holds, else to its `default`. An edge to a
+//! `choices` whose condition holds, else to its `default`; a step that
+//! fails for good goes on to its `catch`, if it has one. An edge to a
 //! step at or before its source is a back edge, and the source must carry
 //! `max_visits`, so that every cycle is bounded.
 //!
@@ -42,6 +43,9 @@ pub fn named_targets(step: &StepDefinition) -> Vec<(&'static str, &str)> {
     if let Some(default) = &step.default {
         out.push(("default", default));
     }
+    if let Some(catch) = &step.catch {
+        out.push(("catch", &catch.next));
+    }
     out
 }
 
@@ -57,7 +61,10 @@ pub fn targets(def: &WorkflowDefinition, index: usize) -> Vec<Target> {
             .filter_map(|(_, name)| index_of(def, name).map(Target::Step))
             .collect();
     }
-    vec![after(def, index)]
+    let caught = step.catch.as_ref().and_then(|c| index_of(def, &c.next));
+    std::iter::once(after(def, index))
+        .chain(caught.map(Target::Step))
+        .collect()
 }
 
 /// Where step `index`, done, goes: `end`, `next`, or the step after it

@@ -34,6 +34,7 @@ use crate::contract::{Effect, TransitionKind, fingerprint};
 
 mod attempts;
 mod builder;
+mod catch;
 mod choice;
 mod data;
 mod halt;
@@ -318,10 +319,8 @@ impl Ctx<'_> {
             self.now,
             self.entropy,
         );
-        if !self.focus.is_empty() {
-            b.focus.clone_from(&self.focus);
-            b.def = self.definition().ok();
-        }
+        b.focus.clone_from(&self.focus);
+        b.def = self.definition().ok();
         b
     }
 

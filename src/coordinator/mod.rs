@@ -65,13 +65,13 @@ pub use stored::StateDecodeError;
 // The rest of the fold's vocabulary, for the harnesses and the tests.
 #[cfg(any(test, feature = "internals"))]
 pub use definition::{
-    Branch, ChoiceRule, DefinitionError, MAX_STEPS_IN_ALL, OnFailure, OnTimeout, RetryPolicy,
-    StepDefinition, StepKind, WorkflowDefinition,
+    Branch, Catch, ChoiceRule, DefinitionError, MAX_STEPS_IN_ALL, OnFailure, OnTimeout,
+    RetryPolicy, StepDefinition, StepKind, WorkflowDefinition,
 };
 #[cfg(any(test, feature = "internals"))]
 pub use fold::{
-    BRANCH_FAILED, RejectionClass, STATE_TOO_LARGE, TransitionRecord, WORKFLOW_MISSING,
-    derived_stamp,
+    BRANCH_FAILED, ITEM_FAILED, RejectionClass, STATE_TOO_LARGE, TransitionRecord,
+    WORKFLOW_MISSING, derived_stamp,
 };
 #[cfg(any(test, feature = "internals"))]
 pub use state::{
@@ -79,6 +79,8 @@ pub use state::{
     RetryRecord, SignalRecord, Waiting,
 };
 
+#[cfg(test)]
+mod catch_tests;
 #[cfg(test)]
 mod data_tests;
 #[cfg(test)]

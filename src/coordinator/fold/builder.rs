@@ -294,7 +294,7 @@ impl<'a> Builder<'a> {
     /// A transition of a branch first settles it: what its end does to its
     /// parallel step and the cursors around it.
     pub(super) fn finish(mut self, kind: TransitionKind, input_ref: String) -> Decision {
-        let kind = match self.settle(kind) {
+        let kind = match self.settle(kind).and_then(|kind| self.catch(kind)) {
             Ok(kind) => kind,
             Err(rejection) => return rejection,
         };

@@ -74,6 +74,7 @@ pub(super) fn on_start(
         updated_at: now,
     };
     let mut b = Builder::new(state, None, now, entropy);
+    b.def = Some(def);
     b.detail("workflow", def.name.clone().into());
     b.detail("workflow_version", def.version.into());
     // A run whose first steps end at once (a sleep until a time past) may
