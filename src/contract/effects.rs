@@ -543,6 +543,33 @@ mod tests {
     }
 
     #[test]
+    fn a_branch_and_an_item_decode_and_a_wrong_one_is_refused() {
+        let named = StepDispatch {
+            branch: Some("east".into()),
+            item: Some(3),
+            ..dispatch()
+        };
+        let encoded = to_value(&named).to_string();
+        assert_eq!(StepDispatch::decode(encoded.as_bytes()), Ok(named));
+        for (field, bad) in [
+            ("branch", serde_json::json!(7)),
+            ("branch", serde_json::json!("")),
+            ("branch", serde_json::json!("b".repeat(MAX_NAME_LEN + 1))),
+            ("item", serde_json::json!(-1)),
+            ("item", serde_json::json!("3")),
+            ("item", serde_json::json!(1u64 << 40)),
+        ] {
+            let mut value = to_value(&dispatch());
+            value[field] = bad.clone();
+            let err = StepDispatch::decode(value.to_string().as_bytes()).unwrap_err();
+            assert!(
+                err.message.starts_with(&format!("{field}:")),
+                "{bad}: {err}"
+            );
+        }
+    }
+
+    #[test]
     fn a_step_key_that_is_no_header_value_is_refused() {
         for bad in [
             serde_json::json!(""),

@@ -11,7 +11,9 @@ use serde_json::json;
 
 use super::definition::{Catch, OnFailure, Rule};
 use super::fold::*;
-use super::tests::{apply, dispatch_of, entropy, result_ok, start_with as start, t};
+use super::tests::{
+    apply, dispatch_of, entropy, result_ok, start_with as start, t, workflow_of as workflow,
+};
 use super::*;
 use crate::contract::*;
 
@@ -32,16 +34,6 @@ fn caught_to(step: StepDefinition, next: &str) -> StepDefinition {
             result: None,
         }),
         ..step
-    }
-}
-
-fn workflow(steps: Vec<StepDefinition>) -> WorkflowDefinition {
-    WorkflowDefinition {
-        name: "wf".into(),
-        version: 1,
-        steps,
-        output_topic: None,
-        output: None,
     }
 }
 

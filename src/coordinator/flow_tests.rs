@@ -12,7 +12,9 @@ use serde_json::{Value, json};
 use super::condition::Condition;
 use super::definition::Rule;
 use super::fold::*;
-use super::tests::{apply, dispatch_of, result_ok, stamp, start_with as start};
+use super::tests::{
+    apply, dispatch_of, result_ok, stamp, start_with as start, workflow_of as workflow,
+};
 use super::*;
 use crate::contract::*;
 
@@ -25,16 +27,6 @@ fn when(pointer: &str, equals: Value) -> Condition {
         pointer: Some(pointer.into()),
         equals: Some(equals),
         ..Condition::default()
-    }
-}
-
-fn workflow(steps: Vec<StepDefinition>) -> WorkflowDefinition {
-    WorkflowDefinition {
-        name: "wf".into(),
-        version: 1,
-        steps,
-        output_topic: None,
-        output: None,
     }
 }
 

@@ -14,7 +14,10 @@ use uuid::Uuid;
 use super::definition::{OnFailure, Rule};
 use super::fold::*;
 use super::state::LaneStatus;
-use super::tests::{STATE_CAP, apply, entropy, result_ok, start_with as start, t, transition};
+use super::tests::{
+    STATE_CAP, apply, entropy, result_ok, start_with as start, t, transition,
+    workflow_of as workflow,
+};
 use super::*;
 use crate::contract::*;
 
@@ -26,16 +29,6 @@ fn task(name: &str) -> StepDefinition {
             ..RetryPolicy::default()
         },
         ..StepDefinition::task(name, "p", 1000)
-    }
-}
-
-fn workflow(steps: Vec<StepDefinition>) -> WorkflowDefinition {
-    WorkflowDefinition {
-        name: "wf".into(),
-        version: 1,
-        steps,
-        output_topic: None,
-        output: None,
     }
 }
 

@@ -56,6 +56,18 @@ fn def(steps: usize, max_attempts: u32) -> WorkflowDefinition {
     }
 }
 
+/// Workflow `wf` version 1 of `steps`, without an output topic or
+/// selection.
+pub(super) fn workflow_of(steps: Vec<StepDefinition>) -> WorkflowDefinition {
+    WorkflowDefinition {
+        name: "wf".into(),
+        version: 1,
+        steps,
+        output_topic: None,
+        output: None,
+    }
+}
+
 fn registry(steps: usize, max_attempts: u32) -> Workflows {
     Workflows::new(vec![def(steps, max_attempts)]).unwrap()
 }
