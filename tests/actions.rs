@@ -4,7 +4,9 @@
 //! retries nothing, and a run that is not failed is refused; an operator's
 //! key retries any tenant's run on the admin listener; a cancel names its
 //! action in the run's history; a cancelled failed run is never retried;
-//! and `ductor runs retry` does the same from a terminal.
+//! a run whose compensation failed is retried from that compensation, and
+//! a compensated one is not; and `ductor runs retry` does the same from a
+//! terminal.
 
 #![allow(
     clippy::too_many_lines,
@@ -185,6 +187,119 @@ async fn a_failed_run_is_retried_once_from_its_failed_step_and_succeeds() {
         [("succeeded".to_owned(), 1)],
         "the counts moved with the run"
     );
+    w.env.stop().await;
+}
+
+/// `undo`: `charge`, undone by `refund` (one attempt), then `ship`, whose
+/// failure compensates the run.
+const UNDO: &str = r#"
+name = "undo"
+version = 1
+
+[[steps]]
+name = "charge"
+pool = "p"
+timeout_ms = 60000
+compensate = { name = "refund", pool = "p", timeout_ms = 60000, retry = { max_attempts = 1 } }
+
+[[steps]]
+name = "ship"
+pool = "p"
+timeout_ms = 60000
+catch = { compensate = true }
+"#;
+
+#[tokio::test]
+async fn a_run_whose_compensation_failed_is_retried_from_it_and_a_compensated_one_is_not() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("undo.toml"), UNDO).unwrap();
+    let w = World {
+        env: Env::start(|c| {
+            c.coordinator.workflows_dir = dir.path().to_path_buf();
+            c.kafka.step_pools = vec!["p".into()];
+        })
+        .await,
+        producer: producer(),
+    };
+    let acme = api_key(&w.env.db, "acme", &[Scope::RunsWrite, Scope::RunsRead]).await;
+    let body = json!({"workflow": "undo", "input": {"order": 5}});
+    let run = w.env.start_run_with(&acme, &body).await;
+    let retry_path = format!("/v1/runs/{run}/retry");
+    let declined =
+        |why: &str| json!({"outcome": "failed", "error": {"message": why, "retryable": false}});
+    // charge 0, ship 1, refund 2.
+    w.answer(
+        &run,
+        "acme",
+        0,
+        1,
+        json!({"outcome": "succeeded", "output": {"charge": "ch_9"}}),
+    )
+    .await;
+    w.answer(&run, "acme", 1, 1, declined("no courier")).await;
+    w.answer(&run, "acme", 2, 1, declined("refunds down")).await;
+    w.settle(&run, "failed").await;
+    let history = w.history(&run).await;
+    let (kind, _, _, detail) = history.last().unwrap();
+    assert_eq!(kind, "run.failed");
+    assert_eq!(
+        (&detail["cause"], &detail["compensation_cause"]),
+        (&json!("compensation_failed"), &json!("not_retryable")),
+        "{detail}"
+    );
+
+    // A retry goes on from the refund, which then succeeds: the run
+    // fails compensated, with the error it failed with first.
+    let (status, body) = w.post(w.env.addr, &acme, &retry_path, json!({})).await;
+    assert_eq!(status, 202, "{body}");
+    w.settle(&run, "running").await;
+    w.answer(&run, "acme", 2, 2, ok(2)).await;
+    w.settle(&run, "failed").await;
+    let history = w.history(&run).await;
+    let kinds: Vec<&str> = history.iter().map(|(k, ..)| k.as_str()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "run.started",
+            "step.succeeded",
+            "run.compensating",
+            "run.failed",
+            "run.retried",
+            "run.failed"
+        ]
+    );
+    let (_, _, _, detail) = history.last().unwrap();
+    assert_eq!(
+        (&detail["cause"], &detail["compensated_cause"]),
+        (&json!("compensated"), &json!("not_retryable")),
+        "{detail}"
+    );
+    let error: String = sqlx::query_scalar("SELECT state->>'error' FROM runs WHERE run_id = $1")
+        .bind(&run)
+        .fetch_one(&w.env.db.pool)
+        .await
+        .unwrap();
+    assert!(error.ends_with("no courier"), "{error}");
+    // Both refund attempts carried the charge's key and output.
+    let refunds: Vec<(String, Value)> = sqlx::query_as(
+        "SELECT convert_from(payload, 'UTF8')::jsonb->>'step_key', \
+                convert_from(payload, 'UTF8')::jsonb->'input' \
+         FROM eec_effect_intent WHERE run_id = $1 AND ce_type = 'ductor.step.dispatch' \
+         AND convert_from(payload, 'UTF8')::jsonb->>'step' = 'refund' ORDER BY seq",
+    )
+    .bind(&run)
+    .fetch_all(&w.env.db.pool)
+    .await
+    .unwrap();
+    let charged = (
+        format!("{run}/step/0/compensate"),
+        json!({"charge": "ch_9"}),
+    );
+    assert_eq!(refunds, [charged.clone(), charged]);
+
+    // What it did is undone: nothing to retry.
+    let (status, body) = w.post(w.env.addr, &acme, &retry_path, json!({})).await;
+    assert_eq!((status, code(&body)), (409, "run_compensated"), "{body}");
     w.env.stop().await;
 }
 

@@ -90,6 +90,10 @@ struct Scenario {
     /// Whether that parallel step or map catches its failure: the run then
     /// goes on at a last step, `rescue`.
     catches: bool,
+    /// Whether every task step names a compensation (`undo_<step>`), and
+    /// the last step (or, with `catches`, the parallel step or map)
+    /// compensates its failure instead.
+    compensates: bool,
     /// Whether branch `b` answers at once and branch `a` just before its
     /// deadline, rather than each half-way to its deadline.
     b_first: bool,
@@ -133,6 +137,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
             ],
             any::<bool>(),
             any::<bool>(),
+            any::<bool>(),
         ),
     )
         .prop_map(
@@ -145,7 +150,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                 retries,
                 selects,
                 loops,
-                (parallel, map, catches),
+                (parallel, map, catches, compensates),
             )| {
                 Scenario {
                     steps,
@@ -159,6 +164,7 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                     parallel,
                     map,
                     catches,
+                    compensates,
                     b_first: false,
                 }
             },
@@ -207,12 +213,15 @@ fn definition(name: &str, scn: &Scenario) -> WorkflowDefinition {
                 )
             }
         };
-        if scn.catches {
+        if scn.catches && scn.compensates {
+            def.steps.push(compensating(fan));
+        } else if scn.catches {
             let fan = StepDefinition {
                 end: true,
                 catch: Some(Catch {
-                    next: "rescue".into(),
+                    next: Some("rescue".into()),
                     result: None,
+                    compensate: false,
                 }),
                 ..fan
             };
@@ -222,7 +231,47 @@ fn definition(name: &str, scn: &Scenario) -> WorkflowDefinition {
             def.steps.push(fan);
         }
     }
+    if scn.compensates {
+        undo_tasks(&mut def.steps);
+        let last = def.steps.last_mut().unwrap();
+        if last.catch.is_none() && last.kind == StepKind::Task {
+            *last = compensating(last.clone());
+        }
+    }
     def
+}
+
+/// `step`, whose failure compensates the run.
+fn compensating(step: StepDefinition) -> StepDefinition {
+    StepDefinition {
+        catch: Some(Catch {
+            next: None,
+            result: None,
+            compensate: true,
+        }),
+        ..step
+    }
+}
+
+/// Every task step in `steps` and in the branches and maps among them
+/// gets a compensation: `undo_<step>`, two attempts.
+fn undo_tasks(steps: &mut [StepDefinition]) {
+    for step in steps {
+        if step.kind == StepKind::Task {
+            let undo = StepDefinition {
+                retry: RetryPolicy {
+                    max_attempts: 2,
+                    ..RetryPolicy::default()
+                },
+                ..StepDefinition::task(&format!("undo_{}", step.name), "pool-undo", 1_000)
+            };
+            step.compensate = Some(Box::new(undo));
+        }
+        undo_tasks(&mut step.steps);
+        for branch in &mut step.branches {
+            undo_tasks(&mut branch.steps);
+        }
+    }
 }
 
 fn straight(name: &str, scn: &Scenario) -> WorkflowDefinition {
@@ -691,7 +740,13 @@ proptest! {
             // A retry of the run gives a step of its own one more attempt,
             // and the steps of a parallel step or a map it starts again
             // their whole policy again; a map runs its steps once per item.
-            let bound = if place.parallel.is_some() {
+            let bound = if let Some(undone) = place.compensates {
+                // A compensation runs once for each success of the step it
+                // undoes, each with its whole policy, and again after each
+                // retry of the run that names it.
+                let undone = last.attempts.iter().filter(|a| a.step_index == undone && a.status == AttemptStatus::Succeeded).count() as u32;
+                step.retry.max_attempts * undone * (1 + retried)
+            } else if place.parallel.is_some() {
                 let items = if scn.map { ITEMS.len() as u32 } else { 1 };
                 step.retry.max_attempts * visits * (1 + retried) * items
             } else {
@@ -716,13 +771,30 @@ proptest! {
         // that catches never fails the run itself.
         for t in &trs {
             if t.record.kind == TransitionKind::StepCaught {
-                prop_assert!(scn.catches, "caught without a catch: {}", t.record.detail);
+                prop_assert!(scn.catches && !scn.compensates, "caught without a catch: {}", t.record.detail);
                 prop_assert_eq!(&t.record.detail["caught"]["step"], &json!("fan"));
+            }
+            if t.record.kind == TransitionKind::RunCompensating || t.record.detail.get("compensating").is_some() {
+                prop_assert!(scn.compensates, "compensating without a compensation: {}", t.record.detail);
             }
             let cause = t.record.detail["cause"].as_str();
             if scn.catches && cause.is_some_and(|c| [BRANCH_FAILED, ITEM_FAILED].contains(&c)) {
                 prop_assert!(false, "a caught failure failed the run: {}", t.record.detail);
             }
+        }
+        // A compensated run undid every step that succeeded and named a
+        // compensation, newest first, each once.
+        if last.is_compensated() {
+            let layout = def.layout();
+            let compensations: Vec<u32> = layout.iter().filter_map(|(_, p)| p.compensates).collect();
+            let succeeded = |of: &dyn Fn(u32) -> bool| {
+                last.attempts.iter().filter(|a| of(a.step_index) && a.status == AttemptStatus::Succeeded).count()
+            };
+            let undone = succeeded(&|i| compensations.contains(&i));
+            let done = succeeded(&|i| layout[i as usize].0.compensate.is_some());
+            prop_assert_eq!(undone, done, "every success undone once");
+            let keys = trs.iter().filter(|t| t.record.detail.get("compensated_key").is_some()).count();
+            prop_assert_eq!(undone, keys);
         }
         // Each action id revives the run once at most.
         let mut ids: Vec<&str> = last.retries.iter().map(|r| r.action_id.as_str()).collect();
@@ -752,7 +824,8 @@ proptest! {
         for t in &trs {
             let d = &t.record.detail;
             let before = completed.len();
-            if let Some(i) = d["completed_step"].as_u64() {
+            // (A compensation's success changes no output.)
+            if let Some(i) = d["completed_step"].as_u64().filter(|&i| i < def.steps.len() as u64) {
                 completed.push((i, d["output"].clone()));
             }
             for passed in d["passed_steps"].as_array().into_iter().flatten() {

@@ -299,6 +299,25 @@ fn parallel_workflows(dir: &Path) {
         task("apologize", 5000)
     );
     std::fs::write(dir.join("rescued.toml"), rescued).unwrap();
+    let undo = |name: &str| {
+        format!("compensate = {{ name = \"{name}\", pool = \"p\", timeout_ms = 5000 }}\n")
+    };
+    let undone = format!(
+        "name = \"undone\"\nversion = 1\n\n\
+         [[steps]]\n{}{}\n\
+         [[steps]]\nname = \"hold\"\nkind = \"parallel\"\ncatch = {{ compensate = true }}\n\n\
+         [[steps.branches]]\nname = \"east\"\n[[steps.branches.steps]]\n{}{}\n\
+         [[steps.branches]]\nname = \"west\"\n[[steps.branches.steps]]\n{}{}\n\
+         [[steps]]\n{}catch = {{ compensate = true }}\n",
+        task("charge", 5000),
+        undo("refund"),
+        task("hold_east", 5000),
+        undo("release_east"),
+        task("hold_west", 5000),
+        undo("release_west"),
+        task("sink", 5000)
+    );
+    std::fs::write(dir.join("undone.toml"), undone).unwrap();
     std::fs::write(dir.join("fan.toml"), fan).unwrap();
     std::fs::write(dir.join("fragile.toml"), fragile).unwrap();
 }
@@ -311,6 +330,10 @@ async fn branch_worker(step: StepDispatch) -> StepOutcome {
             message: "out of stock".into(),
             retryable: false,
         },
+        "sink" => StepOutcome::Failed {
+            message: "no courier".into(),
+            retryable: false,
+        },
         "slow" | "hang1" | "hang2" => std::future::pending().await,
         "wrap" => StepOutcome::Succeeded(json!({ "wrapped": step.input, "item": step.item })),
         _ => StepOutcome::Succeeded(json!({
@@ -320,7 +343,8 @@ async fn branch_worker(step: StepDispatch) -> StepOutcome {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn branches_join_a_failed_one_cancels_the_rest_a_map_keeps_its_order_and_a_catch_goes_on() {
+async fn branches_join_a_failed_one_cancels_the_rest_a_map_keeps_its_order_a_catch_goes_on_and_a_compensation_undoes()
+ {
     let db = TestDb::migrated().await;
     let mut config = test_config(&db);
     let dir = tempfile::tempdir().unwrap();
@@ -339,12 +363,13 @@ async fn branches_join_a_failed_one_cancels_the_rest_a_map_keeps_its_order_and_a
         CancellationToken::new(),
     ));
     let p = producer();
-    let (fan, fragile, pack, stalled, rescued) = (
+    let (fan, fragile, pack, stalled, rescued, undone) = (
         common::unique("fan"),
         common::unique("fragile"),
         common::unique("pack"),
         common::unique("stalled"),
         common::unique("rescued"),
+        common::unique("undone"),
     );
     let runs = [
         (&fan, "fan"),
@@ -352,6 +377,7 @@ async fn branches_join_a_failed_one_cancels_the_rest_a_map_keeps_its_order_and_a
         (&pack, "pack"),
         (&stalled, "stalled"),
         (&rescued, "rescued"),
+        (&undone, "undone"),
     ];
     for (run_id, workflow) in runs {
         let start = json!({
@@ -364,7 +390,7 @@ async fn branches_join_a_failed_one_cancels_the_rest_a_map_keeps_its_order_and_a
 
     let (status, state) = finished(&db, &fan).await;
     assert_eq!(status, "succeeded", "{state}");
-    assert_eq!(state["v"], 5);
+    assert_eq!(state["v"], ductor::coordinator::STATE_VERSION);
     assert!(state.get("lanes").is_none(), "{state}");
     // Both branches were dispatched by the start, each under its own
     // stamp and step key; ship came last, outside any branch.
@@ -517,6 +543,57 @@ async fn branches_join_a_failed_one_cancels_the_rest_a_map_keeps_its_order_and_a
     );
     assert_eq!(state["results"]["errors"]["broken"], *error);
 
+    // sink fails for good after the charge and both holds: the holds are
+    // released, newest first, then the charge refunded, each with the
+    // output of the step it undoes under that step's key; the run fails
+    // compensated.
+    let (status, state) = finished(&db, &undone).await;
+    assert_eq!(status, "failed", "{state}");
+    let undos: Vec<(String, String, Value)> = sqlx::query_as(
+        "SELECT convert_from(payload, 'UTF8')::jsonb->>'step', \
+                convert_from(payload, 'UTF8')::jsonb->>'step_key', \
+                convert_from(payload, 'UTF8')::jsonb->'input' \
+         FROM eec_effect_intent WHERE run_id = $1 AND ce_type = 'ductor.step.dispatch' \
+         ORDER BY seq, effect_index",
+    )
+    .bind(&undone)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let names: Vec<&str> = undos.iter().map(|u| u.0.as_str()).collect();
+    assert_eq!(names.len(), 7, "{names:?}");
+    assert_eq!(names[..4], ["charge", "hold_east", "hold_west", "sink"]);
+    // The branch that answered last is released first.
+    let held_last = step_outputs(&db, &undone)
+        .await
+        .into_iter()
+        .filter_map(|(_, o)| o["branch"].as_str().map(str::to_owned))
+        .next_back()
+        .unwrap();
+    let first_release = format!("release_{held_last}");
+    assert_eq!(names[4], first_release, "{names:?}");
+    assert_eq!(names[6], "refund");
+    let (_, key, input) = &undos[6];
+    assert_eq!(key, &format!("{undone}/step/0/compensate"));
+    assert_eq!(input["step"], "charge", "{input}");
+    let (_, key, input) = &undos[4];
+    let held = if held_last == "east" { 3 } else { 4 };
+    assert_eq!(key, &format!("{undone}/step/{held}/compensate"));
+    assert_eq!(input["branch"], held_last.as_str(), "{input}");
+    let detail: Value = sqlx::query_scalar(
+        "SELECT detail FROM run_transitions WHERE run_id = $1 AND to_status = 'failed'",
+    )
+    .bind(&undone)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (&detail["cause"], &detail["compensated_cause"]),
+        (&json!("compensated"), &json!("not_retryable")),
+        "{detail}"
+    );
+    assert!(state.get("compensable").is_none(), "{state}");
+
     shutdown.cancel();
     serve.await.unwrap().unwrap();
     worker.abort();
@@ -601,6 +678,15 @@ fn one_file_per_rule() -> Vec<(&'static str, String, &'static str)> {
             "[not_in_branch]",
         ),
         ("deep", head("deep") + &nested(4), "[too_deep]"),
+        (
+            "undo_more",
+            head("undo_more")
+                + &task(
+                    "a",
+                    "compensate = { name = \"u\", pool = \"p\", timeout_ms = 1000, next = \"a\" }",
+                ),
+            "[not_in_compensation]",
+        ),
     ]
 }
 
@@ -653,7 +739,7 @@ fn workflows_check_refuses_each_malformed_definition_with_its_rule() {
     // The step is named where the refusal is about one.
     assert!(lines[6].contains("step \"a\""), "{}", lines[6]);
     assert!(
-        stderr.contains("14 of 15 workflow files refused"),
+        stderr.contains("15 of 16 workflow files refused"),
         "{stderr}"
     );
 

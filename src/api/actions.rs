@@ -13,8 +13,8 @@
 //!
 //! In: a run id in the path and an optional body (`reason`, `action_id`).
 //! Out: 202 once the broker holds the input; for a retry, 200 when the run
-//! applied its `action_id` already and 409 `run_not_failed` when the run is
-//! not failed; 404 for a run the caller's tenant does not have.
+//! applied its `action_id` already, 409 `run_not_failed` when the run is
+//! not failed and 409 `run_compensated` when it failed compensated; 404 for a run the caller's tenant does not have.
 //! Guarantees: a retry sent again with its `action_id` never retries the
 //! run twice, here or in the fold.
 
@@ -260,7 +260,7 @@ async fn retry(
         .filter(|id| is_id(id))
         .ok_or_else(|| invalid("action_id: must be 1 to 128 characters of [A-Za-z0-9_.:-]"))?
         .to_owned();
-    let (status, applied, failure) = retry_state(state.decider.pool(), to, &action_id)
+    let (status, applied, failure, compensated) = retry_state(state.decider.pool(), to, &action_id)
         .await
         .map_err(database)?
         .ok_or_else(not_found)?;
@@ -271,6 +271,12 @@ async fn retry(
     };
     if applied {
         return Ok((StatusCode::OK, axum::Json(answer(RetryStatus::Applied))).into_response());
+    }
+    if compensated {
+        return Err(ApiError::new(
+            Code::RunCompensated,
+            "the run failed compensated: what it did is undone, so it is not retried",
+        ));
     }
     let Some(failure) = failure else {
         return Err(ApiError::new(
@@ -300,21 +306,24 @@ async fn retry(
         .into_response())
 }
 
-/// The run's status, whether it applied the retry `action_id`, and the seq
+/// The run's status, whether it applied the retry `action_id`, the seq
 /// of the transition that failed it if it is failed
-/// ([`crate::coordinator::RunState::failure_seq`]); `None` when the run is
-/// not the tenant's.
+/// ([`crate::coordinator::RunState::failure_seq`]), and whether it failed
+/// compensated ([`crate::coordinator::RunState::is_compensated`]); `None`
+/// when the run is not the tenant's.
 async fn retry_state(
     pool: &sqlx::PgPool,
     to: Wakeup<'_>,
     action_id: &str,
-) -> sqlx::Result<Option<(String, bool, Option<i64>)>> {
+) -> sqlx::Result<Option<(String, bool, Option<i64>, bool)>> {
     sqlx::query_as(
         "SELECT status, \
                 EXISTS (SELECT 1 FROM jsonb_array_elements(state->'retries') r \
                         WHERE r->>'action_id' = $3), \
                 CASE WHEN status = 'failed' \
-                     THEN coalesce((state->>'failed_seq')::bigint, last_transition_seq) END \
+                     THEN coalesce((state->>'failed_seq')::bigint, last_transition_seq) END, \
+                status = 'failed' AND state ? 'compensating' \
+                    AND coalesce(jsonb_array_length(state->'compensable'), 0) = 0 \
          FROM runs WHERE run_id = $1 AND tenant_scope = $2",
     )
     .bind(to.run_id)

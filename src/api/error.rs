@@ -57,13 +57,15 @@ pub enum Code {
     NotReplayable,
     /// A retry of a run that is not failed.
     RunNotFailed,
+    /// A retry of a run that failed compensated: nothing is left to retry.
+    RunCompensated,
     Internal,
 }
 
 impl Code {
     /// Every code, for the tests of the API's description.
     #[cfg_attr(not(any(test, feature = "internals")), allow(dead_code))]
-    pub const ALL: [Code; 28] = [
+    pub const ALL: [Code; 29] = [
         Code::Unauthenticated,
         Code::InsufficientScope,
         Code::TenantMismatch,
@@ -91,6 +93,7 @@ impl Code {
         Code::LetterSettled,
         Code::NotReplayable,
         Code::RunNotFailed,
+        Code::RunCompensated,
         Code::Internal,
     ];
 
@@ -124,6 +127,7 @@ impl Code {
             Code::LetterSettled => "letter_settled",
             Code::NotReplayable => "not_replayable",
             Code::RunNotFailed => "run_not_failed",
+            Code::RunCompensated => "run_compensated",
             Code::Internal => "internal",
         }
     }
@@ -143,7 +147,9 @@ impl Code {
             }
             Code::NotFound => StatusCode::NOT_FOUND,
             Code::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
-            Code::InProgress | Code::LetterSettled | Code::RunNotFailed => StatusCode::CONFLICT,
+            Code::InProgress | Code::LetterSettled | Code::RunNotFailed | Code::RunCompensated => {
+                StatusCode::CONFLICT
+            }
             Code::RunPurged => StatusCode::GONE,
             Code::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Code::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,

@@ -343,7 +343,7 @@ fn wakeup_about(endpoint: Endpoint) -> (&'static str, &'static str, &'static str
             "retryRun",
             "Retry a failed run",
             "runs",
-            "Puts a `wakeup.retry` for the run on the wakeups topic, keyed by the run, and answers 202 once the broker has it: the run's one writer starts it again from the step it failed in, with a fresh attempt and stamp (a `run.retried` transition). The retry is named by its `action_id`, the caller's or one the server picks: the run applies each once, so a call sent again with the same `action_id` answers 200 (`applied`) once the run has applied it, and never retries twice. The retry names the failure it retries, `failed_seq` (the seq of the `run.failed` transition; by default the run's latest failure), so that it can never retry a later one. A run that is not failed, or failed by another transition, is refused (409 `run_not_failed`); two calls racing with different ids both get 202, and the run applies the first.",
+            "Puts a `wakeup.retry` for the run on the wakeups topic, keyed by the run, and answers 202 once the broker has it: the run's one writer starts it again from the step it failed in, with a fresh attempt and stamp (a `run.retried` transition). The retry is named by its `action_id`, the caller's or one the server picks: the run applies each once, so a call sent again with the same `action_id` answers 200 (`applied`) once the run has applied it, and never retries twice. The retry names the failure it retries, `failed_seq` (the seq of the `run.failed` transition; by default the run's latest failure), so that it can never retry a later one. A run that is not failed, or failed by another transition, is refused (409 `run_not_failed`), and so is a run that failed compensated (409 `run_compensated`: what it did is undone); a run whose compensation failed goes on from that compensation. Two calls racing with different ids both get 202, and the run applies the first.",
         ),
     }
 }
@@ -795,7 +795,11 @@ fn run_answers(endpoint: Endpoint, schemas: &mut Schemas) -> Vec<Answer> {
             answers.push(json_body(StatusCode::ACCEPTED, retry.clone(), accepted));
             answers.push(json_body(StatusCode::OK, retry, applied));
             answers.extend(body_refusals());
-            answers.extend(refusals(&[Code::RunNotFailed, Code::SigningKeyMissing]));
+            answers.extend(refusals(&[
+                Code::RunNotFailed,
+                Code::RunCompensated,
+                Code::SigningKeyMissing,
+            ]));
         }
         _ => {}
     }
@@ -1035,6 +1039,9 @@ fn meaning(code: Code) -> &'static str {
         }
         Code::RunNotFailed => {
             "only a failed run is retried: this one is running, succeeded or cancelled, or failed by another transition than the `failed_seq` the request names"
+        }
+        Code::RunCompensated => {
+            "the run failed `compensated`: what it did is undone, and there is no step to start again from; start a new run"
         }
         Code::NotReplayable => {
             "the dead letter's record does not hold what a replay sends: its value, key or headers were over `dead_letters.max_value_bytes`"

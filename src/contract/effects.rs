@@ -179,10 +179,13 @@ pub enum TransitionKind {
     /// A step failed for good and its `catch` took the run on to another
     /// step.
     StepCaught,
+    /// A step failed for good and its `catch` compensates: the run undoes
+    /// the steps that succeeded, newest first, then fails.
+    RunCompensating,
 }
 
 impl TransitionKind {
-    pub const ALL: [TransitionKind; 12] = [
+    pub const ALL: [TransitionKind; 13] = [
         TransitionKind::RunStarted,
         TransitionKind::StepSucceeded,
         TransitionKind::StepRetryScheduled,
@@ -195,6 +198,7 @@ impl TransitionKind {
         TransitionKind::RunRetried,
         TransitionKind::BranchFailed,
         TransitionKind::StepCaught,
+        TransitionKind::RunCompensating,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -211,6 +215,7 @@ impl TransitionKind {
             TransitionKind::RunRetried => "run.retried",
             TransitionKind::BranchFailed => "branch.failed",
             TransitionKind::StepCaught => "step.caught",
+            TransitionKind::RunCompensating => "run.compensating",
         }
     }
 

@@ -115,6 +115,12 @@ pub fn step_key_of_items(run_id: &str, step_index: u32, visit: u32, items: &[u32
     key
 }
 
+/// The step key of the compensation of the step whose key is `step_key`:
+/// one compensation per execution of the step it undoes.
+pub fn compensation_key(step_key: &str) -> String {
+    format!("{step_key}/compensate")
+}
+
 /// The idempotency key of the `run.effect_parked` notice of the effect whose
 /// key is `effect_key`: one notice per parked effect.
 pub fn parked_notice_key(effect_key: &str) -> String {

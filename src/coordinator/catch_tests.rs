@@ -30,8 +30,9 @@ fn task(name: &str) -> StepDefinition {
 fn caught_to(step: StepDefinition, next: &str) -> StepDefinition {
     StepDefinition {
         catch: Some(Catch {
-            next: next.into(),
+            next: Some(next.into()),
             result: None,
+            compensate: false,
         }),
         ..step
     }
@@ -244,8 +245,9 @@ fn catches_are_checked() {
     );
     let choice = StepDefinition {
         catch: Some(Catch {
-            next: "a".into(),
+            next: Some("a".into()),
             result: None,
+            compensate: false,
         }),
         ..StepDefinition::choice(
             "c",
@@ -266,8 +268,9 @@ fn catches_are_checked() {
     );
     let into_input = StepDefinition {
         catch: Some(Catch {
-            next: "b".into(),
+            next: Some("b".into()),
             result: Some("/input/e".into()),
+            compensate: false,
         }),
         ..task("a")
     };

@@ -149,21 +149,34 @@ pub struct StepDefinition {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_items: Option<u32>,
     /// What happens when the step fails for good: the run goes on at
-    /// another step, with the error in its document.
+    /// another step, with the error in its document, or undoes the steps
+    /// that succeeded and fails.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub catch: Option<Catch>,
+    /// A task: the task that undoes it, run with its output as the input
+    /// when a later failure's catch compensates the run. A task of its own
+    /// (name, pool, timeout, retries) and nothing more.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compensate: Option<Box<StepDefinition>>,
 }
 
-/// Where a run goes on when a step fails for good.
+/// What a run does when a step fails for good: it goes on at another
+/// step (`next`), or it compensates (`compensate = true`): the
+/// compensations of the steps that succeeded run, newest first, and the
+/// run fails with cause `compensated`. Exactly one of the two.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Catch {
     /// The step the run goes on at; it gets the error as its input.
-    pub next: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next: Option<String>,
     /// Where the error goes in the run's document: a JSON pointer outside
-    /// `/input`. Without it, `/errors/<step>`.
+    /// `/input`. Without it, `/errors/<step>`. Only with `next`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub result: Option<String>,
+    /// Undo the steps that succeeded, then fail.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub compensate: bool,
 }
 
 /// One branch of a `parallel` step: a sequence of steps, run in order.
@@ -329,6 +342,8 @@ pub enum Rule {
     NotInBranch,
     /// `parallel` steps nested deeper than [`MAX_DEPTH`].
     TooDeep,
+    /// A compensation that is more than a task.
+    NotInCompensation,
     /// A file that is no TOML, or a value of the wrong type.
     Syntax,
     /// A field that no definition has.
@@ -350,6 +365,7 @@ impl Rule {
             Rule::UnboundedBackEdge => "unbounded_back_edge",
             Rule::NotInBranch => "not_in_branch",
             Rule::TooDeep => "too_deep",
+            Rule::NotInCompensation => "not_in_compensation",
             Rule::Syntax => "syntax",
             Rule::UnknownField => "unknown_field",
         }
@@ -427,6 +443,8 @@ pub struct Place {
     pub len: u32,
     /// How many `parallel` steps enclose it.
     pub depth: u32,
+    /// A compensation: the index of the task step it undoes.
+    pub compensates: Option<u32>,
 }
 
 impl WorkflowDefinition {
@@ -439,6 +457,7 @@ impl WorkflowDefinition {
             first: 0,
             len: count(self.steps.len()),
             depth: 0,
+            compensates: None,
         };
         let mut out: Vec<(&StepDefinition, Place)> = self.steps.iter().map(|s| (s, top)).collect();
         let mut i = 0;
@@ -451,10 +470,26 @@ impl WorkflowDefinition {
                     first: count(out.len()),
                     len: count(steps.len()),
                     depth: place.depth.saturating_add(1),
+                    compensates: None,
                 };
                 out.extend(steps.iter().map(|s| (s, inner)));
             }
             i += 1;
+        }
+        // Then the compensations, each after every step, in the order of
+        // the steps they undo.
+        for i in 0..out.len() {
+            if let Some(compensation) = out[i].0.compensate.as_deref() {
+                let place = Place {
+                    parallel: None,
+                    branch: 0,
+                    first: count(out.len()),
+                    len: 1,
+                    depth: 0,
+                    compensates: Some(count(i)),
+                };
+                out.push((compensation, place));
+            }
         }
         out
     }
@@ -464,7 +499,7 @@ impl WorkflowDefinition {
         let i = usize::try_from(index).ok()?;
         match self.steps.get(i) {
             Some(step) => Some(step),
-            None if self.has_branches() => self.layout().get(i).map(|(s, _)| *s),
+            None if self.has_inner() => self.layout().get(i).map(|(s, _)| *s),
             None => None,
         }
     }
@@ -472,13 +507,14 @@ impl WorkflowDefinition {
     /// Where the step of index `index` sits.
     pub fn place(&self, index: u32) -> Option<Place> {
         let i = usize::try_from(index).ok()?;
-        if !self.has_branches() {
+        if !self.has_inner() {
             return (i < self.steps.len()).then_some(Place {
                 parallel: None,
                 branch: 0,
                 first: 0,
                 len: u32::try_from(self.steps.len()).unwrap_or(u32::MAX),
                 depth: 0,
+                compensates: None,
             });
         }
         self.layout().get(i).map(|(_, p)| *p)
@@ -501,12 +537,31 @@ impl WorkflowDefinition {
             .any(|s| matches!(s.kind, StepKind::Parallel | StepKind::Map))
     }
 
+    /// Whether any step is numbered after the workflow's own: a branch's,
+    /// an item's, or a compensation (those of a branch's steps come with
+    /// the branches).
+    fn has_inner(&self) -> bool {
+        self.has_branches() || self.steps.iter().any(|s| s.compensate.is_some())
+    }
+
+    /// The index of the compensation of step `index`, if it has one.
+    pub fn compensation_of(&self, index: u32) -> Option<u32> {
+        let layout = self.layout();
+        let i = layout
+            .iter()
+            .position(|(_, p)| p.compensates == Some(index))?;
+        u32::try_from(i).ok()
+    }
+
     /// The path of the step of index `index` in its file
     /// (`steps[2].branches[0].steps[1]`).
     fn path_of(&self, layout: &[(&StepDefinition, Place)], index: usize) -> String {
         let Some((_, place)) = layout.get(index) else {
             return String::new();
         };
+        if let Some(undone) = place.compensates {
+            return format!("{}.compensate", self.path_of(layout, undone as usize));
+        }
         let position = index.saturating_sub(place.first as usize);
         let Some(parallel) = place.parallel else {
             return format!("steps[{position}]");
@@ -560,6 +615,11 @@ impl WorkflowDefinition {
                     format!("parallel steps nest at most {MAX_DEPTH} deep"),
                 );
             }
+            if place.compensates.is_some() {
+                step.validate_compensation(&at)
+                    .map_err(|e| e.in_step(&step.name))?;
+                continue;
+            }
             if place.parallel.is_none() {
                 continue;
             }
@@ -605,7 +665,7 @@ impl WorkflowDefinition {
             || self.layout().iter().any(|(s, _)| {
                 s.input.is_some()
                     || s.result.is_some()
-                    || s.catch.is_some()
+                    || s.error_path().is_some()
                     || s.kind == StepKind::Choice
             })
     }
@@ -615,7 +675,11 @@ impl WorkflowDefinition {
     /// reads the input or what a step before it placed.
     fn validate_data(&self) -> Result<(), DefinitionError> {
         let layout = self.layout();
-        for (i, (step, _)) in layout.iter().enumerate() {
+        for (i, (step, place)) in layout.iter().enumerate() {
+            if place.compensates.is_some() {
+                // Its input is the output of the step it undoes.
+                continue;
+            }
             let path = self.path_of(&layout, i);
             let at = |field: &str| format!("{path}.{field}");
             if let Some(result) = &step.result {
@@ -805,6 +869,7 @@ impl StepDefinition {
             max_concurrency: None,
             max_items: None,
             catch: None,
+            compensate: None,
         }
     }
 
@@ -895,6 +960,9 @@ impl StepDefinition {
                 format!("{at}.next"),
                 "a step that ends the run goes nowhere next: end or next, not both",
             ));
+        }
+        if let Some(catch) = &self.catch {
+            catch.validate(&format!("{at}.catch"))?;
         }
         match self.kind {
             StepKind::Task => self.validate_task(at),
@@ -1023,7 +1091,7 @@ impl StepDefinition {
     /// A field of another kind of step is a mistake, not something to ignore.
     fn validate_fields_of_kind(&self, at: &str) -> Result<(), DefinitionError> {
         use StepKind::{AwaitSignal, Choice, Map, Parallel, Sleep, Task};
-        let given: [(&str, bool, &[StepKind]); 19] = [
+        let given: [(&str, bool, &[StepKind]); 20] = [
             ("pool", !self.pool.is_empty(), &[Task]),
             ("retry", self.retry != RetryPolicy::default(), &[Task]),
             ("timeout_ms", self.timeout_ms != 0, &[Task, AwaitSignal]),
@@ -1067,6 +1135,7 @@ impl StepDefinition {
                 self.catch.is_some(),
                 &[Task, AwaitSignal, Sleep, Parallel, Map],
             ),
+            ("compensate", self.compensate.is_some(), &[Task]),
         ];
         match given
             .iter()
@@ -1128,10 +1197,33 @@ impl StepDefinition {
         self.retry.validate(&format!("{at}.retry"))
     }
 
+    /// A compensation is a plain task: what it gets is the output of the
+    /// step it undoes, and after it comes the compensation before.
+    fn validate_compensation(&self, at: &str) -> Result<(), DefinitionError> {
+        let fields = [
+            ("kind", self.kind != StepKind::Task),
+            ("input", self.input.is_some()),
+            ("result", self.result.is_some()),
+            ("next", self.next.is_some()),
+            ("end", self.end),
+            ("max_visits", self.max_visits.is_some()),
+            ("catch", self.catch.is_some()),
+            ("compensate", self.compensate.is_some()),
+        ];
+        match fields.iter().find(|(_, given)| *given) {
+            Some((field, _)) => Err(DefinitionError::of(
+                Rule::NotInCompensation,
+                format!("{at}.{field}"),
+                "a compensation is a task (name, pool, timeout_ms, retry) that gets the output of the step it undoes: it takes no kind but task, no input, result, next, end, max_visits, catch or compensate",
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// Where the error of its caught failure goes in the run's document,
-    /// if it has a catch.
+    /// if a catch goes on with it.
     pub fn error_path(&self) -> Option<String> {
-        let catch = self.catch.as_ref()?;
+        let catch = self.catch.as_ref().filter(|c| c.next.is_some())?;
         Some(
             catch
                 .result
@@ -1151,6 +1243,24 @@ impl StepDefinition {
     #[cfg(any(test, feature = "internals"))]
     pub fn task_pool(&self) -> Option<&str> {
         (self.kind == StepKind::Task).then_some(self.pool.as_str())
+    }
+}
+
+impl Catch {
+    /// Goes on at a step or compensates: one of the two.
+    fn validate(&self, at: &str) -> Result<(), DefinitionError> {
+        match (&self.next, self.compensate) {
+            (Some(_), false) => Ok(()),
+            (None, true) if self.result.is_none() => Ok(()),
+            (None, true) => Err(DefinitionError::new(
+                format!("{at}.result"),
+                "a catch that compensates puts no error in the document: result goes with next",
+            )),
+            _ => Err(DefinitionError::new(
+                format!("{at}.next"),
+                "a catch names the step to go on at (next) or compensates (compensate = true): one of the two",
+            )),
+        }
     }
 }
 

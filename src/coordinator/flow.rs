@@ -43,8 +43,8 @@ pub fn named_targets(step: &StepDefinition) -> Vec<(&'static str, &str)> {
     if let Some(default) = &step.default {
         out.push(("default", default));
     }
-    if let Some(catch) = &step.catch {
-        out.push(("catch", &catch.next));
+    if let Some(next) = step.catch.as_ref().and_then(|c| c.next.as_ref()) {
+        out.push(("catch", next));
     }
     out
 }
@@ -61,7 +61,11 @@ pub fn targets(def: &WorkflowDefinition, index: usize) -> Vec<Target> {
             .filter_map(|(_, name)| index_of(def, name).map(Target::Step))
             .collect();
     }
-    let caught = step.catch.as_ref().and_then(|c| index_of(def, &c.next));
+    let caught = step
+        .catch
+        .as_ref()
+        .and_then(|c| c.next.as_ref())
+        .and_then(|next| index_of(def, next));
     std::iter::once(after(def, index))
         .chain(caught.map(Target::Step))
         .collect()

@@ -36,6 +36,7 @@ mod attempts;
 mod builder;
 mod catch;
 mod choice;
+mod compensate;
 mod data;
 mod halt;
 mod parallel;
@@ -47,6 +48,8 @@ use builder::Builder;
 #[cfg(any(test, feature = "internals"))]
 pub use builder::derived_stamp;
 pub use choice::LOOP_BOUND;
+#[cfg(any(test, feature = "internals"))]
+pub use compensate::{COMPENSATED, COMPENSATION_FAILED};
 pub use data::{RESULT_PATH_BLOCKED, UNRESOLVED_POINTER};
 pub use halt::fail_missing_workflow;
 #[cfg(any(test, feature = "internals"))]
@@ -103,6 +106,9 @@ pub enum NoOpReason {
     /// Any input to a finished run that retention deleted (but a start
     /// with another request than the run's): it stays deleted.
     RunPurged,
+    /// A retry of a run that failed compensated: what it did is undone,
+    /// and there is no step to start again from.
+    RunCompensated,
 }
 
 impl NoOpReason {
@@ -118,6 +124,7 @@ impl NoOpReason {
             NoOpReason::StaleRetry => "stale_retry",
             NoOpReason::RunTerminal => "run_terminal",
             NoOpReason::RunPurged => "run_purged",
+            NoOpReason::RunCompensated => "run_compensated",
         }
     }
 }

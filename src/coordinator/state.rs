@@ -175,6 +175,34 @@ fn is_zero(n: &u32) -> bool {
     *n == 0
 }
 
+/// A task step that succeeded and names a compensation: what the run
+/// undoes if a later failure's catch compensates it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Compensable {
+    /// The index of the compensation step (not of the step it undoes).
+    pub step_index: u32,
+    /// The step key of the step it undoes (its visit and items included):
+    /// the compensation's own is this with `/compensate`.
+    pub step_key: String,
+    /// The output of the step it undoes: the compensation's input.
+    pub output: Value,
+}
+
+/// Why and how far a run compensates: from the catch that began it on,
+/// and kept once the run failed (compensated, or its compensation failed).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Compensating {
+    /// The index of the step whose failure the catch compensates.
+    pub failed_step: u32,
+    /// The cause and error of that failure, which the run fails with
+    /// once the compensations ran.
+    pub cause: String,
+    pub error: String,
+    /// Attempts of the current compensation: its retries count them.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub tries: u32,
+}
+
 /// A retry waiting for its timer; the timer names the failed attempt's stamp.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PendingRetry {
@@ -245,8 +273,10 @@ pub struct Purged {
 /// `20261206000021_state_version_3`; version 4 keeps `results` and
 /// `visits`, and came
 /// with `20261207000024_state_version_4`; version 5 keeps `lanes`, and came
-/// with `20261208000025_state_version_5`, which the column's comment names.
-pub const STATE_VERSION: u32 = 5;
+/// with `20261208000025_state_version_5`; version 6 keeps `compensable`
+/// and `compensating`, and came with `20261209000026_state_version_6`,
+/// which the column's comment names.
+pub const STATE_VERSION: u32 = 6;
 
 /// The version of a document that has no `v`.
 pub(super) fn unversioned() -> u32 {
@@ -300,6 +330,15 @@ pub struct RunState {
     /// The step the run waits in, if it waits.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting: Option<Waiting>,
+    /// The task steps that succeeded and name a compensation, oldest
+    /// first, but those already compensated: what a compensation undoes,
+    /// newest first. Absent while there are none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub compensable: Vec<Compensable>,
+    /// Once a catch began to compensate the run: why, and the retries of
+    /// the compensation running. Absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compensating: Option<Compensating>,
     pub attempts: Vec<AttemptRecord>,
     pub signals: Vec<SignalRecord>,
     /// The retries the run applied, oldest first. Absent while there are none.
@@ -344,6 +383,14 @@ impl RunState {
     pub fn failure_seq(&self) -> Option<i64> {
         (self.status == RunStatus::Failed)
             .then(|| self.failed_seq.unwrap_or(self.last_transition_seq))
+    }
+
+    /// Whether the run is failed and compensated: every compensation ran,
+    /// and there is nothing to retry.
+    pub fn is_compensated(&self) -> bool {
+        self.status == RunStatus::Failed
+            && self.compensating.is_some()
+            && self.compensable.is_empty()
     }
 
     /// The attempt with this stamp, if the run ever dispatched it.

@@ -54,6 +54,13 @@
 //!    binary of version 4 would write a run back without its branches,
 //!    and no result of theirs could then apply. A version 4 state loads as
 //!    it is: no binary of version 4 ran branches.
+//! 6. `"v": 6`: version 5 and `compensable` (the succeeded steps a
+//!    compensation would undo) and `compensating` (why and how far a run
+//!    compensates), optional, under a version of its own that came with
+//!    the migration `20261209000026_state_version_6`: a binary of version
+//!    5 would write a run back without them, and a later failure would
+//!    undo nothing. A version 5 state loads as it is: no binary of
+//!    version 5 compensated.
 //!
 //! A new version adds a step to [`upgrade`] and a fixture of the version
 //! before it. Binaries before this version ignore fields they do not know
@@ -117,6 +124,9 @@ pub fn upgrade(mut document: Value) -> Result<Value, StateDecodeError> {
     }
     if version < 5 {
         document = from_version_4(document);
+    }
+    if version < 6 {
+        document = from_version_5(document);
     }
     Ok(document)
 }
@@ -188,6 +198,16 @@ fn from_version_3(mut document: Value) -> Value {
 fn from_version_4(mut document: Value) -> Value {
     if let Some(fields) = document.as_object_mut() {
         fields.insert("v".into(), 5.into());
+    }
+    document
+}
+
+/// Version 5 to 6: the same fields, and no `compensable` or
+/// `compensating` (no binary of version 5 compensated), so only the
+/// version is written.
+fn from_version_5(mut document: Value) -> Value {
+    if let Some(fields) = document.as_object_mut() {
+        fields.insert("v".into(), 6.into());
     }
     document
 }
@@ -367,7 +387,7 @@ mod tests {
         four["v"] = json!(4);
         four["results"] = json!({"steps": {"reserve": {"held": 3}}});
         let mut expected = four.clone();
-        expected["v"] = json!(5);
+        expected["v"] = json!(STATE_VERSION);
         assert_eq!(upgrade(four.clone()), Ok(expected));
         let mut state = decode(&bytes(&four)).unwrap();
         assert!(state.lanes.is_empty());
@@ -379,6 +399,32 @@ mod tests {
         state.lanes = vec![serde_json::from_value(lane.clone()).unwrap()];
         let written = serde_json::to_value(&state).unwrap();
         assert_eq!(written["lanes"], json!([lane]));
+        assert_eq!(decode(&bytes(&written)).unwrap(), state);
+    }
+
+    #[test]
+    fn a_state_of_version_5_loads_as_it_is_without_compensations_and_keeps_them_once_made() {
+        let mut five = version_2_retried();
+        five["v"] = json!(5);
+        let mut expected = five.clone();
+        expected["v"] = json!(6);
+        assert_eq!(upgrade(five.clone()), Ok(expected));
+        let mut state = decode(&bytes(&five)).unwrap();
+        assert!(state.compensable.is_empty() && state.compensating.is_none());
+        let written = serde_json::to_value(&state).unwrap();
+        assert!(written.get("compensable").is_none(), "{written}");
+        assert!(written.get("compensating").is_none(), "{written}");
+        // A run that compensates keeps what is left to undo, and why.
+        let left = json!({"step_index": 5, "step_key": "r1/step/0", "output": {"charge": "ch_1"}});
+        let why =
+            json!({"failed_step": 2, "cause": "not_retryable", "error": "no courier", "tries": 1});
+        state.compensable = vec![serde_json::from_value(left.clone()).unwrap()];
+        state.compensating = Some(serde_json::from_value(why.clone()).unwrap());
+        let written = serde_json::to_value(&state).unwrap();
+        assert_eq!(
+            (&written["compensable"], &written["compensating"]),
+            (&json!([left]), &why)
+        );
         assert_eq!(decode(&bytes(&written)).unwrap(), state);
     }
 

@@ -88,6 +88,11 @@ impl Ctx<'_> {
                 "workflow has fewer steps than the run",
             );
         };
+        if b.compensating() {
+            let kind = b.compensated_one(def);
+            return b.finish(kind, self.input.dedup_ref());
+        }
+        b.remember(def, attempt.step_index, output);
         if let Err(error) = b.step_done(done, output.clone()) {
             b.fail_data(attempt.step_index, super::RESULT_PATH_BLOCKED, error);
             return b.finish(TransitionKind::RunFailed, self.input.dedup_ref());

@@ -106,6 +106,11 @@ impl<'a> Builder<'a> {
         let step = step(def, step_index)?;
         let stamp = self.stamp();
         let (branch, items) = self.lane_labels(def);
+        let key = self.compensation_key(step_index).unwrap_or_else(|| {
+            let s = &self.state;
+            let visit = s.visits.get(&step_index).map_or(1, |v| v.count);
+            names::step_key_of_items(&s.run_id, step_index, visit, &items)
+        });
         let deadline = add_ms(self.now, step.timeout_ms);
         let s = &mut self.state;
         s.step_index = step_index;
@@ -139,12 +144,7 @@ impl<'a> Builder<'a> {
             step: step.name.clone(),
             step_index,
             attempt,
-            step_key: names::step_key_of_items(
-                &s.run_id,
-                step_index,
-                s.visits.get(&step_index).map_or(1, |v| v.count),
-                &items,
-            ),
+            step_key: key,
             stamp,
             deadline,
             input,
@@ -295,7 +295,7 @@ impl<'a> Builder<'a> {
     /// parallel step and the cursors around it.
     pub(super) fn finish(mut self, kind: TransitionKind, input_ref: String) -> Decision {
         let kind = match self.settle(kind).and_then(|kind| self.catch(kind)) {
-            Ok(kind) => kind,
+            Ok(kind) => self.compensation_failed(kind),
             Err(rejection) => return rejection,
         };
         // The entropy's stamp reproduces every stamp the transition

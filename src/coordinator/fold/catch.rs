@@ -1,4 +1,5 @@
-//! Failures a step catches: `catch = { next = "<step>" }`.
+//! Failures a step catches: `catch = { next = "<step>" }`, or
+//! `catch = { compensate = true }` (see `compensate`).
 //!
 //! When a step of the run's own sequence fails for good (its attempts
 //! exhausted or its error not retryable, its wait for a signal timed out,
@@ -56,7 +57,11 @@ impl Builder<'_> {
         else {
             return Ok(kind);
         };
-        let Some(next) = flow::index_of(def, &catch.next) else {
+        if catch.compensate {
+            let cause = cause.unwrap_or_default().to_owned();
+            return Ok(self.begin_compensating(def, index, &cause));
+        }
+        let Some(next) = catch.next.as_deref().and_then(|n| flow::index_of(def, n)) else {
             return Ok(kind);
         };
         let error = self.state.error.clone().unwrap_or_default();

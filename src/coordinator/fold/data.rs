@@ -37,6 +37,9 @@ pub(super) fn initial_results(def: &WorkflowDefinition) -> Option<Map<String, Va
 impl Builder<'_> {
     /// The input of step `index`.
     pub(super) fn step_input(&self, step: &StepDefinition, index: u32) -> Result<Value, String> {
+        if let Some(input) = self.compensation_input(index) {
+            return Ok(input);
+        }
         let s = &self.state;
         match &step.input {
             Some(pointer) => document::resolve(&s.input, s.results.as_ref(), pointer)

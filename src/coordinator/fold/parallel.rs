@@ -201,23 +201,25 @@ impl Builder<'_> {
 
     /// Counts an attempt of the task step of the lane in focus: its first,
     /// or one more.
+    /// A compensation the run's own cursor runs counts its own too.
     pub(super) fn count_try(&mut self, first: bool) {
-        let Some(&i) = self.focus.last() else {
-            return;
+        let tries = match self.focus.last() {
+            Some(&i) => self.state.lanes.get_mut(i).map(|l| &mut l.tries),
+            None => self.state.compensating.as_mut().map(|c| &mut c.tries),
         };
-        if let Some(lane) = self.state.lanes.get_mut(i) {
-            lane.tries = if first {
-                1
-            } else {
-                lane.tries.saturating_add(1)
-            };
+        if let Some(tries) = tries {
+            *tries = if first { 1 } else { tries.saturating_add(1) };
         }
     }
 
-    /// The attempts the lane in focus made of its current step, if one is.
+    /// The attempts the lane in focus, or the compensation the run runs,
+    /// made of its current step, if one is.
     pub(super) fn tries(&self) -> Option<u32> {
-        let lane = self.state.lanes.get(*self.focus.last()?)?;
-        (lane.tries > 0).then_some(lane.tries)
+        let tries = match self.focus.last() {
+            Some(&i) => self.state.lanes.get(i)?.tries,
+            None => self.state.compensating.as_ref()?.tries,
+        };
+        (tries > 0).then_some(tries)
     }
 
     /// Enters parallel step `index` with `input`: a lane per branch, each

@@ -54,6 +54,8 @@ impl Ctx<'_> {
         if let Some(reason) = &retry.reason {
             b.detail("reason", truncate(reason.clone(), MAX_REASON_LEN).into());
         }
+        // A compensation that failed goes on with its policy afresh.
+        b.count_try(true);
         let entered = if failed_step.kind == StepKind::Task {
             match b.step_input(failed_step, s.step_index) {
                 Ok(input) => match b.dispatch(def, s.step_index, self.next_attempt(), input) {
@@ -89,6 +91,9 @@ impl Ctx<'_> {
         let s = self.state;
         if s.retries.iter().any(|r| r.action_id == retry.action_id) {
             return Some(Decision::NoOp(NoOpReason::DuplicateRetry));
+        }
+        if s.is_compensated() {
+            return Some(Decision::NoOp(NoOpReason::RunCompensated));
         }
         let Some(failed_seq) = s.failure_seq() else {
             return Some(Decision::NoOp(NoOpReason::RunNotFailed));

@@ -60,6 +60,8 @@ pub(super) fn on_start(
         pending_retry: None,
         lanes: Vec::new(),
         waiting: None,
+        compensable: Vec::new(),
+        compensating: None,
         attempts: Vec::new(),
         signals: Vec::new(),
         retries: Vec::new(),
