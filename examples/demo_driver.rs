@@ -2,8 +2,16 @@
 //! Kafka, sends each run the signal its `await_signal` step waits for as
 //! soon as the run exists (so it comes before the step waits, or while it
 //! does), shows their progress from Postgres, and ends with one JSON line
-//! `{"runs":N,"succeeded":..,"failed":..,"cancelled":..,"seconds":..}`.
-//! Exits 0 when every run reached a terminal state before the deadline.
+//! `{"runs":N,"succeeded":..,"failed":..,"cancelled":..,"retries":..,
+//! "checkout":{..},"seconds":..}`.
+//!
+//! With `--checkout-runs M` it also submits M runs of `checkout` (a charge,
+//! a reservation in two warehouses at once, a shipping), every
+//! `--compensate-every`th asking the example worker to fail its shipping
+//! for good: those must end compensated (the holds released and the card
+//! refunded, then failed with cause `compensated`), the others succeeded.
+//! Exits 0 when every run reached a terminal state before the deadline and
+//! every checkout ended as it should.
 
 use std::collections::HashSet;
 use std::io::Write;
@@ -40,7 +48,17 @@ struct Args {
     /// Give up after this many seconds.
     #[arg(long, default_value_t = 300)]
     timeout_s: u64,
+    /// How many runs of the workflow `checkout` to submit beside them.
+    #[arg(long, default_value_t = 0)]
+    checkout_runs: usize,
+    /// Every this many checkouts, one whose shipping fails for good.
+    #[arg(long, default_value_t = 10)]
+    compensate_every: usize,
 }
+
+/// The workflow of `--checkout-runs`, and the step its failing runs fail.
+const CHECKOUT: &str = "checkout";
+const FAILING_STEP: &str = "ship_order";
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -58,24 +76,43 @@ async fn main() -> ExitCode {
 /// Submits the batch, follows it, and prints the summary line; true when
 /// every run reached a terminal state before the deadline.
 async fn run(args: Args) -> anyhow::Result<bool> {
+    anyhow::ensure!(
+        args.compensate_every >= 1,
+        "--compensate-every must be at least 1"
+    );
     let config = Config::load(args.config.as_deref())?;
     let pool = ductor::infra::db::connect(&config.database).await?;
     let producer = ductor::infra::kafka::producer(&config.kafka, "demo")?;
     let batch = uuid::Uuid::new_v4().simple().to_string();
-    let run_ids: Vec<String> = (0..args.runs)
+    let orders: Vec<(String, serde_json::Value)> = (0..args.runs)
         .map(|i| format!("demo-{}-{i:05}", &batch[..8]))
+        .map(|id| (id.clone(), json!({ "order": id })))
+        .collect();
+    let checkouts: Vec<(String, serde_json::Value)> = (0..args.checkout_runs)
+        .map(|i| {
+            let id = format!("demo-{}-checkout-{i:05}", &batch[..8]);
+            let input = if i % args.compensate_every == args.compensate_every - 1 {
+                json!({ "order": id, "fail": FAILING_STEP })
+            } else {
+                json!({ "order": id })
+            };
+            (id, input)
+        })
         .collect();
     let started = Instant::now();
-    submit(&producer, &config, &args, &run_ids).await?;
+    submit(&producer, &config, &args.tenant, &args.workflow, &orders).await?;
+    submit(&producer, &config, &args.tenant, CHECKOUT, &checkouts).await?;
     eprintln!(
-        "submitted {} runs of {:?} in {:.1}s",
+        "submitted {} runs of {:?} and {} of {CHECKOUT:?} in {:.1}s",
         args.runs,
         args.workflow,
+        args.checkout_runs,
         started.elapsed().as_secs_f64()
     );
     let batch = Batch {
         prefix: format!("demo-{}-%", &batch[..8]),
-        runs: args.runs,
+        checkouts: format!("demo-{}-checkout-%", &batch[..8]),
+        runs: args.runs + args.checkout_runs,
         started,
         deadline: started + Duration::from_secs(args.timeout_s),
     };
@@ -87,20 +124,93 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         sent: HashSet::new(),
     };
     let counts = follow(&pool, &batch, signals).await?;
-    let seconds = started.elapsed().as_secs_f64();
-    let retries = count_retries(&pool, &batch.prefix).await?;
+    let failing = checkouts.iter().filter(|(_, i)| i["fail"] == FAILING_STEP);
+    let expected = Expected {
+        compensated: failing.count() as i64,
+        runs: args.checkout_runs as i64,
+    };
+    let ended = summarize(&pool, &batch, &counts, &expected).await?;
+    Ok(counts.terminal() >= batch.runs as i64 && ended)
+}
+
+/// How many checkouts there are, and how many must end compensated.
+struct Expected {
+    runs: i64,
+    compensated: i64,
+}
+
+/// Prints the summary line; true when the checkouts ended as they should.
+async fn summarize(
+    pool: &sqlx::PgPool,
+    batch: &Batch,
+    counts: &Counts,
+    expected: &Expected,
+) -> anyhow::Result<bool> {
+    let seconds = batch.started.elapsed().as_secs_f64();
+    let retries = count_retries(pool, &batch.prefix).await?;
+    let ended = checkout_ends(pool, &batch.checkouts).await?;
     // Keys in a fixed order, for people reading the line.
     println!(
-        "{{\"runs\":{},\"succeeded\":{},\"failed\":{},\"cancelled\":{},\"retries\":{},\"seconds\":{:.2}}}",
-        args.runs, counts.succeeded, counts.failed, counts.cancelled, retries, seconds
+        "{{\"runs\":{},\"succeeded\":{},\"failed\":{},\"cancelled\":{},\"retries\":{},\
+         \"checkout\":{{\"runs\":{},\"succeeded\":{},\"compensated\":{},\"undone_steps\":{}}},\
+         \"seconds\":{:.2}}}",
+        batch.runs,
+        counts.succeeded,
+        counts.failed,
+        counts.cancelled,
+        retries,
+        expected.runs,
+        ended.succeeded,
+        ended.compensated,
+        ended.undone,
+        seconds
     );
-    Ok(counts.terminal() >= args.runs as i64)
+    let as_asked = ended.compensated == expected.compensated
+        && ended.succeeded == expected.runs - expected.compensated;
+    if !as_asked {
+        eprintln!(
+            "checkout: {} of {} runs should have ended compensated and the rest succeeded; \
+             {} compensated and {} succeeded",
+            expected.compensated, expected.runs, ended.compensated, ended.succeeded
+        );
+    }
+    Ok(as_asked)
+}
+
+/// How the checkouts ended: succeeded, failed compensated (every
+/// compensation ran), and how many compensations succeeded in all.
+struct CheckoutEnds {
+    succeeded: i64,
+    compensated: i64,
+    undone: i64,
+}
+
+async fn checkout_ends(pool: &sqlx::PgPool, pattern: &str) -> anyhow::Result<CheckoutEnds> {
+    let (succeeded, compensated, undone): (i64, i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE status = 'succeeded'), \
+                count(*) FILTER (WHERE status = 'failed' AND state ? 'compensating' \
+                                 AND NOT state ? 'compensable'), \
+                (SELECT count(*) FROM run_transitions t \
+                  WHERE t.run_id LIKE $1 AND t.detail ? 'compensated_key') \
+         FROM runs WHERE run_id LIKE $1",
+    )
+    .bind(pattern)
+    .fetch_one(pool)
+    .await
+    .context("counting how the checkouts ended")?;
+    Ok(CheckoutEnds {
+        succeeded,
+        compensated,
+        undone,
+    })
 }
 
 /// The runs this driver submitted, and until when it follows them.
 struct Batch {
     /// A `LIKE` pattern matching the batch's run ids.
     prefix: String,
+    /// A `LIKE` pattern matching its checkouts' run ids.
+    checkouts: String,
     runs: usize,
     started: Instant,
     deadline: Instant,
@@ -111,14 +221,15 @@ struct Batch {
 async fn submit(
     producer: &FutureProducer,
     config: &Config,
-    args: &Args,
-    run_ids: &[String],
+    tenant: &str,
+    workflow: &str,
+    runs: &[(String, serde_json::Value)],
 ) -> anyhow::Result<()> {
     let topic = config.topic_names().requests();
     let timeout = Duration::from_millis(config.kafka.delivery_timeout_ms);
-    let sent: Vec<anyhow::Result<()>> = stream::iter(run_ids.iter())
-        .map(|run_id| {
-            let value = start_request(args, run_id);
+    let sent: Vec<anyhow::Result<()>> = stream::iter(runs.iter())
+        .map(|(run_id, input)| {
+            let value = start_request(tenant, workflow, run_id, input);
             let topic = &topic;
             async move {
                 producer
@@ -136,11 +247,10 @@ async fn submit(
 }
 
 /// The `run.start` request of one run.
-fn start_request(args: &Args, run_id: &str) -> String {
+fn start_request(tenant: &str, workflow: &str, run_id: &str, input: &serde_json::Value) -> String {
     json!({
         "type": "run.start", "schema_version": 1, "run_id": run_id,
-        "tenant": args.tenant, "workflow": args.workflow,
-        "input": {"order": run_id},
+        "tenant": tenant, "workflow": workflow, "input": input,
     })
     .to_string()
 }
@@ -153,7 +263,9 @@ async fn follow(
     mut signals: Signals<'_>,
 ) -> anyhow::Result<Counts> {
     loop {
-        signals.send_to_new_runs(pool, &batch.prefix).await?;
+        signals
+            .send_to_new_runs(pool, &batch.prefix, &batch.checkouts)
+            .await?;
         let counts = status_counts(pool, &batch.prefix).await?;
         let terminal = counts.terminal();
         eprint!(
@@ -184,16 +296,25 @@ struct Signals<'a> {
 }
 
 impl Signals<'_> {
-    async fn send_to_new_runs(&mut self, pool: &sqlx::PgPool, prefix: &str) -> anyhow::Result<()> {
+    /// Signals the runs matching `prefix` but the checkouts, which wait for
+    /// none.
+    async fn send_to_new_runs(
+        &mut self,
+        pool: &sqlx::PgPool,
+        prefix: &str,
+        checkouts: &str,
+    ) -> anyhow::Result<()> {
         if self.name.is_empty() {
             return Ok(());
         }
-        let runs: Vec<(String, String)> =
-            sqlx::query_as("SELECT run_id, tenant_scope FROM runs WHERE run_id LIKE $1")
-                .bind(prefix)
-                .fetch_all(pool)
-                .await
-                .context("listing the batch's runs")?;
+        let runs: Vec<(String, String)> = sqlx::query_as(
+            "SELECT run_id, tenant_scope FROM runs WHERE run_id LIKE $1 AND run_id NOT LIKE $2",
+        )
+        .bind(prefix)
+        .bind(checkouts)
+        .fetch_all(pool)
+        .await
+        .context("listing the batch's runs")?;
         let new: Vec<(String, String)> = runs
             .into_iter()
             .filter(|(run_id, _)| !self.sent.contains(run_id))

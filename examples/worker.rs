@@ -1,8 +1,10 @@
-//! The example step worker for `config/workflows/example.toml` (steps
-//! `reserve`, `charge`, `ship` on pool `default`). Each step's output is its
-//! input plus a field named after the step, so a run's final output shows
-//! all three. `--fail-rate` makes `charge` fail with a retryable error part
-//! of the time, to show the retry policy at work.
+//! The example step worker for the workflows of `config/workflows/` (every
+//! step on pool `default`). Each step's output is its input plus a field
+//! named after the step, so a run's final output shows them all.
+//! `--fail-rate` makes `charge` fail with a retryable error part of the
+//! time, to show the retry policy at work; a step whose input names it in
+//! `"fail"` (`{"fail": "ship_order"}`) fails for good, to show a catch or a
+//! compensation at work.
 //!
 //! With `--payments-url`, `charge` really charges: it posts the amount to
 //! `<url>/charges` with the step's `step_key` as its `Idempotency-Key`, the
@@ -28,7 +30,7 @@ use serde_json::{Map, Value, json};
 use tokio_util::sync::CancellationToken;
 
 #[derive(Parser)]
-#[command(about = "Example Ductor step worker for the \"example\" workflow")]
+#[command(about = "Example Ductor step worker for the workflows of config/workflows")]
 struct Args {
     /// Configuration file layered over the defaults (environment still wins).
     #[arg(long)]
@@ -111,6 +113,13 @@ impl Handler {
             return StepOutcome::Failed {
                 message: format!("card declined (simulated, attempt {})", step.attempt),
                 retryable: true,
+            };
+        }
+        if step.input.get("fail").and_then(Value::as_str) == Some(step.step.as_str()) {
+            tracing::info!(step = %step.step, "failing for good, as the input asks");
+            return StepOutcome::Failed {
+                message: format!("{} failed, as its input asks", step.step),
+                retryable: false,
             };
         }
         let mut done =

@@ -476,6 +476,10 @@ fn a_cancel_stops_the_compensation_and_late_results_change_nothing() {
     let tr = apply(&tr.state, &cancel, &wf, 30, 4);
     assert_eq!(tr.record.kind, TransitionKind::RunCancelled);
     assert_eq!(tr.state.status, RunStatus::Cancelled);
+    assert!(
+        tr.state.compensable.is_empty(),
+        "a cancelled run forgets what it would undo"
+    );
     let late = fold(
         Some(&tr.state),
         &result_ok(refund, json!({})),
@@ -572,4 +576,30 @@ fn compensations_are_checked() {
             .map_err(|e| e.rule),
         Ok(())
     );
+}
+
+#[test]
+fn a_run_that_succeeds_forgets_what_it_would_undo() {
+    let wf = order(OnFailure::FailFast);
+    let tr = start(&wf, json!({}));
+    let tr = apply(
+        &tr.state,
+        &result_ok(stamp_of(&tr.state), json!({})),
+        &wf,
+        10,
+        2,
+    );
+    let (east, west) = (lane_stamp(&tr.state, 0), lane_stamp(&tr.state, 1));
+    let tr = apply(&tr.state, &result_ok(east, json!({})), &wf, 20, 3);
+    let tr = apply(&tr.state, &result_ok(west, json!({})), &wf, 30, 4);
+    assert_eq!(tr.state.compensable.len(), 3, "charge and both holds");
+    let tr = apply(
+        &tr.state,
+        &result_ok(stamp_of(&tr.state), json!({})),
+        &wf,
+        40,
+        5,
+    );
+    assert_eq!(tr.record.kind, TransitionKind::RunSucceeded);
+    assert!(tr.state.compensable.is_empty() && tr.state.compensating.is_none());
 }

@@ -298,6 +298,7 @@ impl<'a> Builder<'a> {
             Ok(kind) => self.compensation_failed(kind),
             Err(rejection) => return rejection,
         };
+        self.forget_compensations();
         // The entropy's stamp reproduces every stamp the transition
         // introduced; a transition that names none of them (a branch
         // started and cancelled at once) records it.

@@ -154,6 +154,17 @@ impl Builder<'_> {
         Some(stamp)
     }
 
+    /// A run that succeeded or was cancelled never compensates: what it
+    /// remembered for that goes (the outputs are in its history).
+    pub(super) fn forget_compensations(&mut self) {
+        if matches!(
+            self.state.status,
+            RunStatus::Succeeded | RunStatus::Cancelled
+        ) {
+            self.state.compensable.clear();
+        }
+    }
+
     /// A compensation that failed for good fails the run with
     /// [`COMPENSATION_FAILED`], the failure's own cause beside it; the run
     /// stays at that compensation, for a retry to go on from.
