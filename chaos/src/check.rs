@@ -13,7 +13,8 @@
 //!   signal or cancel that was never applied although the coordinator later
 //!   applied an input from a higher offset of the same partition to the same
 //!   run (so the run was still running when this one came by); a retry never
-//!   applied although the run is still failed by the failure it names; a
+//!   applied although the run is still failed by the failure it names (and
+//!   not compensated: a compensated run takes no retry); a
 //!   result whose attempt is still `dispatched`.
 //! - `run_not_terminal` — a run still `running` after settling (workers kept
 //!   answering and timeouts retry, so every run must end).
@@ -1236,9 +1237,11 @@ fn wakeup_kept(input: &Logged<'_>, ix: &Index<'_>, v: &mut Violations) {
 }
 
 /// A retry names a failure: it is applied unless that failure was retried
-/// under another action id first, or the run was cancelled; an unapplied
-/// one is lost when the run is still failed by the very failure it names.
-/// An applied one retried that failure and no other.
+/// under another action id first, the run was cancelled, or the run failed
+/// compensated (what it did is undone, and nothing is left to retry); an
+/// unapplied one is lost when the run is still failed by the very failure
+/// it names and not compensated. An applied one retried that failure and no
+/// other.
 fn retry_kept(input: &Logged<'_>, ix: &Index<'_>, v: &mut Violations) {
     let run_id = input.run_id;
     let input_ref = input.r.input_ref.as_deref().unwrap_or("");
@@ -1262,7 +1265,7 @@ fn retry_kept(input: &Logged<'_>, ix: &Index<'_>, v: &mut Violations) {
     }
     let still_failed_by_it = ix.runs.get(run_id).is_some_and(|run| {
         serde_json::from_value::<ductor::coordinator::RunState>(run.state.clone())
-            .is_ok_and(|state| state.failure_seq() == Some(seq))
+            .is_ok_and(|state| state.failure_seq() == Some(seq) && !state.is_compensated())
     });
     if still_failed_by_it {
         v.add("lost_input", || {

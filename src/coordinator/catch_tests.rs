@@ -12,20 +12,11 @@ use serde_json::json;
 use super::definition::{Catch, OnFailure, Rule};
 use super::fold::*;
 use super::tests::{
-    apply, dispatch_of, entropy, result_ok, start_with as start, t, workflow_of as workflow,
+    apply, dispatch_of, entropy, result_ok, stamp_of, start_with as start, t, task_once as task,
+    workflow_of as workflow,
 };
 use super::*;
 use crate::contract::*;
-
-fn task(name: &str) -> StepDefinition {
-    StepDefinition {
-        retry: RetryPolicy {
-            max_attempts: 1,
-            ..RetryPolicy::default()
-        },
-        ..StepDefinition::task(name, "p", 1000)
-    }
-}
 
 fn caught_to(step: StepDefinition, next: &str) -> StepDefinition {
     StepDefinition {
@@ -39,22 +30,7 @@ fn caught_to(step: StepDefinition, next: &str) -> StepDefinition {
 }
 
 fn failed(stamp: uuid::Uuid, retryable: bool) -> Input {
-    Input::Result(AttemptResult {
-        run_id: "r1".into(),
-        tenant: "t1".into(),
-        stamp,
-        outcome: AttemptOutcome::Failed {
-            message: "card declined".into(),
-            retryable,
-        },
-    })
-}
-
-fn stamp_of(s: &RunState) -> uuid::Uuid {
-    s.outstanding
-        .as_ref()
-        .expect("an attempt outstanding")
-        .stamp
+    tests::failed_with(stamp, "card declined", retryable)
 }
 
 /// `charge` catches to `apologize`, which reads the error; `ship` follows

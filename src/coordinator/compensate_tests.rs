@@ -12,19 +12,12 @@ use serde_json::{Value, json};
 
 use super::definition::{Catch, OnFailure, Rule};
 use super::fold::*;
-use super::tests::{apply, dispatch_of, result_ok, start_with as start, workflow_of as workflow};
+use super::tests::{
+    apply, dispatch_of, result_ok, stamp_of, start_with as start, task_once as task,
+    workflow_of as workflow,
+};
 use super::*;
 use crate::contract::*;
-
-fn task(name: &str) -> StepDefinition {
-    StepDefinition {
-        retry: RetryPolicy {
-            max_attempts: 1,
-            ..RetryPolicy::default()
-        },
-        ..StepDefinition::task(name, "p", 1000)
-    }
-}
 
 /// `step`, undone by the task `undo` (on pool `undo`, two attempts).
 fn undone_by(step: StepDefinition, undo: &str) -> StepDefinition {
@@ -54,22 +47,7 @@ fn compensates(step: StepDefinition) -> StepDefinition {
 }
 
 fn failed(stamp: uuid::Uuid, retryable: bool) -> Input {
-    Input::Result(AttemptResult {
-        run_id: "r1".into(),
-        tenant: "t1".into(),
-        stamp,
-        outcome: AttemptOutcome::Failed {
-            message: "no courier".into(),
-            retryable,
-        },
-    })
-}
-
-fn stamp_of(s: &RunState) -> uuid::Uuid {
-    s.outstanding
-        .as_ref()
-        .expect("an attempt outstanding")
-        .stamp
+    tests::failed_with(stamp, "no courier", retryable)
 }
 
 fn lane_stamp(s: &RunState, lane: usize) -> uuid::Uuid {

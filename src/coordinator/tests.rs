@@ -1337,6 +1337,38 @@ fn named_signal(id: &str, name: &str, payload: Value) -> Input {
     })
 }
 
+/// A task on pool `p` that gets one attempt: its first failure is for good.
+pub(super) fn task_once(name: &str) -> StepDefinition {
+    StepDefinition {
+        retry: RetryPolicy {
+            max_attempts: 1,
+            ..RetryPolicy::default()
+        },
+        ..StepDefinition::task(name, "p", 1000)
+    }
+}
+
+/// A failed result of attempt `stamp` of run `r1`.
+pub(super) fn failed_with(stamp: Uuid, message: &str, retryable: bool) -> Input {
+    Input::Result(AttemptResult {
+        run_id: "r1".into(),
+        tenant: "t1".into(),
+        stamp,
+        outcome: AttemptOutcome::Failed {
+            message: message.into(),
+            retryable,
+        },
+    })
+}
+
+/// The stamp of the run's own outstanding attempt.
+pub(super) fn stamp_of(s: &RunState) -> Uuid {
+    s.outstanding
+        .as_ref()
+        .expect("an attempt outstanding")
+        .stamp
+}
+
 pub(super) fn dispatch_of(tr: &Transition) -> Option<&Value> {
     tr.effects
         .iter()
