@@ -1656,6 +1656,69 @@ mod tests {
         assert!(examples[0].starts_with("prompt:"), "{examples:?}");
     }
 
+    /// An unapplied retry of a run still failed by the failure it names is
+    /// lost, unless the run failed compensated: nothing is left to retry.
+    #[test]
+    fn an_unapplied_retry_is_lost_unless_its_run_was_compensated() {
+        let failed = |run: &str, compensated: bool| {
+            let mut state = serde_json::json!({
+                "v": 6, "run_id": run, "tenant": "acme", "pool": "default",
+                "workflow": "wf", "workflow_version": 1, "status": "failed",
+                "step_index": 1, "attempt": 1, "input": {}, "output": null,
+                "outstanding": null, "pending_retry": null, "attempts": [], "signals": [],
+                "correlation_id": null, "error": "declined", "record_version": 4,
+                "last_transition_seq": 4, "failed_seq": 4,
+                "created_at": "2026-12-07T10:00:00Z", "updated_at": "2026-12-07T10:00:01Z",
+            });
+            if compensated {
+                state["compensating"] = serde_json::json!({
+                    "failed_step": 1, "cause": "not_retryable", "error": "declined",
+                });
+            }
+            RunRow {
+                run_id: run.into(),
+                tenant: "acme".into(),
+                pool: "default".into(),
+                workflow: "wf".into(),
+                workflow_version: 1,
+                status: "failed".into(),
+                record_version: 4,
+                last_transition_seq: 4,
+                state,
+                finished: true,
+            }
+        };
+        let db = DbSnapshot {
+            runs: vec![failed("plain", false), failed("undone", true)],
+            ..DbSnapshot::default()
+        };
+        let ix = Index::of(&db);
+        let mut v = Violations::default();
+        for (offset, run) in [(1, "plain"), (2, "undone")] {
+            let record = Record {
+                ev: log::EV_INPUT.into(),
+                kind: Some(log::KIND_RETRY.into()),
+                good: true,
+                acked: true,
+                run_id: Some(run.into()),
+                tenant: Some("acme".into()),
+                input_ref: Some(format!("retry:a-{run}")),
+                topic: Some("wakeups".into()),
+                partition: Some(0),
+                offset: Some(offset),
+                failed_seq: Some(4),
+                ..Record::default()
+            };
+            retry_kept(&Logged::of(&record).unwrap(), &ix, &mut v);
+        }
+        assert_eq!(v.total(), 1, "{v:?}");
+        let examples = &v.examples["lost_input"];
+        assert!(
+            examples[0].contains("plain is still failed"),
+            "{examples:?}"
+        );
+    }
+
     /// A stalled-lanes reading the load driver logged is a violation.
     #[test]
     fn a_stalled_lane_is_reported() {
