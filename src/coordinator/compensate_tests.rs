@@ -581,3 +581,125 @@ fn a_run_that_succeeds_forgets_what_it_would_undo() {
     assert_eq!(tr.record.kind, TransitionKind::RunSucceeded);
     assert!(tr.state.compensable.is_empty() && tr.state.compensating.is_none());
 }
+
+#[test]
+fn a_start_that_compensates_at_once_stays_a_run_started_and_names_its_failure() {
+    let wf = Workflows::new(vec![workflow(vec![
+        compensates(StepDefinition::map(
+            "each",
+            vec![undone_by(task("pick"), "put_back")],
+        )),
+        task("last"),
+    ])])
+    .unwrap();
+    let tr = start(&wf, json!({"not": "an array"}));
+    assert_eq!(tr.record.kind, TransitionKind::RunStarted);
+    assert_eq!(tr.state.status, RunStatus::Failed);
+    assert_eq!(tr.record.detail["cause"], COMPENSATED);
+    assert_eq!(
+        tr.state.failure_seq(),
+        Some(1),
+        "a retry names the start that failed the run"
+    );
+}
+
+/// `each` maps `pick` (undone by `put_back`) over the input; `tail` goes
+/// back to it once when it fails, so the workflow loops.
+fn looping_map() -> Workflows {
+    let tail = StepDefinition {
+        max_visits: Some(2),
+        catch: Some(Catch {
+            next: Some("each".into()),
+            result: None,
+            compensate: false,
+        }),
+        ..task("tail")
+    };
+    Workflows::new(vec![workflow(vec![
+        compensates(StepDefinition::map(
+            "each",
+            vec![undone_by(task("pick"), "put_back")],
+        )),
+        tail,
+    ])])
+    .unwrap()
+}
+
+#[test]
+fn an_item_keeps_its_step_key_through_its_retries_and_is_undone_under_it() {
+    let wf = looping_map();
+    let tr = start(&wf, json!([1, 2]));
+    let keys: Vec<Value> = tr
+        .effects
+        .iter()
+        .filter(|e| matches!(e.target, EffectTarget::StepQueue { .. }))
+        .map(|e| e.payload["step_key"].clone())
+        .collect();
+    assert_eq!(keys, [json!("r1/step/2/item/0"), json!("r1/step/2/item/1")]);
+    let (s0, s1) = (lane_stamp(&tr.state, 0), lane_stamp(&tr.state, 1));
+    let tr = apply(&tr.state, &result_ok(s0, json!("p0")), &wf, 10, 2);
+    let tr = apply(&tr.state, &failed(s1, false), &wf, 20, 3);
+    assert_eq!(tr.record.kind, TransitionKind::RunCompensating);
+    assert_eq!(sent(&tr).1, json!("r1/step/2/item/0/compensate"));
+}
+
+#[test]
+fn a_step_run_again_under_its_key_by_a_retry_of_the_run_is_undone_once() {
+    let reserve = StepDefinition::parallel(
+        "reserve",
+        vec![
+            ("east", vec![undone_by(task("a"), "release_a")]),
+            ("west", vec![task("b")]),
+        ],
+    );
+    let wf = Workflows::new(vec![workflow(vec![
+        undone_by(task("charge"), "refund"),
+        reserve,
+        compensates(task("ship")),
+    ])])
+    .unwrap();
+    let tr = start(&wf, json!({}));
+    let tr = apply(
+        &tr.state,
+        &result_ok(stamp_of(&tr.state), json!({})),
+        &wf,
+        10,
+        2,
+    );
+    let (east, west) = (lane_stamp(&tr.state, 0), lane_stamp(&tr.state, 1));
+    let tr = apply(&tr.state, &result_ok(east, json!({"held": 1})), &wf, 20, 3);
+    let tr = apply(&tr.state, &failed(west, false), &wf, 30, 4);
+    let retry = Input::Retry(RetryWakeup {
+        run_id: "r1".into(),
+        tenant: "t1".into(),
+        action_id: "again".into(),
+        failed_seq: tr.state.failed_seq.unwrap(),
+        reason: None,
+    });
+    let tr = apply(&tr.state, &retry, &wf, 40, 5);
+    let (east, west) = (lane_stamp(&tr.state, 0), lane_stamp(&tr.state, 1));
+    let tr = apply(&tr.state, &result_ok(east, json!({"held": 2})), &wf, 50, 6);
+    let tr = apply(&tr.state, &result_ok(west, json!({})), &wf, 60, 7);
+    let kept: Vec<(&str, &Value)> = tr
+        .state
+        .compensable
+        .iter()
+        .map(|c| (c.step_key.as_str(), &c.output))
+        .collect();
+    assert_eq!(
+        kept,
+        [
+            ("r1/step/0", &json!({})),
+            ("r1/step/3", &json!({"held": 2}))
+        ]
+    );
+    let tr = apply(&tr.state, &failed(stamp_of(&tr.state), false), &wf, 70, 8);
+    assert_eq!(
+        sent(&tr),
+        (
+            json!("release_a"),
+            json!("r1/step/3/compensate"),
+            json!({"held": 2})
+        )
+    );
+}

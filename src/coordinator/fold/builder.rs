@@ -106,11 +106,9 @@ impl<'a> Builder<'a> {
         let step = step(def, step_index)?;
         let stamp = self.stamp();
         let (branch, items) = self.lane_labels(def);
-        let key = self.compensation_key(step_index).unwrap_or_else(|| {
-            let s = &self.state;
-            let visit = s.visits.get(&step_index).map_or(1, |v| v.count);
-            names::step_key_of_items(&s.run_id, step_index, visit, &items)
-        });
+        let key = self
+            .compensation_key(step_index)
+            .unwrap_or_else(|| self.step_key(step_index, &items));
         let deadline = add_ms(self.now, step.timeout_ms);
         let s = &mut self.state;
         s.step_index = step_index;
@@ -158,6 +156,23 @@ impl<'a> Builder<'a> {
         self.effects.push(effect);
         self.timer(TimerKind::Timeout, stamp, deadline);
         Some(stamp)
+    }
+
+    /// The step key of step `index` in the cursor in focus, which runs in
+    /// `items` of the maps around it. Its visit is the step's own in the
+    /// run's sequence; a step in a branch or an item takes that of the step
+    /// of the run's sequence that holds it, which a loop may start again
+    /// (the steps inside start once per branch and item, and their retries
+    /// keep the key).
+    pub(super) fn step_key(&self, index: u32, items: &[u32]) -> String {
+        let s = &self.state;
+        let top = self
+            .focus
+            .first()
+            .and_then(|&i| s.lanes.get(i))
+            .map_or(index, |l| l.parallel);
+        let visit = s.visits.get(&top).map_or(1, |v| v.count);
+        names::step_key_of_items(&s.run_id, index, visit, items)
     }
 
     /// A durable timer: the canonical `wakeup.timer` input, published at `due`.
@@ -309,8 +324,12 @@ impl<'a> Builder<'a> {
             self.detail("first_stamp", self.entropy.stamp.to_string().into());
         }
         let seq = self.state.last_transition_seq.saturating_add(1);
+        // The transition that failed the run names the failure: a
+        // `run.failed`, or a start or retry whose first step failed at once.
+        let failed_now =
+            kind == TransitionKind::RunFailed || self.from_status != Some(RunStatus::Failed);
         self.state.failed_seq = match self.state.status {
-            RunStatus::Failed if kind == TransitionKind::RunFailed => Some(seq),
+            RunStatus::Failed if failed_now => Some(seq),
             // A signal or a cancel of a failed run keeps the failure it
             // names; one that failed before it was kept failed last.
             RunStatus::Failed => self.state.failure_seq(),

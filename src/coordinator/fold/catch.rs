@@ -59,7 +59,13 @@ impl Builder<'_> {
         };
         if catch.compensate {
             let cause = cause.unwrap_or_default().to_owned();
-            return Ok(self.begin_compensating(def, index, &cause));
+            let turned = self.begin_compensating(def, index, &cause);
+            // A start stays a `run.started`, whatever its first step did.
+            return Ok(match (kind, turned) {
+                (TransitionKind::RunStarted, _) => kind,
+                (TransitionKind::RunRetried, TransitionKind::RunCompensating) => kind,
+                (_, turned) => turned,
+            });
         }
         let Some(next) = catch.next.as_deref().and_then(|n| flow::index_of(def, n)) else {
             return Ok(kind);
@@ -83,10 +89,8 @@ impl Builder<'_> {
         self.state.output = value;
         let moved = self.after_step(def, index_of(def, Target::Step(next)))?;
         Ok(match (kind, moved) {
-            (
-                TransitionKind::RunStarted | TransitionKind::RunRetried,
-                TransitionKind::StepSucceeded,
-            ) => kind,
+            (TransitionKind::RunStarted, _)
+            | (TransitionKind::RunRetried, TransitionKind::StepSucceeded) => kind,
             (_, TransitionKind::StepSucceeded) => TransitionKind::StepCaught,
             (_, moved) => moved,
         })

@@ -48,9 +48,19 @@ impl Builder<'_> {
             return;
         };
         let (_, items) = self.lane_labels(def);
-        let s = &self.state;
-        let visit = s.visits.get(&index).map_or(1, |v| v.count);
-        let step_key = names::step_key_of_items(&s.run_id, index, visit, &items);
+        let step_key = self.step_key(index, &items);
+        // A step that ran again under its key (a retry of the run started
+        // its branch again) made its effect once: it is undone once, with
+        // its newest output.
+        if let Some(known) = self
+            .state
+            .compensable
+            .iter_mut()
+            .find(|c| c.step_key == step_key)
+        {
+            known.output = output.clone();
+            return;
+        }
         self.state.compensable.push(Compensable {
             step_index: compensation,
             step_key,
