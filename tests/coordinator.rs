@@ -652,9 +652,10 @@ async fn bad_inputs_go_to_the_dead_letter_topic_and_good_ones_behind_them_apply(
         ),
         (
             "wrong_topic",
-            json!({"type": "wakeup.cancel", "schema_version": 1, "run_id": "r", "tenant": "acme"})
-                .to_string()
-                .into_bytes(),
+            json!({"type": "wakeup.signal", "schema_version": 1, "run_id": "r", "tenant": "acme",
+                   "signal_id": "s1", "name": "poke"})
+            .to_string()
+            .into_bytes(),
         ),
         ("too_large", oversized.to_string().into_bytes()),
         (
@@ -952,6 +953,7 @@ async fn a_batch_with_an_input_postgres_refuses_commits_the_rest_and_isolates_it
             pool: "default".into(),
             input,
             correlation_id: None,
+            parent: None,
         }),
         source: None,
         trace: None,

@@ -50,6 +50,9 @@ enum StepSpec {
     /// A wait for the signal `poke` of at most this many ms, failing the
     /// run when it times out unless `true` (go on).
     Await(u64, bool),
+    /// A child run of the workflow `kid`, simulated as a worker answers a
+    /// task: (timeout_ms, max_attempts).
+    Child(u64, u32),
 }
 
 fn step_spec() -> impl Strategy<Value = StepSpec> {
@@ -57,6 +60,7 @@ fn step_spec() -> impl Strategy<Value = StepSpec> {
         4 => (1_000u64..5_000, 1u32..=4).prop_map(|(t, a)| StepSpec::Task(t, a)),
         1 => (1u64..8_000).prop_map(StepSpec::Sleep),
         2 => (1_000u64..20_000, any::<bool>()).prop_map(|(t, c)| StepSpec::Await(t, c)),
+        1 => (1_000u64..5_000, 1u32..=4).prop_map(|(t, a)| StepSpec::Child(t, a)),
     ]
 }
 
@@ -274,6 +278,17 @@ fn undo_tasks(steps: &mut [StepDefinition]) {
     }
 }
 
+/// The workflow the child steps start: one task.
+fn kid() -> WorkflowDefinition {
+    WorkflowDefinition {
+        name: "kid".into(),
+        version: 1,
+        steps: vec![StepDefinition::task("chore", "pool-kid", 1_000)],
+        output_topic: None,
+        output: None,
+    }
+}
+
 fn straight(name: &str, scn: &Scenario) -> WorkflowDefinition {
     WorkflowDefinition {
         name: name.to_owned(),
@@ -296,6 +311,16 @@ fn straight(name: &str, scn: &Scenario) -> WorkflowDefinition {
                         ..StepDefinition::task(&name, &format!("pool{}", i % 2), timeout_ms)
                     },
                     StepSpec::Sleep(ms) => StepDefinition::sleep(&name, ms),
+                    StepSpec::Child(timeout_ms, max_attempts) => StepDefinition {
+                        retry: RetryPolicy {
+                            max_attempts,
+                            initial_backoff_ms: 100,
+                            max_backoff_ms: 1_000,
+                            multiplier: 2.0,
+                            jitter: 0.2,
+                        },
+                        ..StepDefinition::child(&name, "kid", timeout_ms)
+                    },
                     StepSpec::Await(timeout_ms, go_on) => {
                         let on_timeout = if go_on {
                             OnTimeout::Continue
@@ -458,6 +483,7 @@ fn simulate_capped(
             pool: "default".to_owned(),
             input: json!({"order": run_id, "items": ITEMS}),
             correlation_id: None,
+            parent: None,
         }),
     );
     for &(id, ms) in &scn.signals {
@@ -505,8 +531,10 @@ fn simulate_capped(
             assert_eq!(tr.effects[0].target, EffectTarget::Events);
             for effect in &tr.effects[1..] {
                 match &effect.target {
-                    EffectTarget::StepQueue { .. } => {
-                        let p = &effect.payload;
+                    EffectTarget::StepQueue { .. } | EffectTarget::Requests { .. }
+                        if effect.kind != EffectKind::ChildCancel =>
+                    {
+                        let p = &dispatch_of(effect, &tr.state);
                         let stamp = Uuid::parse_str(p["stamp"].as_str().unwrap()).unwrap();
                         let deadline =
                             DateTime::parse_from_rfc3339(p["deadline"].as_str().unwrap()).unwrap();
@@ -549,7 +577,12 @@ fn simulate_capped(
                         let timer = decode_value(InputTopic::Wakeups, &effect.payload).unwrap();
                         push(&mut queue, ms_of(effect.not_before.unwrap()), timer);
                     }
-                    EffectTarget::Output { .. } => {}
+                    // A cancelled child is a worker that stops: nothing
+                    // comes of it.
+                    EffectTarget::StepQueue { .. }
+                    | EffectTarget::Requests { .. }
+                    | EffectTarget::Output { .. } => {}
+                    EffectTarget::AttemptResults { .. } => panic!("no simulated run has a parent"),
                     EffectTarget::Events => panic!("only the first effect goes to events"),
                 }
             }
@@ -566,8 +599,29 @@ fn simulate_capped(
     out
 }
 
+/// What a worker learns of an attempt: a task's dispatch as it is; a
+/// child run's start as the attempt it answers (its stamp, its deadline,
+/// its step index and attempt from the parent's state).
+fn dispatch_of(effect: &Effect, state: &RunState) -> Value {
+    if effect.kind == EffectKind::StepDispatch {
+        return effect.payload.clone();
+    }
+    let stamp = effect.payload["parent"]["stamp"].as_str().unwrap();
+    let attempt = state
+        .attempts
+        .iter()
+        .find(|a| a.stamp.to_string() == stamp)
+        .expect("a child's start names an attempt of its parent");
+    json!({
+        "stamp": stamp,
+        "deadline": attempt.deadline.to_rfc3339(),
+        "step_index": attempt.step_index,
+        "attempt": attempt.attempt,
+    })
+}
+
 fn solo(scn: &Scenario) -> (Workflows, Outcome) {
-    let wf = Workflows::new(vec![definition("wf", scn)]).unwrap();
+    let wf = Workflows::new(vec![definition("wf", scn), kid()]).unwrap();
     let out = simulate(scn, "run-0", "tenant-0", "wf", &wf);
     (wf, out)
 }
@@ -844,7 +898,7 @@ proptest! {
             prop_assert_eq!(*i, n as u64, "steps completed out of order");
             let member = &output[format!("step{i}")];
             match scn.steps[n] {
-                StepSpec::Task(..) => prop_assert_eq!(&output["step"], &json!(i)),
+                StepSpec::Task(..) | StepSpec::Child(..) => prop_assert_eq!(&output["step"], &json!(i)),
                 StepSpec::Sleep(_) => prop_assert!(member["until"].is_string(), "sleep output {}", output),
                 StepSpec::Await(_, go_on) => {
                     if let Some(id) = member["signal_id"].as_str() {
@@ -998,7 +1052,7 @@ proptest! {
     #[test]
     fn interleaving_runs_preserves_each_outcome(scns in prop::collection::vec(scenario(), 2..=3), seed in any::<u64>()) {
         let defs: Vec<_> = scns.iter().enumerate().map(|(k, s)| definition(&format!("wf-{k}"), s)).collect();
-        let wf = Workflows::new(defs).unwrap();
+        let wf = Workflows::new(defs.into_iter().chain([kid()]).collect()).unwrap();
         let solos: Vec<Outcome> = scns
             .iter()
             .enumerate()
@@ -1080,7 +1134,11 @@ proptest! {
         prop_assert_eq!(ductor_testkit::schemas::check_message(&input.to_json()), Ok(()));
         prop_assert_eq!(decode_input(input.topic(), &bytes, &InputLimits::sized(usize::MAX)), Ok(input.clone()));
         for topic in [InputTopic::Requests, InputTopic::Wakeups, InputTopic::AttemptResults] {
-            if topic != input.topic() {
+            // A cancel is read on the requests topic too (a parent's, behind
+            // its child's start).
+            if matches!(input, Input::Cancel(_)) && topic == InputTopic::Requests {
+                prop_assert_eq!(decode_input(topic, &bytes, &InputLimits::sized(usize::MAX)), Ok(input.clone()));
+            } else if topic != input.topic() {
                 prop_assert_eq!(decode_input(topic, &bytes, &InputLimits::sized(usize::MAX)).unwrap_err().class, InputErrorClass::WrongTopic);
             }
         }
@@ -1141,6 +1199,7 @@ fn nonsense(rng: &mut StdRng, known: &[Uuid]) -> Input {
             pool: "p".to_owned(),
             input: Value::Null,
             correlation_id: None,
+            parent: None,
         }),
         1 => result(
             &run_id,
@@ -1248,9 +1307,10 @@ fn valid_input() -> impl Strategy<Value = Input> {
         "[A-Za-z0-9_.-]{1,100}",
         json_value(),
         prop::option::of("\\PC{0,64}"),
+        prop::option::of((id(), uuid())),
     )
         .prop_map(
-            |(run_id, tenant, workflow, workflow_version, pool, input, correlation_id)| {
+            |(run_id, tenant, workflow, workflow_version, pool, input, correlation_id, parent)| {
                 Input::Start(RunStart {
                     run_id,
                     tenant,
@@ -1259,6 +1319,7 @@ fn valid_input() -> impl Strategy<Value = Input> {
                     pool,
                     input,
                     correlation_id,
+                    parent: parent.map(|(run_id, stamp)| Box::new(ParentRef { run_id, stamp })),
                 })
             },
         );

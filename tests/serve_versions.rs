@@ -47,6 +47,7 @@ fn start(run_id: &str, version: u32) -> PendingInput {
             pool: "default".into(),
             input: json!({"n": 1}),
             correlation_id: None,
+            parent: None,
         }),
         source: None,
         trace: None,

@@ -687,6 +687,18 @@ fn one_file_per_rule() -> Vec<(&'static str, String, &'static str)> {
                 ),
             "[not_in_compensation]",
         ),
+        (
+            "orphan",
+            head("orphan")
+                + "[[steps]]\nname = \"c\"\nkind = \"child\"\nworkflow = \"nobody\"\ntimeout_ms = 1000\n",
+            "[unknown_workflow]",
+        ),
+        (
+            "itself",
+            head("itself")
+                + "[[steps]]\nname = \"c\"\nkind = \"child\"\nworkflow = \"itself\"\ntimeout_ms = 1000\n",
+            "[child_cycle]",
+        ),
     ]
 }
 
@@ -739,7 +751,7 @@ fn workflows_check_refuses_each_malformed_definition_with_its_rule() {
     // The step is named where the refusal is about one.
     assert!(lines[6].contains("step \"a\""), "{}", lines[6]);
     assert!(
-        stderr.contains("15 of 16 workflow files refused"),
+        stderr.contains("17 of 18 workflow files refused"),
         "{stderr}"
     );
 
@@ -750,4 +762,194 @@ fn workflows_check_refuses_each_malformed_definition_with_its_rule() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
+}
+
+/// `parcel`: `prepare`, then `ship`, a child run of `label` (its task
+/// `print`), then `notify`. `waiting`: a child run of `stuck`, whose task
+/// is never answered. `doomed`: a child run of `spoiled`, whose task fails
+/// for good, and no retry.
+fn child_workflows(dir: &Path) {
+    let task =
+        |name: &str| format!("[[steps]]\nname = \"{name}\"\npool = \"p\"\ntimeout_ms = 5000\n");
+    let child = |name: &str, workflow: &str, extra: &str| {
+        format!(
+            "[[steps]]\nname = \"{name}\"\nkind = \"child\"\nworkflow = \"{workflow}\"\n\
+             timeout_ms = 60000\n{extra}"
+        )
+    };
+    let files = [
+        (
+            "label",
+            format!("name = \"label\"\nversion = 1\n\n{}", task("print")),
+        ),
+        (
+            "stuck",
+            format!("name = \"stuck\"\nversion = 1\n\n{}", task("slow")),
+        ),
+        (
+            "spoiled",
+            format!("name = \"spoiled\"\nversion = 1\n\n{}", task("broken")),
+        ),
+        (
+            "parcel",
+            format!(
+                "name = \"parcel\"\nversion = 1\n\n{}\n{}\n{}",
+                task("prepare"),
+                child("ship", "label", ""),
+                task("notify")
+            ),
+        ),
+        (
+            "waiting",
+            format!(
+                "name = \"waiting\"\nversion = 1\n\n{}",
+                child("wait", "stuck", "")
+            ),
+        ),
+        (
+            "doomed",
+            format!(
+                "name = \"doomed\"\nversion = 1\n\n{}",
+                child("try", "spoiled", "retry = { max_attempts = 1 }\n")
+            ),
+        ),
+    ];
+    for (name, text) in files {
+        std::fs::write(dir.join(format!("{name}.toml")), text).unwrap();
+    }
+}
+
+/// The child run a parent started, once it exists: its id and state.
+async fn child_of(db: &TestDb, parent: &str) -> (String, Value) {
+    eventually(&format!("a child of {parent}"), DONE, || async {
+        sqlx::query_as("SELECT run_id, state FROM runs WHERE state->'parent'->>'run_id' = $1")
+            .bind(parent)
+            .fetch_optional(&db.pool)
+            .await
+            .unwrap()
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_child_run_answers_its_step_and_a_cancelled_parent_cancels_it() {
+    let db = TestDb::migrated().await;
+    let mut config = test_config(&db);
+    let dir = tempfile::tempdir().unwrap();
+    child_workflows(dir.path());
+    config.coordinator.workflows_dir = PathBuf::from(dir.path());
+    config.kafka.step_pools = vec!["p".into()];
+    // Child runs' starts and answers then pass only with serve's own
+    // signature.
+    config.signatures.timer_key = Some(ductor::config::SigningKey(
+        "serve-timer-key-for-children".into(),
+    ));
+    ductor::infra::kafka::create_configured_topics(&config)
+        .await
+        .expect("creating topics");
+    let shutdown = CancellationToken::new();
+    let serve = tokio::spawn(ductor::cli::serve::run(config.clone(), shutdown.clone()));
+    let options = ductor::client::worker::WorkerOptions::from_config(&config, "p");
+    let worker = tokio::spawn(ductor::client::worker::run(
+        options,
+        branch_worker,
+        CancellationToken::new(),
+    ));
+    let p = producer();
+    let (parcel, waiting, doomed) = (
+        common::unique("parcel"),
+        common::unique("waiting"),
+        common::unique("doomed"),
+    );
+    for (run_id, workflow) in [
+        (&parcel, "parcel"),
+        (&waiting, "waiting"),
+        (&doomed, "doomed"),
+    ] {
+        let start = json!({
+            "type": "run.start", "schema_version": 1, "run_id": run_id, "tenant": "acme",
+            "workflow": workflow, "input": {"order": 9},
+        });
+        let topic = config.topic_names().requests();
+        produce(&p, &topic, run_id, start.to_string().as_bytes(), &[]).await;
+    }
+
+    // The parcel's child ran `label` with the output of `prepare`, and
+    // its output is the step's.
+    let (status, state) = finished(&db, &parcel).await;
+    assert_eq!(status, "succeeded", "{state}");
+    let (child, child_state) = child_of(&db, &parcel).await;
+    assert_eq!(child_state["workflow"], "label");
+    assert_eq!(child_state["status"], "succeeded");
+    let outputs = step_outputs(&db, &parcel).await;
+    assert_eq!(outputs[1].0, 1, "{outputs:?}");
+    assert_eq!(outputs[1].1, child_state["output"]);
+    assert_eq!(outputs[1].1["step"], "print");
+    assert_eq!(outputs[1].1["input"]["step"], "prepare");
+    let ship_stamp: String = sqlx::query_scalar(
+        "SELECT stamp::text FROM run_attempts WHERE run_id = $1 AND step_index = 1",
+    )
+    .bind(&parcel)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        child, ship_stamp,
+        "the child is named by its attempt's stamp"
+    );
+    assert_eq!(child_state["parent"]["stamp"], ship_stamp.as_str());
+    // Decided once by the routing plane, under the step's key.
+    let decided: Vec<(String, String)> = sqlx::query_as(
+        "SELECT idempotency_key, decision_id FROM eec_routing_idempotency \
+         WHERE idempotency_key LIKE $1",
+    )
+    .bind(format!("{parcel}/%"))
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        decided,
+        [(format!("{parcel}/step/1/child/1"), child.clone())]
+    );
+
+    // A child that fails fails its step, and the parent with it.
+    let (status, state) = finished(&db, &doomed).await;
+    assert_eq!(status, "failed", "{state}");
+    let error = state["error"].as_str().unwrap();
+    assert!(error.contains("child run"), "{error}");
+    assert!(error.contains("out of stock"), "{error}");
+
+    // Cancelling the parent cancels its running child.
+    let (stuck, _) = child_of(&db, &waiting).await;
+    eventually("the stuck child dispatched", DONE, || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM run_attempts WHERE run_id = $1")
+            .bind(&stuck)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        (n > 0).then_some(())
+    })
+    .await;
+    let cancel = json!({
+        "type": "wakeup.cancel", "schema_version": 1, "run_id": waiting, "tenant": "acme",
+    });
+    let wakeups = config.topic_names().wakeups();
+    produce(&p, &wakeups, &waiting, cancel.to_string().as_bytes(), &[]).await;
+    let (status, _) = finished(&db, &waiting).await;
+    assert_eq!(status, "cancelled");
+    let (status, state) = finished(&db, &stuck).await;
+    assert_eq!(status, "cancelled", "{state}");
+    let reason: Option<String> = sqlx::query_scalar(
+        "SELECT detail->>'reason' FROM run_transitions WHERE run_id = $1 AND to_status = 'cancelled'",
+    )
+    .bind(&stuck)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(reason.as_deref(), Some("its parent no longer waits for it"));
+
+    shutdown.cancel();
+    serve.await.unwrap().unwrap();
+    worker.abort();
+    db.drop_db().await;
 }

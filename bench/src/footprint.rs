@@ -122,6 +122,7 @@ fn mid_run_transition(
         pool: "default".into(),
         input: request["input"].clone(),
         correlation_id: None,
+        parent: None,
     });
     let first = transition(fold(
         None,

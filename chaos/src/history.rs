@@ -527,6 +527,7 @@ fn rebuild_input(ctx: &Context<'_>, run: &RunRow, t: &TransitionRow) -> Rebuild 
             pool: run.pool.clone(),
             input: s.get("input").cloned().unwrap_or(Value::Null),
             correlation_id: text("correlation_id"),
+            parent: None,
         };
         let stored = s.get("start_fingerprint").and_then(Value::as_str);
         if stored != Some(fingerprint::start(&start).as_str()) {
@@ -948,6 +949,7 @@ mod tests {
             pool: "default".into(),
             input: serde_json::json!({"x": 1}),
             correlation_id: None,
+            parent: None,
         });
         let entropy = Entropy {
             stamp: Uuid::from_u128(7),

@@ -190,7 +190,12 @@ impl Applier {
             idempotency_key: key,
             tenant: state.tenant.clone(),
             topic,
-            message_key: state.run_id.as_bytes().to_vec(),
+            message_key: effect
+                .target
+                .other_run()
+                .unwrap_or(&state.run_id)
+                .as_bytes()
+                .to_vec(),
             headers,
             payload: serde_json::to_vec(&effect.payload)?,
             ce_type: effect.kind.ce_type().to_owned(),

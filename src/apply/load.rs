@@ -322,6 +322,7 @@ pub(crate) mod tests {
             pool: "default".into(),
             input: Value::String("x".repeat(pad)),
             correlation_id: None,
+            parent: None,
         });
         let entropy = Entropy {
             stamp: Uuid::from_u128(1),

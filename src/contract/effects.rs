@@ -46,17 +46,41 @@ pub enum EffectKind {
     RunAccepted,
     /// One of a run's effects was parked, on the events topic.
     EffectParked,
+    /// The start of a `child` step's run, the canonical routed `run.start`,
+    /// on the requests topic.
+    ChildStart,
+    /// The cancel of a child run whose step was abandoned, the canonical
+    /// `wakeup.cancel`, on the requests topic behind the child's start.
+    ChildCancel,
+    /// A child run's outcome for its parent's attempt, the canonical
+    /// `attempt.result`, on the attempt-results topic.
+    ChildResult,
 }
 
 impl EffectKind {
-    pub const ALL: [EffectKind; 6] = [
+    pub const ALL: [EffectKind; 9] = [
         EffectKind::RunEvent,
         EffectKind::StepDispatch,
         EffectKind::WakeupTimer,
         EffectKind::RunOutput,
         EffectKind::RunAccepted,
         EffectKind::EffectParked,
+        EffectKind::ChildStart,
+        EffectKind::ChildCancel,
+        EffectKind::ChildResult,
     ];
+
+    /// An input of Ductor's own: a timer, or what a parent and its child
+    /// runs tell each other. `serve` signs each with `signatures.timer_key`.
+    pub fn is_own_input(self) -> bool {
+        matches!(
+            self,
+            EffectKind::WakeupTimer
+                | EffectKind::ChildStart
+                | EffectKind::ChildCancel
+                | EffectKind::ChildResult
+        )
+    }
 
     /// The payload's `type` field.
     pub fn wire_type(self) -> &'static str {
@@ -67,6 +91,9 @@ impl EffectKind {
             EffectKind::RunOutput => "run.output",
             EffectKind::RunAccepted => "run.accepted",
             EffectKind::EffectParked => "run.effect_parked",
+            EffectKind::ChildStart => "run.start",
+            EffectKind::ChildCancel => "wakeup.cancel",
+            EffectKind::ChildResult => "attempt.result",
         }
     }
 
@@ -79,6 +106,9 @@ impl EffectKind {
             EffectKind::RunOutput => "ductor.run.output",
             EffectKind::RunAccepted => "ductor.run.accepted",
             EffectKind::EffectParked => "ductor.run.effect_parked",
+            EffectKind::ChildStart => "ductor.run.start",
+            EffectKind::ChildCancel => "ductor.wakeup.cancel",
+            EffectKind::ChildResult => "ductor.attempt.result",
         }
     }
 
@@ -99,6 +129,12 @@ pub enum EffectTarget {
     Wakeups,
     /// A workflow's `output_topic`, used verbatim.
     Output { topic: String },
+    /// The requests input topic, keyed by `run_id` (a child run), not by
+    /// the run whose effect it is.
+    Requests { run_id: String },
+    /// The attempt-results input topic, keyed by `run_id` (a child's
+    /// parent).
+    AttemptResults { run_id: String },
 }
 
 impl EffectTarget {
@@ -109,6 +145,19 @@ impl EffectTarget {
             EffectTarget::Events => names.events(),
             EffectTarget::Wakeups => names.wakeups(),
             EffectTarget::Output { topic } => topic.clone(),
+            EffectTarget::Requests { .. } => names.requests(),
+            EffectTarget::AttemptResults { .. } => names.attempt_results(),
+        }
+    }
+
+    /// The record's key when it is another run's than the effect's own:
+    /// an input for another run lands on that run's partition.
+    pub fn other_run(&self) -> Option<&str> {
+        match self {
+            EffectTarget::Requests { run_id } | EffectTarget::AttemptResults { run_id } => {
+                Some(run_id)
+            }
+            _ => None,
         }
     }
 }

@@ -20,15 +20,24 @@ use super::input::RunStart;
 
 /// The fingerprint of a start request: its tenant, pool, workflow,
 /// requested version (not the one it resolved to) and input. The run id is
-/// not part of it: it is the key the fingerprint is stored under.
+/// not part of it: it is the key the fingerprint is stored under. A child
+/// run's parent takes part only when there is one, so that every start
+/// without one keeps the fingerprint it always had.
 pub fn start(start: &RunStart) -> String {
-    digest(&json!({
+    let mut meaning = json!({
         "tenant": start.tenant,
         "pool": start.pool,
         "workflow": start.workflow,
         "workflow_version": start.workflow_version,
         "input": start.input,
-    }))
+    });
+    if let (Some(parent), Value::Object(map)) = (&start.parent, &mut meaning) {
+        map.insert(
+            "parent".into(),
+            json!({"run_id": parent.run_id, "stamp": parent.stamp.to_string()}),
+        );
+    }
+    digest(&meaning)
 }
 
 /// The fingerprint of a signal: its name and payload (the `signal_id` is
@@ -104,6 +113,7 @@ mod tests {
             pool: "default".into(),
             input: json!({"n": 1}),
             correlation_id: Some("c1".into()),
+            parent: None,
         };
         let resent = RunStart {
             run_id: "r2".into(),

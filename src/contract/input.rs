@@ -100,6 +100,20 @@ pub struct RunStart {
     pub pool: String,
     pub input: Value,
     pub correlation_id: Option<String>,
+    /// The run and attempt of a `child` step that started this run: its
+    /// outcome goes back to that attempt as an `attempt.result`.
+    /// Boxed: most starts have none.
+    pub parent: Option<Box<ParentRef>>,
+}
+
+/// The attempt of a `child` step that a child run answers: the parent's
+/// run and the attempt's stamp. A routed start with a parent is decided
+/// as the run named by the stamp, so that the parent knows its child's id
+/// without asking.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParentRef {
+    pub run_id: String,
+    pub stamp: Uuid,
 }
 
 /// `attempt.result`: a worker's answer for one attempt, fenced by its stamp.

@@ -41,8 +41,8 @@ pub use effects::{
 };
 pub use input::{
     AttemptOutcome, AttemptResult, CancelWakeup, Input, InputError, InputErrorClass, InputLimits,
-    InputTopic, MISSING_WORKFLOW_REF, RetryWakeup, RunStart, SignalWakeup, Source, TimerKind,
-    TimerWakeup, bound_payload, bound_start, decode_input, decode_value, parse_value,
+    InputTopic, MISSING_WORKFLOW_REF, ParentRef, RetryWakeup, RunStart, SignalWakeup, Source,
+    TimerKind, TimerWakeup, bound_payload, bound_start, decode_input, decode_value, parse_value,
 };
 pub use names::{TopicNames, idempotency_key, timeout_cancel_key};
 pub use screen::{ShapeLimits, Violation};

@@ -99,6 +99,13 @@ pub fn step_key_of_visit(run_id: &str, step_index: u32, visit: u32) -> String {
     }
 }
 
+/// The idempotency key of the run a `child` step's `attempt` starts: its
+/// step key, `/child/` and the attempt, so that each attempt starts one
+/// run however often its start is delivered, and a retry starts another.
+pub fn child_key(step_key: &str, attempt: u32) -> String {
+    format!("{step_key}/child/{attempt}")
+}
+
 /// The key of one start of a step inside the items of `map` steps:
 /// [`step_key_of_visit`], then `/item/<k>` with the item of each map it is
 /// in, outermost first (`<run>/step/<index>/item/3`), so that each item

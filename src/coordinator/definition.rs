@@ -158,6 +158,13 @@ pub struct StepDefinition {
     /// (name, pool, timeout, retries) and nothing more.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compensate: Option<Box<StepDefinition>>,
+    /// A `child`: the workflow its run runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workflow: Option<String>,
+    /// A `child`: that workflow's version; without it, the latest when the
+    /// child starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<u32>,
 }
 
 /// What a run does when a step fails for good: it goes on at another
@@ -234,6 +241,10 @@ pub enum StepKind {
     /// Its steps run for each item of its input (an array), some items at
     /// once; it ends with their results in item order.
     Map,
+    /// It starts a run of another workflow with its input, through the
+    /// routing plane, and ends with that run's outcome: its output, or its
+    /// failure. Each attempt is one child run.
+    Child,
 }
 
 /// What the timeout of an `await_signal` step does.
@@ -344,6 +355,10 @@ pub enum Rule {
     TooDeep,
     /// A compensation that is more than a task.
     NotInCompensation,
+    /// A `child` step whose workflow (or version) is not defined.
+    UnknownWorkflow,
+    /// Workflows whose `child` steps start each other, without end.
+    ChildCycle,
     /// A file that is no TOML, or a value of the wrong type.
     Syntax,
     /// A field that no definition has.
@@ -366,6 +381,8 @@ impl Rule {
             Rule::NotInBranch => "not_in_branch",
             Rule::TooDeep => "too_deep",
             Rule::NotInCompensation => "not_in_compensation",
+            Rule::UnknownWorkflow => "unknown_workflow",
+            Rule::ChildCycle => "child_cycle",
             Rule::Syntax => "syntax",
             Rule::UnknownField => "unknown_field",
         }
@@ -530,6 +547,21 @@ impl WorkflowDefinition {
         u32::try_from(i).ok()
     }
 
+    /// Its `child` steps, wherever they are: each one's path, the workflow
+    /// it starts and the version it names.
+    pub fn children(&self) -> Vec<(String, &str, Option<u32>)> {
+        let layout = self.layout();
+        layout
+            .iter()
+            .enumerate()
+            .filter(|(_, (step, _))| step.kind == StepKind::Child)
+            .filter_map(|(i, (step, _))| {
+                let workflow = step.workflow.as_deref()?;
+                Some((self.path_of(&layout, i), workflow, step.version))
+            })
+            .collect()
+    }
+
     /// Whether any step runs steps inside it (a parallel step or a map).
     pub fn has_branches(&self) -> bool {
         self.steps
@@ -625,13 +657,13 @@ impl WorkflowDefinition {
             }
             if !matches!(
                 step.kind,
-                StepKind::Task | StepKind::Sleep | StepKind::Parallel
+                StepKind::Task | StepKind::Sleep | StepKind::Parallel | StepKind::Child
             ) {
                 return refuse(
                     Rule::NotInBranch,
                     ".kind",
                     format!(
-                        "a branch runs task, sleep and parallel steps; a {} step runs in the workflow's own sequence",
+                        "a branch runs task, sleep, parallel and child steps; a {} step runs in the workflow's own sequence",
                         step.kind.as_str()
                     ),
                 );
@@ -870,6 +902,19 @@ impl StepDefinition {
             max_items: None,
             catch: None,
             compensate: None,
+            workflow: None,
+            version: None,
+        }
+    }
+
+    /// A child run of `workflow` (its latest version), an attempt at most
+    /// `timeout_ms`.
+    #[cfg(any(test, feature = "internals"))]
+    pub fn child(name: &str, workflow: &str, timeout_ms: u64) -> Self {
+        Self {
+            kind: StepKind::Child,
+            workflow: Some(workflow.into()),
+            ..Self::task(name, "", timeout_ms)
         }
     }
 
@@ -971,6 +1016,7 @@ impl StepDefinition {
             StepKind::Choice => self.validate_choice(at),
             StepKind::Parallel => self.validate_parallel(at),
             StepKind::Map => self.validate_map(at),
+            StepKind::Child => self.validate_child(at),
         }
     }
 
@@ -1090,11 +1136,22 @@ impl StepDefinition {
 
     /// A field of another kind of step is a mistake, not something to ignore.
     fn validate_fields_of_kind(&self, at: &str) -> Result<(), DefinitionError> {
-        use StepKind::{AwaitSignal, Choice, Map, Parallel, Sleep, Task};
-        let given: [(&str, bool, &[StepKind]); 20] = [
+        use StepKind::{AwaitSignal, Child, Choice, Map, Parallel, Sleep, Task};
+        // The kinds that are steps of the run's flow, each with its own
+        // result and its own way on.
+        const GOES_ON: &[StepKind] = &[Task, AwaitSignal, Sleep, Parallel, Map, Child];
+        let given: [(&str, bool, &[StepKind]); 22] = [
             ("pool", !self.pool.is_empty(), &[Task]),
-            ("retry", self.retry != RetryPolicy::default(), &[Task]),
-            ("timeout_ms", self.timeout_ms != 0, &[Task, AwaitSignal]),
+            (
+                "retry",
+                self.retry != RetryPolicy::default(),
+                &[Task, Child],
+            ),
+            (
+                "timeout_ms",
+                self.timeout_ms != 0,
+                &[Task, AwaitSignal, Child],
+            ),
             ("signal", self.signal.is_some(), &[AwaitSignal]),
             (
                 "on_timeout",
@@ -1103,22 +1160,10 @@ impl StepDefinition {
             ),
             ("duration_ms", self.duration_ms.is_some(), &[Sleep]),
             ("until", self.until.is_some(), &[Sleep]),
-            (
-                "input",
-                self.input.is_some(),
-                &[Task, AwaitSignal, Sleep, Parallel, Map],
-            ),
-            (
-                "result",
-                self.result.is_some(),
-                &[Task, AwaitSignal, Sleep, Parallel, Map],
-            ),
-            (
-                "next",
-                self.next.is_some(),
-                &[Task, AwaitSignal, Sleep, Parallel, Map],
-            ),
-            ("end", self.end, &[Task, AwaitSignal, Sleep, Parallel, Map]),
+            ("input", self.input.is_some(), GOES_ON),
+            ("result", self.result.is_some(), GOES_ON),
+            ("next", self.next.is_some(), GOES_ON),
+            ("end", self.end, GOES_ON),
             ("choices", !self.choices.is_empty(), &[Choice]),
             ("default", self.default.is_some(), &[Choice]),
             ("branches", !self.branches.is_empty(), &[Parallel]),
@@ -1130,12 +1175,10 @@ impl StepDefinition {
             ("steps", !self.steps.is_empty(), &[Map]),
             ("max_concurrency", self.max_concurrency.is_some(), &[Map]),
             ("max_items", self.max_items.is_some(), &[Map]),
-            (
-                "catch",
-                self.catch.is_some(),
-                &[Task, AwaitSignal, Sleep, Parallel, Map],
-            ),
+            ("catch", self.catch.is_some(), GOES_ON),
             ("compensate", self.compensate.is_some(), &[Task]),
+            ("workflow", self.workflow.is_some(), &[Child]),
+            ("version", self.version.is_some(), &[Child]),
         ];
         match given
             .iter()
@@ -1191,6 +1234,29 @@ impl StepDefinition {
             return Err(DefinitionError::new(
                 format!("{at}.pool"),
                 "must be 1 to 100 characters of [A-Za-z0-9._-]",
+            ));
+        }
+        validate_timeout(at, self.timeout_ms)?;
+        self.retry.validate(&format!("{at}.retry"))
+    }
+
+    /// A child names the workflow it runs; its attempts time out and retry
+    /// as a task's do.
+    fn validate_child(&self, at: &str) -> Result<(), DefinitionError> {
+        if !self
+            .workflow
+            .as_deref()
+            .is_some_and(|w| is_name(w, MAX_NAME_LEN))
+        {
+            return Err(DefinitionError::new(
+                format!("{at}.workflow"),
+                "a child step names its workflow: 1 to 100 characters of [A-Za-z0-9_.-]",
+            ));
+        }
+        if self.version == Some(0) {
+            return Err(DefinitionError::new(
+                format!("{at}.version"),
+                "must be >= 1",
             ));
         }
         validate_timeout(at, self.timeout_ms)?;
@@ -1284,6 +1350,7 @@ impl StepKind {
             StepKind::Choice => "choice",
             StepKind::Parallel => "parallel",
             StepKind::Map => "map",
+            StepKind::Child => "child",
         }
     }
 }
@@ -1325,8 +1392,20 @@ pub struct Workflows {
 }
 
 impl Workflows {
-    /// Validates every definition; a repeated `(name, version)` is an error.
+    /// Validates every definition; a repeated `(name, version)` is an
+    /// error, and so is a `child` step refused by [`Workflows::check_children`].
+    #[cfg(any(test, feature = "internals"))]
     pub fn new(definitions: Vec<WorkflowDefinition>) -> Result<Self, DefinitionError> {
+        let workflows = Self::each_valid(definitions)?;
+        match workflows.check_children().into_iter().next() {
+            Some((_, error)) => Err(error),
+            None => Ok(workflows),
+        }
+    }
+
+    /// Validates every definition on its own; a repeated `(name, version)`
+    /// is an error. What their `child` steps start is not checked.
+    pub fn each_valid(definitions: Vec<WorkflowDefinition>) -> Result<Self, DefinitionError> {
         let mut by_name: BTreeMap<String, BTreeMap<u32, WorkflowDefinition>> = BTreeMap::new();
         for def in definitions {
             def.validate()?;
@@ -1344,6 +1423,68 @@ impl Workflows {
             versions.insert(def.version, def);
         }
         Ok(Self { by_name })
+    }
+
+    /// What the `child` steps of these workflows start: each names a
+    /// workflow (and version) that is defined here, and no workflow starts
+    /// itself through its children. Each refusal with the workflow (name,
+    /// version) whose step it names.
+    pub fn check_children(&self) -> Vec<((String, u32), DefinitionError)> {
+        let mut refused = Vec::new();
+        for def in self.iter() {
+            for (at, child, version) in def.children() {
+                let known = match version {
+                    Some(v) => self.get(child, v).is_some(),
+                    None => self.latest(child).is_some(),
+                };
+                if !known {
+                    let named = version.map_or(String::new(), |v| format!(" version {v}"));
+                    refused.push((
+                        (def.name.clone(), def.version),
+                        DefinitionError::of(
+                            Rule::UnknownWorkflow,
+                            format!("{at}.workflow"),
+                            format!("starts workflow \"{child}\"{named}, which is not defined"),
+                        ),
+                    ));
+                } else if self.reaches(child, &def.name) {
+                    refused.push((
+                        (def.name.clone(), def.version),
+                        DefinitionError::of(
+                            Rule::ChildCycle,
+                            format!("{at}.workflow"),
+                            format!(
+                                "starts workflow \"{child}\", whose child runs start \"{}\" again: runs that start each other never end",
+                                def.name
+                            ),
+                        ),
+                    ));
+                }
+            }
+        }
+        refused
+    }
+
+    /// Whether a run of `from` (any version) can start, through child
+    /// steps, a run of `to`.
+    fn reaches(&self, from: &str, to: &str) -> bool {
+        let mut seen = std::collections::BTreeSet::new();
+        let mut next = vec![from.to_owned()];
+        while let Some(name) = next.pop() {
+            if name == to {
+                return true;
+            }
+            if !seen.insert(name.clone()) {
+                continue;
+            }
+            let Some(versions) = self.by_name.get(&name) else {
+                continue;
+            };
+            for def in versions.values() {
+                next.extend(def.children().into_iter().map(|(_, w, _)| w.to_owned()));
+            }
+        }
+        false
     }
 
     /// The definition of exactly this version.

@@ -35,6 +35,7 @@ use crate::contract::{Effect, TransitionKind, fingerprint};
 mod attempts;
 mod builder;
 mod catch;
+mod child;
 mod choice;
 mod compensate;
 mod data;

@@ -82,6 +82,8 @@ pub use state::{
 #[cfg(test)]
 mod catch_tests;
 #[cfg(test)]
+mod child_tests;
+#[cfg(test)]
 mod compensate_tests;
 #[cfg(test)]
 mod data_tests;

@@ -57,6 +57,7 @@ fn start() -> Input {
         pool: "default".into(),
         input: json!({"order": 1}),
         correlation_id: None,
+        parent: None,
     })
 }
 

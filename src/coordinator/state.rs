@@ -274,9 +274,17 @@ pub struct Purged {
 /// `visits`, and came
 /// with `20261207000024_state_version_4`; version 5 keeps `lanes`, and came
 /// with `20261208000025_state_version_5`; version 6 keeps `compensable`
-/// and `compensating`, and came with `20261209000026_state_version_6`,
-/// which the column's comment names.
-pub const STATE_VERSION: u32 = 6;
+/// and `compensating`, and came with `20261209000026_state_version_6`;
+/// version 7 keeps `parent`, and came with
+/// `20261210000027_state_version_7`, which the column's comment names.
+pub const STATE_VERSION: u32 = 7;
+
+/// A child run's parent ([`RunState::parent`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Parent {
+    pub run_id: String,
+    pub stamp: Uuid,
+}
 
 /// The version of a document that has no `v`.
 pub(super) fn unversioned() -> u32 {
@@ -339,6 +347,10 @@ pub struct RunState {
     /// the compensation running. Absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compensating: Option<Compensating>,
+    /// A child run's parent: the run and the attempt of its `child` step
+    /// that this run's outcome answers. Absent in a run started otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<Parent>,
     pub attempts: Vec<AttemptRecord>,
     pub signals: Vec<SignalRecord>,
     /// The retries the run applied, oldest first. Absent while there are none.

@@ -61,6 +61,12 @@
 //!    5 would write a run back without them, and a later failure would
 //!    undo nothing. A version 5 state loads as it is: no binary of
 //!    version 5 compensated.
+//! 7. `"v": 7`: version 6 and `parent` (the run and attempt a child run
+//!    answers), optional, under a version of its own that came with the
+//!    migration `20261210000027_state_version_7`: a binary of version 6
+//!    would write a child run back without its parent, and its outcome
+//!    would never reach the step waiting for it. A version 6 state loads
+//!    as it is: no binary of version 6 started child runs.
 //!
 //! A new version adds a step to [`upgrade`] and a fixture of the version
 //! before it. Binaries before this version ignore fields they do not know
@@ -127,6 +133,9 @@ pub fn upgrade(mut document: Value) -> Result<Value, StateDecodeError> {
     }
     if version < 6 {
         document = from_version_5(document);
+    }
+    if version < 7 {
+        document = from_version_6(document);
     }
     Ok(document)
 }
@@ -208,6 +217,15 @@ fn from_version_4(mut document: Value) -> Value {
 fn from_version_5(mut document: Value) -> Value {
     if let Some(fields) = document.as_object_mut() {
         fields.insert("v".into(), 6.into());
+    }
+    document
+}
+
+/// Version 6 to 7: the same fields, and no `parent` (no binary of
+/// version 6 started child runs), so only the version is written.
+fn from_version_6(mut document: Value) -> Value {
+    if let Some(fields) = document.as_object_mut() {
+        fields.insert("v".into(), 7.into());
     }
     document
 }
@@ -407,7 +425,7 @@ mod tests {
         let mut five = version_2_retried();
         five["v"] = json!(5);
         let mut expected = five.clone();
-        expected["v"] = json!(6);
+        expected["v"] = json!(STATE_VERSION);
         assert_eq!(upgrade(five.clone()), Ok(expected));
         let mut state = decode(&bytes(&five)).unwrap();
         assert!(state.compensable.is_empty() && state.compensating.is_none());
@@ -425,6 +443,25 @@ mod tests {
             (&written["compensable"], &written["compensating"]),
             (&json!([left]), &why)
         );
+        assert_eq!(decode(&bytes(&written)).unwrap(), state);
+    }
+
+    #[test]
+    fn a_state_of_version_6_loads_as_it_is_without_a_parent_and_keeps_one_once_made() {
+        let mut six = version_2_retried();
+        six["v"] = json!(6);
+        let mut expected = six.clone();
+        expected["v"] = json!(7);
+        assert_eq!(upgrade(six.clone()), Ok(expected));
+        let mut state = decode(&bytes(&six)).unwrap();
+        assert!(state.parent.is_none());
+        let written = serde_json::to_value(&state).unwrap();
+        assert!(written.get("parent").is_none(), "{written}");
+        // A child run keeps its parent, and reads it back.
+        let parent = json!({"run_id": "p1", "stamp": "6f1d9a1c-7a43-4c5e-9a55-0d1f1c1b2a3e"});
+        state.parent = Some(serde_json::from_value(parent.clone()).unwrap());
+        let written = serde_json::to_value(&state).unwrap();
+        assert_eq!(written["parent"], parent);
         assert_eq!(decode(&bytes(&written)).unwrap(), state);
     }
 

@@ -81,6 +81,7 @@ pub(super) fn start_input() -> Input {
         pool: "default".into(),
         input: json!({"x": 1}),
         correlation_id: Some("c".into()),
+        parent: None,
     })
 }
 
@@ -94,6 +95,7 @@ pub(super) fn start_with(wf: &Workflows, input: Value) -> Transition {
         pool: "default".into(),
         input,
         correlation_id: None,
+        parent: None,
     });
     transition(fold(None, &start, wf, STATE_CAP, t(0), &entropy(1)))
 }

@@ -120,8 +120,22 @@ pub fn load_dir(dir: &Path) -> Result<Workflows, WorkflowFileError> {
         }
         definitions.push((label, def));
     }
-    Workflows::new(definitions.into_iter().map(|(_, d)| d).collect())
-        .map_err(|e| WorkflowFileError::new(&dir_label, e.to_string()))
+    let labels: Vec<(String, String, u32)> = definitions
+        .iter()
+        .map(|(label, d)| (label.clone(), d.name.clone(), d.version))
+        .collect();
+    let workflows = Workflows::each_valid(definitions.into_iter().map(|(_, d)| d).collect())
+        .map_err(|e| WorkflowFileError::new(&dir_label, e.to_string()))?;
+    match workflows.check_children().into_iter().next() {
+        Some(((name, version), e)) => {
+            let file = labels
+                .iter()
+                .find(|(_, n, v)| *n == name && *v == version)
+                .map_or(dir_label.as_str(), |(label, _, _)| label.as_str());
+            Err(WorkflowFileError::of_definition(file, &name, e))
+        }
+        None => Ok(workflows),
+    }
 }
 
 /// The refusal of `def` (in `label`) when one of `earlier` has its name
@@ -166,7 +180,31 @@ pub fn check_files(
         }
         outcomes.push(outcome);
     }
+    refuse_children(&mut outcomes, paths);
     outcomes
+}
+
+/// Refuses each file whose `child` steps start a workflow that none of
+/// the files defines, or start each other without end: the files checked
+/// together are the set `serve` would load.
+fn refuse_children(
+    outcomes: &mut [Result<WorkflowDefinition, WorkflowFileError>],
+    paths: &[std::path::PathBuf],
+) {
+    let defined: Vec<WorkflowDefinition> = outcomes.iter().flatten().cloned().collect();
+    let Ok(workflows) = Workflows::each_valid(defined) else {
+        return;
+    };
+    for ((name, version), e) in workflows.check_children() {
+        let at = outcomes.iter().position(|o| {
+            o.as_ref()
+                .is_ok_and(|d| d.name == name && d.version == version)
+        });
+        if let Some(at) = at {
+            let file = paths[at].display().to_string();
+            outcomes[at] = Err(WorkflowFileError::of_definition(&file, &name, e));
+        }
+    }
 }
 
 fn read_bounded(path: &Path) -> Result<String, String> {

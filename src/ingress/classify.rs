@@ -81,6 +81,9 @@ pub fn check_signature(
     received: Received<'_>,
 ) -> Result<(), InputError> {
     let refuse = |why: &str| Err(InputError::new(InputErrorClass::Unauthenticated, why));
+    if let Some(verdict) = own_input(policy, classified, payload, header) {
+        return verdict;
+    }
     let (tenant, start_pool) = match classified {
         Classified::Routed(request) => (&request.start.tenant, Some(request.start.pool.as_str())),
         Classified::Input(Input::Start(start)) => (&start.tenant, Some(start.pool.as_str())),
@@ -130,6 +133,41 @@ pub fn check_signature(
         );
     }
     Ok(())
+}
+
+/// The verdict on what only serve sends, where it has a timer key: a
+/// child run's start passes with serve's signature alone; a result or a
+/// cancel with it passes (a child's answer, a parent's cancel), and
+/// without it is judged as any other. `None`: judged as any other.
+fn own_input(
+    policy: &SignaturesConfig,
+    classified: &Classified,
+    payload: &[u8],
+    header: Option<&[u8]>,
+) -> Option<Result<(), InputError>> {
+    let key = policy.timer_key()?;
+    let own = header.is_some_and(|header| signature::verify_timer(key, payload, header));
+    let child_start = match classified {
+        Classified::Routed(request) => request.start.parent.is_some(),
+        Classified::Input(Input::Start(start)) => start.parent.is_some(),
+        _ => false,
+    };
+    if child_start {
+        return Some(if own {
+            Ok(())
+        } else {
+            Err(InputError::new(
+                InputErrorClass::Unauthenticated,
+                "a run.start naming a parent must carry serve's own signature \
+                 (signatures.timer_key): only serve starts child runs",
+            ))
+        });
+    }
+    let answer = matches!(
+        classified,
+        Classified::Input(Input::Result(_) | Input::Cancel(_))
+    );
+    (answer && own).then_some(Ok(()))
 }
 
 /// The idempotency key of a Kafka start that names none: its position;
@@ -305,6 +343,46 @@ mod tests {
                 "{header:?}"
             );
         }
+    }
+
+    const CHILD: &[u8] = br#"{"type":"run.start","schema_version":1,"idempotency_key":"r1/step/1/child/1","tenant":"acme","workflow":"example","pool":"payments","parent":{"run_id":"r1","stamp":"6f1d9a1c-7a43-4c5e-9a55-0d1f1c1b2a3e"}}"#;
+    const RESULT: &[u8] = br#"{"type":"attempt.result","schema_version":1,"run_id":"r1","tenant":"acme","stamp":"6f1d9a1c-7a43-4c5e-9a55-0d1f1c1b2a3e","outcome":"succeeded","output":1}"#;
+    const CANCEL: &[u8] = br#"{"type":"wakeup.cancel","schema_version":1,"run_id":"6f1d9a1c-7a43-4c5e-9a55-0d1f1c1b2a3e","tenant":"acme"}"#;
+
+    #[test]
+    fn with_a_timer_key_only_serve_starts_child_runs_and_answers_for_them() {
+        const SERVE_KEY: &[u8] = b"serve-timer-key-0123456789";
+        let (requests, results) = (InputTopic::Requests, InputTopic::AttemptResults);
+        // Without a timer key, a child's start is any start.
+        assert_eq!(check(&policy(&[], false), requests, CHILD, None), None);
+        let mut serve = policy(&["payments"], true);
+        serve.timer_key = Some(SigningKey("serve-timer-key-0123456789".into()));
+        let own = |payload: &[u8]| signature::sign_timer(SERVE_KEY, payload);
+        assert_eq!(check(&serve, requests, CHILD, Some(&own(CHILD))), None);
+        // A tenant cannot start a run that answers another run's attempt.
+        let tenant_signed = signature::sign(KEY, CHILD, AT);
+        for header in [None, Some(tenant_signed.as_str())] {
+            assert_eq!(
+                check(&serve, requests, CHILD, header),
+                Some("unauthenticated"),
+                "{header:?}"
+            );
+        }
+        // A child's answer and a parent's cancel pass with serve's
+        // signature, and with the tenant's as before.
+        assert_eq!(check(&serve, results, RESULT, Some(&own(RESULT))), None);
+        assert_eq!(check(&serve, requests, CANCEL, Some(&own(CANCEL))), None);
+        let tenant_result = signature::sign(KEY, RESULT, AT);
+        assert_eq!(check(&serve, results, RESULT, Some(&tenant_result)), None);
+        assert_eq!(
+            check(&serve, results, RESULT, None),
+            Some("unauthenticated")
+        );
+        let forged = signature::sign_timer(KEY, RESULT);
+        assert_eq!(
+            check(&serve, results, RESULT, Some(&forged)),
+            Some("unauthenticated")
+        );
     }
 
     #[test]

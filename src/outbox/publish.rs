@@ -44,17 +44,21 @@ pub(crate) fn ordered_headers(headers: &serde_json::Map<String, Value>) -> Vec<(
 
 /// Why a claimed intent was not published.
 impl Drainer {
-    /// Serve's signature of a timer, when it has a timer key: the same for
+    /// Serve's signature of an input of its own (a timer, a child run's
+    /// start, cancel or result), when it has a timer key: the same for
     /// every delivery of the intent (it covers the payload alone). Signed
-    /// here rather than when the intent is written, so that timers
+    /// here rather than when the intent is written, so that inputs
     /// committed before the key was set are signed too.
     fn timer_signature(&self, intent: &ClaimedIntent) -> Option<String> {
         let key = self.timer_key.as_ref()?;
-        let timer = crate::contract::EffectKind::WakeupTimer.ce_type();
         intent
             .headers
             .iter()
-            .any(|(k, v)| k == crate::contract::headers::CE_TYPE && v == timer)
+            .any(|(k, v)| {
+                k == crate::contract::headers::CE_TYPE
+                    && crate::contract::EffectKind::from_ce_type(v)
+                        .is_some_and(crate::contract::EffectKind::is_own_input)
+            })
             .then(|| crate::contract::signature::sign_timer(key.0.as_bytes(), &intent.payload))
     }
 }

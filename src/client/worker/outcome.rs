@@ -126,6 +126,7 @@ mod tests {
             pool: "default".into(),
             input: json!({"order": 7}),
             correlation_id: None,
+            parent: None,
         });
         let entropy = Entropy {
             stamp: Uuid::from_u128(42),

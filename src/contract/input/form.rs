@@ -55,6 +55,20 @@ pub struct RunStartForm<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schemars(with = "Option<Text<0, MAX_CORRELATION_ID_LEN>>")]
     pub correlation_id: Option<&'a str>,
+    /// Set by Ductor alone, on the start of a `child` step's run: the
+    /// parent's run and the step attempt's stamp, which the child's outcome
+    /// answers. Such a start carries serve's own signature where
+    /// `signatures.timer_key` is set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent: Option<ParentForm<'a>>,
+}
+
+/// A child run's parent: the run and the stamp of the attempt it answers.
+#[derive(Serialize, JsonSchema)]
+pub struct ParentForm<'a> {
+    #[schemars(with = "Id")]
+    pub run_id: &'a str,
+    pub stamp: Uuid,
 }
 
 /// `attempt.result`, on the attempt-results topic: a worker's answer for
@@ -212,6 +226,10 @@ impl Input {
                 pool: Some(&s.pool),
                 input: &s.input,
                 correlation_id: s.correlation_id.as_deref(),
+                parent: s.parent.as_ref().map(|p| ParentForm {
+                    run_id: &p.run_id,
+                    stamp: p.stamp,
+                }),
             }),
             Input::Result(r) => serde_json::to_value(AttemptResultForm {
                 schema_version,

@@ -16,8 +16,8 @@ use uuid::Uuid;
 use super::{
     AttemptOutcome, AttemptResult, CancelWakeup, DEFAULT_POOL, Input, InputError, InputErrorClass,
     InputLimits, InputTopic, MAX_CORRELATION_ID_LEN, MAX_ERROR_MESSAGE_LEN, MAX_REASON_LEN,
-    MAX_SIGNAL_FIELD_LEN, RetryWakeup, RunStart, SCHEMA_VERSION, SignalWakeup, TimerKind,
-    TimerWakeup, is_id, truncate,
+    MAX_SIGNAL_FIELD_LEN, ParentRef, RetryWakeup, RunStart, SCHEMA_VERSION, SignalWakeup,
+    TimerKind, TimerWakeup, is_id, truncate,
 };
 use crate::contract::names::{MAX_NAME_LEN, is_name};
 use crate::contract::screen::screen;
@@ -81,6 +81,10 @@ fn check_envelope(topic: InputTopic, obj: &Map<String, Value>) -> Result<&str, I
     let expected_topic = match kind {
         TYPE_RUN_START => InputTopic::Requests,
         TYPE_ATTEMPT_RESULT => InputTopic::AttemptResults,
+        // A cancel may come on the requests topic too: a parent cancels
+        // its child there, behind the child's start, so that it cannot
+        // overtake it.
+        TYPE_WAKEUP_CANCEL if topic == InputTopic::Requests => InputTopic::Requests,
         TYPE_WAKEUP_TIMER | TYPE_WAKEUP_SIGNAL | TYPE_WAKEUP_CANCEL | TYPE_WAKEUP_RETRY => {
             InputTopic::Wakeups
         }
@@ -150,6 +154,7 @@ fn decode_fields(kind: &str, f: &Fields<'_>) -> Result<Input, InputError> {
                 |s| s.chars().count() <= MAX_CORRELATION_ID_LEN,
                 "at most 256 characters",
             )?,
+            parent: f.parent()?,
         }),
         TYPE_ATTEMPT_RESULT => Input::Result(AttemptResult {
             run_id,
@@ -247,6 +252,25 @@ impl Fields<'_> {
 
     fn id(&self, name: &str) -> Result<String, InputError> {
         self.required(name, is_id, "1 to 128 characters of [A-Za-z0-9_.:-]")
+    }
+
+    /// `parent`: absent, `null`, or `{"run_id": <id>, "stamp": <uuid>}`.
+    fn parent(&self) -> Result<Option<Box<ParentRef>>, InputError> {
+        match self.get("parent") {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Object(obj)) => {
+                let f = Fields(obj);
+                let (run_id, stamp) = (f.id("run_id"), f.uuid("stamp"));
+                let wrap = |e: InputError| InputError::invalid(format!("parent.{}", e.message));
+                Ok(Some(Box::new(ParentRef {
+                    run_id: run_id.map_err(wrap)?,
+                    stamp: stamp.map_err(wrap)?,
+                })))
+            }
+            Some(_) => Err(InputError::invalid(
+                "parent: must be an object with run_id and stamp",
+            )),
+        }
     }
 
     fn uuid(&self, name: &str) -> Result<Uuid, InputError> {

@@ -22,7 +22,7 @@ use super::{
 use crate::contract::effects::{RunEvent, RunOutput, rfc3339};
 use crate::contract::input::{Input, SCHEMA_VERSION, TimerKind, TimerWakeup, truncate};
 use crate::contract::{Effect, EffectKind, EffectTarget, StepDispatch, TransitionKind, names};
-use crate::coordinator::definition::WorkflowDefinition;
+use crate::coordinator::definition::{StepKind, WorkflowDefinition};
 use crate::coordinator::state::{
     AttemptRecord, AttemptStatus, Outstanding, PendingRetry, RunState, RunStatus,
 };
@@ -133,6 +133,12 @@ impl<'a> Builder<'a> {
         };
         s.attempts.push(record.clone());
         self.attempt_writes.push(AttemptWrite::Insert(record));
+        if step.kind == StepKind::Child {
+            self.start_child(step, &key, attempt, stamp, input);
+            self.timer(TimerKind::Timeout, stamp, deadline);
+            return Some(stamp);
+        }
+        let s = &self.state;
         let dispatch = StepDispatch {
             schema_version: SCHEMA_VERSION,
             run_id: s.run_id.clone(),
@@ -240,6 +246,8 @@ impl<'a> Builder<'a> {
             record.status = status;
             record.finished_at = Some(self.now);
             record.error.clone_from(&error);
+            let index = record.step_index;
+            self.abandon_child(index, stamp, status);
         }
         self.attempt_writes.push(AttemptWrite::Finish {
             stamp,
@@ -314,6 +322,7 @@ impl<'a> Builder<'a> {
             Err(rejection) => return rejection,
         };
         self.forget_compensations();
+        self.answer_parent();
         // The entropy's stamp reproduces every stamp the transition
         // introduced; a transition that names none of them (a branch
         // started and cancelled at once) records it.

@@ -56,7 +56,7 @@ impl Ctx<'_> {
         }
         // A compensation that failed goes on with its policy afresh.
         b.count_try(true);
-        let entered = if failed_step.kind == StepKind::Task {
+        let entered = if matches!(failed_step.kind, StepKind::Task | StepKind::Child) {
             match b.step_input(failed_step, s.step_index) {
                 Ok(input) => match b.dispatch(def, s.step_index, self.next_attempt(), input) {
                     Some(stamp) => Entered::Started(stamp),

@@ -18,7 +18,7 @@ use super::{Builder, Decision, Entropy, NoOpReason, RejectionClass, reject};
 use crate::contract::input::RunStart;
 use crate::contract::{TransitionKind, fingerprint};
 use crate::coordinator::definition::Workflows;
-use crate::coordinator::state::{RunState, RunStatus, STATE_VERSION};
+use crate::coordinator::state::{Parent, RunState, RunStatus, STATE_VERSION};
 
 pub(super) fn on_start(
     start: &RunStart,
@@ -62,6 +62,10 @@ pub(super) fn on_start(
         waiting: None,
         compensable: Vec::new(),
         compensating: None,
+        parent: start.parent.as_ref().map(|p| Parent {
+            run_id: p.run_id.clone(),
+            stamp: p.stamp,
+        }),
         attempts: Vec::new(),
         signals: Vec::new(),
         retries: Vec::new(),
@@ -79,6 +83,12 @@ pub(super) fn on_start(
     b.def = Some(def);
     b.detail("workflow", def.name.clone().into());
     b.detail("workflow_version", def.version.into());
+    if let Some(parent) = &start.parent {
+        b.detail(
+            "parent",
+            serde_json::json!({"run_id": parent.run_id, "stamp": parent.stamp.to_string()}),
+        );
+    }
     // A run whose first steps end at once (a sleep until a time past) may
     // be done, or failed, by the end of its first transition.
     match b.enter(def, 0) {

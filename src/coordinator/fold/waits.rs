@@ -67,7 +67,7 @@ impl Builder<'_> {
                 return Ok(Entered::Failed);
             };
             let output = match step.kind {
-                StepKind::Task => {
+                StepKind::Task | StepKind::Child => {
                     let attempt = self.first_attempt(index);
                     self.count_try(true);
                     let stamp = self
