@@ -318,6 +318,26 @@ fn parallel_workflows(dir: &Path) {
         task("sink", 5000)
     );
     std::fs::write(dir.join("undone.toml"), undone).unwrap();
+    // Any kind in a branch: a choice that skips ahead in its branch, a
+    // wait for a signal, a map over the run's items.
+    let mixed = format!(
+        "name = \"mixed\"\nversion = 1\n\n\
+         [[steps]]\nname = \"all\"\nkind = \"parallel\"\n\n\
+         [[steps.branches]]\nname = \"pick\"\n\
+         [[steps.branches.steps]]\nname = \"route\"\nkind = \"choice\"\ndefault = \"slow_lane\"\n\
+         choices = [{{ next = \"fast_lane\", when = {{ pointer = \"/input/order\", equals = 9 }} }}]\n\
+         [[steps.branches.steps]]\n{}\n[[steps.branches.steps]]\n{}\n\
+         [[steps.branches]]\nname = \"hold\"\n\
+         [[steps.branches.steps]]\nname = \"nod\"\nkind = \"await_signal\"\nsignal = \"go\"\n\
+         timeout_ms = 60000\n\n\
+         [[steps.branches]]\nname = \"many\"\n\
+         [[steps.branches.steps]]\nname = \"each\"\nkind = \"map\"\ninput = \"/input/items\"\n\
+         [[steps.branches.steps.steps]]\n{}",
+        task("slow_lane", 5000),
+        task("fast_lane", 5000),
+        task("wrap", 5000)
+    );
+    std::fs::write(dir.join("mixed.toml"), mixed).unwrap();
     std::fs::write(dir.join("fan.toml"), fan).unwrap();
     std::fs::write(dir.join("fragile.toml"), fragile).unwrap();
 }
@@ -371,6 +391,7 @@ async fn branches_join_a_failed_one_cancels_the_rest_a_map_keeps_its_order_a_cat
         common::unique("rescued"),
         common::unique("undone"),
     );
+    let mixed = common::unique("mixed");
     let runs = [
         (&fan, "fan"),
         (&fragile, "fragile"),
@@ -378,6 +399,7 @@ async fn branches_join_a_failed_one_cancels_the_rest_a_map_keeps_its_order_a_cat
         (&stalled, "stalled"),
         (&rescued, "rescued"),
         (&undone, "undone"),
+        (&mixed, "mixed"),
     ];
     for (run_id, workflow) in runs {
         let start = json!({
@@ -594,6 +616,49 @@ async fn branches_join_a_failed_one_cancels_the_rest_a_map_keeps_its_order_a_cat
     );
     assert!(state.get("compensable").is_none(), "{state}");
 
+    // Any kind in a branch: the choice skipped the slow lane, the wait
+    // took its signal, the map wrapped each item.
+    eventually("mixed started", DONE, || async {
+        sqlx::query_scalar::<_, String>("SELECT run_id FROM runs WHERE run_id = $1")
+            .bind(&mixed)
+            .fetch_optional(&db.pool)
+            .await
+            .unwrap()
+    })
+    .await;
+    let go = json!({
+        "type": "wakeup.signal", "schema_version": 1, "run_id": mixed, "tenant": "acme",
+        "signal_id": "go-1", "name": "go", "payload": {"ok": true},
+    });
+    let wakeups = config.topic_names().wakeups();
+    produce(&p, &wakeups, &mixed, go.to_string().as_bytes(), &[]).await;
+    let (status, state) = finished(&db, &mixed).await;
+    assert_eq!(status, "succeeded", "{state}");
+    let out = &state["output"];
+    assert_eq!(out["pick"]["step"], "fast_lane", "{out}");
+    assert_eq!(out["hold"]["nod"]["signal_id"], "go-1", "{out}");
+    assert_eq!(out["hold"]["nod"]["payload"], json!({"ok": true}), "{out}");
+    let wrapped: Vec<&Value> = out["many"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| &w["wrapped"])
+        .collect();
+    assert_eq!(
+        wrapped,
+        [&json!("cup"), &json!("pot"), &json!("tray")],
+        "{out}"
+    );
+    let lanes: Vec<String> = sqlx::query_scalar(
+        "SELECT convert_from(payload, 'UTF8')::jsonb->>'step' FROM eec_effect_intent \
+         WHERE run_id = $1 AND ce_type = 'ductor.step.dispatch' ORDER BY seq, effect_index",
+    )
+    .bind(&mixed)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert!(!lanes.contains(&"slow_lane".to_owned()), "{lanes:?}");
+
     shutdown.cancel();
     serve.await.unwrap().unwrap();
     worker.abort();
@@ -673,8 +738,8 @@ fn one_file_per_rule() -> Vec<(&'static str, String, &'static str)> {
             "in_branch",
             head("in_branch")
                 + "[[steps]]\nname = \"p\"\nkind = \"parallel\"\n\
-                   branches = [{ name = \"b\", steps = [{ name = \"w\", kind = \"await_signal\", \
-                   signal = \"go\", timeout_ms = 1000 }] }]\n",
+                   branches = [{ name = \"b\", steps = [{ name = \"w\", pool = \"p\", \
+                   timeout_ms = 1000, next = \"w\" }] }]\n",
             "[not_in_branch]",
         ),
         ("deep", head("deep") + &nested(4), "[too_deep]"),

@@ -35,7 +35,7 @@
 //! - `intent_not_published` — a completed intent appears nowhere on its topic.
 //! - `duplicate_differs` — two deliveries with one idempotency key differ in
 //!   message key, headers or payload.
-//! - `effect_order` — on one (run, topic), the first deliveries of
+//! - `effect_order` — on one (run, topic, partition), the first deliveries of
 //!   immediately due effects do not follow (seq, effect index) order.
 //! - `effect_without_intent` — a delivered message carries an idempotency
 //!   key that no committed intent has (an effect of a rolled-back
@@ -783,16 +783,22 @@ fn effect_order(db: &DbSnapshot, deliveries: &Deliveries<'_>, ix: &Index<'_>, v:
         .iter()
         .map(|t| ((t.run_id.as_str(), t.seq), t.created_at))
         .collect();
-    let mut streams: BTreeMap<(&str, &str), Vec<&Msg>> = BTreeMap::new();
+    // In order where a consumer can see an order: on one partition. A
+    // run's own effects share one; what it sends other runs (a child's
+    // start and cancel, keyed by the child) lands on theirs.
+    let mut streams: BTreeMap<(&str, &str, i32), Vec<&Msg>> = BTreeMap::new();
     for copies in deliveries.values() {
         for m in copies {
             if let Some(run) = m.header_str("ductor-run-id") {
-                streams.entry((run, m.topic.as_str())).or_default().push(m);
+                streams
+                    .entry((run, m.topic.as_str(), m.partition))
+                    .or_default()
+                    .push(m);
             }
         }
     }
-    for ((run, topic), mut msgs) in streams {
-        msgs.sort_by_key(|m| (m.partition, m.offset));
+    for ((run, topic, _), mut msgs) in streams {
+        msgs.sort_by_key(|m| m.offset);
         let immediate = |intent: &IntentRow| {
             transition_at
                 .get(&(run, intent.seq))

@@ -773,7 +773,10 @@ fn compare_effects(
             ("ce_type", intent.ce_type != effect.kind.ce_type()),
             ("not_before", intent.not_before != due),
             ("tenant", intent.tenant != run.tenant),
-            ("message key", intent.message_key != run.run_id.as_bytes()),
+            (
+                "message key",
+                intent.message_key != effect.target.other_run().unwrap_or(&run.run_id).as_bytes(),
+            ),
         ];
         if let Some((field, _)) = differs.iter().find(|(_, d)| *d) {
             return Err(format!(

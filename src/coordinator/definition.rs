@@ -193,8 +193,9 @@ pub struct Branch {
     /// Its name, unique within the step: its result's key in the step's
     /// result, and the `branch` of its attempts' dispatches.
     pub name: String,
-    /// Its steps: tasks, sleeps and `parallel` steps, each taking the
-    /// output of the one before (the first takes the parallel step's input).
+    /// Its steps, of any kind, each taking the output of the one before
+    /// (the first takes the parallel step's input); a choice among them
+    /// skips ahead in the branch.
     pub steps: Vec<StepDefinition>,
 }
 
@@ -349,7 +350,8 @@ pub enum Rule {
     NoEnd,
     /// A step that goes back without `max_visits`.
     UnboundedBackEdge,
-    /// A step or field that a branch of a `parallel` step cannot hold.
+    /// A field that a step in a branch cannot hold, or a choice there that
+    /// names no later step of its own branch.
     NotInBranch,
     /// `parallel` steps nested deeper than [`MAX_DEPTH`].
     TooDeep,
@@ -562,6 +564,39 @@ impl WorkflowDefinition {
             .collect()
     }
 
+    /// The step named `name` in the sequence that holds step `index`.
+    pub fn sibling(&self, index: u32, name: &str) -> Option<u32> {
+        let layout = self.layout();
+        let (_, place) = layout.get(index as usize)?;
+        let first = place.first as usize;
+        let end = first.saturating_add(place.len as usize).min(layout.len());
+        let at = layout[first..end]
+            .iter()
+            .position(|(s, _)| s.name == name)?;
+        u32::try_from(first + at).ok()
+    }
+
+    /// How many `await_signal` steps for `name` a run at top-level step
+    /// `at` may still start: those of the workflow's sequence from `first`
+    /// on, and those in the branches and maps of the steps from `at` on.
+    pub fn awaits(&self, name: &str, at: u32, first: u32) -> usize {
+        let layout = self.layout();
+        (0..layout.len())
+            .filter(|&i| {
+                let (step, place) = &layout[i];
+                let top = u32::try_from(Self::top_of(&layout, i)).unwrap_or(u32::MAX);
+                let ahead = match place.parallel {
+                    None => top >= first,
+                    Some(_) => top >= at,
+                };
+                step.kind == StepKind::AwaitSignal
+                    && step.signal.as_deref() == Some(name)
+                    && place.compensates.is_none()
+                    && ahead
+            })
+            .count()
+    }
+
     /// Whether any step runs steps inside it (a parallel step or a map).
     pub fn has_branches(&self) -> bool {
         self.steps
@@ -655,35 +690,51 @@ impl WorkflowDefinition {
             if place.parallel.is_none() {
                 continue;
             }
-            if !matches!(
-                step.kind,
-                StepKind::Task | StepKind::Sleep | StepKind::Parallel | StepKind::Child
-            ) {
+            self.validate_in_branch(i, step)
+                .map_err(|e| e.in_step(&step.name))?;
+        }
+        Ok(())
+    }
+
+    /// A step of any kind runs in a branch (or a map's steps), in order:
+    /// it takes no way on of its own, and a choice there skips ahead in
+    /// its own branch.
+    fn validate_in_branch(&self, i: usize, step: &StepDefinition) -> Result<(), DefinitionError> {
+        let at = self.path_of(&self.layout(), i);
+        let refuse = |field: &str, message: String| {
+            Err(DefinitionError::of(
+                Rule::NotInBranch,
+                format!("{at}.{field}"),
+                message,
+            ))
+        };
+        for (field, name) in flow::named_targets(step) {
+            let later = self
+                .sibling(u32::try_from(i).unwrap_or(u32::MAX), name)
+                .is_some_and(|j| j as usize > i);
+            if step.kind == StepKind::Choice && !later {
                 return refuse(
-                    Rule::NotInBranch,
-                    ".kind",
+                    field,
                     format!(
-                        "a branch runs task, sleep, parallel and child steps; a {} step runs in the workflow's own sequence",
-                        step.kind.as_str()
+                        "a choice in a branch goes on at a later step of its own branch, and \"{name}\" is none"
                     ),
                 );
             }
-            let fields = [
-                ("next", step.next.is_some()),
-                ("end", step.end),
-                ("max_visits", step.max_visits.is_some()),
-                ("result", step.result.is_some()),
-                ("catch", step.catch.is_some()),
-            ];
-            if let Some((field, _)) = fields.iter().find(|(_, given)| *given) {
-                return refuse(
-                    Rule::NotInBranch,
-                    &format!(".{field}"),
-                    "a branch's steps run in order, and its result is its last step's output: a step in a branch takes no next, end, max_visits, result or catch".into(),
-                );
-            }
         }
-        Ok(())
+        let fields = [
+            ("next", step.next.is_some()),
+            ("end", step.end),
+            ("max_visits", step.max_visits.is_some()),
+            ("result", step.result.is_some()),
+            ("catch", step.catch.is_some()),
+        ];
+        match fields.iter().find(|(_, given)| *given) {
+            Some((field, _)) => refuse(
+                field,
+                "a branch's steps run in order, and its result is its last step's output: a step in a branch takes no next, end, max_visits, result or catch".into(),
+            ),
+            None => Ok(()),
+        }
     }
 }
 

@@ -11,7 +11,7 @@
 use serde_json::{Value, json};
 use uuid::Uuid;
 
-use super::definition::{OnFailure, Rule};
+use super::definition::{OnFailure, OnTimeout, Rule};
 use super::fold::*;
 use super::state::LaneStatus;
 use super::tests::{
@@ -474,16 +474,40 @@ fn definitions_with_branches_are_checked() {
     let check =
         |steps: Vec<StepDefinition>| workflow(steps).validate().map_err(|e| (e.rule, e.field));
     let branch = |steps| vec![StepDefinition::parallel("p", vec![("a", steps)])];
+    // A choice in a branch goes on at a later step of its own branch.
+    let fast = || condition::Condition {
+        pointer: Some("/input/fast".into()),
+        equals: Some(json!(true)),
+        ..condition::Condition::default()
+    };
     assert_eq!(
-        check(branch(vec![StepDefinition::await_signal(
-            "w",
-            "go",
-            1000,
-            definition::OnTimeout::Fail
-        )])),
+        check(branch(vec![
+            task("b0"),
+            StepDefinition::choice("c", vec![("b0", fast())], "b1"),
+            task("b1"),
+        ])),
         Err((
             Rule::NotInBranch,
-            "steps[0].branches[0].steps[0].kind".into()
+            "steps[0].branches[0].steps[1].choices".into()
+        ))
+    );
+    assert_eq!(
+        check(vec![StepDefinition::parallel(
+            "p",
+            vec![
+                (
+                    "a",
+                    vec![
+                        StepDefinition::choice("c", vec![("w1", fast())], "a1"),
+                        task("a1")
+                    ]
+                ),
+                ("b", vec![task("w1")]),
+            ]
+        )]),
+        Err((
+            Rule::NotInBranch,
+            "steps[0].branches[0].steps[0].choices".into()
         ))
     );
     assert_eq!(
@@ -778,6 +802,258 @@ fn a_parallel_step_in_a_map_keys_each_item_and_branch_apart() {
     let out = &tr.state.output;
     assert_eq!(out.as_array().map(Vec::len), Some(2), "{out}");
     assert!(out[0]["x"].is_number() && out[1]["y"].is_number(), "{out}");
+}
+
+#[test]
+fn a_map_runs_in_a_branch_and_in_a_map() {
+    // Indices: both 0, wrap 1 (branch a), nap 2 (branch b), pack 3 (in wrap).
+    let wrap = StepDefinition::map("wrap", vec![task("pack")]);
+    let both = StepDefinition::parallel(
+        "both",
+        vec![
+            ("a", vec![wrap]),
+            ("b", vec![StepDefinition::sleep("nap", 10)]),
+        ],
+    );
+    let wf = Workflows::new(vec![workflow(vec![both])]).unwrap();
+    let tr = start(&wf, json!(["cup", "pot"]));
+    let keys: Vec<(Value, Value)> = dispatches(&tr)
+        .iter()
+        .map(|d| (d["step_key"].clone(), d["input"].clone()))
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            (json!("r1/step/3/item/0"), json!("cup")),
+            (json!("r1/step/3/item/1"), json!("pot")),
+        ]
+    );
+    let mut tr = tr;
+    for (e, n) in (10..).zip(0..2) {
+        let stamp = tr
+            .state
+            .lanes
+            .iter()
+            .filter_map(|l| l.outstanding.as_ref())
+            .map(|o| o.stamp)
+            .next()
+            .unwrap();
+        tr = apply(
+            &tr.state,
+            &result_ok(stamp, json!(n)),
+            &wf,
+            e,
+            u128::from(e as u32),
+        );
+    }
+    let wake = tr
+        .state
+        .lanes
+        .iter()
+        .find_map(|l| l.waiting.as_ref())
+        .expect("branch b sleeps")
+        .stamp;
+    let tr = apply(&tr.state, &timer(TimerKind::Wake, wake), &wf, 50, 50);
+    assert_eq!(tr.record.kind, TransitionKind::RunSucceeded);
+    assert_eq!(tr.state.output["a"], json!([0, 1]));
+    assert!(tr.state.lanes.is_empty());
+
+    // A map over each item's own array: items of items, keyed by both.
+    let inner = StepDefinition::map("inner", vec![task("leaf")]);
+    let wf = Workflows::new(vec![workflow(vec![StepDefinition::map(
+        "outer",
+        vec![inner],
+    )])])
+    .unwrap();
+    let tr = start(&wf, json!([[1, 2], [3]]));
+    let keys: Vec<Value> = dispatches(&tr)
+        .iter()
+        .map(|d| d["step_key"].clone())
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            json!("r1/step/2/item/0/0"),
+            json!("r1/step/2/item/0/1"),
+            json!("r1/step/2/item/1/0"),
+        ]
+    );
+    let mut tr = tr;
+    for (e, n) in (10..).zip(0..3) {
+        let stamp = tr
+            .state
+            .lanes
+            .iter()
+            .filter_map(|l| l.outstanding.as_ref())
+            .map(|o| o.stamp)
+            .next()
+            .unwrap();
+        tr = apply(
+            &tr.state,
+            &result_ok(stamp, json!(n)),
+            &wf,
+            e,
+            u128::from(e as u32),
+        );
+    }
+    assert_eq!(tr.record.kind, TransitionKind::RunSucceeded);
+    let out = &tr.state.output;
+    assert_eq!(out[0].as_array().map(Vec::len), Some(2), "{out}");
+    assert_eq!(out[1].as_array().map(Vec::len), Some(1), "{out}");
+}
+
+#[test]
+fn a_choice_in_a_branch_skips_ahead_in_its_branch() {
+    // Indices: both 0, c 1, slow 2, ship 3 (branch a), b1 4 (branch b).
+    let fast = condition::Condition {
+        pointer: Some("/input/fast".into()),
+        equals: Some(json!(true)),
+        ..condition::Condition::default()
+    };
+    let both = StepDefinition::parallel(
+        "both",
+        vec![
+            (
+                "a",
+                vec![
+                    StepDefinition::choice("c", vec![("ship", fast)], "slow"),
+                    task("slow"),
+                    task("ship"),
+                ],
+            ),
+            ("b", vec![task("b1")]),
+        ],
+    );
+    let wf = Workflows::new(vec![workflow(vec![both])]).unwrap();
+    let steps = |tr: &Transition| -> Vec<Value> {
+        dispatches(tr).iter().map(|d| d["step"].clone()).collect()
+    };
+    let quick = start(&wf, json!({"fast": true}));
+    assert_eq!(steps(&quick), [json!("ship"), json!("b1")]);
+    let slow = start(&wf, json!({"fast": false}));
+    assert_eq!(steps(&slow), [json!("slow"), json!("b1")]);
+    let next = apply(
+        &slow.state,
+        &result_ok(stamp_at(&slow.state, 2), json!(1)),
+        &wf,
+        10,
+        2,
+    );
+    assert_eq!(steps(&next), [json!("ship")], "then on in order");
+    let b1 = stamp_at(&quick.state, 4);
+    let ship = stamp_at(&quick.state, 3);
+    let tr = apply(&quick.state, &result_ok(ship, json!("shipped")), &wf, 10, 3);
+    let tr = apply(&tr.state, &result_ok(b1, json!("b")), &wf, 20, 4);
+    assert_eq!(tr.record.kind, TransitionKind::RunSucceeded);
+    assert_eq!(tr.state.output, json!({"a": "shipped", "b": "b"}));
+}
+
+fn go(id: &str) -> Input {
+    Input::Signal(SignalWakeup {
+        run_id: "r1".into(),
+        tenant: "t1".into(),
+        signal_id: id.into(),
+        name: "go".into(),
+        payload: json!({"id": id}),
+    })
+}
+
+fn await_go(name: &str, on_timeout: OnTimeout) -> StepDefinition {
+    StepDefinition::await_signal(name, "go", 5_000, on_timeout)
+}
+
+#[test]
+fn a_branch_waits_for_its_signal_and_one_that_came_early_is_kept_for_it() {
+    // Indices: both 0, a1 1, wait 2 (branch a), b1 3 (branch b).
+    let both = StepDefinition::parallel(
+        "both",
+        vec![
+            ("a", vec![task("a1"), await_go("wait", OnTimeout::Fail)]),
+            ("b", vec![task("b1")]),
+        ],
+    );
+    let wf = Workflows::new(vec![workflow(vec![both])]).unwrap();
+    let tr = start(&wf, json!({}));
+    let (a1, b1) = (stamp_at(&tr.state, 1), stamp_at(&tr.state, 3));
+    // Branch a waits once a1 succeeded; the signal then ends the wait.
+    let waited = apply(&tr.state, &result_ok(a1, json!({"a": 1})), &wf, 10, 2);
+    assert!(waited.state.lanes[0].waiting.is_some());
+    let signalled = apply(&waited.state, &go("s1"), &wf, 20, 3);
+    assert_eq!(signalled.record.kind, TransitionKind::StepSucceeded);
+    assert!(signalled.state.lanes[0].waiting.is_none());
+    assert_eq!(signalled.state.signals[0].consumed_by, Some(2));
+    let done = apply(
+        &signalled.state,
+        &result_ok(b1, json!({"b": 1})),
+        &wf,
+        30,
+        4,
+    );
+    assert_eq!(done.record.kind, TransitionKind::RunSucceeded);
+    assert_eq!(done.state.output["a"]["wait"]["signal_id"], "s1");
+    assert_eq!(
+        done.state.output["a"]["wait"]["payload"],
+        json!({"id": "s1"})
+    );
+    // The same signal before branch a waits: kept, then taken at once.
+    let early = apply(&tr.state, &go("s1"), &wf, 5, 5);
+    assert_eq!(early.record.kind, TransitionKind::RunSignalled);
+    assert!(early.state.signals[0].kept);
+    let taken = apply(&early.state, &result_ok(a1, json!({"a": 1})), &wf, 10, 6);
+    assert!(
+        taken.state.lanes[0].waiting.is_none(),
+        "the kept signal ends it at once"
+    );
+    assert_eq!(taken.state.signals[0].consumed_by, Some(2));
+    let done = apply(&taken.state, &result_ok(b1, json!({"b": 1})), &wf, 30, 7);
+    assert_eq!(done.record.kind, TransitionKind::RunSucceeded);
+    assert_eq!(done.state.output["a"]["wait"]["signal_id"], "s1");
+}
+
+#[test]
+fn each_item_of_a_map_takes_a_signal_of_its_own_and_a_wait_that_times_out_fails_its_branch() {
+    let wf = Workflows::new(vec![workflow(vec![StepDefinition::map(
+        "each",
+        vec![await_go("wait", OnTimeout::Fail)],
+    )])])
+    .unwrap();
+    let tr = start(&wf, json!(["x", "y"]));
+    assert_eq!(
+        tr.state
+            .lanes
+            .iter()
+            .filter(|l| l.waiting.is_some())
+            .count(),
+        2
+    );
+    let one = apply(&tr.state, &go("s1"), &wf, 10, 2);
+    assert_eq!(one.record.kind, TransitionKind::StepSucceeded);
+    let again = fold(
+        Some(&one.state),
+        &go("s1"),
+        &wf,
+        STATE_CAP,
+        t(15),
+        &entropy(3),
+    );
+    assert_eq!(again, Decision::NoOp(NoOpReason::DuplicateSignal));
+    let two = apply(&one.state, &go("s2"), &wf, 20, 4);
+    assert_eq!(two.record.kind, TransitionKind::RunSucceeded);
+    let ids: Vec<&Value> = two
+        .state
+        .output
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| &o["wait"]["signal_id"])
+        .collect();
+    assert_eq!(ids.len(), 2);
+    assert_ne!(ids[0], ids[1], "each item consumed a signal of its own");
+
+    // Nobody signals: the first wait to time out fails its item, and the map.
+    let wake = tr.state.lanes[0].waiting.as_ref().unwrap().stamp;
+    let late = apply(&tr.state, &timer(TimerKind::Wake, wake), &wf, 6_000, 5);
+    assert_eq!(late.state.status, RunStatus::Failed);
 }
 
 #[test]

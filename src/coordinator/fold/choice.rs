@@ -109,10 +109,14 @@ impl Builder<'_> {
             .map(|rule| rule.next.as_str())
             .or(step.default.as_deref())
             .unwrap_or_default();
-        let target = flow::index_of(def, chosen).map_or(Target::End, Target::Step);
         self.state.step_index = index;
         let passed = json!({ "step_index": index, "chose": chosen });
         self.pass(passed);
+        // In a branch, a later step of its own branch.
+        if def.place(index).is_some_and(|p| p.parallel.is_some()) {
+            return def.sibling(index, chosen).unwrap_or(END_OF_BRANCH);
+        }
+        let target = flow::index_of(def, chosen).map_or(Target::End, Target::Step);
         index_of(def, target)
     }
 }

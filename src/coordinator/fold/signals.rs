@@ -18,10 +18,13 @@ use super::waits::keeps_signal;
 use super::{Ctx, Decision, NoOpReason, RejectionClass, reject};
 use crate::contract::input::SignalWakeup;
 use crate::contract::{TransitionKind, fingerprint};
-use crate::coordinator::state::{MAX_SIGNALS_PER_RUN, RunStatus, SignalRecord};
+use crate::coordinator::state::{Lane, MAX_SIGNALS_PER_RUN, RunStatus, SignalRecord};
 
 impl Ctx<'_> {
     pub(super) fn on_signal(&self, signal: &SignalWakeup) -> Decision {
+        if let Some(decision) = self.signal_in_lane(signal) {
+            return decision;
+        }
         let s = self.state;
         let fingerprint = fingerprint::signal(&signal.name, &signal.payload);
         let recorded = s.signals.iter().find(|r| r.signal_id == signal.signal_id);
@@ -79,11 +82,32 @@ impl Ctx<'_> {
             RunStatus::Failed => s.step_index,
             _ => s.step_index.saturating_add(1),
         };
-        if def.is_some_and(|def| keeps_signal(def, first, &s.signals, &signal.name)) {
+        let at = s.step_index;
+        if def.is_some_and(|def| keeps_signal(def, at, first, &s.signals, &signal.name)) {
             record.kept = true;
             record.payload = Some(signal.payload.clone());
         }
         b.state.signals.push(record);
         b.finish(TransitionKind::RunSignalled, self.input.dedup_ref())
+    }
+}
+
+impl Ctx<'_> {
+    /// A branch or an item that waits for the signal takes it: the first
+    /// that began to wait. `None` when none waits for it, or when the
+    /// signal is recorded already (judged as any other).
+    fn signal_in_lane(&self, signal: &SignalWakeup) -> Option<Decision> {
+        let recorded = self
+            .state
+            .signals
+            .iter()
+            .any(|r| r.signal_id == signal.signal_id);
+        let awaits = |l: &Lane| {
+            l.waiting
+                .as_ref()
+                .is_some_and(|w| w.signal.as_deref() == Some(signal.name.as_str()))
+        };
+        let chain = self.lane_of(awaits).filter(|_| !recorded)?;
+        Some(self.in_lane(chain, |ctx| ctx.on_signal(signal)))
     }
 }

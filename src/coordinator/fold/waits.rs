@@ -334,16 +334,12 @@ impl Ctx<'_> {
 /// definition.
 pub(super) fn keeps_signal(
     def: &WorkflowDefinition,
+    at: u32,
     first: u32,
     kept: &[crate::coordinator::state::SignalRecord],
     name: &str,
 ) -> bool {
-    let awaiting = def
-        .steps
-        .iter()
-        .skip(first as usize)
-        .filter(|s| s.kind == StepKind::AwaitSignal && s.signal.as_deref() == Some(name))
-        .count();
+    let awaiting = def.awaits(name, at, first);
     let already = kept.iter().filter(|r| r.kept && r.name == name).count();
     already < awaiting
 }
