@@ -146,7 +146,13 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
 /// The fields of `run.start` a `POST /v1/runs` body may not set: the
 /// server chooses the run id and sets the envelope, and the key comes from
 /// the header.
-pub const SERVER_SET: [&str; 4] = ["run_id", "idempotency_key", "type", "schema_version"];
+pub const SERVER_SET: [&str; 5] = [
+    "run_id",
+    "idempotency_key",
+    "type",
+    "schema_version",
+    "parent",
+];
 
 /// Turns a `POST /v1/runs` body into a routed request. The body holds
 /// `workflow`, and optionally `workflow_version`, `tenant` (default
@@ -164,7 +170,7 @@ pub fn route_request_from_body(body: Value, key: Option<String>) -> Result<Route
             return Err(ApiError::new(
                 Code::InvalidRequest,
                 format!(
-                    "{forbidden}: not accepted here (the run id is chosen by the server; the key goes in the Idempotency-Key header)"
+                    "{forbidden}: not accepted here (the run id is chosen by the server, the key goes in the Idempotency-Key header, and only serve starts a child run)"
                 ),
             ));
         }

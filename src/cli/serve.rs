@@ -194,6 +194,19 @@ pub async fn run_on(
 fn load_workflows(config: &Config) -> anyhow::Result<Workflows> {
     let workflows = crate::infra::workflows::load_dir(&config.coordinator.workflows_dir)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let signed = !config.signatures.pools.is_empty() || config.signatures.all_inputs;
+    if let Some(def) = workflows.iter().find(|d| !d.children().is_empty())
+        && signed
+        && config.signatures.timer_key.is_none()
+    {
+        anyhow::bail!(
+            "workflow {:?} version {} has child steps, and starts must be signed \
+             (signatures.pools or signatures.all_inputs): a child's start is signed with \
+             signatures.timer_key, which is not set",
+            def.name,
+            def.version
+        );
+    }
     tracing::info!(
         workflows = workflows.iter().count(),
         dir = %config.coordinator.workflows_dir.display(),

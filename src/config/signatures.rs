@@ -46,14 +46,20 @@ pub struct SignaturesConfig {
     /// reads late.
     #[serde(default = "default_signature_max_age_ms")]
     pub max_age_ms: u64,
-    /// The key `serve` signs its own timers with (`wakeup.timer`: timeouts,
-    /// retries, wakes), set through `DUCTOR__SIGNATURES__TIMER_KEY`. Set,
-    /// every timer the ingress reads must carry its signature, so that a
-    /// writer of the wakeups topic who knows an attempt's stamp (every
+    /// The key `serve` signs its own inputs with (`wakeup.timer`: timeouts,
+    /// retries, wakes; and what child runs and their parents tell each
+    /// other: a child's `run.start`, its `attempt.result` to its parent, a
+    /// parent's `wakeup.cancel`), set through
+    /// `DUCTOR__SIGNATURES__TIMER_KEY`. Set, every timer and every start
+    /// naming a parent the ingress reads must carry its signature, so that
+    /// a writer of the wakeups topic who knows an attempt's stamp (every
     /// worker of the pool sees it) cannot time an attempt out or end a
-    /// wait. Only serve holds it; at least 16 bytes. Timers already on the
-    /// topic when it is first set are refused, so set it on a quiet
-    /// system or before the first run.
+    /// wait, nor a tenant start a run that answers another's attempt.
+    /// Needed by child steps wherever starts must be signed (`pools`,
+    /// `all_inputs`): `serve` refuses to start without it then. Only serve
+    /// holds it; at least 16 bytes. Timers already on the topic when it is
+    /// first set are refused, so set it on a quiet system or before the
+    /// first run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timer_key: Option<SigningKey>,
     /// Each tenant's signing key. Set them through the environment

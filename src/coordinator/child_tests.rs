@@ -291,7 +291,7 @@ fn a_child_run_answers_its_parent_s_attempt_once_it_ends() {
 }
 
 #[test]
-fn a_failed_child_answers_retryable_a_cancelled_one_not_and_each_once() {
+fn a_failed_or_cancelled_child_answers_for_good_and_each_once() {
     let wf = parent_and_child();
     let parent_stamp = super::tests::stamp(77);
     let started = transition(fold(
@@ -314,7 +314,7 @@ fn a_failed_child_answers_retryable_a_cancelled_one_not_and_each_once() {
     };
     match &result.outcome {
         AttemptOutcome::Failed { message, retryable } => {
-            assert!(*retryable, "the parent's policy decides");
+            assert!(!*retryable, "its steps retried already");
             assert!(message.contains("no printer"), "{message}");
             assert!(message.starts_with("child run c1 failed"), "{message}");
         }
@@ -478,4 +478,45 @@ fn child_steps_name_a_defined_workflow_that_does_not_start_them_again() {
     // A child runs in a branch, and with its workflow defined it loads.
     let in_branch = StepDefinition::parallel("both", vec![("a", vec![child.clone()])]);
     assert!(Workflows::new(vec![workflow(vec![in_branch]), shipping()]).is_ok());
+}
+
+#[test]
+fn a_parent_failed_for_a_state_too_large_cancels_its_child() {
+    let both = StepDefinition::parallel(
+        "both",
+        vec![
+            ("a", vec![task("a1")]),
+            ("b", vec![StepDefinition::child("b1", "shipping", 5_000)]),
+        ],
+    );
+    let wf = Workflows::new(vec![
+        workflow(vec![both]),
+        WorkflowDefinition {
+            name: "shipping".into(),
+            ..workflow(vec![task("label")])
+        },
+    ])
+    .unwrap();
+    let tr = start(&wf, json!({}));
+    let child = effects_of(&tr, EffectKind::ChildStart)[0].payload["parent"]["stamp"].clone();
+    let a1 = tr.state.lanes[0].outstanding.as_ref().unwrap().stamp;
+    let huge = result_ok(a1, json!("x".repeat(4_096)));
+    let Decision::Transition(failed) = fold(Some(&tr.state), &huge, &wf, 2_048, t(10), &entropy(2))
+    else {
+        panic!("the run fails")
+    };
+    assert_eq!(failed.record.detail["cause"], "state_too_large");
+    let cancels = effects_of(&failed, EffectKind::ChildCancel);
+    assert_eq!(cancels.len(), 1);
+    assert_eq!(cancels[0].payload["run_id"], child);
+}
+
+#[test]
+fn only_serve_starts_a_child_run() {
+    let body = json!({
+        "tenant": "t1", "workflow": "shipping",
+        "parent": {"run_id": "p1", "stamp": super::tests::stamp(3).to_string()},
+    });
+    let refused = crate::api::start::route_request_from_body(body, Some("k".into())).unwrap_err();
+    assert!(format!("{refused:?}").contains("parent"), "{refused:?}");
 }

@@ -576,9 +576,10 @@ impl WorkflowDefinition {
         u32::try_from(first + at).ok()
     }
 
-    /// How many `await_signal` steps for `name` a run at top-level step
-    /// `at` may still start: those of the workflow's sequence from `first`
-    /// on, and those in the branches and maps of the steps from `at` on.
+    /// How many waits for the signal `name` a run at top-level step `at`
+    /// may still begin: the `await_signal` steps of the workflow's sequence
+    /// from `first` on, and those in the branches and maps of the steps
+    /// from `at` on, one in a map for each item it may have.
     pub fn awaits(&self, name: &str, at: u32, first: u32) -> usize {
         let layout = self.layout();
         (0..layout.len())
@@ -594,7 +595,21 @@ impl WorkflowDefinition {
                     && place.compensates.is_none()
                     && ahead
             })
-            .count()
+            .map(|i| Self::items_around(&layout, i))
+            .fold(0, usize::saturating_add)
+    }
+
+    /// How many times step `index` may run at once: the product of the
+    /// item limits of the maps around it.
+    fn items_around(layout: &[(&StepDefinition, Place)], mut index: usize) -> usize {
+        let mut times: usize = 1;
+        while let Some(outer) = layout.get(index).and_then(|(_, p)| p.parallel) {
+            index = outer as usize;
+            if let Some((step, _)) = layout.get(index).filter(|(s, _)| s.kind == StepKind::Map) {
+                times = times.saturating_mul(step.item_limit() as usize);
+            }
+        }
+        times
     }
 
     /// Whether any step runs steps inside it (a parallel step or a map).

@@ -234,7 +234,12 @@ pub fn fold(
     entropy: &Entropy,
 ) -> Decision {
     let decision = decide(state, input, workflows, now, entropy);
-    halt::bound_state(decision, state, input, max_state_bytes, now, entropy)
+    let at = halt::At {
+        def: state.and_then(|s| workflows.get(&s.workflow, s.workflow_version)),
+        now,
+        entropy,
+    };
+    halt::bound_state(decision, state, input, max_state_bytes, &at)
 }
 
 /// What `input` does to the run, before the new state's size is looked at.

@@ -1011,7 +1011,7 @@ fn a_branch_waits_for_its_signal_and_one_that_came_early_is_kept_for_it() {
 }
 
 #[test]
-fn each_item_of_a_map_takes_a_signal_of_its_own_and_a_wait_that_times_out_fails_its_branch() {
+fn each_item_of_a_map_takes_a_signal_of_its_own_kept_or_not_and_a_wait_that_times_out_fails_it() {
     let wf = Workflows::new(vec![workflow(vec![StepDefinition::map(
         "each",
         vec![await_go("wait", OnTimeout::Fail)],
@@ -1054,6 +1054,40 @@ fn each_item_of_a_map_takes_a_signal_of_its_own_and_a_wait_that_times_out_fails_
     let wake = tr.state.lanes[0].waiting.as_ref().unwrap().stamp;
     let late = apply(&tr.state, &timer(TimerKind::Wake, wake), &wf, 6_000, 5);
     assert_eq!(late.state.status, RunStatus::Failed);
+
+    // Signals that come while the items still run their task are kept,
+    // one for each item that will wait.
+    let wf = Workflows::new(vec![workflow(vec![StepDefinition::map(
+        "each",
+        vec![task("prep"), await_go("wait", OnTimeout::Fail)],
+    )])])
+    .unwrap();
+    let busy = start(&wf, json!(["x", "y"]));
+    let one = apply(&busy.state, &go("s1"), &wf, 5, 2);
+    let two = apply(&one.state, &go("s2"), &wf, 6, 3);
+    assert_eq!(two.state.signals.iter().filter(|r| r.kept).count(), 2);
+    let mut tr = two;
+    for (e, n) in (10..).zip(0..2) {
+        let stamp = tr
+            .state
+            .lanes
+            .iter()
+            .find_map(|l| l.outstanding.as_ref())
+            .unwrap()
+            .stamp;
+        tr = apply(
+            &tr.state,
+            &result_ok(stamp, json!(n)),
+            &wf,
+            e,
+            u128::from(e as u32),
+        );
+    }
+    assert_eq!(
+        tr.record.kind,
+        TransitionKind::RunSucceeded,
+        "each item took a kept signal"
+    );
 }
 
 #[test]

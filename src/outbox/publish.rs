@@ -49,7 +49,7 @@ impl Drainer {
     /// every delivery of the intent (it covers the payload alone). Signed
     /// here rather than when the intent is written, so that inputs
     /// committed before the key was set are signed too.
-    fn timer_signature(&self, intent: &ClaimedIntent) -> Option<String> {
+    fn own_signature(&self, intent: &ClaimedIntent) -> Option<String> {
         let key = self.timer_key.as_ref()?;
         intent
             .headers
@@ -276,7 +276,7 @@ impl Drainer {
         intent: &ClaimedIntent,
         prompt: bool,
     ) -> Result<(), Unpublished> {
-        let signature = self.timer_signature(intent);
+        let signature = self.own_signature(intent);
         let headers = effect_headers(intent, signature.as_deref());
         let started = Instant::now();
         let sent = if intent.publish_failures > 0 {

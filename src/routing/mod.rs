@@ -211,20 +211,21 @@ pub fn decode_route_request(
         }
         Some(_) => return Ok(None),
     }
-    // A child run's start is decided as the run its parent's attempt
-    // names (the stamp, a random UUID), so that the parent can cancel it
-    // without learning its id; any other start as a fresh one.
-    let run_id = obj
-        .get("parent")
-        .and_then(|p| p.get("stamp"))
-        .and_then(Value::as_str)
-        .and_then(|s| uuid::Uuid::parse_str(s).ok())
-        .unwrap_or_else(uuid::Uuid::new_v4);
     let mut with_id: Map<String, Value> = obj.clone();
-    with_id.insert("run_id".into(), Value::String(run_id.to_string()));
-    let Input::Start(start) = decode_value(InputTopic::Requests, &Value::Object(with_id))? else {
+    with_id.insert(
+        "run_id".into(),
+        Value::String(uuid::Uuid::new_v4().to_string()),
+    );
+    let Input::Start(mut start) = decode_value(InputTopic::Requests, &Value::Object(with_id))?
+    else {
         return Ok(None);
     };
+    // A child run's start is decided as the run its parent's attempt
+    // names (the stamp, a random UUID), so that the parent can cancel it
+    // without learning its id.
+    if let Some(parent) = &start.parent {
+        start.run_id = parent.stamp.to_string();
+    }
     let fingerprint = fingerprint(&start);
     Ok(Some(RouteRequest {
         start,

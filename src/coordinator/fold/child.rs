@@ -19,10 +19,11 @@
 //! parent's result. Guarantees: a run answers its parent once for each
 //! time it ends (a failed run that is retried and then succeeds answers
 //! again, which the parent's stamp fence turns into a no-op); a child
-//! that succeeded answers with its output, one that failed with its error
-//! (retryable: the step's policy decides), one that was cancelled with an
-//! error that is not retryable. Pure: no database, no clock; what it
-//! decides is tested without either.
+//! that succeeded answers with its output, one that failed or was
+//! cancelled with its error, not retryable: its steps retried by their own
+//! policies, and a new child would run them again under keys of its own.
+//! The step's `retry` starts another child after a timeout only. Pure: no
+//! database, no clock; what it decides is tested without either.
 
 use serde_json::Value;
 use uuid::Uuid;
@@ -80,11 +81,14 @@ impl Builder<'_> {
     /// Cancels the child run of the attempt `stamp` of step `index` if the
     /// step is a child step and the attempt was abandoned (`status`).
     pub(super) fn abandon_child(&mut self, index: u32, stamp: Uuid, status: AttemptStatus) {
+        if !matches!(status, AttemptStatus::TimedOut | AttemptStatus::Cancelled) {
+            return;
+        }
         let is_child = self
             .def
             .and_then(|def| def.step(index))
             .is_some_and(|step| step.kind == StepKind::Child);
-        if !is_child || !matches!(status, AttemptStatus::TimedOut | AttemptStatus::Cancelled) {
+        if !is_child {
             return;
         }
         let cancel = Input::Cancel(CancelWakeup {
@@ -123,11 +127,13 @@ impl Builder<'_> {
             ),
             retryable,
         };
+        // A child's steps retried by their own policies before it failed:
+        // its failure is for good. (`ended` holds: the run is not running.)
         let outcome = match s.status {
             RunStatus::Succeeded => AttemptOutcome::Succeeded {
                 output: s.output.clone(),
             },
-            RunStatus::Failed => error("failed", true),
+            RunStatus::Failed => error("failed", false),
             RunStatus::Cancelled | RunStatus::Running => error("was cancelled", false),
         };
         let result = Input::Result(AttemptResult {

@@ -20,7 +20,7 @@ use super::{
 };
 use crate::contract::TransitionKind;
 use crate::contract::input::{CancelWakeup, Input, MISSING_WORKFLOW_REF, encoded_len, truncate};
-use crate::coordinator::definition::Workflows;
+use crate::coordinator::definition::{WorkflowDefinition, Workflows};
 use crate::coordinator::state::{AttemptStatus, RunState, RunStatus};
 
 /// Every input of a run loads its state and writes it back whole, so the
@@ -36,8 +36,7 @@ pub(super) fn bound_state(
     state: Option<&RunState>,
     input: &Input,
     max: usize,
-    now: DateTime<Utc>,
-    entropy: &Entropy,
+    at: &At<'_>,
 ) -> Decision {
     let Decision::Transition(t) = &decision else {
         return decision;
@@ -57,28 +56,31 @@ pub(super) fn bound_state(
         (Some(state), _) if state.status == RunStatus::Failed => {
             reject(RejectionClass::StateTooLarge, error)
         }
-        (Some(state), _) => fail_too_large(state, input, error, now, entropy),
+        (Some(state), _) => fail_too_large(state, input, error, at),
     }
+}
+
+/// Where a run is failed from outside its steps: its definition (so that
+/// the child runs of the attempts it abandons are cancelled; `None` when
+/// it is not defined any more), the time and the entropy.
+pub(super) struct At<'a> {
+    pub def: Option<&'a WorkflowDefinition>,
+    pub now: DateTime<Utc>,
+    pub entropy: &'a Entropy,
 }
 
 /// Fails the run whose next state would be too large. The outstanding
 /// attempt, if any, ends: failed when the input is its own result (what it
 /// returned is what did not fit), cancelled otherwise (it is abandoned, as
 /// a cancel abandons it), so its late result changes nothing.
-fn fail_too_large(
-    state: &RunState,
-    input: &Input,
-    error: String,
-    now: DateTime<Utc>,
-    entropy: &Entropy,
-) -> Decision {
+fn fail_too_large(state: &RunState, input: &Input, error: String, at: &At<'_>) -> Decision {
     let own = |stamp: Uuid| matches!(input, Input::Result(r) if r.stamp == stamp);
     let failure = Failure {
         cause: STATE_TOO_LARGE,
         error,
         input_ref: input.dedup_ref(),
     };
-    fail_run(state, failure, own, now, entropy)
+    fail_run(state, failure, own, at)
 }
 
 /// Fails a run whose workflow version `workflows` no longer defines, so
@@ -115,7 +117,12 @@ pub fn fail_missing_workflow(
         stamp: Uuid::nil(),
         jitter_unit: 0.0,
     };
-    match fail_run(state, failure, |_| false, now, &entropy) {
+    let at = At {
+        def: None,
+        now,
+        entropy: &entropy,
+    };
+    match fail_run(state, failure, |_| false, &at) {
         Decision::Transition(transition) => Some(*transition),
         Decision::NoOp(_) | Decision::Rejection(_) => None,
     }
@@ -136,15 +143,15 @@ fn fail_run(
     state: &RunState,
     failure: Failure,
     own: impl Fn(Uuid) -> bool,
-    now: DateTime<Utc>,
-    entropy: &Entropy,
+    at: &At<'_>,
 ) -> Decision {
     let Failure {
         cause,
         error,
         input_ref,
     } = failure;
-    let mut b = Builder::new(state.clone(), Some(state.status), now, entropy);
+    let mut b = Builder::new(state.clone(), Some(state.status), at.now, at.entropy);
+    b.def = at.def;
     if let Some(outstanding) = state.outstanding.as_ref() {
         let status = if own(outstanding.stamp) {
             AttemptStatus::Failed
