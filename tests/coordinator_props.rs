@@ -289,6 +289,17 @@ fn kid() -> WorkflowDefinition {
     }
 }
 
+/// The retry policy of a straight line's tasks and child steps.
+fn straight_retry(max_attempts: u32) -> RetryPolicy {
+    RetryPolicy {
+        max_attempts,
+        initial_backoff_ms: 100,
+        max_backoff_ms: 1_000,
+        multiplier: 2.0,
+        jitter: 0.2,
+    }
+}
+
 fn straight(name: &str, scn: &Scenario) -> WorkflowDefinition {
     WorkflowDefinition {
         name: name.to_owned(),
@@ -301,24 +312,12 @@ fn straight(name: &str, scn: &Scenario) -> WorkflowDefinition {
                 let name = format!("step{i}");
                 let step = match *spec {
                     StepSpec::Task(timeout_ms, max_attempts) => StepDefinition {
-                        retry: RetryPolicy {
-                            max_attempts,
-                            initial_backoff_ms: 100,
-                            max_backoff_ms: 1_000,
-                            multiplier: 2.0,
-                            jitter: 0.2,
-                        },
+                        retry: straight_retry(max_attempts),
                         ..StepDefinition::task(&name, &format!("pool{}", i % 2), timeout_ms)
                     },
                     StepSpec::Sleep(ms) => StepDefinition::sleep(&name, ms),
                     StepSpec::Child(timeout_ms, max_attempts) => StepDefinition {
-                        retry: RetryPolicy {
-                            max_attempts,
-                            initial_backoff_ms: 100,
-                            max_backoff_ms: 1_000,
-                            multiplier: 2.0,
-                            jitter: 0.2,
-                        },
+                        retry: straight_retry(max_attempts),
                         ..StepDefinition::child(&name, "kid", timeout_ms)
                     },
                     StepSpec::Await(timeout_ms, go_on) => {

@@ -42,6 +42,26 @@ fn parent_and_child() -> Workflows {
     .unwrap()
 }
 
+/// `wf`: a parallel step whose branch `a` is a task `a1` and branch `b`
+/// a child run of `shipping` (one task).
+fn task_beside_child() -> Workflows {
+    let both = StepDefinition::parallel(
+        "both",
+        vec![
+            ("a", vec![task("a1")]),
+            ("b", vec![StepDefinition::child("b1", "shipping", 5_000)]),
+        ],
+    );
+    Workflows::new(vec![
+        workflow(vec![both]),
+        WorkflowDefinition {
+            name: "shipping".into(),
+            ..workflow(vec![task("label")])
+        },
+    ])
+    .unwrap()
+}
+
 fn effects_of(tr: &Transition, kind: EffectKind) -> Vec<&Effect> {
     tr.effects.iter().filter(|e| e.kind == kind).collect()
 }
@@ -186,21 +206,7 @@ fn a_cancel_of_the_parent_cancels_its_running_child() {
 
 #[test]
 fn a_branch_that_fails_fast_cancels_the_child_of_its_sibling() {
-    let both = StepDefinition::parallel(
-        "both",
-        vec![
-            ("a", vec![task("a1")]),
-            ("b", vec![StepDefinition::child("b1", "shipping", 5_000)]),
-        ],
-    );
-    let wf = Workflows::new(vec![
-        workflow(vec![both]),
-        WorkflowDefinition {
-            name: "shipping".into(),
-            ..workflow(vec![task("label")])
-        },
-    ])
-    .unwrap();
+    let wf = task_beside_child();
     let tr = start(&wf, json!({}));
     let starts = effects_of(&tr, EffectKind::ChildStart);
     assert_eq!(starts.len(), 1);
@@ -383,6 +389,27 @@ fn a_child_start_keeps_its_parent_in_the_fingerprint_and_on_the_wire() {
     let e = decode_value(InputTopic::Requests, &bad).unwrap_err();
     assert_eq!(e.class, InputErrorClass::Invalid);
     assert!(e.message.starts_with("parent.stamp"), "{}", e.message);
+    // What the screen refuses in any input, and bounds, hold in a parent.
+    let nul = serde_json::to_vec(
+        &json!({"run_id": "p\u{0}1", "stamp": super::tests::stamp(5).to_string()}),
+    )
+    .unwrap();
+    bad["parent"] = serde_json::from_slice(&nul).unwrap();
+    let bytes = serde_json::to_vec(&bad).unwrap();
+    let e = decode_input(InputTopic::Requests, &bytes, &InputLimits::sized(1 << 20)).unwrap_err();
+    assert!(matches!(e.class, InputErrorClass::Refused(_)), "{e:?}");
+    let surrogate = br#"{"type":"run.start","schema_version":1,"idempotency_key":"k","tenant":"t1","workflow":"shipping","parent":{"run_id":"\ud800","stamp":"6f1d9a1c-7a43-4c5e-9a55-0d1f1c1b2a3e"}}"#;
+    let e = decode_input(
+        InputTopic::Requests,
+        surrogate,
+        &InputLimits::sized(1 << 20),
+    )
+    .unwrap_err();
+    assert!(matches!(e.class, InputErrorClass::Refused(_)), "{e:?}");
+    bad["parent"] = json!({"run_id": "p".repeat(300), "stamp": super::tests::stamp(5).to_string()});
+    let e = decode_value(InputTopic::Requests, &bad).unwrap_err();
+    assert_eq!(e.class, InputErrorClass::Invalid);
+    assert!(e.message.starts_with("parent.run_id"), "{}", e.message);
     bad["parent"] = json!("p1");
     assert_eq!(
         decode_value(InputTopic::Requests, &bad).unwrap_err().class,
@@ -482,21 +509,7 @@ fn child_steps_name_a_defined_workflow_that_does_not_start_them_again() {
 
 #[test]
 fn a_parent_failed_for_a_state_too_large_cancels_its_child() {
-    let both = StepDefinition::parallel(
-        "both",
-        vec![
-            ("a", vec![task("a1")]),
-            ("b", vec![StepDefinition::child("b1", "shipping", 5_000)]),
-        ],
-    );
-    let wf = Workflows::new(vec![
-        workflow(vec![both]),
-        WorkflowDefinition {
-            name: "shipping".into(),
-            ..workflow(vec![task("label")])
-        },
-    ])
-    .unwrap();
+    let wf = task_beside_child();
     let tr = start(&wf, json!({}));
     let child = effects_of(&tr, EffectKind::ChildStart)[0].payload["parent"]["stamp"].clone();
     let a1 = tr.state.lanes[0].outstanding.as_ref().unwrap().stamp;

@@ -780,24 +780,7 @@ fn a_parallel_step_in_a_map_keys_each_item_and_branch_apart() {
             (json!("r1/step/3/item/1"), json!("y"), json!(1)),
         ]
     );
-    let mut tr = tr;
-    for (e, n) in (10..).zip(0..4) {
-        let stamp = tr
-            .state
-            .lanes
-            .iter()
-            .filter_map(|l| l.outstanding.as_ref())
-            .map(|o| o.stamp)
-            .next()
-            .unwrap();
-        tr = apply(
-            &tr.state,
-            &result_ok(stamp, json!(n)),
-            &wf,
-            e,
-            u128::from(u32::try_from(e).unwrap()),
-        );
-    }
+    let tr = answer_lanes(tr, &wf, 4);
     assert_eq!(tr.record.kind, TransitionKind::RunSucceeded);
     let out = &tr.state.output;
     assert_eq!(out.as_array().map(Vec::len), Some(2), "{out}");
@@ -828,24 +811,7 @@ fn a_map_runs_in_a_branch_and_in_a_map() {
             (json!("r1/step/3/item/1"), json!("pot")),
         ]
     );
-    let mut tr = tr;
-    for (e, n) in (10..).zip(0..2) {
-        let stamp = tr
-            .state
-            .lanes
-            .iter()
-            .filter_map(|l| l.outstanding.as_ref())
-            .map(|o| o.stamp)
-            .next()
-            .unwrap();
-        tr = apply(
-            &tr.state,
-            &result_ok(stamp, json!(n)),
-            &wf,
-            e,
-            u128::from(e as u32),
-        );
-    }
+    let tr = answer_lanes(tr, &wf, 2);
     let wake = tr
         .state
         .lanes
@@ -878,24 +844,7 @@ fn a_map_runs_in_a_branch_and_in_a_map() {
             json!("r1/step/2/item/1/0"),
         ]
     );
-    let mut tr = tr;
-    for (e, n) in (10..).zip(0..3) {
-        let stamp = tr
-            .state
-            .lanes
-            .iter()
-            .filter_map(|l| l.outstanding.as_ref())
-            .map(|o| o.stamp)
-            .next()
-            .unwrap();
-        tr = apply(
-            &tr.state,
-            &result_ok(stamp, json!(n)),
-            &wf,
-            e,
-            u128::from(e as u32),
-        );
-    }
+    let tr = answer_lanes(tr, &wf, 3);
     assert_eq!(tr.record.kind, TransitionKind::RunSucceeded);
     let out = &tr.state.output;
     assert_eq!(out[0].as_array().map(Vec::len), Some(2), "{out}");
@@ -946,6 +895,28 @@ fn a_choice_in_a_branch_skips_ahead_in_its_branch() {
     let tr = apply(&tr.state, &result_ok(b1, json!("b")), &wf, 20, 4);
     assert_eq!(tr.record.kind, TransitionKind::RunSucceeded);
     assert_eq!(tr.state.output, json!({"a": "shipped", "b": "b"}));
+}
+
+/// Answers `n` attempts outstanding in the run's lanes, the first
+/// outstanding each time, with the outputs 0, 1, ...
+fn answer_lanes(mut tr: Transition, wf: &Workflows, n: u32) -> Transition {
+    for (e, output) in (10..).zip(0..n) {
+        let stamp = tr
+            .state
+            .lanes
+            .iter()
+            .find_map(|l| l.outstanding.as_ref())
+            .expect("an attempt outstanding in a lane")
+            .stamp;
+        tr = apply(
+            &tr.state,
+            &result_ok(stamp, json!(output)),
+            wf,
+            e,
+            u128::from(e as u32),
+        );
+    }
+    tr
 }
 
 fn go(id: &str) -> Input {
@@ -1066,23 +1037,7 @@ fn each_item_of_a_map_takes_a_signal_of_its_own_kept_or_not_and_a_wait_that_time
     let one = apply(&busy.state, &go("s1"), &wf, 5, 2);
     let two = apply(&one.state, &go("s2"), &wf, 6, 3);
     assert_eq!(two.state.signals.iter().filter(|r| r.kept).count(), 2);
-    let mut tr = two;
-    for (e, n) in (10..).zip(0..2) {
-        let stamp = tr
-            .state
-            .lanes
-            .iter()
-            .find_map(|l| l.outstanding.as_ref())
-            .unwrap()
-            .stamp;
-        tr = apply(
-            &tr.state,
-            &result_ok(stamp, json!(n)),
-            &wf,
-            e,
-            u128::from(e as u32),
-        );
-    }
+    let tr = answer_lanes(two, &wf, 2);
     assert_eq!(
         tr.record.kind,
         TransitionKind::RunSucceeded,

@@ -15,7 +15,7 @@ use uuid::Uuid;
 
 use super::{
     AttemptOutcome, Input, MAX_CORRELATION_ID_LEN, MAX_ERROR_MESSAGE_LEN, MAX_IDEMPOTENCY_KEY_LEN,
-    MAX_REASON_LEN, MAX_SIGNAL_FIELD_LEN, SCHEMA_VERSION, TimerKind,
+    MAX_REASON_LEN, MAX_SIGNAL_FIELD_LEN, RunStart, SCHEMA_VERSION, TimerKind,
 };
 use crate::contract::formats::{AnyValue, Id, Name, Text, Version};
 
@@ -210,27 +210,47 @@ impl From<TimerKind> for TimerName {
     }
 }
 
+impl<'a> RunStartForm<'a> {
+    /// The form of `start`, naming its run.
+    fn of(start: &'a RunStart) -> Self {
+        RunStartForm {
+            schema_version: SCHEMA_VERSION,
+            run_id: Some(&start.run_id),
+            idempotency_key: None,
+            tenant: &start.tenant,
+            workflow: &start.workflow,
+            workflow_version: start.workflow_version,
+            pool: Some(&start.pool),
+            input: &start.input,
+            correlation_id: start.correlation_id.as_deref(),
+            parent: start.parent.as_ref().map(|p| ParentForm {
+                run_id: &p.run_id,
+                stamp: p.stamp,
+            }),
+        }
+    }
+}
+
+impl RunStart {
+    /// The routed form of this start: no run id (the routing plane
+    /// decides it), the idempotency key `key`.
+    pub fn to_routed_json(&self, key: &str) -> Value {
+        let form = RunStartForm {
+            run_id: None,
+            idempotency_key: Some(key),
+            ..RunStartForm::of(self)
+        };
+        serde_json::to_value(form).unwrap_or(Value::Null)
+    }
+}
+
 impl Input {
     /// The canonical wire form; `decode_value(self.topic(), &self.to_json()) == Ok(self)`.
     pub fn to_json(&self) -> Value {
         let (run_id, tenant) = (self.run_id(), self.tenant());
         let schema_version = SCHEMA_VERSION;
         let value = match self {
-            Input::Start(s) => serde_json::to_value(RunStartForm {
-                schema_version,
-                run_id: Some(run_id),
-                idempotency_key: None,
-                tenant,
-                workflow: &s.workflow,
-                workflow_version: s.workflow_version,
-                pool: Some(&s.pool),
-                input: &s.input,
-                correlation_id: s.correlation_id.as_deref(),
-                parent: s.parent.as_ref().map(|p| ParentForm {
-                    run_id: &p.run_id,
-                    stamp: p.stamp,
-                }),
-            }),
+            Input::Start(s) => serde_json::to_value(RunStartForm::of(s)),
             Input::Result(r) => serde_json::to_value(AttemptResultForm {
                 schema_version,
                 run_id,

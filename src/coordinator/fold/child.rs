@@ -29,8 +29,6 @@ use serde_json::Value;
 use uuid::Uuid;
 
 use super::Builder;
-use crate::contract::input::SCHEMA_VERSION;
-use crate::contract::input::form::{ParentForm, RunStartForm};
 use crate::contract::input::{
     AttemptOutcome, AttemptResult, CancelWakeup, Input, MAX_ERROR_MESSAGE_LEN, ParentRef, RunStart,
     truncate,
@@ -73,7 +71,7 @@ impl Builder<'_> {
                 run_id: start.run_id.clone(),
             },
             EffectKind::ChildStart,
-            &routed_start(&start, &key),
+            &start.to_routed_json(&key),
         );
         self.effects.push(effect);
     }
@@ -151,25 +149,4 @@ impl Builder<'_> {
             not_before: None,
         });
     }
-}
-
-/// The routed form of a child's start: no run id (the routing plane
-/// decides it, as the parent's stamp), the idempotency key `key`.
-fn routed_start(start: &RunStart, key: &str) -> Value {
-    let form = RunStartForm {
-        schema_version: SCHEMA_VERSION,
-        run_id: None,
-        idempotency_key: Some(key),
-        tenant: &start.tenant,
-        workflow: &start.workflow,
-        workflow_version: start.workflow_version,
-        pool: Some(&start.pool),
-        input: &start.input,
-        correlation_id: start.correlation_id.as_deref(),
-        parent: start.parent.as_ref().map(|p| ParentForm {
-            run_id: &p.run_id,
-            stamp: p.stamp,
-        }),
-    };
-    crate::contract::effects::to_value(&form)
 }
